@@ -1,0 +1,95 @@
+"""Load a run config: YAML file(s) + dotted CLI overrides, checked against the dataclass schema.
+
+Unknown keys and values of the wrong type are errors naming the key (``ConfigError``); each
+config dataclass may define ``validate(self, path)`` to check values, and is called once after
+merging. The resolved config is written to the run directory by :func:`save_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megagrpo.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
+    return f"config key '{key}': {msg}" if key else msg
+
+
+def load_config(schema: type[T], paths: list[str | os.PathLike] | None = None,
+                overrides: list[str] | None = None) -> T:
+    """Merge ``paths`` (YAML, in order) then ``overrides`` (``a.b=value``) onto ``schema``.
+
+    Returns a validated instance of the dataclass ``schema``.
+    Raises ConfigError naming the file or key on any problem.
+    """
+    cfg = OmegaConf.structured(schema)
+    OmegaConf.set_struct(cfg, True)
+    for p in paths or []:
+        p = Path(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as exc:  # yaml errors come in many types
+            raise ConfigError(f"{p}: cannot parse YAML: {exc}") from exc
+        try:
+            cfg = OmegaConf.merge(cfg, loaded)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{p}: {_describe(exc)}") from exc
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"override '{item}': {_describe(exc)}") from exc
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_describe(exc)) from exc
+    validate(obj)
+    return obj
+
+
+def validate(obj: Any, path: str = "") -> None:
+    """Call ``validate(path)`` on every nested config dataclass, depth first."""
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        validate(getattr(obj, f.name), f"{path}{f.name}.")
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(path.rstrip("."))
+
+
+def to_yaml(obj: Any) -> str:
+    """The resolved config as YAML text."""
+    return OmegaConf.to_yaml(OmegaConf.structured(obj))
+
+
+def save_config(obj: Any, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config to ``run_dir/config.yaml`` atomically; returns the path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(obj), encoding="utf-8")
+    os.replace(tmp, out)
+    return out
+
+
+def require(cond: bool, key: str, msg: str) -> None:
+    """Raise ConfigError for ``key`` unless ``cond``: the one-liner validators use."""
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")

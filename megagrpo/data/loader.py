@@ -1,0 +1,182 @@
+"""Problem sets: IgakuQA exam files and ms-swift style JSONL, read into :class:`Problem`.
+
+Formats (detected per line):
+
+* IgakuQA ``data/YEAR/EXAM-BLOCK.jsonl``: ``problem_id``, ``problem_text``, ``choices``,
+  ``answer`` (list of letters, or one digit string for numeric questions), ``points``,
+  ``text_only``. ``EXAM-BLOCK_metadata.jsonl`` beside it is joined for ``human_accuracy``
+  and ``category``; ``*_translate.jsonl`` siblings and ``baseline_results/`` are ignored
+  when a directory is given.
+* ms-swift GRPO JSONL: ``messages`` (system/user; a trailing assistant turn is dropped) and
+  ``solution`` (``"c"`` or ``"c,d"``); optional ``id``, else ``<file stem>:<line>``.
+
+Errors name the file and line. Nothing is silently dropped: a deliberate skip (image
+questions with ``exclude_images``) is counted in ``ProblemList.skipped`` and logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from megagrpo.data.config import PromptConfig
+from megagrpo.data.prompts import render_messages
+from megagrpo.errors import DataError
+from megagrpo.types import Problem
+
+log = logging.getLogger(__name__)
+
+_SIBLING = re.compile(r"_(metadata|translate)\.jsonl$")
+_CHOOSE = re.compile(r"([2-9２-９二三四])\s*つ選べ")
+_KANJI_NUM = {"二": 2, "三": 3, "四": 4}
+_FULLWIDTH = str.maketrans("ａｂｃｄｅｆｇｈＡＢＣＤＥＦＧＨ０１２３４５６７８９",
+                           "abcdefghabcdefgh0123456789")
+
+
+class ProblemList(list):
+    """A ``list[Problem]`` that also records deliberate skips: ``skipped[reason] = [ids]``."""
+
+    def __init__(self, items: Iterable[Problem] = ()):
+        super().__init__(items)
+        self.skipped: dict[str, list[str]] = {}
+
+
+def iter_jsonl_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Expand files and directories (recursive) into data files, sorted, siblings excluded."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            for f in sorted(p.rglob("*.jsonl")):
+                rel = f.relative_to(p).parts
+                if _SIBLING.search(f.name) or "baseline_results" in rel:
+                    continue
+                out.append(f)
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise DataError(f"no such file or directory: {p}")
+    return out
+
+
+def read_jsonl(path: Path) -> Iterable[tuple[int, dict]]:
+    """Yield ``(line_number, record)``; a malformed line raises DataError naming file:line."""
+    with open(path, encoding="utf-8") as fh:
+        for num, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{num}: malformed JSON ({exc.msg})") from exc
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{num}: expected a JSON object, got {type(rec).__name__}")
+            yield num, rec
+
+
+def _normalise_answer(items: Iterable[str]) -> list[str]:
+    return [str(a).strip().translate(_FULLWIDTH).lower() for a in items if str(a).strip()]
+
+
+def _load_metadata(data_file: Path) -> dict[str, dict]:
+    meta_file = data_file.with_name(data_file.stem + "_metadata.jsonl")
+    if not meta_file.is_file():
+        return {}
+    return {rec["problem_id"]: rec for _, rec in read_jsonl(meta_file) if "problem_id" in rec}
+
+
+def _year_of(path: Path, exam: str) -> int | None:
+    if re.fullmatch(r"(19|20)\d\d", path.parent.name):
+        return int(path.parent.name)
+    m = re.match(r"(\d{3})", exam)
+    return int(m.group(1)) + 1906 if m else None  # 112th exam = 2018
+
+
+def _igakuqa_problem(rec: dict, where: str, path: Path, meta: dict,
+                     prompt: PromptConfig) -> Problem:
+    pid = str(rec["problem_id"])
+    answer = _normalise_answer(rec.get("answer") or [])
+    if not answer:
+        raise DataError(f"{where}: problem {pid} has no answer")
+    choices = list(rec.get("choices") or [])
+    text = str(rec.get("problem_text", ""))
+    m = _CHOOSE.search(text)
+    num_choose = (_KANJI_NUM.get(m.group(1)) or int(m.group(1).translate(_FULLWIDTH))) if m else 1
+    try:
+        points = int(str(rec.get("points", "1")).strip() or 1)
+    except ValueError as exc:
+        raise DataError(f"{where}: problem {pid} has non-integer points {rec.get('points')!r}") from exc
+    exam = path.stem
+    extra = meta.get(pid, {})
+    acc = extra.get("human_accuracy")
+    return Problem(
+        id=pid,
+        messages=render_messages(text, choices, prompt),
+        answer=answer,
+        meta={"choices": choices, "points": points, "text_only": bool(rec.get("text_only", True)),
+              "year": _year_of(path, exam), "exam": exam, "num_choose": num_choose,
+              "numeric": not choices, "question": text, "source": where,
+              "human_accuracy": float(acc) if acc not in (None, "") else None,
+              "category": extra.get("category")},
+    )
+
+
+def _swift_problem(rec: dict, where: str, path: Path, num: int) -> Problem:
+    messages = [m for m in rec["messages"] if isinstance(m, dict)]
+    if not messages or any("role" not in m or "content" not in m for m in messages):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    solution = rec.get("solution", rec.get("answer"))
+    if solution in (None, "", []):
+        raise DataError(f"{where}: problem {rec.get('id', path.stem)} has no 'solution'")
+    items = solution if isinstance(solution, list) else re.split(r"[,、\s]+", str(solution))
+    pid = str(rec.get("id", rec.get("problem_id", f"{path.stem}:{num}")))
+    meta = {k: v for k, v in rec.items() if k not in ("messages", "solution", "answer", "id")}
+    meta.setdefault("choices", [])
+    meta.update(source=where, points=int(meta.get("points", 1)))
+    return Problem(id=pid, messages=messages, answer=_normalise_answer(items), meta=meta)
+
+
+def load_problems(paths: Iterable[str | os.PathLike], *, exclude_images: bool = False,
+                  prompt: PromptConfig | None = None) -> ProblemList:
+    """Read problems from files/directories (see module docstring).
+
+    Args:
+        paths: files or directories (searched recursively for ``*.jsonl``).
+        exclude_images: skip IgakuQA questions with ``text_only: false`` (counted).
+        prompt: prompt templates; defaults to the built-in Japanese prompt.
+    Returns:
+        ProblemList in file order; ``.skipped`` maps reason -> problem ids.
+    Raises:
+        DataError: malformed line (file:line), missing answer (problem id), duplicate id.
+    """
+    prompt = prompt or PromptConfig()
+    problems = ProblemList()
+    seen: dict[str, str] = {}
+    for path in iter_jsonl_files(paths):
+        meta = _load_metadata(path)
+        for num, rec in read_jsonl(path):
+            where = f"{path}:{num}"
+            if "problem_text" in rec and "problem_id" in rec:
+                prob = _igakuqa_problem(rec, where, path, meta, prompt)
+            elif "messages" in rec:
+                prob = _swift_problem(rec, where, path, num)
+            else:
+                raise DataError(f"{where}: unknown record format (keys: {sorted(rec)}); expected "
+                                "IgakuQA (problem_id, problem_text, answer) or ms-swift "
+                                "(messages, solution)")
+            if prob.id in seen:
+                raise DataError(f"{where}: duplicate problem id {prob.id} (first at {seen[prob.id]})")
+            seen[prob.id] = where
+            if exclude_images and not prob.meta.get("text_only", True):
+                problems.skipped.setdefault("image", []).append(prob.id)
+                continue
+            problems.append(prob)
+    for reason, ids in problems.skipped.items():
+        log.info("skipped %d problems (%s), e.g. %s", len(ids), reason, ids[:3])
+    return problems

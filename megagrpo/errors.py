@@ -1,0 +1,17 @@
+"""Project error types: user errors name the offending key, file or line."""
+
+
+class MegagrpoError(Exception):
+    """Base class for errors caused by user input (configs, data, checkpoints)."""
+
+
+class ConfigError(MegagrpoError, ValueError):
+    """A config key is unknown, has the wrong type, or an invalid value (message names it)."""
+
+
+class DataError(MegagrpoError, ValueError):
+    """A data file is malformed (message names the file and line) or inconsistent."""
+
+
+class CheckpointError(MegagrpoError):
+    """A checkpoint is missing, incomplete or does not match the model/layout."""

@@ -1,0 +1,30 @@
+"""Reward config: a weighted list of registered reward functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megagrpo.config.loader import require
+
+
+@dataclass
+class RewardSpec:
+    """One reward function in the composite."""
+
+    name: str = "mcq_accuracy"
+    """Registry name (megagrpo.rewards.get) or 'module.path:ClassOrFunction' (ms-swift ORM)."""
+    weight: float = 1.0
+    """Weight in the total reward (total = sum of weight * value)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the function's factory (e.g. soft_overlong's max_len)."""
+
+
+@dataclass
+class RewardsConfig:
+    """The composite reward. The first function is the correctness reward for collapse stats."""
+
+    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+
+    def validate(self, path: str) -> None:
+        require(len(self.functions) > 0, f"{path}.functions", "needs at least one reward")

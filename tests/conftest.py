@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny offline tokenizer/models (built once per session), real exam data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import torch  # noqa: E402  (torch does not import triton; set interpreter mode before anything does)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MEGAGRPO_SHARED", REPO_ROOT.parent / "shared"))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def igakuqa_dir() -> Path:
+    """``../shared/data/igakuqa`` (real exam data; never copied into the repo)."""
+    path = SHARED / "data" / "igakuqa"
+    if not path.is_dir():
+        pytest.skip(f"IgakuQA data not found at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """Directory with the tiny sentencepiece-trained HF tokenizer (ChatML template)."""
+    from megagrpo.testing import build_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """HF checkpoint dir of a random tiny Qwen3-MoE (2 layers, 4 experts, top-2, head_dim 32)."""
+    from megagrpo.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), "moe",
+                            tokenizer_dir=tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """HF checkpoint dir of a random tiny dense Qwen3 (2 layers, head_dim 32)."""
+    from megagrpo.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_dense"), "dense",
+                            tokenizer_dir=tiny_tokenizer_dir)
