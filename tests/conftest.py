@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-import torch  # noqa: E402  (torch does not import triton; set interpreter mode before anything does)
+import torch  # (torch does not import triton; set interpreter mode before anything does)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -4,14 +4,75 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.loader import require
+
+VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo")
+LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+ADVANTAGE_SCALES = ("auto", "group", "batch", "none")
+BACKENDS = ("auto", "triton", "torch")
+
+# What each variant means when loss_agg / advantage_scale are "auto".
+_DEFAULT_AGG = {
+    "grpo": "seq_mean_token_mean",  # DeepSeekMath: mean over tokens, then over sequences
+    "dapo": "token_mean",  # DAPO: one mean over every valid token of the batch
+    "dr_grpo": "seq_mean_token_sum_norm",  # Dr.GRPO: sum / (num_seqs * max_tokens)
+    "gspo": "seq_mean_token_mean",  # GSPO: one loss per sequence, mean over sequences
+}
+_DEFAULT_SCALE = {"grpo": "group", "dapo": "group", "dr_grpo": "none", "gspo": "group"}
+
 
 @dataclass
 class LossConfig:
     """Policy loss: GRPO/DAPO clipped surrogate and variants."""
 
     variant: str = "grpo"
-    """grpo | dapo | dr_grpo | gspo."""
+    """grpo | dapo | dr_grpo | gspo. gspo clips a sequence-level ratio (length-normalised)."""
     eps_low: float = 0.2
+    """Lower clip: the ratio is clamped at 1 - eps_low (GSPO uses ~3e-4)."""
     eps_high: float = 0.28
+    """Upper clip: the ratio is clamped at 1 + eps_high (DAPO clip-higher; GSPO ~4e-4)."""
     kl_coef: float = 0.0
     """k3 KL to the reference policy; 0 disables it (no reference forward)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss -= entropy_coef * mean entropy. Entropy is always logged."""
+    loss_agg: str = "auto"
+    """auto | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (auto: by variant)."""
+    max_tokens: int = 0
+    """Dr.GRPO constant normaliser (the generation budget); 0: the longest sequence in the batch."""
+    advantage_scale: str = "auto"
+    """auto | group | batch | none: divisor of group-centred rewards (auto: none for dr_grpo)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling for rollout/trainer mismatch: each token's loss is weighted
+    by min(exp(old_logprob - rollout_logprob), tis_cap); 0 disables it."""
+    backend: str = "auto"
+    """auto (Triton on CUDA, chunked torch on CPU) | triton | torch."""
+    grad_in_logits: bool = False
+    """Write the logits gradient into the logits buffer during forward (no extra [T, V] tensor).
+    Safe only when nothing else saved the logits for backward (autograd then raises)."""
+    chunk_bytes: int = 32 * 1024 * 1024
+    """CPU/torch path: fp32 working set per chunk of tokens (bounds extra memory)."""
+
+    def resolved_loss_agg(self) -> str:
+        """The loss aggregation actually used (``loss_agg`` or the variant's default)."""
+        return _DEFAULT_AGG[self.variant] if self.loss_agg == "auto" else self.loss_agg
+
+    def resolved_advantage_scale(self) -> str:
+        """The advantage scale actually used (``advantage_scale`` or the variant's default)."""
+        if self.advantage_scale == "auto":
+            return _DEFAULT_SCALE[self.variant]
+        return self.advantage_scale
+
+    def validate(self, path: str = "loss") -> None:
+        """Check values; raises ConfigError naming the key."""
+        require(self.variant in VARIANTS, f"{path}.variant", f"must be one of {VARIANTS}")
+        require(0.0 <= self.eps_low < 1.0, f"{path}.eps_low", "must be in [0, 1)")
+        require(self.eps_high >= 0.0, f"{path}.eps_high", "must be >= 0")
+        require(self.kl_coef >= 0.0, f"{path}.kl_coef", "must be >= 0")
+        require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
+        require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")
+        require(self.advantage_scale in ADVANTAGE_SCALES, f"{path}.advantage_scale",
+                f"must be one of {ADVANTAGE_SCALES}")
+        require(self.tis_cap == 0.0 or self.tis_cap >= 1.0, f"{path}.tis_cap",
+                "must be 0 (off) or >= 1")
+        require(self.backend in BACKENDS, f"{path}.backend", f"must be one of {BACKENDS}")
+        require(self.chunk_bytes >= 1024, f"{path}.chunk_bytes", "must be >= 1024")
