@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,13 @@ class RewardSpec:
     """Weight in the total reward (total = sum of weight * value)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the function's factory (e.g. soft_overlong's max_len)."""
+    label: str = ""
+    """Name of this term in metrics (``reward/<label>/mean``); defaults to ``name``."""
+
+    def validate(self, path: str) -> None:
+        require(bool(self.name.strip()), f"{path}.name", "must name a registered reward or "
+                "'module.path:ClassName'")
+        require(math.isfinite(self.weight), f"{path}.weight", f"must be finite, got {self.weight}")
 
 
 @dataclass
@@ -28,3 +36,6 @@ class RewardsConfig:
 
     def validate(self, path: str) -> None:
         require(len(self.functions) > 0, f"{path}.functions", "needs at least one reward")
+        labels = [f.label or f.name for f in self.functions]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        require(not dup, f"{path}.functions", f"duplicate reward names {dup}; set 'label'")
