@@ -1,1 +1,9 @@
-"""megagrpo.kernels"""
+"""megagrpo.kernels: fused log-prob + GRPO-family loss (Triton on CUDA, chunked torch on CPU).
+
+The Triton module (``triton_loss``) is imported lazily, only when the Triton backend runs, so
+``TRITON_INTERPRET=1`` can still be set before it is imported (CPU tests).
+"""
+
+from megagrpo.kernels.fused_loss import fused_policy_loss, resolve_backend, token_stats
+
+__all__ = ["fused_policy_loss", "resolve_backend", "token_stats"]

@@ -1,0 +1,207 @@
+"""Reference policy losses in pure torch: GRPO / DAPO / Dr.GRPO / GSPO, k3 KL, entropy, TIS.
+
+These are the readable, autograd-differentiated definitions the fused kernels
+(megagrpo.kernels) are tested against. They materialise a [T, V] fp32 log-softmax, so use
+them for tests and small shapes; training calls ``megagrpo.kernels.fused_policy_loss``.
+
+Tokens are flat ([T]) or [B, S] (then each row is one sequence). Sequence-level pieces
+(GRPO's per-sequence mean, Dr.GRPO, GSPO) need ``seq_ids [T]`` (0..num_seqs-1) for flat,
+packed inputs. Per-token loss l_t = w_t * pg_t + kl_coef * kl_t - entropy_coef * H_t and the
+batch loss is sum_t c_t * l_t with the aggregation weights c_t of :func:`token_weights`.
+
+Deliberately left out: dual-clip PPO, value baselines, sequence-level TIS.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megagrpo.algo.config import LossConfig
+
+Tensor = torch.Tensor
+
+
+def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
+    """log softmax(logits)[target] in fp32. logits [..., V], target_ids [...] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, target_ids.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) in fp32. logits [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token: exp(r) - r - 1 with r = ref - logp. [T]."""
+    r = ref_logp.float() - logp
+    return torch.exp(r) - r - 1.0
+
+
+def clipped_surrogate(logp: Tensor, old: Tensor, adv: Tensor, eps_low: float,
+                      eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO/GRPO clipped surrogate per token with asymmetric clip (DAPO clip-higher).
+
+    pg_t = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old).
+    Returns (pg [T], clipped [T] bool: the clamped branch won, ratio [T]).
+    """
+    ratio = torch.exp(logp - old.float())
+    adv = adv.float()
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(pg1, pg2), (pg2 > pg1).detach(), ratio
+
+
+def gspo_surrogate(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, seq_ids: Tensor,
+                   num_seqs: int, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO: clipped surrogate on the length-normalised sequence ratio, broadcast to tokens.
+
+    s_i = exp(mean_{t in i, mask} (logp_t - old_t)); A_i = masked mean of adv over seq i.
+    Returns (pg [T]: the sequence's loss on each of its tokens, clipped [T], s_i on tokens [T]).
+    """
+    m = mask.float()
+    ones = torch.zeros(num_seqs, device=logp.device).index_add_(0, seq_ids, m)
+    n = ones.clamp_min(1.0)
+    log_s = torch.zeros(num_seqs, device=logp.device).index_add_(
+        0, seq_ids, (logp - old.float()) * m) / n
+    adv_seq = torch.zeros(num_seqs, device=logp.device).index_add_(0, seq_ids, adv.float() * m) / n
+    pg, clipped, s = clipped_surrogate(log_s, torch.zeros_like(log_s), adv_seq, eps_low, eps_high)
+    return pg[seq_ids], clipped[seq_ids], s[seq_ids]
+
+
+def tis_weights(old: Tensor, rollout: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights min(pi_trainer_old / pi_rollout, cap) per token. [T]."""
+    return torch.clamp(torch.exp(old.float() - rollout.float()), max=cap).detach()
+
+
+def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Tensor | None, int]:
+    """Flat sequence ids [T] and their count: rows of a [B, S] batch, or the given packed ids."""
+    if seq_ids is not None:
+        ids = seq_ids.reshape(-1).long()
+        return ids, (int(ids.max()) + 1 if ids.numel() else 0)
+    if len(shape) == 2:
+        b, s = shape
+        return torch.arange(b, device=device).repeat_interleave(s), b
+    return None, 0
+
+
+def token_weights(mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str,
+                  max_tokens: int = 0) -> Tensor:
+    """Aggregation weights c_t [T] with loss = sum_t c_t * l_t.
+
+    token_mean: m_t / sum(m). seq_mean_token_mean: m_t / (n_seq(t) * #non-empty seqs).
+    seq_mean_token_sum_norm (Dr.GRPO): m_t / (num_seqs * L), L = max_tokens or longest n_i.
+    """
+    m = mask.reshape(-1).float()
+    if agg == "token_mean":
+        return m / m.sum().clamp_min(1.0)
+    if seq_ids is None:
+        raise ValueError(f"loss aggregation {agg!r} needs sequences: pass [B, S] inputs or seq_ids [T]")
+    n = torch.zeros(num_seqs, device=m.device).index_add_(0, seq_ids, m)
+    if agg == "seq_mean_token_mean":
+        num_valid = (n > 0).sum().clamp_min(1).float()
+        return m / (n.clamp_min(1.0)[seq_ids] * num_valid)
+    if agg == "seq_mean_token_sum_norm":
+        length = float(max_tokens) if max_tokens > 0 else n.max().clamp_min(1.0)
+        return m / (num_seqs * length)
+    raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
+    return (x.float() * m).sum() / m.sum().clamp_min(1.0)
+
+
+def loss_metrics(m: Tensor, pg_loss: Tensor, ratio: Tensor, clipped: Tensor, adv: Tensor,
+                 cfg: LossConfig, entropy: Tensor | None = None, kl: Tensor | None = None,
+                 tis_w: Tensor | None = None) -> dict[str, Tensor]:
+    """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T]."""
+    m = m.float()
+    valid = m > 0
+    big = torch.finfo(torch.float32).max
+    ratio = ratio.detach().float()
+    out = {
+        "loss/policy": pg_loss.detach(),
+        "loss/clip_frac": _masked_mean(clipped, m),
+        "loss/clip_frac_low": _masked_mean(clipped & (ratio < 1.0 - cfg.eps_low) & (adv < 0), m),
+        "loss/clip_frac_high": _masked_mean(clipped & (ratio > 1.0 + cfg.eps_high) & (adv > 0), m),
+        "loss/ratio_mean": _masked_mean(ratio, m),
+        "loss/ratio_min": torch.where(valid, ratio, big).min() if valid.any() else ratio.new_ones(()),
+        "loss/ratio_max": torch.where(valid, ratio, -big).max() if valid.any() else ratio.new_ones(()),
+    }
+    if entropy is not None:
+        out["loss/entropy"] = _masked_mean(entropy.detach(), m)
+    if kl is not None:
+        out["loss/kl"] = _masked_mean(kl.detach(), m)
+    if tis_w is not None:
+        out["loss/tis_weight_mean"] = _masked_mean(tis_w, m)
+        out["loss/tis_clip_frac"] = _masked_mean(tis_w >= cfg.tis_cap, m)
+    return out
+
+
+def policy_loss(logp: Tensor, old_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
+                cfg: LossConfig, *, entropy: Tensor | None = None,
+                ref_logprobs: Tensor | None = None, rollout_logprobs: Tensor | None = None,
+                seq_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The GRPO-family loss from per-token log-probs.
+
+    Args (all [T] or all [B, S]): logp (differentiable, fp32), old_logprobs (None: on-policy,
+        old = logp.detach()), advantages, mask (1 = response token), entropy (optional, needed
+        when cfg.entropy_coef > 0), ref_logprobs (needed when cfg.kl_coef > 0),
+        rollout_logprobs (needed when cfg.tis_cap > 0). seq_ids [T] for packed flat input.
+
+    Returns (scalar loss, metrics): see :func:`loss_metrics`; ``loss/total`` is the loss.
+    """
+    shape = logp.shape
+    ids, num_seqs = make_seq_ids(shape, seq_ids, logp.device)
+    flat = [None if x is None else x.reshape(-1) for x in
+            (logp, old_logprobs, advantages, mask, entropy, ref_logprobs, rollout_logprobs)]
+    logp, old, adv, m, ent, ref, rollout = flat
+    old = logp.detach() if old is None else old.float()
+    adv, m = adv.float(), m.float()
+    if cfg.variant == "gspo":
+        if ids is None:
+            raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
+        pg, clipped, ratio = gspo_surrogate(logp, old, adv, m, ids, num_seqs,
+                                            cfg.eps_low, cfg.eps_high)
+    else:
+        pg, clipped, ratio = clipped_surrogate(logp, old, adv, cfg.eps_low, cfg.eps_high)
+    c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens)
+    tis_w = None
+    if cfg.tis_cap > 0:
+        if rollout is None:
+            raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
+        tis_w = tis_weights(old, rollout, cfg.tis_cap)
+        pg = pg * tis_w
+    pg_loss = (c * pg).sum()
+    loss = pg_loss
+    kl = None
+    if ref is not None:
+        kl = k3_kl(logp, ref)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * (c * kl).sum()
+    elif cfg.kl_coef > 0:
+        raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
+    if ent is not None and cfg.entropy_coef != 0:
+        loss = loss - cfg.entropy_coef * (c * ent).sum()
+    elif ent is None and cfg.entropy_coef != 0:
+        raise ValueError("loss.entropy_coef != 0 needs entropy")
+    metrics = loss_metrics(m, pg_loss, ratio, clipped, adv, cfg, ent, kl, tis_w)
+    metrics["loss/total"] = loss.detach()
+    return loss, metrics
+
+
+def reference_policy_loss(logits: Tensor, target_ids: Tensor, old_logprobs: Tensor | None,
+                          advantages: Tensor, mask: Tensor, cfg: LossConfig, *,
+                          ref_logprobs: Tensor | None = None,
+                          rollout_logprobs: Tensor | None = None,
+                          seq_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Naive reference: full fp32 log_softmax + gather, then :func:`policy_loss`.
+
+    logits [T, V] or [B, S, V]; the other tensors [T] or [B, S]. Memory: several [T, V] fp32.
+    """
+    logp = token_logprobs(logits, target_ids)
+    ent = token_entropy(logits)
+    return policy_loss(logp, old_logprobs, advantages, mask, cfg, entropy=ent,
+                       ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
+                       seq_ids=seq_ids)
