@@ -35,7 +35,7 @@ Extraction rules (``extract_answer(text, problem)``), applied in this order:
    ignored. A hedge (``c or d``) yields both letters, which is wrong for a one-answer question.
 5. **Numeric questions** (no choices, gold is a number): the question's ``解答：①②.③``-style
    template (with optional fixed leading digits, ``1, ①②③ kcal``) is read from
-   ``meta['problem_text']`` or the prompt. The answer is either slot-wise (``①2 ②6``) or a
+   ``meta['problem_text']``/``meta['question']`` or the prompt. The answer is either slot-wise (``①2 ②6``) or a
    number (``26 Torr``, ``1,130 kcal``, ``7.2``) that fits the template: the fixed digits must
    match, the integer digit count must equal the template's, and decimals beyond the
    template's must be zeros (``7.2`` fills ``①.②③`` as 7.20). The extracted answer is the slot
@@ -204,7 +204,7 @@ def _final_line_letters(line: str, valid: str, choices: list[str],
 
 def _template(problem: Problem) -> tuple[str, str] | None:
     """(fixed leading digits, slot core like '①②.③') of the question's numeric template."""
-    sources = [str(problem.meta.get("problem_text", ""))]
+    sources = [str(problem.meta.get(k, "")) for k in ("problem_text", "question")]
     sources += [str(m.get("content", "")) for m in problem.messages if m.get("role") == "user"]
     for src in sources:
         found = _TEMPLATE_RE.findall(src)

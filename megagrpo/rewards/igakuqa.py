@@ -1,0 +1,193 @@
+"""Official IgakuQA scoring (``jungokasai/IgakuQA`` ``scripts/evaluate_main.py``), on raw files.
+
+The rule, exactly: a prediction string is split on ``,`` (no stripping, no case folding) and
+correct iff ``sorted(prediction.split(',')) == sorted(gold)``; problem ``116A71`` counts as
+correct for everyone; ``112B30`` (gold ``["a or d"]``) accepts ``a`` or ``d``. Accuracy =
+correct / questions; score = sum of ``points`` (a string in the data) over correct questions;
+points total = sum over all questions. Unlike the official script (which zips two files
+line by line), predictions are joined to gold by ``problem_id``; gold problems without a
+prediction count as wrong and are listed in ``missing``.
+
+Gold files: ``YEAR/EXAM-BLOCK.jsonl`` (``112-A.jsonl``); ``*_metadata``/``*_translate``
+siblings are skipped when searching directories. This module reads them itself so scoring
+does not depend on prompt rendering.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megagrpo.errors import DataError
+
+GOLD_NAME_RE = re.compile(r"^\d+-[A-Za-z]+\.jsonl$")
+ALWAYS_CORRECT = "116A71"
+EITHER_A_OR_D = "112B30"
+
+
+@dataclass
+class GoldItem:
+    """One gold question: raw ``answer`` list as in the file, ``points`` as int."""
+
+    problem_id: str
+    answer: list[str]
+    points: int
+    year: str
+    source: str
+
+
+@dataclass
+class Tally:
+    """Counts for one group of questions."""
+
+    correct: int = 0
+    total: int = 0
+    score: int = 0
+    points_total: int = 0
+
+    def add(self, ok: bool, points: int) -> None:
+        self.total += 1
+        self.points_total += points
+        if ok:
+            self.correct += 1
+            self.score += points
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"correct": self.correct, "total": self.total,
+                "accuracy": self.correct / self.total if self.total else 0.0,
+                "score": self.score, "points_total": self.points_total}
+
+
+@dataclass
+class ScoreReport:
+    """Overall and per-year tallies, plus missing gold ids and predictions without gold."""
+
+    overall: Tally = field(default_factory=Tally)
+    by_year: dict[str, Tally] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = self.overall.as_dict()
+        out["by_year"] = {y: t.as_dict() for y, t in sorted(self.by_year.items())}
+        out["missing"] = list(self.missing)
+        out["num_missing"] = len(self.missing)
+        out["extra"] = list(self.extra)
+        return out
+
+
+def official_correct(problem_id: str, prediction: str, gold: list[str]) -> bool:
+    """The official per-question rule (see module docstring)."""
+    pred = sorted(prediction.split(","))
+    if problem_id == ALWAYS_CORRECT:
+        return True
+    if problem_id == EITHER_A_OR_D and pred in (["a"], ["d"]):
+        return True
+    return pred == sorted(gold)
+
+
+def find_files(paths: Iterable[str | Path], *, gold: bool, name_glob: str | None = None
+               ) -> list[Path]:
+    """Files named in ``paths``, directories searched recursively for ``*.jsonl`` (gold: only
+    ``EXAM-BLOCK.jsonl`` names). ``name_glob`` filters file names (e.g. ``'*_gpt4.jsonl'``)."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(p.rglob("*.jsonl"))
+            found = [f for f in found if not gold or GOLD_NAME_RE.match(f.name)]
+        elif p.is_file():
+            found = [p]
+        else:
+            raise DataError(f"no such file or directory: {p}")
+        out += [f for f in found if name_glob is None or fnmatch.fnmatch(f.name, name_glob)]
+    if not out:
+        kind = "gold" if gold else "prediction"
+        raise DataError(f"no {kind} files found in {', '.join(map(str, paths))}"
+                        + (f" matching '{name_glob}'" if name_glob else ""))
+    return out
+
+
+def _records(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
+    with open(path, encoding="utf-8") as fh:
+        for num, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{num}: not valid JSON: {exc.msg}") from exc
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{num}: expected a JSON object")
+            yield num, rec
+
+
+def _year_of(path: Path, problem_id: str) -> str:
+    if re.fullmatch(r"\d{4}", path.parent.name):
+        return path.parent.name
+    m = re.match(r"(\d{3})", problem_id)
+    return str(int(m.group(1)) + 1906) if m else "unknown"  # exam 112 was held in 2018
+
+
+def read_gold(files: Iterable[Path]) -> dict[str, GoldItem]:
+    """problem_id -> GoldItem, in file order. DataError naming file:line on bad records or
+    duplicate ids."""
+    gold: dict[str, GoldItem] = {}
+    for path in files:
+        for num, rec in _records(path):
+            where = f"{path}:{num}"
+            for key in ("problem_id", "answer", "points"):
+                if key not in rec:
+                    raise DataError(f"{where}: gold record without '{key}'")
+            pid, answer = str(rec["problem_id"]), rec["answer"]
+            if not isinstance(answer, list) or not all(isinstance(a, str) for a in answer):
+                raise DataError(f"{where}: 'answer' of {pid} must be a list of strings")
+            try:
+                points = int(rec["points"])
+            except (TypeError, ValueError) as exc:
+                raise DataError(f"{where}: 'points' of {pid} is not an integer") from exc
+            if pid in gold:
+                raise DataError(f"{where}: duplicate problem_id {pid} (first in "
+                                f"{gold[pid].source})")
+            gold[pid] = GoldItem(pid, answer, points, _year_of(path, pid), where)
+    return gold
+
+
+def read_predictions(files: Iterable[Path]) -> dict[str, str]:
+    """problem_id -> prediction string. A duplicate id (two models' files mixed) is an error."""
+    preds: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for path in files:
+        for num, rec in _records(path):
+            where = f"{path}:{num}"
+            if "problem_id" not in rec or "prediction" not in rec:
+                raise DataError(f"{where}: prediction record needs 'problem_id' and 'prediction'")
+            pid, pred = str(rec["problem_id"]), rec["prediction"]
+            if not isinstance(pred, str):
+                raise DataError(f"{where}: 'prediction' of {pid} must be a string")
+            if pid in preds:
+                raise DataError(f"{where}: second prediction for {pid} (first at {seen[pid]}); "
+                                "score one model at a time (use --predictions-glob)")
+            preds[pid], seen[pid] = pred, where
+    return preds
+
+
+def score(gold: dict[str, GoldItem], predictions: dict[str, str]) -> ScoreReport:
+    """Official scoring of ``predictions`` against every gold question."""
+    report = ScoreReport()
+    for pid, item in gold.items():
+        pred = predictions.get(pid)
+        if pred is None:
+            report.missing.append(pid)
+        ok = pred is not None and official_correct(pid, pred, item.answer)
+        if pred is None and pid == ALWAYS_CORRECT:
+            ok = True  # the official rule credits 116A71 whatever was predicted
+        report.overall.add(ok, item.points)
+        report.by_year.setdefault(item.year, Tally()).add(ok, item.points)
+    report.extra = sorted(set(predictions) - set(gold))
+    return report
