@@ -1,0 +1,250 @@
+"""Bounded dynamic sampling (DAPO) with an explicit shortfall policy, and its pre-flight check.
+
+One step: generate a batch of ``B`` groups from the sampler's main stream (the *raw*
+round, whose collapse statistics are always logged); keep the non-collapsed groups; while
+fewer than ``B`` are kept, draw ``B`` more problems from the resample stream and generate
+again, at most ``R`` extra rounds. Policies when the batch is still short:
+
+- ``original``: ms-swift's ``_dynamic_sampling`` reproduced for comparison. It checks only
+  R rounds in total (its loop generates the R-th resample round and exits before checking
+  it) and, when short, trains on the first round, collapsed groups included, throwing the
+  valid groups it collected away. It fills only while (1 - ACR) * R >= 1.
+- ``partial``: checks every generated round (1 + R) and trains on all the valid groups
+  collected: a smaller batch, all of it signal.
+- ``carry`` (default): ``partial``, plus the surplus valid groups of an over-full round are
+  kept in a bounded buffer (staleness limit) and fill the next step first.
+
+When the batch fills, it holds the first ``B`` valid groups; post-filter
+``frac_reward_zero_std`` is then 0 by construction ("dynamic sampling succeeded", not
+"nothing collapsed") which is why the raw round's statistics are logged too. A step with
+no valid group at all under ``partial``/``carry`` returns an empty batch: the trainer skips
+its optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from megagrpo.curriculum.config import DynamicSamplingConfig
+from megagrpo.curriculum.levels import fill_success_prob
+from megagrpo.curriculum.stats import collapse_metrics, collapse_stats, group_matrices
+from megagrpo.errors import ConfigError
+from megagrpo.types import Group, Problem
+
+log = logging.getLogger(__name__)
+
+GenerateFn = Callable[[list[Problem]], list[Group]]
+
+
+class ProblemSource(Protocol):
+    """What fill() needs of a sampler (CurriculumSampler satisfies it)."""
+
+    def next_problems(self, n: int, resample: bool = False) -> list[Problem]: ...
+
+    def observe(self, groups: Sequence[Group]) -> None: ...
+
+
+@dataclass
+class FilledBatch:
+    """The groups to train on this step, and the ``dynamic/*`` + ``collapse/*`` metrics."""
+
+    groups: list[Group]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def checked_rounds(cfg: DynamicSamplingConfig) -> int:
+    """How many generated rounds a policy checks at most (ms-swift: R; ours: 1 + R)."""
+    if not cfg.enabled:
+        return 1
+    if cfg.policy == "original":
+        return max(cfg.max_resample, 1)
+    return 1 + cfg.max_resample
+
+
+class DynamicSampler:
+    """Fills a training batch with non-collapsed groups, within a bounded generation budget.
+
+    Args:
+        cfg: dynamic sampling config.
+        correctness_key: ``Group.reward_parts`` key of the correctness reward (the first
+            function of the rewards config) for the correctness-only collapse metrics.
+        acr_predicted: predicted ACR from the levels (logged as ``collapse/acr_predicted``).
+    """
+
+    def __init__(self, cfg: DynamicSamplingConfig, correctness_key: str | None = None,
+                 acr_predicted: float | None = None) -> None:
+        self.cfg = cfg
+        self.correctness_key = correctness_key
+        self.acr_predicted = acr_predicted
+        self.carry: list[Group] = []
+
+    def _valid(self, groups: Sequence[Group]) -> list[Group]:
+        if not groups:
+            return []
+        rewards = np.asarray([g.rewards for g in groups], dtype=np.float64)
+        keep = rewards.std(axis=1) >= self.cfg.tau
+        return [g for g, k in zip(groups, keep.tolist()) if k]
+
+    def _take_carry(self, step: int) -> tuple[list[Group], int]:
+        fresh = [g for g in self.carry
+                 if step - int(g.meta.get("step", step)) <= self.cfg.carry_max_staleness]
+        dropped = len(self.carry) - len(fresh)
+        self.carry = []
+        return fresh, dropped
+
+    def fill(self, sampler: ProblemSource, generate_fn: GenerateFn, batch_groups: int,
+             step: int) -> FilledBatch:
+        """Generate, filter and (per policy) complete one step's batch.
+
+        Args:
+            sampler: problem source; every generated round is passed to ``sampler.observe``.
+            generate_fn: ``problems -> groups`` with ``rewards`` (and ``reward_parts``) set.
+            batch_groups: B, groups per batch (one generation round = B problems x G).
+            step: the training step (stamped into ``Group.meta['step']``).
+        """
+        cfg = self.cfg
+        carried, dropped_stale = self._take_carry(step) if cfg.policy == "carry" else ([], 0)
+        valid: list[Group] = list(carried)
+        max_checks = checked_rounds(cfg)
+        gen_batches, rounds = 0, 0
+        level_of = getattr(sampler, "level_of", None)
+
+        def generate(resample: bool) -> list[Group]:
+            nonlocal gen_batches
+            groups = generate_fn(sampler.next_problems(batch_groups, resample=resample))
+            gen_batches += 1
+            for g in groups:
+                g.meta["step"] = step
+                if level_of is not None and "level" not in g.meta:
+                    g.meta["level"] = level_of(g.problem.id)
+            sampler.observe(groups)
+            return groups
+
+        first = groups = generate(resample=False)
+        while cfg.enabled:
+            valid.extend(self._valid(groups))
+            rounds += 1
+            if len(valid) >= batch_groups:
+                break
+            if rounds >= max_checks:
+                if cfg.policy == "original" and cfg.max_resample > 0:
+                    generate(resample=True)  # ms-swift generates it, then leaves the loop
+                break
+            groups = generate(resample=True)
+
+        success = cfg.enabled and len(valid) >= batch_groups
+        discarded = 0
+        if not cfg.enabled:
+            trained = list(first)
+        elif success:
+            trained, surplus = valid[:batch_groups], valid[batch_groups:]
+            if cfg.policy == "carry":
+                limit = cfg.carry_max_groups or batch_groups
+                self.carry = surplus[:limit]
+                discarded = len(surplus) - len(self.carry)
+            else:
+                discarded = len(surplus)
+        elif cfg.policy == "original":
+            trained = list(first)
+            first_ids = {id(g) for g in first}
+            discarded = sum(1 for g in valid if id(g) not in first_ids)
+        else:
+            trained = valid
+        stats = self._stats(first, trained, success, rounds, gen_batches)
+        carried_ids = {id(g) for g in carried}
+        stats["dynamic/valid_groups_carried"] = float(
+            sum(1 for g in trained if id(g) in carried_ids))
+        stats["dynamic/valid_groups_discarded"] = float(discarded)
+        stats["dynamic/carry_buffer"] = float(len(self.carry))
+        stats["dynamic/carry_dropped_stale"] = float(dropped_stale)
+        if not success and cfg.enabled:
+            log.debug("step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
+                      step, len(valid), batch_groups, rounds, cfg.policy)
+        return FilledBatch(trained, stats)
+
+    def _stats(self, first: list[Group], trained: list[Group], success: bool, rounds: int,
+               gen_batches: int) -> dict[str, float]:
+        level_of = None
+        raw_r, raw_c = group_matrices(first, self.correctness_key)
+        post_r, post_c = group_matrices(trained, self.correctness_key)
+        levels = [g.meta.get("level") for g in first]
+        if any(lv is not None for lv in levels):
+            level_of = levels
+        raw = collapse_stats(raw_r, raw_c, level_of, tau=self.cfg.tau)
+        post = collapse_stats(post_r, post_c, tau=self.cfg.tau)
+        out = collapse_metrics(raw, post, self.acr_predicted)
+        num_valid = post["num_groups"] * (1.0 - post["acr"])
+        out.update({
+            "dynamic/success": float(success),
+            "dynamic/rounds": float(rounds),
+            "dynamic/gen_batches": float(gen_batches),
+            "dynamic/valid_groups": float(round(num_valid)),
+            "dynamic/trained_groups": post["num_groups"],
+            "dynamic/collapsed_groups_trained": float(round(post["num_groups"] - num_valid)),
+        })
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The carry buffer (groups as plain dicts)."""
+        return {"version": 1, "carry": [dataclasses.asdict(g) for g in self.carry]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        groups = []
+        for d in state.get("carry", []):
+            d = dict(d)
+            problem = Problem(**d.pop("problem"))
+            groups.append(Group(problem=problem, **d))
+        self.carry = groups
+
+
+@dataclass
+class PreflightResult:
+    """Outcome of :func:`preflight_check`."""
+
+    ok: bool
+    acr_predicted: float
+    checked_rounds: int
+    success_prob: float
+    message: str
+
+
+def preflight_check(cfg: DynamicSamplingConfig, acr_predicted: float, batch_groups: int,
+                    level_alternatives: Mapping[str, float] | None = None) -> PreflightResult:
+    """Will dynamic sampling fill batches? The article's condition (1 - ACR) * rounds >= 1.
+
+    ``rounds`` is what the policy checks (ms-swift/original: R; ours: 1 + R). Says which R
+    would work and, given ``level_alternatives`` (``{"L2-L5": predicted ACR, ...}``), which
+    level filters would. Mode ``warn`` logs, ``fail`` raises ConfigError, ``off`` is silent.
+    """
+    rounds = checked_rounds(cfg)
+    ok = (1.0 - acr_predicted) * rounds >= 1.0 - 1e-12
+    p_fill = fill_success_prob(acr_predicted, batch_groups, rounds)
+    msg = (f"predicted ACR {acr_predicted:.3f}, policy {cfg.policy} checks {rounds} round(s) "
+           f"of {batch_groups} groups: expected valid {(1 - acr_predicted) * rounds:.2f} "
+           f"batches, P(batch fills) = {p_fill:.2f}")
+    if not ok:
+        need = math.inf if acr_predicted >= 1 else math.ceil(1.0 / (1.0 - acr_predicted) - 1e-9)
+        need_r = need if cfg.policy == "original" else need - 1
+        hints = [f"max_resample >= {need_r}" if math.isfinite(need) else "no R suffices"]
+        good = [name for name, acr in (level_alternatives or {}).items()
+                if (1.0 - acr) * rounds >= 1.0]
+        if good:
+            hints.append("or keep_levels " + " / ".join(good))
+        if cfg.policy == "original":
+            hints.append("or policy partial/carry (checks every generated round)")
+        msg += "; dynamic sampling cannot fill: (1 - ACR) * rounds < 1. Use " + ", ".join(hints)
+    if not ok and cfg.enabled and cfg.preflight == "fail":
+        raise ConfigError(f"dynamic.preflight: {msg}")
+    if cfg.preflight != "off" and cfg.enabled:
+        (log.info if ok else log.warning)("dynamic sampling pre-flight: %s", msg)
+    return PreflightResult(ok, acr_predicted, rounds, p_fill, msg)

@@ -1,0 +1,279 @@
+"""Level-filtered curriculum sampler with online difficulty.
+
+- Keeps the configured levels (default L2-L5) of a levels file (``megagrpo profile``);
+  optional per-level mixing weights.
+- Deterministic: each stream walks a permutation of its problems that depends only on
+  ``(seed, stream, level bucket, epoch)``. Two independent streams: ``main`` (the first
+  round of every step) and ``resample`` (dynamic sampling's extra rounds), so how many
+  resample rounds a step needed never shifts which problems later steps start with.
+- Online difficulty: :meth:`observe` updates each problem's pass-rate posterior
+  Beta(a + s, b + f) from every rollout; older evidence is decayed by ``online_decay`` at
+  each observation so the estimate follows the policy. Levels are re-estimated from it
+  (:meth:`level_histogram`). A problem that was all-correct or all-wrong in
+  ``retire_streak`` consecutive groups is retired; when drawn, it is served anyway with
+  probability ``revisit_prob`` and un-retires as soon as one of its groups splits.
+- :meth:`state_dict` / :meth:`load_state_dict` restore all of it: a resumed run draws
+  exactly the same problems.
+
+Deliberately left out: within one call a problem can repeat across an epoch boundary of a
+small pool (the walk is never reshuffled mid-epoch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from megagrpo.curriculum.config import CurriculumConfig
+from megagrpo.curriculum.levels import BetaPrior, histogram
+from megagrpo.curriculum.stats import SOLVED_THRESHOLD
+from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.types import Group, Problem
+
+log = logging.getLogger(__name__)
+
+STREAMS = ("main", "resample")
+
+
+class _Walk:
+    """Endless walk over ``members``: a fresh seeded permutation per epoch."""
+
+    def __init__(self, members: np.ndarray, seed: int, stream: int, bucket: int) -> None:
+        self.members = members
+        self.key = (seed, stream, bucket)
+        self.epoch = 0
+        self.pos = 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        rng = np.random.default_rng([*self.key, self.epoch])
+        return self.members[rng.permutation(len(self.members))].tolist()
+
+    def next(self) -> int:
+        if self.pos >= len(self._order):
+            self.epoch += 1
+            self.pos = 0
+            self._order = self._permutation()
+        idx = self._order[self.pos]
+        self.pos += 1
+        return idx
+
+    def state(self) -> list[int]:
+        return [self.epoch, self.pos]
+
+    def load(self, state: Sequence[int]) -> None:
+        self.epoch, self.pos = int(state[0]), int(state[1])
+        self._order = self._permutation()
+
+
+class CurriculumSampler:
+    """Draws training problems; learns their difficulty from the rollouts.
+
+    Args:
+        problems: all training problems (ids unique).
+        cfg: the curriculum config.
+        levels: ``{problem id: level}`` from a levels file, or None (no filter).
+        correctness_key: ``Group.reward_parts`` key of the 0/1 correctness reward used by
+            :meth:`observe`; None or missing: the total reward (>= 0.5 counts as correct).
+    """
+
+    def __init__(self, problems: Sequence[Problem], cfg: CurriculumConfig,
+                 levels: Mapping[str, int] | None = None,
+                 correctness_key: str | None = None, level_k: int | None = None) -> None:
+        self.problems = list(problems)
+        self.cfg = cfg
+        self.correctness_key = correctness_key
+        self.k = level_k or cfg.level_k
+        self.index = {p.id: i for i, p in enumerate(self.problems)}
+        if len(self.index) != len(self.problems):
+            raise ConfigError("curriculum: problem ids are not unique")
+        n = len(self.problems)
+        self.profile_level = np.zeros(n, dtype=np.int64)  # 0 = not profiled
+        if levels:
+            for pid, level in levels.items():
+                i = self.index.get(pid)
+                if not 1 <= int(level) <= self.k + 1:
+                    raise ConfigError(f"curriculum: problem {pid} has level L{level}, outside "
+                                      f"L1..L{self.k + 1} of k={self.k} (curriculum.level_k)")
+                if i is not None:
+                    self.profile_level[i] = int(level)
+        profiled = self.profile_level > 0
+        hist = histogram(self.profile_level[profiled].tolist(), self.k + 1)
+        self.prior = BetaPrior.fit_histogram(hist, self.k) if profiled.any() else BetaPrior(1, 1)
+        # Online evidence, seeded with the profile's counts.
+        correct0 = np.where(profiled, self.k - self.profile_level + 1, 0).astype(np.float64)
+        self.succ = correct0
+        self.fail = np.where(profiled, self.k - correct0, 0.0)
+        self.streak = np.zeros(n, dtype=np.int64)
+        self.retired = np.zeros(n, dtype=bool)
+        self.num_observed = np.zeros(n, dtype=np.int64)
+        self._build_pool(levels is not None and len(levels) > 0)
+        self._rng = {s: np.random.default_rng([cfg.seed, j, 7919]) for j, s in enumerate(STREAMS)}
+
+    # ------------------------------------------------------------------ pool and walks
+
+    def _build_pool(self, filtered: bool) -> None:
+        cfg = self.cfg
+        n = len(self.problems)
+        if filtered:
+            keep = np.isin(self.profile_level, cfg.keep_levels)
+            unprofiled = self.profile_level == 0
+            if unprofiled.any():
+                log.info("curriculum: %d problems have no level (%s)", int(unprofiled.sum()),
+                         "kept" if cfg.keep_unprofiled else "dropped")
+                if cfg.keep_unprofiled:
+                    keep |= unprofiled
+        else:
+            keep = np.ones(n, dtype=bool)
+        self.pool = np.flatnonzero(keep)
+        if len(self.pool) == 0:
+            raise ConfigError(f"curriculum.keep_levels={cfg.keep_levels}: no problem left "
+                              f"(of {n}) after the level filter")
+        self.bucket_weights: np.ndarray | None = None
+        buckets: list[np.ndarray] = [self.pool]
+        if filtered and cfg.level_weights:
+            buckets, weights = [], []
+            for level, w in zip(cfg.keep_levels, cfg.level_weights):
+                members = np.flatnonzero(self.profile_level == level)
+                if len(members) and w > 0:
+                    buckets.append(members)
+                    weights.append(w)
+            if not buckets:
+                raise ConfigError("curriculum.level_weights: every weighted level is empty")
+            self.bucket_weights = np.asarray(weights, dtype=np.float64) / sum(weights)
+        self.walks = {s: [_Walk(m, self.cfg.seed, j, b) for b, m in enumerate(buckets)]
+                      for j, s in enumerate(STREAMS)}
+        log.info("curriculum: %d of %d problems in the pool", len(self.pool), n)
+
+    # ------------------------------------------------------------------ drawing
+
+    def next_problems(self, n: int, resample: bool = False) -> list[Problem]:
+        """The next ``n`` problems of the main stream (or of the resample stream)."""
+        stream = "resample" if resample else "main"
+        walks, rng = self.walks[stream], self._rng[stream]
+        out: list[Problem] = []
+        buckets = (rng.choice(len(walks), size=n, p=self.bucket_weights)
+                   if self.bucket_weights is not None else np.zeros(n, dtype=np.int64))
+        retire = self.cfg.retire_streak > 0 and bool(self.retired.any())
+        for b in buckets.tolist():
+            walk = walks[b]
+            idx = walk.next()
+            tries = 1
+            while retire and self.retired[idx] and tries <= len(walk.members):
+                if rng.random() < self.cfg.revisit_prob:
+                    break
+                idx = walk.next()
+                tries += 1
+            out.append(self.problems[idx])
+        return out
+
+    # ------------------------------------------------------------------ online difficulty
+
+    def _correct_counts(self, group: Group) -> tuple[int, int]:
+        values = group.reward_parts.get(self.correctness_key) if self.correctness_key else None
+        if values is None:
+            values = group.rewards
+        return sum(1 for v in values if v >= SOLVED_THRESHOLD), len(values)
+
+    def observe(self, groups: Sequence[Group]) -> None:
+        """Update pass-rate posteriors, retirement streaks from scored groups."""
+        if not self.cfg.online:
+            return
+        decay, streak_max = self.cfg.online_decay, self.cfg.retire_streak
+        for g in groups:
+            i = self.index.get(g.problem.id)
+            if i is None:
+                continue
+            c, n = self._correct_counts(g)
+            if n == 0:
+                continue
+            self.succ[i] = decay * self.succ[i] + c
+            self.fail[i] = decay * self.fail[i] + (n - c)
+            self.num_observed[i] += 1
+            if c == 0 or c == n:
+                self.streak[i] += 1
+                if streak_max and self.streak[i] >= streak_max:
+                    self.retired[i] = True
+            else:
+                self.streak[i] = 0
+                self.retired[i] = False
+
+    def pass_rate(self, problem_id: str) -> float:
+        """Posterior mean pass rate of one problem."""
+        i = self.index[problem_id]
+        return float((self.prior.a + self.succ[i]) /
+                     (self.prior.a + self.prior.b + self.succ[i] + self.fail[i]))
+
+    def current_levels(self) -> np.ndarray:
+        """``[num problems]`` online level estimate (L1..L{k+1}); 0 = no evidence yet."""
+        a, b = self.prior.a, self.prior.b
+        p = (a + self.succ) / (a + b + self.succ + self.fail)
+        level = self.k - np.rint(p * self.k).astype(np.int64) + 1
+        return np.where(self.succ + self.fail > 0, level, 0)
+
+    def level_of(self, problem_id: str) -> int | None:
+        """The profile (pre-training) level of a problem, or None."""
+        i = self.index.get(problem_id)
+        level = int(self.profile_level[i]) if i is not None else 0
+        return level or None
+
+    def level_histogram(self) -> dict[int, int]:
+        """``{level: count}`` of the pool's current (online) levels, L1..L{k+1}."""
+        levels = self.current_levels()[self.pool]
+        return histogram(levels[levels > 0].tolist(), self.k + 1)
+
+    def metrics(self) -> dict[str, float]:
+        """``curriculum/level_hist/L{k}``, ``curriculum/retired``, ``curriculum/pool``."""
+        out = {f"curriculum/level_hist/L{lv}": float(n)
+               for lv, n in self.level_histogram().items()}
+        out["curriculum/retired"] = float(self.retired[self.pool].sum())
+        out["curriculum/pool"] = float(len(self.pool))
+        out["curriculum/epoch"] = float(self.walks["main"][0].epoch)
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha1()
+        for p in self.problems:
+            h.update(p.id.encode())
+            h.update(b"\0")
+        h.update(np.asarray(self.pool).tobytes())
+        return h.hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue drawing exactly as this sampler would (JSON-able)."""
+        return {
+            "version": 1,
+            "fingerprint": self._fingerprint(),
+            "walks": {s: [w.state() for w in ws] for s, ws in self.walks.items()},
+            "rng": {s: r.bit_generator.state for s, r in self._rng.items()},
+            "succ": self.succ.tolist(),
+            "fail": self.fail.tolist(),
+            "streak": self.streak.tolist(),
+            "retired": self.retired.tolist(),
+            "num_observed": self.num_observed.tolist(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises CheckpointError if the problem set differs."""
+        if state.get("version") != 1:
+            raise CheckpointError(f"curriculum state: unknown version {state.get('version')}")
+        if state["fingerprint"] != self._fingerprint():
+            raise CheckpointError("curriculum state: saved for a different problem set or "
+                                  "level filter (fingerprint mismatch)")
+        for s, ws in self.walks.items():
+            for w, st in zip(ws, state["walks"][s]):
+                w.load(st)
+        for s, r in self._rng.items():
+            r.bit_generator.state = state["rng"][s]
+        self.succ = np.asarray(state["succ"], dtype=np.float64)
+        self.fail = np.asarray(state["fail"], dtype=np.float64)
+        self.streak = np.asarray(state["streak"], dtype=np.int64)
+        self.retired = np.asarray(state["retired"], dtype=bool)
+        self.num_observed = np.asarray(state["num_observed"], dtype=np.int64)
+

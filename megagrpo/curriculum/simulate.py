@@ -1,0 +1,214 @@
+"""Planner: the real CurriculumSampler + DynamicSampler against a simulated rollout engine.
+
+Each problem gets a per-sample success probability p drawn from its posterior under the
+beta-binomial prior fitted to the level histogram (:mod:`megagrpo.curriculum.levels`), so
+the simulated ACR matches the predicted one in expectation. A rollout of G samples is G
+Bernoulli(p) draws; reward = correctness (no length penalty). Optionally, ``drift`` moves a
+trained problem's p towards 1 (``p += drift * (1 - p)`` per trained valid group): a crude
+stand-in for learning, which shows how pre-training levels go stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
+from megagrpo.curriculum.dynamic import DynamicSampler, checked_rounds
+from megagrpo.curriculum.levels import (BetaPrior, correct_from_level, fill_success_prob,
+                                        predict_acr)
+from megagrpo.curriculum.sampler import CurriculumSampler
+from megagrpo.types import Group, Problem
+
+log = logging.getLogger(__name__)
+
+CORRECTNESS_KEY = "correct"
+
+
+class BernoulliEngine:
+    """A RolloutEngine whose completions are right with probability p per problem.
+
+    ``generate`` returns groups whose completions are the gold answer (``",".join(answer)``)
+    or ``"wrong"``; with ``fill_rewards`` it also fills ``rewards`` and
+    ``reward_parts['correct']`` (the planner), otherwise a reward function scores the text
+    (the profiler's tests).
+    """
+
+    def __init__(self, p_by_id: Mapping[str, float], seed: int = 0,
+                 fill_rewards: bool = True) -> None:
+        self.ids = list(p_by_id)
+        self.index = {pid: i for i, pid in enumerate(self.ids)}
+        self.p = np.asarray([p_by_id[i] for i in self.ids], dtype=np.float64)
+        self.rng = np.random.default_rng(seed)
+        self.fill_rewards = fill_rewards
+        self.num_generated = 0
+
+    def generate(self, problems: Sequence[Problem], n: int,
+                 sampling: Any | None = None) -> list[Group]:
+        """``len(problems)`` groups of ``n`` completions each."""
+        idx = np.fromiter((self.index[p.id] for p in problems), dtype=np.int64,
+                          count=len(problems))
+        hits = (self.rng.random((len(problems), n)) < self.p[idx, None]).astype(np.float64)
+        self.num_generated += len(problems) * n
+        out = []
+        for prob, row in zip(problems, hits.tolist()):
+            gold = ",".join(prob.answer)
+            group = Group(problem=prob, completions=[gold if h else "wrong" for h in row],
+                          token_ids=[], logprobs=[], lengths=[1] * n)
+            if self.fill_rewards:
+                group.rewards = row
+                group.reward_parts = {CORRECTNESS_KEY: row}
+            out.append(group)
+        return out
+
+    def sleep(self) -> None:
+        """No-op (protocol)."""
+
+    def wake_up(self) -> None:
+        """No-op (protocol)."""
+
+    def update_weights(self, named_tensors: Any) -> None:
+        """No-op (protocol)."""
+
+
+def synthetic_population(hist: Mapping[int, int], k: int, seed: int = 0,
+                         prior: BetaPrior | None = None
+                         ) -> tuple[list[Problem], dict[str, int], dict[str, float]]:
+    """Problems, ``{id: level}`` and ``{id: p}`` for a level histogram.
+
+    Each problem's p is drawn from its level's posterior Beta(a + c, b + k - c).
+    """
+    prior = prior or BetaPrior.fit_histogram(hist, k)
+    rng = np.random.default_rng([seed, 104729])
+    problems, levels, ps = [], {}, {}
+    for level in sorted(hist):
+        count = int(hist[level])
+        a, b = prior.posterior(correct_from_level(level, k), k)
+        draws = rng.beta(a, b, size=count) if count else []
+        for j, p in enumerate(draws):
+            pid = f"L{level}-{j:06d}"
+            problems.append(Problem(id=pid, messages=[], answer=["a"]))
+            levels[pid] = level
+            ps[pid] = float(p)
+    return problems, levels, ps
+
+
+def population_from_records(records: Sequence[Mapping[str, Any]], k: int, seed: int = 0,
+                            prior: BetaPrior | None = None
+                            ) -> tuple[list[Problem], dict[str, int], dict[str, float]]:
+    """Like :func:`synthetic_population` but with the ids and counts of a levels file."""
+    from megagrpo.curriculum.levels import histogram
+
+    hist = histogram((int(r["level"]) for r in records), k + 1)
+    prior = prior or BetaPrior.fit_histogram(hist, k)
+    rng = np.random.default_rng([seed, 104729])
+    problems, levels, ps = [], {}, {}
+    for r in records:
+        a, b = prior.posterior(int(r["correct"]), k)
+        pid = str(r["id"])
+        problems.append(Problem(id=pid, messages=[], answer=["a"]))
+        levels[pid] = int(r["level"])
+        ps[pid] = float(rng.beta(a, b))
+    return problems, levels, ps
+
+
+@dataclass
+class PlanResult:
+    """Planner summary (``to_dict`` is the ``--json`` output)."""
+
+    config: dict[str, Any]
+    acr_predicted: float
+    acr_by_level_predicted: dict[int, float]
+    ds_fill_condition: bool
+    ds_success_prob: float
+    steps: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def mean(self, key: str) -> float:
+        return float(np.mean([s[key] for s in self.steps])) if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.config,
+            "acr_predicted": self.acr_predicted,
+            "acr_by_level_predicted": {f"L{k}": v for k, v in self.acr_by_level_predicted.items()},
+            "ds_fill_condition": self.ds_fill_condition,
+            "ds_success_prob_predicted": self.ds_success_prob,
+            "acr_raw_mean": self.mean("collapse/acr_raw"),
+            "frac_reward_zero_std_mean": self.mean("collapse/frac_reward_zero_std"),
+            "ds_success_rate": self.mean("dynamic/success"),
+            "valid_groups_per_step": self.mean("dynamic/valid_groups"),
+            "trained_groups_per_step": self.mean("dynamic/trained_groups"),
+            "gen_batches_per_step": self.mean("dynamic/gen_batches"),
+            "rounds_per_step": self.mean("dynamic/rounds"),
+            "collapsed_groups_trained_per_step": self.mean("dynamic/collapsed_groups_trained"),
+            "valid_groups_discarded_per_step": self.mean("dynamic/valid_groups_discarded"),
+            "valid_groups_carried_per_step": self.mean("dynamic/valid_groups_carried"),
+            "valid_groups_per_gen_batch": (self.mean("dynamic/valid_groups") /
+                                           max(self.mean("dynamic/gen_batches"), 1e-12)),
+            "seconds": self.seconds,
+        }
+
+
+def run_plan(hist: Mapping[int, int], k: int, group_size: int, batch_groups: int,
+             steps: int, curriculum: CurriculumConfig, dynamic: DynamicSamplingConfig,
+             drift: float = 0.0, seed: int = 0,
+             population: tuple[list[Problem], dict[str, int], dict[str, float]] | None = None
+             ) -> PlanResult:
+    """Simulate ``steps`` training steps; returns per-step metrics and the predictions.
+
+    Args:
+        hist: level histogram of the whole problem set ``{level: count}``.
+        k: samples per problem of the profile (levels L1..L{k+1}).
+        population: ``(problems, levels, p)``; default :func:`synthetic_population`.
+    """
+    t0 = time.perf_counter()
+    keep = curriculum.keep_levels if curriculum.keep_levels else sorted(hist)
+    weights = dict(zip(curriculum.keep_levels, curriculum.level_weights)) or None
+    pred = predict_acr(hist, k, group_size, keep, weights)
+    problems, levels, ps = population or synthetic_population(hist, k, seed, pred.prior)
+    sampler = CurriculumSampler(problems, curriculum, levels, CORRECTNESS_KEY, level_k=k)
+    engine = BernoulliEngine(ps, seed=seed)
+    ds = DynamicSampler(dynamic, CORRECTNESS_KEY, acr_predicted=pred.acr)
+    rounds = checked_rounds(dynamic)
+    result = PlanResult(
+        config={"group_size": group_size, "batch_groups": batch_groups, "steps": steps,
+                "max_resample": dynamic.max_resample, "policy": dynamic.policy,
+                "keep_levels": list(keep), "num_problems": len(problems),
+                "pool": int(len(sampler.pool)), "checked_rounds": rounds, "drift": drift},
+        acr_predicted=pred.acr, acr_by_level_predicted=pred.by_level,
+        ds_fill_condition=(1.0 - pred.acr) * rounds >= 1.0,
+        ds_success_prob=fill_success_prob(pred.acr, batch_groups, rounds))
+
+    def generate(probs: list[Problem]) -> list[Group]:
+        return engine.generate(probs, group_size)
+
+    for step in range(steps):
+        batch = ds.fill(sampler, generate, batch_groups, step)
+        if drift > 0:
+            for g in batch.groups:
+                i = engine.index[g.problem.id]
+                engine.p[i] += drift * (1.0 - engine.p[i])
+        row = dict(batch.stats)
+        row.update(sampler.metrics())
+        result.steps.append(row)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def compare_policies(hist: Mapping[int, int], k: int, group_size: int, batch_groups: int,
+                     steps: int, curriculum: CurriculumConfig, max_resample: int,
+                     seed: int = 0, policies: Sequence[str] = ("original", "partial", "carry")
+                     ) -> dict[str, dict[str, Any]]:
+    """``run_plan`` once per policy on the same population and seed."""
+    out = {}
+    for policy in policies:
+        dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy)
+        out[policy] = run_plan(hist, k, group_size, batch_groups, steps, curriculum, dyn,
+                               seed=seed).to_dict()
+    return out

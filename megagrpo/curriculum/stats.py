@@ -1,0 +1,157 @@
+"""Collapse statistics of a batch of GRPO groups (ACR, ms-swift's frac_reward_zero_std, ...).
+
+A group of G rewards is *collapsed* when all its rewards are equal: its group-normalised
+advantages are all zero and it contributes no policy gradient. Definitions:
+
+- ACR (ACR paper, def. 4.1): fraction of groups with ``std < tau`` (tau = 1e-6);
+- ``frac_reward_zero_std`` (ms-swift): fraction with ``std <= 1e-8`` (torch's unbiased std);
+- ``solve_all`` / ``solve_none``: every / no completion correct (a value >= 0.5 counts as
+  correct) on the correctness reward when given, else on the total reward;
+- ``acr_correctness``: ACR judged on the correctness reward alone. The total reward may add
+  a length penalty that splits a group which is otherwise all-correct or all-wrong.
+
+Statistics are computed twice per step (``../shared/DESIGN.md``): on the first generated
+round (raw, pre-filter, ``*_raw``) and on the batch actually trained (post-filter);
+:func:`collapse_metrics` names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+ACR_TAU = 1e-6
+MSSWIFT_ZERO_STD = 1e-8
+SOLVED_THRESHOLD = 0.5
+
+
+def collapse_prob(p: float | np.ndarray, group_size: int) -> float | np.ndarray:
+    """P(a group of ``group_size`` Bernoulli(p) rewards is collapsed) = p^G + (1-p)^G."""
+    p = np.asarray(p, dtype=np.float64)
+    out = p ** group_size + (1.0 - p) ** group_size
+    return float(out) if out.ndim == 0 else out
+
+
+def _as_matrix(values: Any) -> np.ndarray:
+    """``[N, G]`` float array from array-like (rows must have equal G)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return arr.reshape(0, 0)
+    if arr.ndim != 2:
+        raise ValueError(f"rewards must be [N, G], got shape {arr.shape}")
+    return arr
+
+
+def group_std(values: Any, ddof: int = 0) -> np.ndarray:
+    """Per-group std ``[N]`` of ``values [N, G]`` (ddof=1: torch.std, as ms-swift)."""
+    arr = _as_matrix(values)
+    if arr.shape[0] == 0:
+        return np.zeros(0)
+    if arr.shape[1] <= ddof:
+        return np.zeros(arr.shape[0])
+    return arr.std(axis=1, ddof=ddof)
+
+
+def collapsed_mask(values: Any, tau: float = ACR_TAU) -> np.ndarray:
+    """``[N]`` bool: group std < tau."""
+    return group_std(values) < tau
+
+
+def collapse_stats(rewards: Any, correctness: Any | None = None,
+                   levels: Sequence[int | None] | None = None,
+                   tau: float = ACR_TAU) -> dict[str, float]:
+    """Collapse statistics of one batch.
+
+    Args:
+        rewards: total rewards ``[N, G]``.
+        correctness: the correctness reward alone ``[N, G]`` (0/1), or None.
+        levels: difficulty level per group ``[N]`` (None entries skipped), or None.
+        tau: ACR threshold on the group std.
+
+    Returns:
+        ``num_groups``, ``acr``, ``frac_reward_zero_std``, ``solve_all``, ``solve_none``,
+        ``acr_by_level/L{k}`` (levels given), and with correctness ``acr_correctness`` and
+        ``frac_zero_std_correctness``. An empty batch gives 0.0 everywhere.
+    """
+    r = _as_matrix(rewards)
+    n = r.shape[0]
+    out: dict[str, float] = {"num_groups": float(n)}
+    if n == 0:
+        out.update(acr=0.0, frac_reward_zero_std=0.0, solve_all=0.0, solve_none=0.0)
+        if correctness is not None:
+            out.update(acr_correctness=0.0, frac_zero_std_correctness=0.0)
+        return out
+    collapsed = group_std(r) < tau
+    out["acr"] = float(collapsed.mean())
+    out["frac_reward_zero_std"] = float((group_std(r, ddof=1) <= MSSWIFT_ZERO_STD).mean())
+    judge = r
+    if correctness is not None:
+        c = _as_matrix(correctness)
+        if c.shape != r.shape:
+            raise ValueError(f"correctness shape {c.shape} != rewards shape {r.shape}")
+        out["acr_correctness"] = float((group_std(c) < tau).mean())
+        out["frac_zero_std_correctness"] = float((group_std(c, ddof=1) <= MSSWIFT_ZERO_STD).mean())
+        judge = c
+    solved = judge >= SOLVED_THRESHOLD
+    out["solve_all"] = float(solved.all(axis=1).mean())
+    out["solve_none"] = float((~solved).all(axis=1).mean())
+    if levels is not None:
+        if len(levels) != n:
+            raise ValueError(f"levels has {len(levels)} entries for {n} groups")
+        lv = np.array([-1 if x is None else int(x) for x in levels])
+        for level in sorted(set(lv.tolist()) - {-1}):
+            out[f"acr_by_level/L{level}"] = float(collapsed[lv == level].mean())
+    return out
+
+
+def collapse_metrics(raw: dict[str, float], post: dict[str, float],
+                     acr_predicted: float | None = None) -> dict[str, float]:
+    """DESIGN.md metric names from the raw (first round) and post-filter (trained) stats.
+
+    ``collapse/acr_raw``, ``collapse/solve_all_raw``, ``collapse/solve_none_raw``,
+    ``collapse/acr_by_level/L{k}`` (raw: per level only the pre-filter value means anything),
+    ``collapse/frac_reward_zero_std`` (post-filter, as ms-swift logs it) and
+    ``collapse/acr_predicted``; extras: ``collapse/frac_reward_zero_std_raw``,
+    ``collapse/acr_correctness_raw``, ``collapse/acr_post``, ``collapse/solve_all`` and
+    ``collapse/solve_none`` (post).
+    """
+    out = {
+        "collapse/acr_raw": raw["acr"],
+        "collapse/solve_all_raw": raw["solve_all"],
+        "collapse/solve_none_raw": raw["solve_none"],
+        "collapse/frac_reward_zero_std_raw": raw["frac_reward_zero_std"],
+        "collapse/frac_reward_zero_std": post["frac_reward_zero_std"],
+        "collapse/acr_post": post["acr"],
+        "collapse/solve_all": post["solve_all"],
+        "collapse/solve_none": post["solve_none"],
+    }
+    if "acr_correctness" in raw:
+        out["collapse/acr_correctness_raw"] = raw["acr_correctness"]
+    for key, value in raw.items():
+        if key.startswith("acr_by_level/"):
+            out[f"collapse/{key}"] = value
+    if acr_predicted is not None:
+        out["collapse/acr_predicted"] = float(acr_predicted)
+    return out
+
+
+def group_matrices(groups: Sequence[Any], correctness_key: str | None = None
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(rewards [N, G], correctness [N, G] | None)`` of a list of Groups.
+
+    Correctness is ``reward_parts[correctness_key]``; None unless every group has it.
+    """
+    if not groups:
+        return np.zeros((0, 0)), None
+    rewards = np.array([g.rewards for g in groups], dtype=np.float64)
+    if correctness_key and all(correctness_key in g.reward_parts for g in groups):
+        corr = np.array([g.reward_parts[correctness_key] for g in groups], dtype=np.float64)
+        return rewards, corr
+    return rewards, None
+
+
+def ds_can_fill(acr: float, num_checked_rounds: int) -> bool:
+    """The article's expected-value condition: (1 - ACR) * rounds >= 1 (ACR <= 1 - 1/R)."""
+    return (1.0 - acr) * num_checked_rounds >= 1.0 - 1e-12
