@@ -21,21 +21,26 @@ from megagrpo.algo.config import LossConfig
 Tensor = torch.Tensor
 
 
+def _up(t: Tensor) -> Tensor:
+    """fp32 for lower precisions; fp64 stays fp64 (gradcheck)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
     """log softmax(logits)[target] in fp32. logits [..., V], target_ids [...] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(_up(logits), dim=-1)
     return logp.gather(-1, target_ids.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) in fp32. logits [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(_up(logits), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 estimator of KL(pi || pi_ref) per token: exp(r) - r - 1 with r = ref - logp. [T]."""
-    r = ref_logp.float() - logp
+    r = _up(ref_logp) - logp
     return torch.exp(r) - r - 1.0
 
 
@@ -46,8 +51,8 @@ def clipped_surrogate(logp: Tensor, old: Tensor, adv: Tensor, eps_low: float,
     pg_t = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old).
     Returns (pg [T], clipped [T] bool: the clamped branch won, ratio [T]).
     """
-    ratio = torch.exp(logp - old.float())
-    adv = adv.float()
+    ratio = torch.exp(logp - _up(old))
+    adv = _up(adv)
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     return torch.maximum(pg1, pg2), (pg2 > pg1).detach(), ratio
@@ -60,19 +65,21 @@ def gspo_surrogate(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, seq_ids
     s_i = exp(mean_{t in i, mask} (logp_t - old_t)); A_i = masked mean of adv over seq i.
     Returns (pg [T]: the sequence's loss on each of its tokens, clipped [T], s_i on tokens [T]).
     """
-    m = mask.float()
-    ones = torch.zeros(num_seqs, device=logp.device).index_add_(0, seq_ids, m)
-    n = ones.clamp_min(1.0)
-    log_s = torch.zeros(num_seqs, device=logp.device).index_add_(
-        0, seq_ids, (logp - old.float()) * m) / n
-    adv_seq = torch.zeros(num_seqs, device=logp.device).index_add_(0, seq_ids, adv.float() * m) / n
+    m = mask.to(logp.dtype)
+
+    def seq_sum(x: Tensor) -> Tensor:
+        return torch.zeros(num_seqs, device=logp.device, dtype=logp.dtype).index_add_(0, seq_ids, x)
+
+    n = seq_sum(m).clamp_min(1.0)
+    log_s = seq_sum((logp - _up(old)) * m) / n
+    adv_seq = seq_sum(_up(adv) * m) / n
     pg, clipped, s = clipped_surrogate(log_s, torch.zeros_like(log_s), adv_seq, eps_low, eps_high)
     return pg[seq_ids], clipped[seq_ids], s[seq_ids]
 
 
 def tis_weights(old: Tensor, rollout: Tensor, cap: float) -> Tensor:
     """Truncated importance weights min(pi_trainer_old / pi_rollout, cap) per token. [T]."""
-    return torch.clamp(torch.exp(old.float() - rollout.float()), max=cap).detach()
+    return torch.clamp(torch.exp(_up(old) - _up(rollout)), max=cap).detach()
 
 
 def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Tensor | None, int]:
@@ -93,15 +100,15 @@ def token_weights(mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str,
     token_mean: m_t / sum(m). seq_mean_token_mean: m_t / (n_seq(t) * #non-empty seqs).
     seq_mean_token_sum_norm (Dr.GRPO): m_t / (num_seqs * L), L = max_tokens or longest n_i.
     """
-    m = mask.reshape(-1).float()
+    m = _up(mask.reshape(-1))
     if agg == "token_mean":
         return m / m.sum().clamp_min(1.0)
     if seq_ids is None:
         raise ValueError(f"loss aggregation {agg!r} needs sequences: pass [B, S] inputs or seq_ids [T]")
-    n = torch.zeros(num_seqs, device=m.device).index_add_(0, seq_ids, m)
+    n = torch.zeros(num_seqs, device=m.device, dtype=m.dtype).index_add_(0, seq_ids, m)
     if agg == "seq_mean_token_mean":
         num_valid = (n > 0).sum().clamp_min(1).float()
-        return m / (n.clamp_min(1.0)[seq_ids] * num_valid)
+        return m / (n.clamp_min(1.0)[seq_ids] * num_valid.to(m.dtype))
     if agg == "seq_mean_token_sum_norm":
         length = float(max_tokens) if max_tokens > 0 else n.max().clamp_min(1.0)
         return m / (num_seqs * length)
@@ -109,17 +116,16 @@ def token_weights(mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str,
 
 
 def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
-    return (x.float() * m).sum() / m.sum().clamp_min(1.0)
+    return (x.to(m.dtype) * m).sum() / m.sum().clamp_min(1.0)
 
 
 def loss_metrics(m: Tensor, pg_loss: Tensor, ratio: Tensor, clipped: Tensor, adv: Tensor,
                  cfg: LossConfig, entropy: Tensor | None = None, kl: Tensor | None = None,
                  tis_w: Tensor | None = None) -> dict[str, Tensor]:
     """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T]."""
-    m = m.float()
     valid = m > 0
-    big = torch.finfo(torch.float32).max
-    ratio = ratio.detach().float()
+    big = torch.finfo(ratio.dtype).max
+    ratio = ratio.detach()
     out = {
         "loss/policy": pg_loss.detach(),
         "loss/clip_frac": _masked_mean(clipped, m),
@@ -157,8 +163,8 @@ def policy_loss(logp: Tensor, old_logprobs: Tensor | None, advantages: Tensor, m
     flat = [None if x is None else x.reshape(-1) for x in
             (logp, old_logprobs, advantages, mask, entropy, ref_logprobs, rollout_logprobs)]
     logp, old, adv, m, ent, ref, rollout = flat
-    old = logp.detach() if old is None else old.float()
-    adv, m = adv.float(), m.float()
+    old = logp.detach() if old is None else old.to(logp.dtype)
+    adv, m = adv.to(logp.dtype), m.to(logp.dtype)
     if cfg.variant == "gspo":
         if ids is None:
             raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
