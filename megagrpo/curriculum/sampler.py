@@ -37,6 +37,7 @@ from megagrpo.types import Group, Problem
 log = logging.getLogger(__name__)
 
 STREAMS = ("main", "resample")
+ONLINE_PRIOR_MAX_STRENGTH = 2.0
 
 
 class _Walk:
@@ -103,7 +104,7 @@ class CurriculumSampler:
                     self.profile_level[i] = int(level)
         profiled = self.profile_level > 0
         hist = histogram(self.profile_level[profiled].tolist(), self.k + 1)
-        self.prior = BetaPrior.fit_histogram(hist, self.k) if profiled.any() else BetaPrior(1, 1)
+        self.prior = self._online_prior(hist) if profiled.any() else BetaPrior(1, 1)
         # Online evidence, seeded with the profile's counts.
         correct0 = np.where(profiled, self.k - self.profile_level + 1, 0).astype(np.float64)
         self.succ = correct0
@@ -113,6 +114,19 @@ class CurriculumSampler:
         self.num_observed = np.zeros(n, dtype=np.int64)
         self._build_pool(levels is not None and len(levels) > 0)
         self._rng = {s: np.random.default_rng([cfg.seed, j, 7919]) for j, s in enumerate(STREAMS)}
+
+    @staticmethod
+    def _online_prior(hist: dict[int, int]) -> BetaPrior:
+        """Population prior fitted to the levels, capped at ONLINE_PRIOR_MAX_STRENGTH
+        pseudo-samples: a narrow population (say, only L3) must not freeze each problem's
+        own estimate."""
+        k = max(hist) - 1
+        prior = BetaPrior.fit_histogram(hist, k)
+        strength = prior.a + prior.b
+        if strength <= ONLINE_PRIOR_MAX_STRENGTH:
+            return prior
+        scale = ONLINE_PRIOR_MAX_STRENGTH / strength
+        return BetaPrior(prior.a * scale, prior.b * scale)
 
     # ------------------------------------------------------------------ pool and walks
 
