@@ -20,7 +20,7 @@ Extraction rules (``extract_answer(text, problem)``), applied in this order:
      up to the end of its sentence (``。``, ``.␣``, ``!``, ``?``); if the rest is empty, from the
      next non-empty line.
    - *trailing phrases*: an answer group directly followed by ``が正解``/``が正しい``/
-     ``が答え``/``を選ぶ``/``を選択``.
+     ``が(最も)適切``/``が妥当``/``が答え``/``を選ぶ``/``を選択``, or by ``is/are (the) correct``.
    - *final line*: the last non-empty line when it is nothing but an answer (``c``,
      ``c, d.``, ``cd``, ``c です``) or an answer letter followed by ``.``/``:``/``)`` and text.
    The candidate with the **largest position wins** ("last stated answer"), so letters
@@ -76,7 +76,9 @@ _EN_MARK = re.compile(
     r"\b(?:final\s+answer|correct\s+(?:answer|option|choice)s?|answers?)\b"
     r"(?:\s*(?:is|are|would\s+be|should\s+be|will\s+be)\b\s*:?|\s*(?::|=|→)|[ \t]*$)",
     re.M)
-_TRAIL_MARK = re.compile(rf"({_GROUP})\s*(?:が|を)\s*(?:正解|正しい|答え|選ぶ|選択)")
+_TRAIL_MARK = re.compile(
+    rf"({_GROUP})\s*(?:(?:が|を)\s*(?:最も)?\s*(?:正解|正しい|答え|選ぶ|選択|適切|妥当)"
+    rf"|(?:is|are)\s+(?:the\s+)?(?:correct|right|best)\b)")
 _ENUM_RE = re.compile(rf"{_L}\s*[.:)]")
 _SENT_END = re.compile(r"。|\.(?:\s|$)|[!?！？]|\n")
 _PAREN_RE = re.compile(r"[(（]([^()（）\n]*)[)）]")

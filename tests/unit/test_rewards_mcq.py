@@ -165,6 +165,10 @@ def test_refusals_and_empty_score_zero(problems):
     ("答え: b\n再考すると\n答え: e、c", ["c", "e"]),
     ("HbA1c が高いので答えは ｅ", ["e"]),
     ("<answer>B</answer>", ["b"]),
+    ("以上より c が最も適切である。", ["c"]),
+    ("(C) is the correct answer.", ["c"]),
+    ("aが正しいように見えるが、実際にはcが正解", ["c"]),
+    ("正解: c\n\n解説:\na. 誤り\nb. 誤り\nd. 誤り\ne. 誤り", ["c"]),
     ("c or d", ["c", "d"]),                              # hedging: both letters (wrong for one-answer)
 ])
 def test_extraction_rules(text, expected):
@@ -202,3 +206,19 @@ def test_loader_problems_are_scored_the_same(igakuqa_dir):
             digits = re.sub(r"\D", "", p.answer[0])
             slots = " ".join(f"{'①②③④⑤'[i]}{d}" for i, d in enumerate(digits))
             assert reward([f"解答：{slots}"], p) == [1.0], p.id
+
+
+def test_agrees_with_baseline_parsed_predictions(igakuqa_dir, problems):
+    """The baselines' ``explanation`` (raw model text) extracts to their parsed ``prediction``."""
+    by_id = {p.id: p for p in problems}
+    checked = 0
+    for path in sorted((igakuqa_dir / "baseline_results").glob("*/*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            p = by_id[rec["problem_id"]]
+            if not p.meta["choices"] or not re.fullmatch(r"[a-h](,[a-h])*", rec["prediction"]):
+                continue
+            got = extract_answer(rec["explanation"], p)
+            assert got == sorted(set(rec["prediction"].split(","))), (path.name, rec)
+            checked += 1
+    assert checked > 5000
