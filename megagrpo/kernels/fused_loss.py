@@ -143,7 +143,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         p = ctx.plan
         if ctx.in_logits:
-            (grad,) = ctx.saved_tensors
+            grad = ctx.saved_tensors[0].detach()
             if float(grad_loss) != 1.0:
                 grad.mul_(grad_loss.to(grad.dtype))
             return grad, None
