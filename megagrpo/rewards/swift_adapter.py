@@ -5,19 +5,28 @@ ms-swift reward plugins follow one call convention: an object (usually a subclas
 list[float]``, where every keyword is a per-completion list: the dataset's columns
 (``solution``, ...), ``messages`` and ``response_token_ids``. A reward name of the form
 ``'module.path:ClassName'`` imports that object (the module may import ``swift``, which comes
-with the ``swift`` extra: ``pip install 'megagrpo[swift]'``); classes are instantiated with the
-spec's kwargs.
+with the ``swift`` extra: ``pip install 'megagrpo[swift]'``).
 
-Columns passed: ``solution`` (``meta['solution']`` when the problem came from ms-swift JSONL,
-else the gold answers joined by ``,``), ``problem_id``, ``messages`` (the prompt), every
-``meta`` key, and ``response_token_ids`` (the real token ids when given, else placeholder
-lists of the right length, enough for length-based rewards like ms-swift's SoftOverlong).
+Construction: ms-swift 4.x builds reward classes as ``cls(args=trainer_args)`` and reads
+settings from that object (``SoftOverlong`` reads ``args.soft_max_length``). A class whose
+``__init__`` takes ``args`` therefore gets ``args=SimpleNamespace(**spec.kwargs)`` (plus the
+kwargs it names, or all of them if it takes ``**kwargs``); any other class gets
+``cls(**spec.kwargs)``. Functions are used as they are. ``async`` ORMs are awaited.
+
+Call: like ms-swift's ``compute_rewards_per_func``: ``trainer_state=None`` and per-completion
+columns ``solution`` (``meta['solution']`` for ms-swift JSONL problems, else the gold answers
+joined by ``,``), ``problem_id``, every ``meta`` key, ``messages`` (the prompt plus the
+completion as the last assistant message) and ``response_token_ids`` (the real ids when
+given, else placeholder lists of the right length: enough for length rewards like
+``SoftOverlong``, not for decoding).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+from types import SimpleNamespace
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,13 +70,17 @@ class SwiftORMReward:
         columns: dict[str, Any] = {k: v for k, v in problem.meta.items()}
         columns["solution"] = problem.meta.get("solution", ",".join(problem.answer))
         columns["problem_id"] = problem.id
-        columns["messages"] = problem.messages
-        kwargs = {k: [v] * n for k, v in columns.items()}
+        kwargs: dict[str, Any] = {k: [v] * n for k, v in columns.items()}
+        kwargs["messages"] = [list(problem.messages) + [{"role": "assistant", "content": c}]
+                              for c in completions]
+        kwargs["trainer_state"] = None
         if token_ids is not None:
             kwargs["response_token_ids"] = [list(t) for t in token_ids]
         elif lengths is not None:
             kwargs["response_token_ids"] = [[0] * int(length) for length in lengths]
         out = self.orm(list(completions), **kwargs)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_await(out))
         values = [float(v) for v in out]
         if len(values) != n:
             raise ValueError(f"ms-swift reward {self.name} returned {len(values)} values "
@@ -80,9 +93,28 @@ def swift_reward(path: str, **kwargs: Any) -> SwiftORMReward:
     obj = load_object(path)
     if inspect.isclass(obj):
         try:
-            obj = obj(**kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"reward '{path}': cannot construct with {kwargs}: {exc}") from exc
+            obj = _construct(obj, kwargs)
+        except (TypeError, AttributeError, AssertionError) as exc:
+            raise ConfigError(f"reward '{path}': cannot construct with {kwargs}: "
+                              f"{type(exc).__name__}: {exc}") from exc
     elif kwargs:
         raise ConfigError(f"reward '{path}' is not a class; it takes no kwargs (got {kwargs})")
     return SwiftORMReward(obj, name=path)
+
+
+def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
+    """ms-swift style ``cls(args=namespace)`` when ``__init__`` takes ``args``, else
+    ``cls(**kwargs)``."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return cls(**kwargs)
+    if "args" not in params or "args" in kwargs:
+        return cls(**kwargs)
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    passed = {k: v for k, v in kwargs.items() if var_kw or k in params}
+    return cls(args=SimpleNamespace(**kwargs), **passed)
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable

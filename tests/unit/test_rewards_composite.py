@@ -4,6 +4,7 @@ ms-swift ORM plugin adapter."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import math
 import sys
@@ -56,11 +57,11 @@ def _swift_soft_overlong():
 
 def test_soft_overlong_matches_ms_swift():
     cls = _swift_soft_overlong()
-    try:
+    from types import SimpleNamespace
+    if "args" in inspect.signature(cls).parameters:  # 4.x: cls(args=trainer_args)
+        ref = cls(args=SimpleNamespace(soft_max_length=4096, soft_cache_length=2048))
+    else:  # older releases: explicit lengths
         ref = cls(soft_max_length=4096, soft_cache_length=2048)
-    except TypeError:  # releases that take the trainer args object
-        from types import SimpleNamespace
-        ref = cls(SimpleNamespace(soft_max_length=4096, soft_cache_length=2048))
     lengths = [0, 1, 2047, 2048, 2049, 3000, 4095, 4096, 4097, 6000, 9000]
     want = ref(["x"] * len(lengths), response_token_ids=[[7] * n for n in lengths])
     ours = get("soft_overlong", max_len=4096, cache_len=2048)
@@ -151,10 +152,22 @@ ORM_MODULE = textwrap.dedent('''
         def __init__(self, bonus=1.0):
             self.bonus = bonus
 
-        def __call__(self, completions, solution, **kwargs):
+        def __call__(self, completions, solution, trainer_state=None, **kwargs):
             assert all(isinstance(col, list) and len(col) == len(completions)
                        for col in kwargs.values()), "ms-swift passes per-completion columns"
+            assert [m[-1]["content"] for m in kwargs["messages"]] == completions
             return [self.bonus * float(c.strip().endswith(s)) for c, s in zip(completions, solution)]
+
+    class ArgsStyle(ORM):  # ms-swift 4.x builtins: cls(args=trainer_args)
+        def __init__(self, args=None, **kwargs):
+            self.cap = args.max_chars
+
+        def __call__(self, completions, **kwargs):
+            return [min(len(c), self.cap) / self.cap for c in completions]
+
+    class AsyncLen:
+        async def __call__(self, completions, **kwargs):
+            return [float(len(c)) for c in completions]
 
     class TokenCount(ORM):
         def __call__(self, completions, response_token_ids=None, **kwargs):
@@ -178,13 +191,26 @@ def test_swift_orm_adapter(orm_module):
         RewardSpec(f"{orm_module}:ExactSolution", 2.0, {"bonus": 0.5}, label="exact"),
         RewardSpec(f"{orm_module}:TokenCount", 0.0, label="ntok"),
         RewardSpec(f"{orm_module}:plain_function", 1.0, label="fn"),
+        RewardSpec(f"{orm_module}:ArgsStyle", 0.0, {"max_chars": 10}, label="args"),
+        RewardSpec(f"{orm_module}:AsyncLen", 0.0, label="async"),
     ]))
     total, parts = comp(["答え: e", "答え: a"], PROBLEM, lengths=[4, 9])
     assert parts["exact"] == [0.5, 0.0]        # solution column = gold joined by ','
     assert parts["ntok"] == [4.0, 9.0]         # response_token_ids of the given lengths
     assert parts["fn"] == [1.0, 1.0]
+    assert parts["args"] == [0.5, 0.5] and parts["async"] == [5.0, 5.0]
     assert total == [2.0, 1.0]
     _, parts = comp(["x"], PROBLEM, token_ids=[[5, 6, 7]])
     assert parts["ntok"] == [3.0]
     with pytest.raises(ConfigError, match="cannot construct"):
         get(f"{orm_module}:ExactSolution", nope=1)
+
+
+def test_rewards_package_is_pure():
+    """megagrpo.rewards imports no megatron, vllm, torch (nor torch.distributed)."""
+    import subprocess
+    code = ("import sys, megagrpo.rewards, megagrpo.rewards.cli_score, megagrpo.rewards.igakuqa, "
+            "megagrpo.rewards.swift_adapter; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'torch')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
