@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from types import SimpleNamespace
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 from megagrpo.errors import ConfigError
