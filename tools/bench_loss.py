@@ -12,7 +12,8 @@ rows; the naive path is the reference (megagrpo.algo.losses).
 
 Inputs: hidden [T, H] and an output projection W [V, H] give logits = hidden @ W^T [T, V]
 (built in chunks, in --dtype); the naive and fused paths take the logits as their input;
-Liger's LigerFusedLinearGRPOLoss takes hidden and W (so it also does the projection).
+fused_linear (megagrpo.kernels.fused_linear) and Liger's LigerFusedLinearGRPOLoss take hidden
+and W (so they also do the projection; their gradient error is measured on hidden states).
 
 Usage: python tools/bench_loss.py [--device cpu|cuda] [--tokens T] [--vocab V] [--json]
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-METHODS = ("naive", "fused", "fused_inplace", "liger")
+METHODS = ("naive", "fused", "fused_inplace", "fused_linear", "liger")
 H200_PEAK_BYTES_PER_S = 4.8e12
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -111,6 +112,16 @@ def run_fused(d: dict, in_logits: bool = False) -> dict:
     return dict(loss=loss.detach(), grad=grad)
 
 
+def run_fused_linear(d: dict) -> dict:
+    from megagrpo.kernels.fused_linear import fused_linear_policy_loss
+
+    h = d["hidden"].detach().requires_grad_()
+    loss, _ = fused_linear_policy_loss(h, d["weight"], d["tgt"], d["old"], d["adv"], d["mask"],
+                                       loss_cfg())
+    (grad_h,) = torch.autograd.grad(loss, h)
+    return dict(loss=loss.detach(), grad_hidden=grad_h)
+
+
 def run_liger(d: dict) -> dict:
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -127,7 +138,8 @@ def run_liger(d: dict) -> dict:
 
 
 RUNNERS = {"naive": run_naive, "fused": run_fused,
-           "fused_inplace": lambda d: run_fused(d, in_logits=True), "liger": run_liger}
+           "fused_inplace": lambda d: run_fused(d, in_logits=True),
+           "fused_linear": run_fused_linear, "liger": run_liger}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -253,8 +265,8 @@ def print_table(s: dict, res: dict) -> None:
         print(f"max |logp fused - logp naive| = {s['max_abs_err_logp']:.2e}")
     if "fused_bandwidth_frac_of_h200_peak" in s:
         print(f"fused achieved bandwidth: {s['fused_bandwidth_frac_of_h200_peak']:.2%} of H200 peak")
-    if "max_abs_err_grad_hidden_liger" in s:
-        print("liger: grad error is on hidden states (grad_logits @ W of naive as reference)")
+    if any(k.startswith("max_abs_err_grad_hidden_") for k in s):
+        print("fused_linear/liger: grad error is on hidden states (naive grad_logits @ W as ref)")
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,121 @@
+"""Fused output projection + GRPO-family loss: hidden -> logits chunked over tokens.
+
+Neither the [T, V_local] logits nor their gradient ever exist in full: pass 1 computes each
+chunk's logits hidden_c @ W^T, reduces them to per-token softmax stats and drops them; the
+O(T) epilogue gives the loss and g = dL/dlogp, h = dL/dH; pass 2 recomputes each chunk's
+logits, turns them in place into their gradient and contracts it at once into
+grad_hidden [T, H] and grad_weight [V_local, H] (fp32 accumulation). Both gradients are
+computed during forward and scaled by the upstream gradient in backward (as Liger does).
+
+Vocab parallel: W is this rank's shard [V_local, H]; stats are combined over ``tp_group``.
+grad_hidden is this rank's partial sum over its vocab shard, exactly what Megatron's
+ColumnParallelLinear matmul produces: the caller's ``copy_to_tensor_model_parallel_region``
+(or an explicit all-reduce) sums it over the group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megagrpo.algo.config import LossConfig
+from megagrpo.algo.losses import make_seq_ids
+from megagrpo.kernels import epilogue
+from megagrpo.kernels.fused_loss import _grad, _Plan, _stats, resolve_backend
+from megagrpo.kernels.vocab_parallel import combine_stats, vocab_start_of
+
+Tensor = torch.Tensor
+
+
+def _chunks(T: int, step: int):
+    for r0 in range(0, T, step):
+        yield r0, min(T, r0 + step)
+
+
+class _FusedLinearPolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, plan: _Plan, chunk_tokens: int) -> Tensor:
+        T, V = hidden.shape[0], weight.shape[0]
+        start = vocab_start_of(plan.tp_group, V)
+        cb = plan.cfg.chunk_bytes
+        stats = torch.empty(T, 4, device=hidden.device, dtype=torch.float32)
+        for r0, r1 in _chunks(T, chunk_tokens):  # pass 1: stats
+            logits = hidden[r0:r1] @ weight.T
+            stats[r0:r1] = _stats(logits, plan.target[r0:r1], start, plan.backend, cb, None)[0]
+        stats = combine_stats(stats, plan.tp_group)
+        lse = stats[:, 0] + torch.log(stats[:, 1])
+        ex = stats[:, 2]
+        logp, ent = stats[:, 3] - lse, lse - ex
+        old = logp if plan.old is None else plan.old
+        if plan.cfg.variant == "gspo":
+            if plan.ids is None:
+                raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
+            terms, _ = epilogue.gspo_terms(logp, old, plan.adv, plan.mask, plan.ids,
+                                           plan.num_seqs, plan.cfg, plan.ref)
+        else:
+            terms = epilogue.token_terms(logp, old, plan.adv, plan.cfg, plan.ref)
+        loss, plan.metrics, g, h = epilogue.assemble(logp, ent, old, plan.adv, plan.mask,
+                                                     plan.cfg, plan.ids, plan.num_seqs, terms,
+                                                     plan.rollout)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        if need_h or need_w:
+            for r0, r1 in _chunks(T, chunk_tokens):  # pass 2: gradients
+                logits = hidden[r0:r1] @ weight.T
+                hc = None if h is None else h[r0:r1]
+                _grad(logits, plan.target[r0:r1], lse[r0:r1], ex[r0:r1], g[r0:r1], hc, logits,
+                      start, plan.backend, cb)
+                if need_h:
+                    grad_h[r0:r1] = (logits @ weight).float()
+                if need_w:
+                    grad_w.addmm_(logits.T.float(), hidden[r0:r1].float())
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        out_h = None if grad_h is None else (grad_h * grad_loss).to(ctx.dtypes[0])
+        out_w = None if grad_w is None else (grad_w * grad_loss).to(ctx.dtypes[1])
+        return out_h, out_w, None, None
+
+
+def fused_linear_policy_loss(hidden: Tensor, weight: Tensor, target_ids: Tensor,
+                             old_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
+                             cfg: LossConfig, ref_logprobs: Tensor | None = None, tp_group=None,
+                             *, rollout_logprobs: Tensor | None = None,
+                             seq_ids: Tensor | None = None, chunk_tokens: int | None = None
+                             ) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO-family loss of logits = hidden @ weight^T without materialising the logits.
+
+    Args:
+        hidden: [T, H] or [B, S, H] final hidden states (bf16/fp32).
+        weight: [V_local, H] output projection (this rank's vocab shard with tp_group).
+        chunk_tokens: tokens per chunk (default: cfg.chunk_bytes of logits in hidden's dtype).
+        Others: as :func:`megagrpo.kernels.fused_policy_loss`.
+
+    Returns:
+        (loss, metrics); loss is differentiable w.r.t. hidden and weight.
+    """
+    lead = hidden.shape[:-1]
+    for name, t in (("target_ids", target_ids), ("advantages", advantages), ("mask", mask),
+                    ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
+                    ("rollout_logprobs", rollout_logprobs)):
+        if t is not None and tuple(t.shape) != tuple(lead):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    ids, num_seqs = make_seq_ids(lead, seq_ids, hidden.device)
+
+    def flat(t):
+        return None if t is None else t.reshape(-1).float()
+
+    plan = _Plan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
+                 flat(ref_logprobs), flat(rollout_logprobs), ids, num_seqs, tp_group,
+                 resolve_backend(cfg.backend, hidden.device))
+    if chunk_tokens is None:
+        chunk_tokens = max(1, cfg.chunk_bytes // (weight.shape[0] * hidden.element_size()))
+    loss = _FusedLinearPolicyLoss.apply(hidden2d, weight, plan, int(chunk_tokens))
+    return loss, plan.metrics
