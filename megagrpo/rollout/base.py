@@ -1,0 +1,266 @@
+"""The rollout engine protocol and what every engine shares.
+
+An engine turns problems into :class:`~megagrpo.types.Group` s of G sampled answers (with the
+sampled tokens' log-probs), sleeps while the trainer runs, and takes new weights every step.
+Weight sync is the most dangerous step in RL post-training: an engine that silently keeps
+its old weights trains on stale rollouts forever. So every :meth:`RolloutEngine.update_weights`
+ends with a *probe*: the engine scores a fixed token sequence and the log-probs must equal the
+trainer's (``expected_probe``) within ``rollout.verify_tol``, or at least move when no
+expectation is given. A failed probe raises :class:`WeightSyncError`; it never warns.
+
+Nothing here imports vllm; the trainer depends on this module only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from megagrpo.errors import MegagrpoError
+from megagrpo.types import Group, Problem
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(MegagrpoError):
+    """The rollout engine failed to start or to generate (message names config keys)."""
+
+
+class WeightSyncError(EngineError):
+    """A weight update did not take effect (the verification probe failed)."""
+
+
+@dataclass
+class SamplingSpec:
+    """Per-call sampling settings; ``None`` fields fall back to the engine's RolloutConfig."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    """Base seed of this call; request i of problem j gets a seed derived from (seed, j, i)."""
+
+
+@dataclass
+class SyncReport:
+    """What a weight sync cost and whether it was verified.
+
+    Attributes:
+        bytes: tensor bytes streamed to the engine (in the engine's dtype).
+        seconds: wall time of transfer + verification.
+        verified: True when the probe passed (a failed probe raises instead).
+        max_probe_diff: max |engine - expected| probe log-prob when ``expected_probe`` was
+            given, else the max |after - before| change of the probe.
+        num_tensors: tensors streamed; num_buckets: buckets they were streamed in.
+        mode: "full" (merged weights) or "adapter" (LoRA tensors only).
+    """
+
+    bytes: int
+    seconds: float
+    verified: bool
+    max_probe_diff: float
+    num_tensors: int = 0
+    num_buckets: int = 0
+    mode: str = "full"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the GRPO loop needs from an inference engine (vLLM, HF ``generate``)."""
+
+    tokenizer: Any
+    """The HF tokenizer the engine decodes with (the trainer tokenises with the same one)."""
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The exact prompt token ids ``[P]`` (chat template + generation prompt)."""
+
+    def generate(self, problems: list[Problem], n: int,
+                 sampling: SamplingSpec | None = None) -> list[Group]:
+        """Sample ``n`` completions per problem; one Group per problem, in order.
+
+        Fills ``completions``, ``token_ids`` ``[L_i]``, ``logprobs`` ``[L_i]`` (sampled
+        tokens, raw model distribution), ``lengths``, ``prompt_ids`` and ``finish_reasons``.
+        """
+
+    def probe_logprobs(self) -> list[float]:
+        """Log-probs ``[probe_len - 1]`` of the fixed probe sequence under current weights."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       expected_probe: Sequence[float] | None = None) -> SyncReport:
+        """Load HF-named full tensors, streamed in buckets; verify; raise WeightSyncError."""
+
+    def sleep(self) -> None:
+        """Free the engine's device memory (KV cache, weights) while the trainer runs."""
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` before the next :meth:`generate`."""
+
+    def close(self) -> None:
+        """Release everything; the engine cannot be used afterwards."""
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def chat_prompt_ids(tokenizer, problem: Problem) -> list[int]:
+    """Tokenise ``problem.messages`` with the tokenizer's chat template, generation prompt on.
+
+    The template output is tokenised as rendered text with ``add_special_tokens=False`` so
+    that engines and the trainer see identical ids (no second BOS). Returns ``[P]`` ids.
+    """
+    if not problem.messages:
+        raise EngineError(f"problem {problem.id!r} has no messages")
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(problem.messages, tokenize=False,
+                                             add_generation_prompt=True)
+    else:  # base models without a template: plain concatenation of the contents
+        text = "\n".join(m["content"] for m in problem.messages)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def request_seed(base: int, problem_index: int, sample_index: int) -> int:
+    """Deterministic per-request seed from (call seed, problem index, sample index)."""
+    return (base * 1_000_003 + problem_index * 8191 + sample_index) % (2**31 - 1)
+
+
+def decode_completion(tokenizer, token_ids: Sequence[int]) -> str:
+    """Decode sampled ids, skipping special tokens and ids beyond the tokenizer's vocab
+    (the embedding is padded past it; a random model may sample those)."""
+    vocab = len(tokenizer)
+    return tokenizer.decode([t for t in token_ids if t < vocab], skip_special_tokens=True)
+
+
+def default_probe_ids(tokenizer, length: int) -> list[int]:
+    """A fixed token sequence ``[length]`` for sync verification: a short chat turn,
+    padded/truncated to ``length`` with a deterministic id pattern."""
+    text = "<|im_start|>user\nThe answer is c. 答え: b,d<|im_end|>\n<|im_start|>assistant\n"
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    vocab = len(tokenizer)
+    i = 0
+    while len(ids) < length:
+        ids.append((7 + 31 * i) % vocab)
+        i += 1
+    return ids[:length]
+
+
+def check_probe(before: Sequence[float], after: Sequence[float],
+                expected: Sequence[float] | None, tol: float, min_change: float,
+                what: str) -> float:
+    """Verify a weight sync from probe log-probs; returns the reported max diff.
+
+    With ``expected`` (the trainer's log-probs of the probe under the new weights), the
+    engine's must match within ``tol``. Without, they must move by more than ``min_change``.
+    Raises WeightSyncError otherwise.
+    """
+    after_t = torch.tensor(after, dtype=torch.float64)
+    if expected is not None:
+        exp_t = torch.tensor(list(expected), dtype=torch.float64)
+        if exp_t.shape != after_t.shape:
+            raise WeightSyncError(f"{what}: expected_probe has {exp_t.numel()} values, the "
+                                  f"probe has {after_t.numel()} (use engine.probe_token_ids)")
+        diff = float((after_t - exp_t).abs().max())
+        if not diff <= tol:  # also catches NaN
+            raise WeightSyncError(
+                f"{what}: weight sync did not take effect as the trainer predicts: probe "
+                f"log-probs differ by {diff:.3g} > rollout.verify_tol={tol:g} (changed by "
+                f"{float((after_t - torch.tensor(before, dtype=torch.float64)).abs().max()):.3g}"
+                " from before the sync). Tensor names or layout probably did not map.")
+        return diff
+    change = float((after_t - torch.tensor(before, dtype=torch.float64)).abs().max())
+    if not change > min_change:
+        raise WeightSyncError(
+            f"{what}: weight sync did not take effect: probe log-probs moved by {change:.3g} "
+            f"<= rollout.verify_min_change={min_change:g}. Pass expected_probe from the "
+            "trainer for an exact check.")
+    return change
+
+
+# ----------------------------------------------------------------------------- weights
+
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def to_checkpoint_format(named_tensors: Iterable[tuple[str, torch.Tensor]]
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF checkpoint names: split transformers-5 fused expert tensors into per-expert ones.
+
+    ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]`` -> ``...experts.{e}.gate_proj.weight``
+    ``[I, H]`` (first half) and ``up_proj.weight`` (second half); ``...experts.down_proj``
+    ``[E, H, I]`` -> ``...experts.{e}.down_proj.weight`` ``[H, I]``. Other names pass through.
+    Yields views (no copies).
+    """
+    for name, tensor in named_tensors:
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        prefix, kind = m.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "gate_up_proj":
+                half = tensor.shape[1] // 2
+                yield f"{prefix}.{e}.gate_proj.weight", tensor[e, :half]
+                yield f"{prefix}.{e}.up_proj.weight", tensor[e, half:]
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", tensor[e]
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a tensor stream into buckets of at most ``bucket_bytes`` (after casting to
+    ``dtype`` on ``device``); a single larger tensor forms its own bucket.
+
+    Only one bucket is materialised at a time, so a sync never holds a second full copy of
+    the model. Tensors are detached, contiguous copies the engine may keep.
+    """
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        t = tensor.detach().to(device=device, dtype=dtype or tensor.dtype).contiguous()
+        if t.data_ptr() == tensor.data_ptr():
+            t = t.clone()  # never hand the engine the trainer's own storage
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class SyncMeter:
+    """Counts what flows through a bucketed sync stream (tensors, buckets, bytes)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.num_tensors = 0
+        self.num_buckets = 0
+        self.max_bucket_bytes = 0
+
+    def stream(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Flatten buckets into (name, tensor) pairs while counting them."""
+        for bucket in buckets:
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            self.num_buckets += 1
+            self.max_bucket_bytes = max(self.max_bucket_bytes, nbytes)
+            self.bytes += nbytes
+            self.num_tensors += len(bucket)
+            yield from bucket
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+    """Config dtype string -> torch dtype ("auto": the checkpoint's, else float32)."""
+    if name == "auto":
+        return checkpoint_dtype or torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]

@@ -1,0 +1,273 @@
+"""transformers ``generate`` rollout engine: same protocol as vLLM, for machines without it.
+
+Slow (no paged KV cache, no continuous batching) but exact: it is also the reference the vLLM
+engine is tested against. Per-request seeds: a logits processor samples each row with its
+own ``torch.Generator`` (temperature, top-p) and hands ``generate`` a one-hot choice, so
+``generate`` runs greedily over our samples; log-probs come from the raw logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from megagrpo.rollout.base import (
+    EngineError,
+    SamplingSpec,
+    SyncMeter,
+    SyncReport,
+    WeightSyncError,
+    chat_prompt_ids,
+    check_probe,
+    decode_completion,
+    default_probe_ids,
+    iter_buckets,
+    request_seed,
+    resolve_dtype,
+)
+from megagrpo.rollout.config import RolloutConfig
+from megagrpo.types import Group, Problem
+
+log = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+MAX_ROWS = 64
+"""Rows (prompt x sample) per ``generate`` call."""
+
+
+@torch.no_grad()
+def sequence_logprobs(model, token_ids: Sequence[int]) -> list[float]:
+    """Log-probs ``[T - 1]`` of ``token_ids[1:]`` under an HF causal LM (float64 softmax)."""
+    ids = torch.tensor([list(token_ids)], device=model.device)
+    logits = model(input_ids=ids).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+class _SeededSampler:
+    """Logits processor: sample row i with generator i; return a one-hot choice [B, V]."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device) -> None:
+        self.gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        choice = torch.cat([torch.multinomial(probs[i], 1, generator=g)
+                            for i, g in enumerate(self.gens)])
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(choice)), choice] = 0.0
+        return out
+
+
+class HFEngine:
+    """:class:`~megagrpo.rollout.base.RolloutEngine` on transformers ``generate``."""
+
+    name = "hf"
+
+    def __init__(self, cfg: RolloutConfig, model_path: str, seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=None if cfg.dtype == "auto" else resolve_dtype(cfg.dtype))
+            self.model.to(device).eval()
+        except Exception as exc:
+            raise EngineError(f"HF engine start failed: {type(exc).__name__}: {exc}\n"
+                              "  -> check model.hf_path and rollout.dtype") from exc
+        self.dtype = next(self.model.parameters()).dtype
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_path)
+            eos = gen.eos_token_id
+        except OSError:
+            eos = None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                       else eos[0])
+        self._base_seed = int(cfg.seed) * 7919 + int(seed)
+        self._calls = itertools.count()
+        self._asleep = False
+        self.probe_token_ids = default_probe_ids(self.tokenizer, cfg.probe_len)
+        self._last_probe = self.probe_logprobs()
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The exact prompt ids ``[P]`` (chat template, generation prompt, no extra BOS)."""
+        return chat_prompt_ids(self.tokenizer, problem)
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise EngineError("rollout engine is asleep: call wake_up() before using it")
+
+    @torch.no_grad()
+    def _generate_rows(self, rows: list[list[int]], seeds: list[int], temperature: float,
+                       top_p: float, max_tokens: int) -> list[tuple[list[int], list[float], str]]:
+        """Left-padded batch generate; returns (token_ids, logprobs, finish) per row."""
+        from transformers import LogitsProcessorList
+
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        dev = self.model.device
+        sampler = _SeededSampler(seeds, temperature, top_p, dev)
+        out = self.model.generate(
+            input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
+            max_new_tokens=max_tokens, logits_processor=LogitsProcessorList([sampler]),
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_logits=True,
+            return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+        new = out.sequences[:, width:].cpu()
+        logp = torch.log_softmax(torch.stack(out.logits, 1).double(), -1).cpu()  # [B, L, V]
+        results = []
+        for i in range(len(rows)):
+            toks, lps, finish = [], [], "length"
+            for t in range(new.shape[1]):
+                tok = int(new[i, t])
+                toks.append(tok)
+                lps.append(float(logp[i, t, tok]))
+                if tok in self.eos_ids:
+                    finish = "stop"
+                    break
+            results.append((toks, lps, finish))
+        return results
+
+    def generate(self, problems: list[Problem], n: int,
+                 sampling: SamplingSpec | None = None) -> list[Group]:
+        """Sample ``n`` completions per problem (see RolloutEngine.generate)."""
+        self._check_awake()
+        s = sampling or SamplingSpec()
+        cfg = self.cfg
+        call = next(self._calls)
+        base = s.seed if s.seed is not None else request_seed(self._base_seed, call, 0)
+        prompts = [self.prompt_ids(p) for p in problems]
+        rows, seeds = [], []
+        for j, ids in enumerate(prompts):
+            if cfg.max_model_len - len(ids) < 1:
+                raise EngineError(f"problem {problems[j].id!r}: prompt of {len(ids)} tokens "
+                                  "leaves no room to generate; raise rollout.max_model_len")
+            rows += [ids] * n
+            seeds += [request_seed(base, j, i) for i in range(n)]
+        max_tokens = min(s.max_tokens or cfg.max_tokens,
+                         cfg.max_model_len - max(len(p) for p in prompts))
+        results = []
+        try:
+            for k in range(0, len(rows), MAX_ROWS):
+                results += self._generate_rows(rows[k:k + MAX_ROWS], seeds[k:k + MAX_ROWS],
+                                               s.temperature or cfg.temperature,
+                                               s.top_p or cfg.top_p, max_tokens)
+        except torch.OutOfMemoryError as exc:
+            raise EngineError(f"HF generation out of memory: {exc}\n  -> lower "
+                              "rollout.group_size, rollout.max_tokens") from exc
+        except Exception as exc:
+            raise EngineError(f"HF generation failed: {type(exc).__name__}: {exc}\n  -> check "
+                              "rollout.max_tokens, rollout.temperature, rollout.top_p") from exc
+        groups = []
+        for j, problem in enumerate(problems):
+            group = Group(problem=problem, completions=[], token_ids=[], logprobs=[],
+                          prompt_ids=prompts[j])
+            for toks, lps, finish in results[j * n:(j + 1) * n]:
+                group.completions.append(decode_completion(self.tokenizer, toks))
+                group.token_ids.append(toks)
+                group.logprobs.append(lps)
+                group.lengths.append(len(toks))
+                group.finish_reasons.append(finish)
+            groups.append(group)
+        return groups
+
+    def sequence_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-probs ``[T - 1]`` of ``token_ids[1:]`` under the current weights."""
+        self._check_awake()
+        return sequence_logprobs(self.model, token_ids)
+
+    def probe_logprobs(self) -> list[float]:
+        """Log-probs ``[probe_len - 1]`` of :attr:`probe_token_ids`."""
+        return self.sequence_logprobs(self.probe_token_ids)
+
+    def _copy_in(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF-named tensor into the model (fused-expert aware); False if unknown."""
+        if name in params:
+            params[name].copy_(tensor)
+            return True
+        m = _EXPERT.match(name)
+        if m is None:
+            return False
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "down":
+            target = params.get(f"{prefix}.down_proj")
+            if target is None:
+                return False
+            target[e].copy_(tensor)
+            return True
+        target = params.get(f"{prefix}.gate_up_proj")
+        if target is None:
+            return False
+        half = target.shape[1] // 2
+        target[e, :half].copy_(tensor) if kind == "gate" else target[e, half:].copy_(tensor)
+        return True
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       expected_probe: Sequence[float] | None = None) -> SyncReport:
+        """Copy HF-named tensors (fused or per-expert names) in; verify with the probe."""
+        self._check_awake()
+        t0 = time.perf_counter()
+        params = dict(self.model.state_dict(keep_vars=False))
+        meter = SyncMeter()
+        unknown = []
+        buckets = iter_buckets(named_tensors, int(self.cfg.sync_bucket_mb * 2**20), self.dtype,
+                               self.model.device)
+        for name, tensor in meter.stream(buckets):
+            try:
+                ok = self._copy_in(params, name, tensor)
+            except RuntimeError as exc:
+                raise WeightSyncError(f"HF sync: tensor {name!r}: {exc}") from exc
+            if not ok:
+                unknown.append(name)
+        if unknown:
+            raise WeightSyncError(f"HF sync: {len(unknown)} tensor names match no parameter "
+                                  f"(first: {unknown[:3]})")
+        after = self.probe_logprobs()
+        diff = check_probe(self._last_probe, after, expected_probe, self.cfg.verify_tol,
+                           self.cfg.verify_min_change, "HF sync")
+        self._last_probe = after
+        return SyncReport(bytes=meter.bytes, seconds=time.perf_counter() - t0, verified=True,
+                          max_probe_diff=diff, num_tensors=meter.num_tensors,
+                          num_buckets=meter.num_buckets, mode="full")
+
+    def supports_adapter_sync(self) -> bool:
+        """The HF engine takes merged weights only."""
+        return False
+
+    def sleep(self) -> None:
+        """GPU: move weights to CPU. CPU: no-op."""
+        if self.model.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`."""
+        if torch.cuda.is_available():
+            self.model.to("cuda")
+        self._asleep = False
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None

