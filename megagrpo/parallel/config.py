@@ -4,18 +4,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.loader import require
+
 
 @dataclass
 class ParallelConfig:
-    """Megatron parallel degrees; DP is what remains of the world size."""
+    """Megatron parallel degrees; DP is what remains of the world size.
+
+    Non-expert layers are laid out TP x DP x PP; expert layers EP x ETP x expert-DP x PP over
+    the same ranks (Megatron's MoE "parallel folding"). :func:`megagrpo.parallel.validate_layout`
+    checks a layout against a model config and a world size.
+    """
 
     tp: int = 1
-    """Tensor parallel size."""
+    """Tensor parallel size (attention heads, dense MLP, vocab are split over it)."""
     ep: int = 1
-    """Expert parallel size."""
+    """Expert parallel size (experts are distributed over it; must divide num_experts)."""
     etp: int = 1
-    """Expert tensor parallel size."""
+    """Expert tensor parallel size (each expert's FFN split over it)."""
     pp: int = 1
-    """Pipeline parallel size."""
+    """Pipeline parallel size (layers split into pp stages)."""
     sequence_parallel: bool = False
-    """Required (and enabled automatically) for MoE with tp > 1."""
+    """Sequence parallelism inside TP groups. Required for MoE models when tp > 1."""
+    seed: int = 1234
+    """Seed for Megatron's RNG tracker (dropout streams per TP/EP rank)."""
+    timeout_minutes: int = 30
+    """torch.distributed collective timeout."""
+
+    def validate(self, path: str = "parallel") -> None:
+        for key in ("tp", "ep", "etp", "pp"):
+            require(getattr(self, key) >= 1, f"{path}.{key}", "must be >= 1")
+        require(self.timeout_minutes >= 1, f"{path}.timeout_minutes", "must be >= 1")

@@ -1,0 +1,237 @@
+"""``MegatronPolicy``: the trained model: Megatron GPTModel stage + LoRA, HF weights in/out.
+
+    groups = init_parallel(run.parallel)
+    policy = build_policy(run.model, groups)
+    logits = policy.forward_logits(input_ids)     # [B, T, V/TP], vocab-parallel (groups.tp)
+    loss.backward(); policy.finish_grad_sync(); optimizer.step()
+    for bucket in policy.export_hf_weights(): engine.update_weights(bucket)
+
+Only LoRA parameters are trainable; base weights are frozen in ``model_cfg.dtype``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
+from megagrpo.model.config import ModelConfig
+from megagrpo.model.hf_mapping import build_plan
+from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
+from megagrpo.model.provider import DTYPES, build_gpt_model
+from megagrpo.model.weights import export_hf_tensors, load_hf_weights
+from megagrpo.parallel.config import ParallelConfig
+from megagrpo.parallel.state import ParallelGroups, validate_layout
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_KINDS = {"self_attention.linear_qkv": ("column", "linear_qkv"),
+          "self_attention.linear_proj": ("row", "linear_proj"),
+          "mlp.linear_fc1": ("column", "linear_fc1"), "mlp.linear_fc2": ("row", "linear_fc2")}
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.)?(linear_fc[12])$")
+
+
+def layout_of(groups: ParallelGroups) -> ParallelConfig:
+    """The ``ParallelConfig`` that produced ``groups``."""
+    return ParallelConfig(tp=groups.tp_size, ep=groups.ep_size, etp=groups.etp_size,
+                          pp=groups.pp_size, sequence_parallel=groups.sequence_parallel)
+
+
+class MegatronPolicy(nn.Module):
+    """One rank's pipeline stage of the policy with LoRA adapters.
+
+    Attributes: ``model`` (Megatron GPTModel), ``arch``, ``hf_config`` (dict of config.json),
+    ``groups``, ``spec`` ("local" | "te"), ``adapters`` (Megatron module name → LoraAdapter).
+    """
+
+    def __init__(self, model: nn.Module, arch: Arch, model_cfg: ModelConfig,
+                 groups: ParallelGroups, spec: str):
+        super().__init__()
+        self.model, self.arch, self.cfg, self.groups, self.spec = model, arch, model_cfg, groups, spec
+        self.hf_config = arch.raw
+        self.grouped_experts = any(".experts.linear_fc1.weight" in n
+                                   for n, _ in model.named_parameters())
+        self.plan = build_plan(arch, groups, spec, self.grouped_experts)
+        self.adapters: dict[str, LoraAdapter] = {}
+
+    # ------------------------------------------------------------------ building
+    def params(self) -> dict[str, torch.Tensor]:
+        """Megatron parameter name → tensor (this stage, base weights and adapters)."""
+        return dict(self.model.named_parameters())
+
+    def attach_adapters(self) -> None:
+        """Wrap every targeted linear with a zero-B LoRA adapter; freeze everything else."""
+        lc, g = self.cfg.lora, self.groups
+        offset = g.pp_rank * (self.arch.num_layers // g.pp_size)
+        n_local = self.arch.num_experts // g.ep_size if self.arch.is_moe else 0
+        for name, mod in list(self.model.named_modules()):
+            m = _LAYER.match(name)
+            if not m:
+                continue
+            layer, rest = int(m.group(1)) + offset, m.group(2)
+            em = _EXPERT.match(rest)
+            if em:
+                fc = em.group(2)
+                if fc not in lc.targets and f"expert_{fc}" not in lc.targets:
+                    continue
+                kind = "column" if fc == "linear_fc1" else "row"
+                grouped = em.group(1) is None  # TE grouped experts: one module, n_local experts
+                first = g.ep_rank * n_local + (0 if grouped else int(em.group(1)))
+                keys = [f"layers.{layer}.experts.{e}.{fc}"
+                        for e in range(first, first + (n_local if grouped else 1))]
+                weight, num_experts = (mod.weight0, n_local) if grouped else (mod.weight, 0)
+            elif rest in _KINDS:
+                kind, target = _KINDS[rest]
+                if target not in lc.targets:
+                    continue
+                keys, weight, num_experts = [f"layers.{layer}.{rest}"], mod.weight, 0
+            else:
+                continue
+            out_local, in_local = weight.shape
+            is_expert = bool(getattr(mod, "is_expert", False))
+            adapter = LoraAdapter(
+                kind, in_local, out_local, lc.rank, lc.alpha, lc.dropout,
+                tp_group=getattr(mod, "tp_group", g.tp),
+                tp_size=(g.etp_size if is_expert else g.tp_size),
+                tp_rank=(g.etp_rank if is_expert else g.tp_rank),
+                sequence_parallel=bool(getattr(mod, "sequence_parallel", False)),
+                explicit_expert_comm=bool(getattr(mod, "explicit_expert_comm", False)),
+                is_expert=is_expert, global_keys=keys, seed=lc.init_seed,
+                num_experts=num_experts).to(weight.device)
+            attach_lora(mod, adapter)
+            self.adapters[name] = adapter
+        for pname, p in self.model.named_parameters():
+            p.requires_grad_(".adapter.lora_" in pname)
+        log.info("LoRA: %d adapters, %d trainable parameters on this rank", len(self.adapters),
+                 sum(p.numel() for p in self.lora_parameters()))
+
+    # ------------------------------------------------------------------ training API
+    def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Vocab-parallel logits of this TP rank: [B, T] token ids → [B, T, V/TP].
+
+        Logits are in the base dtype (float32 on CPU; bfloat16 on GPU: upcast in the loss).
+        Column ``t`` of TP rank ``r`` is vocab id ``r * V/TP + t``; reduce over ``groups.tp``.
+        ``position_ids``: None or 0..T-1 per row (RoPE positions are 0..T-1; packed or shifted
+        positions are rejected). ``attention_mask`` [B, T] (1 = token, 0 = padding) masks
+        padded keys on top of the causal mask; right padding needs no mask.
+        """
+        if self.groups.pp_size > 1:
+            raise NotImplementedError("forward_logits with pp > 1: use Megatron's pipeline "
+                                      "schedule (get_forward_backward_func) on self.model")
+        b, t = input_ids.shape
+        dev = self.groups.device
+        pos = torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
+        if position_ids is not None and not torch.equal(position_ids.to(dev), pos):
+            raise ValueError("position_ids must be 0..T-1 per row (RoPE positions are implicit)")
+        pad = (-t) % self.groups.tp_size if self.groups.sequence_parallel else 0
+        ids = input_ids.to(dev)
+        if pad:  # SP splits the sequence over TP; trailing pads do not affect causal logits
+            ids = torch.nn.functional.pad(ids, (0, pad))
+            pos = torch.arange(t + pad, device=dev).unsqueeze(0).expand(b, t + pad)
+        mask = None
+        if attention_mask is not None:
+            keep = torch.nn.functional.pad(attention_mask.to(dev).bool(), (0, pad))
+            n = t + pad
+            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=dev), diagonal=1)
+            mask = causal[None, None] | ~keep[:, None, None, :]
+        logits = self.model(ids, pos, mask)
+        return logits[:, :t] if pad else logits
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """Trainable LoRA parameters of this rank, in a fixed order."""
+        return [p for n, p in self.model.named_parameters() if ".adapter.lora_" in n]
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's LoRA shards (Megatron names → detached copies), for checkpoints."""
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()
+                if ".adapter.lora_" in n}
+
+    def load_lora_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load shards saved by :meth:`lora_state_dict` under the same layout."""
+        own = {n: p for n, p in self.model.named_parameters() if ".adapter.lora_" in n}
+        missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+        if missing or unexpected:
+            raise CheckpointError(f"LoRA state mismatch: missing {missing[:3]}, unexpected "
+                                  f"{unexpected[:3]} (saved under another layout or targets?)")
+        with torch.no_grad():
+            for n, p in own.items():
+                if tuple(sd[n].shape) != tuple(p.shape):
+                    raise CheckpointError(f"LoRA tensor '{n}': shape {tuple(sd[n].shape)}, "
+                                          f"model has {tuple(p.shape)}")
+                p.copy_(sd[n])
+
+    def finish_grad_sync(self) -> None:
+        """All-reduce LoRA grads: SP/ETP partial sums, then mean over DP (expert-DP for
+        expert adapters), as Megatron's DDP does. Call after backward, before the step."""
+        lora_grad_sync(self.lora_parameters(), self.groups)
+
+    # ------------------------------------------------------------------ export
+    def merged_param(self, name: str, merge_lora: bool = True) -> torch.Tensor:
+        """Local Megatron tensor ``name``, with its adapter's delta added when ``merge_lora``."""
+        p = self.params()[name].detach()
+        mod_name, _, leaf = name.rpartition(".")
+        adapter = self.adapters.get(mod_name)
+        if not merge_lora or adapter is None:
+            return p
+        delta = adapter.delta_weight()
+        if leaf == "weight":
+            return (p.float() + delta).to(p.dtype)
+        m = re.fullmatch(r"weight(\d+)", leaf)
+        if m:  # TE grouped experts
+            return (p.float() + delta[int(m.group(1))]).to(p.dtype)
+        return p
+
+    def export_hf_weights(self, merge_lora: bool = True, bucket_bytes: int = 256 << 20,
+                          dtype: torch.dtype | None = None
+                          ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF tensors ``[(hf_name, tensor)]`` in buckets of <= ``bucket_bytes``, yielded
+        on *every* rank (each gathered over its model-parallel group). Collective: all ranks
+        must consume the iterator. LoRA is merged into the base weights when ``merge_lora``."""
+        cache: dict[str, torch.Tensor] = {}
+
+        def get(name: str) -> torch.Tensor:
+            if name not in cache:
+                cache.clear()  # pieces of one Megatron tensor are consecutive: keep one
+                cache[name] = self.merged_param(name, merge_lora)
+            return cache[name]
+
+        yield from export_hf_tensors(get, self.plan, self.arch, self.groups,
+                                     dtype or DTYPES[self.cfg.dtype], bucket_bytes)
+
+    def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
+        """Write a PEFT adapter (adapter_config.json + adapter_model.safetensors) that peft
+        loads onto the HF model; collective, rank 0 writes. Returns the dir on rank 0."""
+        from megagrpo.model.peft_export import export_peft_adapter
+
+        return export_peft_adapter(self, out_dir)
+
+
+def build_policy(model_cfg: ModelConfig, groups: ParallelGroups) -> MegatronPolicy:
+    """Build this rank's stage, stream HF weights from ``model_cfg.hf_path``, add LoRA.
+
+    Raises ConfigError (bad config/layout) or CheckpointError (missing/mismatched tensors).
+    """
+    model_cfg.validate("model")
+    model_cfg.lora.validate("model.lora")
+    if not model_cfg.hf_path:
+        raise ConfigError("config key 'model.hf_path': empty")
+    from megagrpo.model.resolve import resolve_hf_path
+
+    hf_dir = resolve_hf_path(model_cfg.hf_path)
+    arch = arch_from_hf(load_hf_config(hf_dir))
+    validate_layout(layout_of(groups), arch.raw, groups.world_size)
+    model, spec = build_gpt_model(arch, model_cfg, groups)
+    policy = MegatronPolicy(model, arch, model_cfg, groups, spec)
+    stats = load_hf_weights(policy.params(), policy.plan, arch, hf_dir)
+    log.info("loaded %d HF tensors (%.1f MB on this rank) from %s", stats["tensors"],
+             stats["bytes_read"] / 1e6, hf_dir)
+    policy.attach_adapters()
+    return policy

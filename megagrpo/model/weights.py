@@ -1,0 +1,127 @@
+"""Stream HF safetensors into this rank's shards, and gather shards back into HF tensors.
+
+Import reads, file by file, only the slices this rank's plan asks for (safetensors slices are
+memory-mapped reads), so no rank materialises the full model. Export yields full HF tensors
+in bounded buckets on every rank (each tensor is summed over the group that holds one copy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.errors import CheckpointError
+from megagrpo.model.arch import Arch
+from megagrpo.model.hf_mapping import Piece, hf_weight_shapes
+from megagrpo.parallel.state import ParallelGroups
+
+log = logging.getLogger(__name__)
+# HF keys that are not weights of the model (or duplicates of one): skipped on import.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(hf_dir: str | Path) -> list[Path]:
+    """The checkpoint's shard files (from the index when present). CheckpointError if none."""
+    d = Path(hf_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (KeyError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index: {exc}") from exc
+        files = [d / n for n in names]
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise CheckpointError(f"{d}: safetensors shard(s) missing: {missing or '*.safetensors'}")
+    return files
+
+
+def load_hf_weights(params: dict[str, torch.Tensor], plan: dict[str, list[Piece]],
+                    arch: Arch, hf_dir: str | Path) -> dict[str, int]:
+    """Copy this rank's slices of every HF tensor into ``params`` (Megatron name → tensor).
+
+    Checks every HF key against the model (unknown keys, wrong shapes, missing tensors,
+    uncovered Megatron elements all raise CheckpointError naming the tensor).
+    Returns ``{"bytes_read": ..., "tensors": ...}``.
+    """
+    from safetensors import safe_open
+
+    shapes = hf_weight_shapes(arch)
+    seen: set[str] = set()
+    covered = {name: 0 for pieces in plan.values() for name in {p.param for p in pieces}}
+    bytes_read = 0
+    for path in safetensors_files(hf_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES) or (
+                        key == "lm_head.weight" and arch.tie_word_embeddings):
+                    continue
+                if key not in shapes:
+                    raise CheckpointError(f"{path.name}: tensor '{key}' is not a weight of this "
+                                          f"{arch.model_type} model")
+                sl = f.get_slice(key)
+                shape = tuple(sl.get_shape())
+                if shape != shapes[key]:
+                    raise CheckpointError(f"{path.name}: tensor '{key}' has shape {shape}, "
+                                          f"config implies {shapes[key]}")
+                seen.add(key)
+                for piece in plan.get(key, []):
+                    dst = params[piece.param]
+                    src = sl[piece.src]
+                    region = dst[piece.dst]
+                    if tuple(region.shape) != tuple(src.shape):
+                        raise CheckpointError(f"'{key}' slice {tuple(src.shape)} does not fit "
+                                              f"'{piece.param}' region {tuple(region.shape)}")
+                    with torch.no_grad():
+                        region.copy_(src)
+                    covered[piece.param] += src.numel()
+                    bytes_read += src.numel() * src.element_size()
+    missing = [k for k in shapes if k not in seen]
+    if missing:
+        raise CheckpointError(f"{hf_dir}: {len(missing)} tensor(s) missing, e.g. '{missing[0]}'")
+    for name, n in covered.items():
+        # the tied last-stage copy is covered too; every element must be written exactly once
+        if n != params[name].numel():
+            raise CheckpointError(f"Megatron tensor '{name}': {n} of {params[name].numel()} "
+                                  "elements loaded (mapping error)")
+    return {"bytes_read": bytes_read, "tensors": len(seen)}
+
+
+def export_hf_tensors(get_param: Callable[[str], torch.Tensor], plan: dict[str, list[Piece]],
+                      arch: Arch, groups: ParallelGroups, dtype: torch.dtype,
+                      bucket_bytes: int = 256 << 20
+                      ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield full HF tensors ``[(hf_name, tensor)]`` in buckets of at most ``bucket_bytes``
+    (a bigger single tensor gets a bucket of its own), identical on every rank.
+
+    ``get_param(megatron_name)`` returns the local tensor to export (merged LoRA or base).
+    Collective: every rank must iterate the generator to the end.
+    """
+    shapes = hf_weight_shapes(arch)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, shape in shapes.items():
+        pieces = [p for p in plan.get(name, []) if p.owner]
+        expert = ".mlp.experts." in name
+        full = torch.zeros(shape, dtype=dtype)
+        with torch.no_grad():
+            for p in pieces:
+                full[p.src] = get_param(p.param)[p.dst].to(dtype)
+        group = groups.expert_mp if expert else groups.mp
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(full, group=group)
+        nbytes = full.numel() * full.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, full))
+        size += nbytes
+    if bucket:
+        yield bucket
