@@ -7,7 +7,7 @@ Extraction rules (``extract_answer(text, problem)``), applied in this order:
    ``</think>`` is read (the opening tag may sit in the prompt). A ``<think>`` that is never
    closed means the model ran out of budget mid-thought: no answer (``None``).
 2. **Normalisation.** Full-width ASCII (``ａ``-``ｈ``, ``Ａ``-``Ｈ``, ``：``, ``（）``, ``０``-``９``)
-   becomes ASCII, the text is lower-cased; markdown emphasis (``*``, `````, ``#``) and the
+   becomes ASCII, the text is lower-cased, runs of spaces and blank lines collapse; markdown emphasis (``*``, `````, ``#``) and the
    brackets ``「」『』［］<>`` are dropped; a heading ``【解答】`` reads as ``解答:``. ``\\boxed{X}`` and ``<answer>X</answer>``
    read as ``answer: X``. Round-bracket groups are kept only when they hold nothing but an
    answer (``(c)``, ``(c, d)``); others (``(A型肝炎)``, ``(a is wrong)``) are removed, so
@@ -65,7 +65,7 @@ _NUMERIC_RE = re.compile(r"^\d+(?:\.\d+)?$")
 _L = (r"(?<![a-z0-9\u30a1-\u30fa\u30fc])[a-h]"
       r"(?![a-z0-9\u30a1-\u30fa\u30fc])(?!(?![及並又])[\u4e00-\u9fff])")
 _SEP = r"(?:\s*(?:,|、|，|・|/|&|\+|と|and|及び|および|並びに|又は|または|or)\s*|\s+)"
-_GROUP = rf"{_L}(?:{_SEP}{_L})*"
+_GROUP = rf"{_L}(?:{_SEP}{_L}){{0,7}}"  # at most 8 options: bounded, so scans stay linear
 _LETTER_RE = re.compile(_L)
 _ARTICLE_RE = re.compile(r"\s+(?!and\b|or\b)[a-z]{2,}")
 _JA_MARK = re.compile(
@@ -79,6 +79,8 @@ _EN_MARK = re.compile(
 _TRAIL_MARK = re.compile(
     rf"({_GROUP})\s*(?:(?:が|を)\s*(?:最も)?\s*(?:正解|正しい|答え|選ぶ|選択|適切|妥当)"
     rf"|(?:is|are)\s+(?:the\s+)?(?:correct|right|best)\b)")
+_NEXT_LINE_RE = re.compile(r"[^\S\n]*[^\s][^\n]*")
+_MAX_MARKERS = 64  # only the latest answer phrases can win; bounds work on looping outputs
 _ENUM_RE = re.compile(rf"{_L}\s*[.:)]")
 _SENT_END = re.compile(r"。|\.(?:\s|$)|[!?！？]|\n")
 _PAREN_RE = re.compile(r"[(（]([^()（）\n]*)[)）]")
@@ -104,6 +106,9 @@ def answer_region(text: str) -> str | None:
 
 def _normalise(text: str) -> str:
     text = text.translate(_TRANS).lower()
+    # collapse whitespace runs: keeps every pattern linear on degenerate (looping) outputs
+    text = re.sub(r"[^\S\n]+", " ", text)
+    text = re.sub(r" ?\n[\s]*\n", "\n\n", text)
     text = re.sub(r"\\boxed\{([^{}]*)\}", r"\nanswer: \1\n", text)
     text = re.sub(r"<answer>(.*?)</answer>", r"\nanswer: \1\n", text, flags=re.S)
     text = re.sub(r"[【〔]([^】〕\n]*)[】〕]", r" \1: ", text)  # 【解答】c -> 解答: c
@@ -136,25 +141,22 @@ def _letters_in(span: str, valid: str) -> list[str] | None:
 
 def _sentence(text: str, start: int) -> str:
     """From ``start`` to the end of its sentence; if that is empty, the next non-empty line."""
-    rest = text[start:]
-    m = _SENT_END.search(rest)
-    span = rest[: m.start()] if m else rest
+    m = _SENT_END.search(text, start)
+    span = text[start: m.start()] if m else text[start:]
     if span.strip(" \t:=→"):
         return span
-    for line in rest.split("\n")[1:]:
-        if line.strip():
-            m = _SENT_END.search(line)
-            return line[: m.start()] if m and m.start() > 0 else line
-    return ""
+    nl = text.find("\n", start)
+    line = _NEXT_LINE_RE.search(text, nl) if nl >= 0 else None
+    if line is None:
+        return ""
+    m = _SENT_END.search(line.group(0))
+    return line.group(0)[: m.start()] if m and m.start() > 0 else line.group(0)
 
 
 def _marker_spans(text: str) -> list[tuple[int, str]]:
-    """(position, span) for every answer phrase in ``text`` (rule 3)."""
-    spans = []
-    for rx in (_JA_MARK, _EN_MARK):
-        for m in rx.finditer(text):
-            spans.append((m.start(), _sentence(text, m.end())))
-    return spans
+    """(position, span) for the last ``_MAX_MARKERS`` answer phrases in ``text`` (rule 3)."""
+    found = sorted((m.start(), m.end()) for rx in (_JA_MARK, _EN_MARK) for m in rx.finditer(text))
+    return [(start, _sentence(text, end)) for start, end in found[-_MAX_MARKERS:]]
 
 
 def _last_lines(text: str, n: int = 2) -> list[tuple[int, str]]:

@@ -222,3 +222,17 @@ def test_agrees_with_baseline_parsed_predictions(igakuqa_dir, problems):
             assert got == sorted(set(rec["prediction"].split(","))), (path.name, rec)
             checked += 1
     assert checked > 5000
+
+
+@pytest.mark.parametrize("text", ["a " * 10000, "a" + " " * 20000 + "!", "答え: " * 5000,
+                                  "answer is " * 3000, "c, " * 8000, "cとd" * 5000,
+                                  "(c)" * 6000, "1 " * 10000])
+def test_degenerate_looping_outputs_stay_linear(text):
+    """RL policies loop; extraction must not backtrack quadratically (was 55 s on 'a a a ...')."""
+    import time
+    p = Problem("x", [], ["c"], {"choices": list("12345")})
+    num = Problem("n", [{"role": "user", "content": "解答：①②Torr"}], ["26"], {"choices": []})
+    start = time.perf_counter()
+    extract_answer(text, p)
+    extract_answer(text, num)
+    assert time.perf_counter() - start < 3.0
