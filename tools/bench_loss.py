@@ -5,7 +5,8 @@ Each method runs forward + backward (gradient w.r.t. the logits, or w.r.t. hidde
 Liger's fused linear loss) in its own fresh subprocess, so the memory figures do not mix.
 Peak extra memory is measured
   * on CPU: peak RSS (VmHWM from /proc/self/status, reset through /proc/self/clear_refs just
-    before the measured call) minus the RSS at that moment; the inputs are already resident;
+    before the measured call, after malloc_trim(0) returned freed heap pages to the kernel)
+    minus the RSS at that moment; the inputs are already resident;
   * on CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() before the call.
 Errors are max |fused - naive| of per-token log-probs, of the loss and of sampled gradient
 rows; the naive path is the reference (megagrpo.algo.losses).
@@ -21,6 +22,7 @@ Usage: python tools/bench_loss.py [--device cpu|cuda] [--tokens T] [--vocab V] [
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -152,6 +154,13 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: RSS may then under-count reused memory
+        pass
+
+
 def measure(method: str, d: dict, a: argparse.Namespace) -> tuple[dict, int, float]:
     """(outputs, peak extra bytes, seconds) of one forward + backward of ``method``."""
     fn = RUNNERS[method]
@@ -170,6 +179,7 @@ def measure(method: str, d: dict, a: argparse.Namespace) -> tuple[dict, int, flo
         out = fn(d)
         torch.cuda.synchronize()
         return out, torch.cuda.max_memory_allocated() - base, sorted(times)[len(times) // 2]
+    _malloc_trim()  # hand freed heap pages back, so that reusing them counts as new memory
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
     base = _rss_bytes("VmRSS")
     t0 = time.perf_counter()
@@ -222,8 +232,8 @@ def summarise(res: dict[str, dict], a: argparse.Namespace) -> dict:
     naive = res.get("naive")
     out = {"device": a.device, "tokens": a.tokens, "vocab": a.vocab, "dtype": a.dtype,
            "hidden": a.hidden, "memory_method": (
-               "peak RSS (VmHWM reset via /proc/self/clear_refs) minus RSS before the call, "
-               "fresh subprocess per method" if a.device == "cpu"
+               "peak RSS (VmHWM reset via /proc/self/clear_refs after malloc_trim) minus RSS "
+               "before the call, fresh subprocess per method" if a.device == "cpu"
                else "torch.cuda.max_memory_allocated minus memory_allocated before the call")}
     for m, r in res.items():
         out[f"peak_bytes_{m}"] = r["peak_bytes"]
