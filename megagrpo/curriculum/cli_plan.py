@@ -7,8 +7,13 @@ import json
 
 from megagrpo.curriculum.config import POLICIES, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import preflight_check
-from megagrpo.curriculum.levels import (histogram, parse_histogram, parse_level_set,
-                                        predict_acr, read_levels_file)
+from megagrpo.curriculum.levels import (
+    histogram,
+    parse_histogram,
+    parse_level_set,
+    predict_acr,
+    read_levels_file,
+)
 from megagrpo.curriculum.simulate import population_from_records, run_plan
 from megagrpo.errors import ConfigError
 

@@ -59,6 +59,59 @@ class FilledBatch:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+class _Rounds:
+    """Bookkeeping of one fill(): generated rounds, valid groups and their reward rows."""
+
+    def __init__(self, owner: DynamicSampler, sampler: ProblemSource, generate_fn: GenerateFn,
+                 batch_groups: int, step: int, carried: list[Group]) -> None:
+        self.owner, self.sampler, self.generate_fn = owner, sampler, generate_fn
+        self.batch_groups, self.step = batch_groups, step
+        self.valid: list[Group] = list(carried)
+        r, c = group_matrices(carried, owner.correctness_key)
+        self._rows_r, self._rows_c = [r] if carried else [], [c] if carried else []
+        self.num_generated = self.num_checked = self.num_valid_first = 0
+        self.last: list[Group] = []
+        self.first_matrices: tuple[np.ndarray, np.ndarray | None] = (np.zeros((0, 0)), None)
+
+    @property
+    def num_valid(self) -> int:
+        return len(self.valid)
+
+    def generate(self, resample: bool) -> list[Group]:
+        groups = self.generate_fn(self.sampler.next_problems(self.batch_groups, resample=resample))
+        self.num_generated += 1
+        for g in groups:
+            g.meta["step"] = self.step
+        self.sampler.observe(groups)
+        if self.num_generated == 1:
+            self.first_matrices = group_matrices(groups, self.owner.correctness_key)
+        self.last = groups
+        return groups
+
+    def check(self, groups: list[Group]) -> None:
+        """Keep the non-collapsed groups of a generated round (std >= tau)."""
+        r, c = (self.first_matrices if self.num_checked == 0 else
+                group_matrices(groups, self.owner.correctness_key))
+        self.num_checked += 1
+        if not groups:
+            return
+        keep = r.std(axis=1) >= self.owner.cfg.tau
+        self.valid.extend(g for g, k in zip(groups, keep.tolist()) if k)
+        self._rows_r.append(r[keep])
+        self._rows_c.append(None if c is None else c[keep])
+        if self.num_checked == 1:
+            self.num_valid_first = int(keep.sum())
+
+    def valid_matrices(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Reward (and correctness) rows ``[n, G]`` of the first ``n`` valid groups."""
+        if n == 0 or not self._rows_r:
+            return np.zeros((0, 0)), None
+        r = np.concatenate(self._rows_r)[:n]
+        if any(c is None for c in self._rows_c):
+            return r, None
+        return r, np.concatenate(self._rows_c)[:n]
+
+
 def checked_rounds(cfg: DynamicSamplingConfig) -> int:
     """How many generated rounds a policy checks at most (ms-swift: R; ours: 1 + R)."""
     if not cfg.enabled:
@@ -85,13 +138,6 @@ class DynamicSampler:
         self.acr_predicted = acr_predicted
         self.carry: list[Group] = []
 
-    def _valid(self, groups: Sequence[Group]) -> list[Group]:
-        if not groups:
-            return []
-        rewards = np.asarray([g.rewards for g in groups], dtype=np.float64)
-        keep = rewards.std(axis=1) >= self.cfg.tau
-        return [g for g, k in zip(groups, keep.tolist()) if k]
-
     def _take_carry(self, step: int) -> tuple[list[Group], int]:
         fresh = [g for g in self.carry
                  if step - int(g.meta.get("step", step)) <= self.cfg.carry_max_staleness]
@@ -111,53 +157,32 @@ class DynamicSampler:
         """
         cfg = self.cfg
         carried, dropped_stale = self._take_carry(step) if cfg.policy == "carry" else ([], 0)
-        valid: list[Group] = list(carried)
+        rounds = _Rounds(self, sampler, generate_fn, batch_groups, step, carried)
+        first = rounds.generate(resample=False)
         max_checks = checked_rounds(cfg)
-        gen_batches, rounds = 0, 0
-        level_of = getattr(sampler, "level_of", None)
-
-        def generate(resample: bool) -> list[Group]:
-            nonlocal gen_batches
-            groups = generate_fn(sampler.next_problems(batch_groups, resample=resample))
-            gen_batches += 1
-            for g in groups:
-                g.meta["step"] = step
-                if level_of is not None and "level" not in g.meta:
-                    g.meta["level"] = level_of(g.problem.id)
-            sampler.observe(groups)
-            return groups
-
-        first = groups = generate(resample=False)
         while cfg.enabled:
-            valid.extend(self._valid(groups))
-            rounds += 1
-            if len(valid) >= batch_groups:
+            rounds.check(rounds.last)
+            if rounds.num_valid >= batch_groups:
                 break
-            if rounds >= max_checks:
+            if rounds.num_checked >= max_checks:
                 if cfg.policy == "original" and cfg.max_resample > 0:
-                    generate(resample=True)  # ms-swift generates it, then leaves the loop
+                    rounds.generate(resample=True)  # ms-swift generates it, then exits
                 break
-            groups = generate(resample=True)
+            rounds.generate(resample=True)
 
-        success = cfg.enabled and len(valid) >= batch_groups
+        success = cfg.enabled and rounds.num_valid >= batch_groups
         discarded = 0
-        if not cfg.enabled:
-            trained = list(first)
-        elif success:
-            trained, surplus = valid[:batch_groups], valid[batch_groups:]
-            if cfg.policy == "carry":
-                limit = cfg.carry_max_groups or batch_groups
-                self.carry = surplus[:limit]
-                discarded = len(surplus) - len(self.carry)
-            else:
-                discarded = len(surplus)
-        elif cfg.policy == "original":
-            trained = list(first)
-            first_ids = {id(g) for g in first}
-            discarded = sum(1 for g in valid if id(g) not in first_ids)
+        if not cfg.enabled or (not success and cfg.policy == "original"):
+            trained, post = list(first), rounds.first_matrices
+            discarded = rounds.num_valid - rounds.num_valid_first if cfg.enabled else 0
         else:
-            trained = valid
-        stats = self._stats(first, trained, success, rounds, gen_batches)
+            take = min(batch_groups, rounds.num_valid)
+            trained, post = rounds.valid[:take], rounds.valid_matrices(take)
+            surplus = rounds.valid[take:]
+            if cfg.policy == "carry":
+                self.carry = surplus[:cfg.carry_max_groups or batch_groups]
+            discarded = len(surplus) - len(self.carry)
+        stats = self._stats(rounds, first, post, success)
         carried_ids = {id(g) for g in carried}
         stats["dynamic/valid_groups_carried"] = float(
             sum(1 for g in trained if id(g) in carried_ids))
@@ -166,28 +191,27 @@ class DynamicSampler:
         stats["dynamic/carry_dropped_stale"] = float(dropped_stale)
         if not success and cfg.enabled:
             log.debug("step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
-                      step, len(valid), batch_groups, rounds, cfg.policy)
+                      step, rounds.num_valid, batch_groups, rounds.num_checked, cfg.policy)
         return FilledBatch(trained, stats)
 
-    def _stats(self, first: list[Group], trained: list[Group], success: bool, rounds: int,
-               gen_batches: int) -> dict[str, float]:
-        level_of = None
-        raw_r, raw_c = group_matrices(first, self.correctness_key)
-        post_r, post_c = group_matrices(trained, self.correctness_key)
-        levels = [g.meta.get("level") for g in first]
-        if any(lv is not None for lv in levels):
-            level_of = levels
-        raw = collapse_stats(raw_r, raw_c, level_of, tau=self.cfg.tau)
-        post = collapse_stats(post_r, post_c, tau=self.cfg.tau)
-        out = collapse_metrics(raw, post, self.acr_predicted)
-        num_valid = post["num_groups"] * (1.0 - post["acr"])
+    def _stats(self, rounds: _Rounds, first: list[Group],
+               post: tuple[np.ndarray, np.ndarray | None], success: bool) -> dict[str, float]:
+        levels_of = getattr(rounds.sampler, "levels_of", None)
+        levels = levels_of(first) if levels_of is not None else None
+        if levels is not None and not levels.any():
+            levels = None
+        raw = collapse_stats(*rounds.first_matrices, levels, tau=self.cfg.tau)
+        post_stats = collapse_stats(*post, tau=self.cfg.tau)
+        out = collapse_metrics(raw, post_stats, self.acr_predicted)
+        num_trained = post_stats["num_groups"]
+        num_valid = float(round(num_trained * (1.0 - post_stats["acr"])))
         out.update({
             "dynamic/success": float(success),
-            "dynamic/rounds": float(rounds),
-            "dynamic/gen_batches": float(gen_batches),
-            "dynamic/valid_groups": float(round(num_valid)),
-            "dynamic/trained_groups": post["num_groups"],
-            "dynamic/collapsed_groups_trained": float(round(post["num_groups"] - num_valid)),
+            "dynamic/rounds": float(rounds.num_checked),
+            "dynamic/gen_batches": float(rounds.num_generated),
+            "dynamic/valid_groups": num_valid,
+            "dynamic/trained_groups": num_trained,
+            "dynamic/collapsed_groups_trained": num_trained - num_valid,
         })
         return out
 

@@ -63,6 +63,19 @@ class _Walk:
         self.pos += 1
         return idx
 
+    def take(self, m: int) -> np.ndarray:
+        """The next ``m`` indices ``[m]`` (crossing epoch boundaries)."""
+        out: list[int] = []
+        while len(out) < m:
+            if self.pos >= len(self._order):
+                self.epoch += 1
+                self.pos = 0
+                self._order = self._permutation()
+            end = min(len(self._order), self.pos + m - len(out))
+            out.extend(self._order[self.pos:end])
+            self.pos = end
+        return np.asarray(out, dtype=np.int64)
+
     def state(self) -> list[int]:
         return [self.epoch, self.pos]
 
@@ -103,6 +116,8 @@ class CurriculumSampler:
                 if i is not None:
                     self.profile_level[i] = int(level)
         profiled = self.profile_level > 0
+        self._level_by_id = {self.problems[i].id: int(self.profile_level[i])
+                             for i in np.flatnonzero(profiled).tolist()}
         hist = histogram(self.profile_level[profiled].tolist(), self.k + 1)
         self.prior = self._online_prior(hist) if profiled.any() else BetaPrior(1, 1)
         # Online evidence, seeded with the profile's counts.
@@ -113,6 +128,7 @@ class CurriculumSampler:
         self.retired = np.zeros(n, dtype=bool)
         self.num_observed = np.zeros(n, dtype=np.int64)
         self._build_pool(levels is not None and len(levels) > 0)
+        self._refresh_levels()
         self._rng = {s: np.random.default_rng([cfg.seed, j, 7919]) for j, s in enumerate(STREAMS)}
 
     @staticmethod
@@ -169,52 +185,84 @@ class CurriculumSampler:
         """The next ``n`` problems of the main stream (or of the resample stream)."""
         stream = "resample" if resample else "main"
         walks, rng = self.walks[stream], self._rng[stream]
-        out: list[Problem] = []
-        buckets = (rng.choice(len(walks), size=n, p=self.bucket_weights)
-                   if self.bucket_weights is not None else np.zeros(n, dtype=np.int64))
-        retire = self.cfg.retire_streak > 0 and bool(self.retired.any())
-        for b in buckets.tolist():
-            walk = walks[b]
-            idx = walk.next()
-            tries = 1
-            while retire and self.retired[idx] and tries <= len(walk.members):
-                if rng.random() < self.cfg.revisit_prob:
-                    break
-                idx = walk.next()
-                tries += 1
-            out.append(self.problems[idx])
-        return out
+        if self.bucket_weights is None:
+            idx = self._draw(walks[0], n, rng)
+        else:
+            buckets = rng.choice(len(walks), size=n, p=self.bucket_weights)
+            idx = np.empty(n, dtype=np.int64)
+            for b in range(len(walks)):
+                where = np.flatnonzero(buckets == b)
+                if len(where):
+                    idx[where] = self._draw(walks[b], len(where), rng)
+        problems = self.problems
+        return [problems[i] for i in idx.tolist()]
+
+    def _draw(self, walk: _Walk, m: int, rng: np.random.Generator) -> np.ndarray:
+        """``m`` indices from ``walk``; a retired one is skipped unless revisited."""
+        if self.cfg.retire_streak == 0 or not self.retired[walk.members].any():
+            return walk.take(m)
+        got: list[np.ndarray] = []
+        have, dry = 0, 0
+        while have < m:
+            if dry >= len(walk.members):   # a whole pass rejected: all retired, serve anyway
+                got.append(walk.take(m - have))
+                break
+            cand = walk.take(m - have)
+            keep = ~self.retired[cand] | (rng.random(len(cand)) < self.cfg.revisit_prob)
+            num_kept = int(keep.sum())
+            dry = dry + len(cand) if num_kept == 0 else 0
+            got.append(cand[keep])
+            have += num_kept
+        return np.concatenate(got)
 
     # ------------------------------------------------------------------ online difficulty
 
-    def _correct_counts(self, group: Group) -> tuple[int, int]:
-        values = group.reward_parts.get(self.correctness_key) if self.correctness_key else None
-        if values is None:
-            values = group.rewards
-        return sum(1 for v in values if v >= SOLVED_THRESHOLD), len(values)
+    def _correct_matrix(self, groups: Sequence[Group]) -> np.ndarray:
+        """``[N, G]`` correctness values (the correctness reward part, else the total)."""
+        key = self.correctness_key
+        rows = [g.reward_parts.get(key, g.rewards) if key else g.rewards for g in groups]
+        return np.asarray(rows, dtype=np.float64)
 
     def observe(self, groups: Sequence[Group]) -> None:
-        """Update pass-rate posteriors, retirement streaks from scored groups."""
-        if not self.cfg.online:
+        """Update pass-rate posteriors and retirement streaks from scored groups ``[N]``."""
+        if not self.cfg.online or not groups:
             return
-        decay, streak_max = self.cfg.online_decay, self.cfg.retire_streak
+        index = self.index
+        pairs = []
         for g in groups:
-            i = self.index.get(g.problem.id)
-            if i is None:
-                continue
-            c, n = self._correct_counts(g)
-            if n == 0:
-                continue
-            self.succ[i] = decay * self.succ[i] + c
-            self.fail[i] = decay * self.fail[i] + (n - c)
-            self.num_observed[i] += 1
-            if c == 0 or c == n:
-                self.streak[i] += 1
-                if streak_max and self.streak[i] >= streak_max:
-                    self.retired[i] = True
-            else:
-                self.streak[i] = 0
-                self.retired[i] = False
+            i = index.get(g.problem.id)
+            if i is not None and g.rewards:
+                pairs.append((i, g))
+        if not pairs:
+            return
+        idx = np.fromiter((i for i, _ in pairs), dtype=np.int64, count=len(pairs))
+        try:
+            values = self._correct_matrix([g for _, g in pairs])
+        except ValueError:  # ragged G: one group at a time
+            for i, g in pairs:
+                self._update(np.array([i]), self._correct_matrix([g]))
+            return
+        if len(np.unique(idx)) == len(idx):
+            self._update(idx, values)
+        else:  # a problem twice in one call: keep the sequential semantics
+            for j in range(len(idx)):
+                self._update(idx[j:j + 1], values[j:j + 1])
+
+    def _update(self, idx: np.ndarray, values: np.ndarray) -> None:
+        decay, streak_max = self.cfg.online_decay, self.cfg.retire_streak
+        correct = (values >= SOLVED_THRESHOLD).sum(axis=1).astype(np.float64)
+        n = values.shape[1]
+        self.succ[idx] = decay * self.succ[idx] + correct
+        self.fail[idx] = decay * self.fail[idx] + (n - correct)
+        self.num_observed[idx] += 1
+        collapsed = (correct == 0) | (correct == n)
+        self._move_levels(idx)
+        self.streak[idx] = np.where(collapsed, self.streak[idx] + 1, 0)
+        if streak_max:
+            self.retired[idx] = np.where(collapsed, self.retired[idx] |
+                                         (self.streak[idx] >= streak_max), False)
+        else:
+            self.retired[idx] = False
 
     def pass_rate(self, problem_id: str) -> float:
         """Posterior mean pass rate of one problem."""
@@ -222,23 +270,44 @@ class CurriculumSampler:
         return float((self.prior.a + self.succ[i]) /
                      (self.prior.a + self.prior.b + self.succ[i] + self.fail[i]))
 
-    def current_levels(self) -> np.ndarray:
-        """``[num problems]`` online level estimate (L1..L{k+1}); 0 = no evidence yet."""
+    def current_levels(self, idx: np.ndarray | None = None) -> np.ndarray:
+        """Online level estimate (L1..L{k+1}; 0 = no evidence yet) of problems ``idx``
+        (default all) ``[len(idx)]``."""
+        succ = self.succ if idx is None else self.succ[idx]
+        fail = self.fail if idx is None else self.fail[idx]
         a, b = self.prior.a, self.prior.b
-        p = (a + self.succ) / (a + b + self.succ + self.fail)
+        p = (a + succ) / (a + b + succ + fail)
         level = self.k - np.rint(p * self.k).astype(np.int64) + 1
-        return np.where(self.succ + self.fail > 0, level, 0)
+        return np.where(succ + fail > 0, level, 0)
 
     def level_of(self, problem_id: str) -> int | None:
         """The profile (pre-training) level of a problem, or None."""
-        i = self.index.get(problem_id)
-        level = int(self.profile_level[i]) if i is not None else 0
-        return level or None
+        return self._level_by_id.get(problem_id)
+
+    def _refresh_levels(self) -> None:
+        """Recompute the cached online levels and the pool's level counts."""
+        self._in_pool = np.zeros(len(self.problems), dtype=bool)
+        self._in_pool[self.pool] = True
+        self._level = self.current_levels()
+        self._level_counts = np.bincount(self._level[self.pool], minlength=self.k + 2)
+
+    def _move_levels(self, idx: np.ndarray) -> None:
+        """Update cached levels/counts of problems ``idx`` (unique) after new evidence."""
+        new = self.current_levels(idx)
+        in_pool = self._in_pool[idx]
+        np.subtract.at(self._level_counts, self._level[idx][in_pool], 1)
+        np.add.at(self._level_counts, new[in_pool], 1)
+        self._level[idx] = new
+
+    def levels_of(self, groups: Sequence[Group]) -> np.ndarray:
+        """``[N]`` profile levels of the groups' problems (0: not profiled)."""
+        get = self._level_by_id.get
+        return np.fromiter((get(g.problem.id, 0) for g in groups), dtype=np.int64,
+                           count=len(groups))
 
     def level_histogram(self) -> dict[int, int]:
         """``{level: count}`` of the pool's current (online) levels, L1..L{k+1}."""
-        levels = self.current_levels()[self.pool]
-        return histogram(levels[levels > 0].tolist(), self.k + 1)
+        return {lv: int(self._level_counts[lv]) for lv in range(1, self.k + 2)}
 
     def metrics(self) -> dict[str, float]:
         """``curriculum/level_hist/L{k}``, ``curriculum/retired``, ``curriculum/pool``."""
@@ -290,4 +359,5 @@ class CurriculumSampler:
         self.streak = np.asarray(state["streak"], dtype=np.int64)
         self.retired = np.asarray(state["retired"], dtype=bool)
         self.num_observed = np.asarray(state["num_observed"], dtype=np.int64)
+        self._refresh_levels()
 

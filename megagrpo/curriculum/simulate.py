@@ -20,8 +20,7 @@ import numpy as np
 
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler, checked_rounds
-from megagrpo.curriculum.levels import (BetaPrior, correct_from_level, fill_success_prob,
-                                        predict_acr)
+from megagrpo.curriculum.levels import BetaPrior, correct_from_level, fill_success_prob, predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.types import Group, Problem
 

@@ -67,7 +67,7 @@ def collapse_stats(rewards: Any, correctness: Any | None = None,
     Args:
         rewards: total rewards ``[N, G]``.
         correctness: the correctness reward alone ``[N, G]`` (0/1), or None.
-        levels: difficulty level per group ``[N]`` (None entries skipped), or None.
+        levels: difficulty level per group ``[N]`` (None or 0 entries skipped), or None.
         tau: ACR threshold on the group std.
 
     Returns:
@@ -100,8 +100,11 @@ def collapse_stats(rewards: Any, correctness: Any | None = None,
     if levels is not None:
         if len(levels) != n:
             raise ValueError(f"levels has {len(levels)} entries for {n} groups")
-        lv = np.array([-1 if x is None else int(x) for x in levels])
-        for level in sorted(set(lv.tolist()) - {-1}):
+        if isinstance(levels, np.ndarray):
+            lv = levels.astype(np.int64)
+        else:
+            lv = np.array([0 if x is None else int(x) for x in levels], dtype=np.int64)
+        for level in np.unique(lv[lv > 0]).tolist():
             out[f"acr_by_level/L{level}"] = float(collapsed[lv == level].mean())
     return out
 

@@ -157,3 +157,19 @@ def test_correctness_key_is_used_for_online_counts():
     g.reward_parts = {"acc": [1.0, 0.0, 0.0, 0.0]}
     s.observe([g])
     assert s.succ[0] == pytest.approx(3 + 1) and s.fail[0] == pytest.approx(2 + 3)
+
+
+def test_all_retired_pool_is_still_served_and_duplicates_observe_sequentially():
+    probs, levels = _problems([3] * 4)
+    cfg = CurriculumConfig(keep_levels=[3], retire_streak=1, revisit_prob=0.0, online_decay=0.5)
+    s = CurriculumSampler(probs, cfg, levels)
+    s.observe([_group(p, [1] * 4) for p in probs])
+    assert s.retired.all()
+    assert len(s.next_problems(6)) == 6            # nothing else to serve: no hang
+    t = CurriculumSampler(probs, cfg, levels)
+    t.observe([_group(probs[0], [1, 1, 0, 0]), _group(probs[0], [1, 1, 1, 1])])
+    u = CurriculumSampler(probs, cfg, levels)
+    u.observe([_group(probs[0], [1, 1, 0, 0])])
+    u.observe([_group(probs[0], [1, 1, 1, 1])])
+    assert t.succ[0] == u.succ[0] and t.retired[0] == u.retired[0]
+    assert t.level_histogram() == u.level_histogram()

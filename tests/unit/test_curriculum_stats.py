@@ -8,11 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from megagrpo.curriculum.levels import (BetaPrior, beta_collapse_prob, fill_success_prob,
-                                        histogram, level_from_counts, parse_histogram,
-                                        parse_level_set, predict_acr, read_levels_file)
-from megagrpo.curriculum.stats import (collapse_metrics, collapse_prob, collapse_stats,
-                                       ds_can_fill)
+from megagrpo.curriculum.levels import (
+    BetaPrior,
+    beta_collapse_prob,
+    fill_success_prob,
+    histogram,
+    level_from_counts,
+    parse_histogram,
+    parse_level_set,
+    predict_acr,
+    read_levels_file,
+)
+from megagrpo.curriculum.stats import collapse_metrics, collapse_prob, collapse_stats, ds_can_fill
 from megagrpo.errors import DataError
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
