@@ -214,3 +214,18 @@ def test_rewards_package_is_pure():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'torch')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_yaml_config_builds_the_article_composite(tmp_path):
+    from megagrpo.config.loader import load_config
+    path = tmp_path / "rewards.yaml"
+    path.write_text("functions:\n"
+                    "  - {name: mcq_accuracy, weight: 1.0}\n"
+                    "  - {name: soft_overlong, weight: 0.2, "
+                    "kwargs: {max_len: 4096, cache_len: 2048}}\n")
+    comp = build_composite(load_config(RewardsConfig, [path]))
+    total, _ = comp(["答え: e"], PROBLEM, lengths=[3072])
+    assert total == pytest.approx([1.0 - 0.2 * 0.5])
+    path.write_text("functions:\n  - {name: mcq_accuracy, weight: .nan}\n")
+    with pytest.raises(ConfigError, match="weight"):
+        load_config(RewardsConfig, [path])
