@@ -1,0 +1,138 @@
+"""HF ``generate`` engine (same protocol as vLLM) and the engine-independent helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megagrpo.errors import ConfigError
+from megagrpo.rollout import (
+    EngineError,
+    RolloutConfig,
+    RolloutEngine,
+    SamplingSpec,
+    WeightSyncError,
+    build_engine,
+    to_checkpoint_format,
+)
+from megagrpo.rollout.base import check_probe, iter_buckets
+from megagrpo.rollout.hf_engine import sequence_logprobs
+from megagrpo.types import Problem
+
+PROBLEMS = [
+    Problem("p1", [{"role": "system", "content": "医学の専門家です。"},
+                   {"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"}], ["c"]),
+    Problem("p2", [{"role": "user", "content": "The answer is c. Final answer: b, e"}], ["b"]),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_moe_dir):
+    cfg = RolloutConfig(engine="hf", max_tokens=10, max_model_len=256, sync_bucket_mb=0.05,
+                        verify_tol=1e-5)
+    eng = build_engine(cfg, str(tiny_moe_dir), seed=3)
+    yield eng
+    eng.close()
+
+
+def test_group_structure_and_logprobs(engine, hf_model, tiny_moe_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_moe_dir)
+    assert isinstance(engine, RolloutEngine)
+    groups = engine.generate(PROBLEMS, n=8)
+    assert [g.problem.id for g in groups] == ["p1", "p2"]
+    for g in groups:
+        ref = tok.apply_chat_template(g.problem.messages, add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        assert g.prompt_ids == list(ref)
+        assert g.size == 8 and len({tuple(t) for t in g.token_ids}) == 8
+        for toks, lps, n, fin in zip(g.token_ids, g.logprobs, g.lengths, g.finish_reasons):
+            assert len(toks) == len(lps) == n >= 1
+            assert fin == ("stop" if toks[-1] == tok.eos_token_id else "length")
+            assert (fin == "length") == (n == 10 and toks[-1] != tok.eos_token_id)
+            ref_lp = sequence_logprobs(hf_model, g.prompt_ids + toks)[len(g.prompt_ids) - 1:]
+            assert max(abs(a - b) for a, b in zip(lps, ref_lp)) < 1e-4  # left padding: fp32
+
+
+def test_seeds_reproduce(engine):
+    a = engine.generate(PROBLEMS[:1], n=3, sampling=SamplingSpec(seed=9))[0]
+    b = engine.generate(PROBLEMS[:1], n=3, sampling=SamplingSpec(seed=9))[0]
+    c = engine.generate(PROBLEMS[:1], n=3, sampling=SamplingSpec(seed=10))[0]
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_update_weights_verified_and_failures_raise(engine, hf_model):
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() >= 2 else v
+           for k, v in hf_model.state_dict().items()}
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_config(hf_model.config).eval()
+    trainer.load_state_dict(new)
+    expected = sequence_logprobs(trainer, engine.probe_token_ids)
+    # per-expert checkpoint names must land in the fused expert tensors too
+    report = engine.update_weights(to_checkpoint_format(new.items()), expected_probe=expected)
+    assert report.verified and report.max_probe_diff < 1e-5 and report.num_buckets > 1
+    with pytest.raises(WeightSyncError, match="match no parameter"):
+        engine.update_weights((f"decoy.{k}", v) for k, v in new.items())
+    with pytest.raises(WeightSyncError, match="moved by"):  # same weights again: no change
+        engine.update_weights(iter(new.items()))
+    original = sequence_logprobs(hf_model, engine.probe_token_ids)
+    with pytest.raises(WeightSyncError, match="verify_tol"):
+        engine.update_weights(iter(new.items()), expected_probe=original)
+    engine.update_weights(iter(hf_model.state_dict().items()), expected_probe=original)
+
+
+def test_sleep_blocks_generation(engine):
+    engine.sleep()
+    with pytest.raises(EngineError, match="asleep"):
+        engine.generate(PROBLEMS[:1], n=1)
+    engine.wake_up()
+    assert engine.generate(PROBLEMS[:1], n=1)[0].size == 1
+
+
+def test_to_checkpoint_format_matches_saved_checkpoint(hf_model, tiny_moe_dir):
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tiny_moe_dir / "model.safetensors"))
+    ours = dict(to_checkpoint_format(hf_model.state_dict().items()))
+    assert set(ours) == set(saved)
+    assert all(torch.equal(ours[k], saved[k]) for k in saved)
+
+
+def test_buckets_are_bounded_and_complete():
+    tensors = [(f"t{i}", torch.ones(100 + i)) for i in range(20)] + [("big", torch.ones(5000))]
+    buckets = list(iter_buckets(iter(tensors), bucket_bytes=2000, dtype=torch.bfloat16))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
+    for b in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= 2000 or len(b) == 1
+        assert all(t.dtype == torch.bfloat16 for _, t in b)
+    src = torch.ones(4)
+    (name, copy), = next(iter_buckets([("x", src)], 10))
+    assert copy.data_ptr() != src.data_ptr()
+
+
+def test_check_probe():
+    assert check_probe([0.0, -1.0], [-0.1, -1.0], None, 1e-3, 1e-6, "t") == pytest.approx(0.1)
+    with pytest.raises(WeightSyncError):
+        check_probe([0.0], [0.0], None, 1e-3, 1e-6, "t")
+    with pytest.raises(WeightSyncError):
+        check_probe([0.0], [float("nan")], [0.0], 1e-3, 1e-6, "t")
+    assert check_probe([0.0], [-0.5], [-0.5001], 1e-3, 1e-6, "t") < 1e-3
+
+
+def test_config_validation():
+    RolloutConfig().validate("rollout")
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        RolloutConfig(engine="sglang").validate("rollout")
+    with pytest.raises(ConfigError, match="rollout.max_model_len"):
+        RolloutConfig(max_tokens=512, max_model_len=512).validate("rollout")
