@@ -9,6 +9,7 @@ from megagrpo.curriculum.config import POLICIES, CurriculumConfig, DynamicSampli
 from megagrpo.curriculum.dynamic import preflight_check
 from megagrpo.curriculum.levels import (
     histogram,
+    level_alternatives,
     parse_histogram,
     parse_level_set,
     predict_acr,
@@ -110,9 +111,7 @@ def _print_report(hist, k, keep, args, results) -> None:
           f"R={args.max_resample}, {args.steps} steps")
     print(f"prior Beta(a={pred.prior.a:.3f}, b={pred.prior.b:.3f}); predicted P(collapse): "
           + ", ".join(f"L{lv} {p:.3f}" for lv, p in pred.by_level.items()))
-    alternatives = {"L2-L5": predict_acr(hist, k, args.group_size, [2, 3, 4, 5]).acr,
-                    "L2-L4": predict_acr(hist, k, args.group_size, [2, 3, 4]).acr} \
-        if all(hist.get(x, 0) for x in (2, 3, 4)) else {}
+    alternatives = level_alternatives(hist, k, args.group_size)
     for policy in results:
         dyn = DynamicSamplingConfig(max_resample=args.max_resample, policy=policy,
                                     preflight="off")

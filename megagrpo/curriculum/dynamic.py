@@ -202,7 +202,8 @@ class DynamicSampler:
             levels = None
         raw = collapse_stats(*rounds.first_matrices, levels, tau=self.cfg.tau)
         post_stats = collapse_stats(*post, tau=self.cfg.tau)
-        out = collapse_metrics(raw, post_stats, self.acr_predicted)
+        num_levels = int(getattr(rounds.sampler, "k", 5)) + 1
+        out = collapse_metrics(raw, post_stats, self.acr_predicted, num_levels)
         num_trained = post_stats["num_groups"]
         num_valid = float(round(num_trained * (1.0 - post_stats["acr"])))
         out.update({
@@ -260,10 +261,10 @@ def preflight_check(cfg: DynamicSamplingConfig, acr_predicted: float, batch_grou
         need = math.inf if acr_predicted >= 1 else math.ceil(1.0 / (1.0 - acr_predicted) - 1e-9)
         need_r = need if cfg.policy == "original" else need - 1
         hints = [f"max_resample >= {need_r}" if math.isfinite(need) else "no R suffices"]
-        good = [name for name, acr in (level_alternatives or {}).items()
+        good = [f"{name} (ACR {acr:.2f})" for name, acr in (level_alternatives or {}).items()
                 if (1.0 - acr) * rounds >= 1.0]
         if good:
-            hints.append("or keep_levels " + " / ".join(good))
+            hints.append("or keep_levels " + " / ".join(good[:3]))
         if cfg.policy == "original":
             hints.append("or policy partial/carry (checks every generated round)")
         msg += "; dynamic sampling cannot fill: (1 - ACR) * rounds < 1. Use " + ", ".join(hints)

@@ -234,6 +234,24 @@ def predict_acr(hist: Mapping[int, int], k: int, group_size: int,
     return CollapsePrediction(acr, by_level, share, prior, group_size)
 
 
+def level_alternatives(hist: Mapping[int, int], k: int, group_size: int
+                       ) -> dict[str, float]:
+    """Predicted ACR of contiguous level filters that drop at least one extreme level
+    (``{"L2-L5": acr, ...}``), for the pre-flight check's advice."""
+    prior = BetaPrior.fit_histogram(hist, k)
+    out = {}
+    top = k + 1
+    for lo in range(1, top + 1):
+        for hi in range(lo, top + 1):
+            if (lo, hi) == (1, top) or sum(hist.get(x, 0) for x in range(lo, hi + 1)) == 0:
+                continue
+            out[f"L{lo}-L{hi}"] = predict_acr(hist, k, group_size, range(lo, hi + 1),
+                                              prior=prior).acr
+    # widest filters first: the advice prefers keeping more problems
+    return dict(sorted(out.items(), key=lambda kv: -sum(
+        hist.get(x, 0) for x in parse_level_set(kv[0]))))
+
+
 def fill_success_prob(acr: float, batch_groups: int, num_checked_rounds: int) -> float:
     """P(at least ``batch_groups`` valid groups among ``rounds * batch_groups`` checked).
 

@@ -17,6 +17,7 @@ round (raw, pre-filter, ``*_raw``) and on the batch actually trained (post-filte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +111,8 @@ def collapse_stats(rewards: Any, correctness: Any | None = None,
 
 
 def collapse_metrics(raw: dict[str, float], post: dict[str, float],
-                     acr_predicted: float | None = None) -> dict[str, float]:
+                     acr_predicted: float | None = None, num_levels: int = 6
+                     ) -> dict[str, float]:
     """DESIGN.md metric names from the raw (first round) and post-filter (trained) stats.
 
     ``collapse/acr_raw``, ``collapse/solve_all_raw``, ``collapse/solve_none_raw``,
@@ -118,7 +120,9 @@ def collapse_metrics(raw: dict[str, float], post: dict[str, float],
     ``collapse/frac_reward_zero_std`` (post-filter, as ms-swift logs it) and
     ``collapse/acr_predicted``; extras: ``collapse/frac_reward_zero_std_raw``,
     ``collapse/acr_correctness_raw``, ``collapse/acr_post``, ``collapse/solve_all`` and
-    ``collapse/solve_none`` (post).
+    ``collapse/solve_none`` (post). Every row holds ``acr_by_level/L1..L{num_levels}`` and
+    ``acr_predicted``: NaN where there is no value (no group of that level this step, no
+    levels file); the loggers write NaN as null.
     """
     out = {
         "collapse/acr_raw": raw["acr"],
@@ -132,11 +136,12 @@ def collapse_metrics(raw: dict[str, float], post: dict[str, float],
     }
     if "acr_correctness" in raw:
         out["collapse/acr_correctness_raw"] = raw["acr_correctness"]
+    for level in range(1, num_levels + 1):
+        out[f"collapse/acr_by_level/L{level}"] = math.nan
     for key, value in raw.items():
         if key.startswith("acr_by_level/"):
             out[f"collapse/{key}"] = value
-    if acr_predicted is not None:
-        out["collapse/acr_predicted"] = float(acr_predicted)
+    out["collapse/acr_predicted"] = math.nan if acr_predicted is None else float(acr_predicted)
     return out
 
 

@@ -215,3 +215,27 @@ def test_preflight_article_numbers():
     # ours checks all 1 + R rounds: at R=3 the ceiling is 1 - 1/4 = 0.75
     assert preflight_check(DynamicSamplingConfig(policy="carry"), 0.73, 96).ok
     assert not preflight_check(DynamicSamplingConfig(policy="carry"), 0.8, 96).ok
+
+
+def test_every_design_metric_is_in_every_row():
+    from megagrpo.curriculum.config import CurriculumConfig
+    from megagrpo.curriculum.sampler import CurriculumSampler
+    from megagrpo.metrics.names import CORE_METRICS
+
+    probs = [Problem(id=f"q{i}", messages=[], answer=["a"]) for i in range(8)]
+    sampler = CurriculumSampler(probs, CurriculumConfig(), {p.id: 3 for p in probs})
+    src = ScriptedSource([_round(2)] * 4)
+    gen_ids = iter(range(10 ** 6))
+
+    def generate(problems):   # scripted rewards on the sampler's problems
+        rows = src.rounds[0]
+        return [Group(problem=p, completions=["x"] * 4, token_ids=[], logprobs=[],
+                      rewards=list(rows[next(gen_ids) % B])) for p in problems]
+    for policy in ("original", "partial", "carry"):
+        ds = DynamicSampler(DynamicSamplingConfig(policy=policy), "acc")   # no acr_predicted
+        row = {**ds.fill(sampler, generate, B, 0).stats, **sampler.metrics()}
+        wanted = [n for n in CORE_METRICS if n.split("/")[0] in ("collapse", "dynamic",
+                                                                 "curriculum")]
+        assert not [n for n in wanted if n not in row], policy
+        assert np.isnan(row["collapse/acr_by_level/L1"]) and row["collapse/acr_by_level/L3"] == 0.5
+        assert np.isnan(row["collapse/acr_predicted"])
