@@ -36,6 +36,8 @@ class RewardsConfig:
 
     def validate(self, path: str) -> None:
         require(len(self.functions) > 0, f"{path}.functions", "needs at least one reward")
+        for i, spec in enumerate(self.functions):  # the loader does not descend into lists
+            spec.validate(f"{path}.functions.{i}")
         labels = [f.label or f.name for f in self.functions]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         require(not dup, f"{path}.functions", f"duplicate reward names {dup}; set 'label'")
