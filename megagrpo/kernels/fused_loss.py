@@ -187,8 +187,10 @@ def fused_policy_loss(logits: Tensor, target_ids: Tensor, old_logprobs: Tensor |
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
     logits2d = logits.reshape(-1, v_local)
     if logits2d.stride(1) != 1:
-        log.warning("fused_policy_loss: non-contiguous logits are copied")
         logits2d = logits2d.contiguous()
+    if logits2d.data_ptr() != logits.data_ptr() or logits2d.stride(1) != 1:
+        log.warning("fused_policy_loss: logits %s with strides %s are copied; pass a [T, V] "
+                    "view to avoid an extra [T, V] tensor", tuple(logits.shape), logits.stride())
     ids, num_seqs = make_seq_ids(lead, seq_ids, logits.device)
 
     def flat(t):
