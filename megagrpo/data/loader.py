@@ -138,7 +138,7 @@ def _swift_problem(rec: dict, where: str, path: Path, num: int) -> Problem:
     pid = str(rec.get("id", rec.get("problem_id", f"{path.stem}:{num}")))
     meta = {k: v for k, v in rec.items() if k not in ("messages", "solution", "answer", "id")}
     meta.setdefault("choices", [])
-    meta.update(source=where, points=int(meta.get("points", 1)))
+    meta.update(source=where, points=int(meta.get("points", 1)), solution=solution)
     return Problem(id=pid, messages=messages, answer=_normalise_answer(items), meta=meta)
 
 
