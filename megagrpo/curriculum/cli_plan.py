@@ -29,11 +29,12 @@ example (the article's specialist exam, all levels, ms-swift behaviour):
 """
 
 ARTICLE_LEVELS = "L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636"
-SUMMARY_KEYS = ("acr_predicted", "acr_raw_mean", "frac_reward_zero_std_mean",
+SUMMARY_KEYS = ("acr_predicted", "acr_raw_mean", "acr_raw_first_10pct", "acr_raw_last_10pct",
+                "frac_reward_zero_std_mean",
                 "ds_success_prob_predicted", "ds_success_rate", "gen_batches_per_step",
                 "valid_groups_per_step", "collapsed_groups_trained_per_step",
                 "valid_groups_discarded_per_step", "valid_groups_carried_per_step",
-                "valid_groups_per_gen_batch")
+                "valid_groups_per_gen_batch", "retired_final")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -131,6 +131,12 @@ class PlanResult:
     def mean(self, key: str) -> float:
         return float(np.mean([s[key] for s in self.steps])) if self.steps else 0.0
 
+    def window_mean(self, key: str, last: bool) -> float:
+        """Mean of ``key`` over the first (or last) 10% of the steps."""
+        w = max(1, len(self.steps) // 10)
+        rows = self.steps[-w:] if last else self.steps[:w]
+        return float(np.mean([s[key] for s in rows])) if rows else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.config,
@@ -139,6 +145,8 @@ class PlanResult:
             "ds_fill_condition": self.ds_fill_condition,
             "ds_success_prob_predicted": self.ds_success_prob,
             "acr_raw_mean": self.mean("collapse/acr_raw"),
+            "acr_raw_first_10pct": self.window_mean("collapse/acr_raw", last=False),
+            "acr_raw_last_10pct": self.window_mean("collapse/acr_raw", last=True),
             "frac_reward_zero_std_mean": self.mean("collapse/frac_reward_zero_std"),
             "ds_success_rate": self.mean("dynamic/success"),
             "valid_groups_per_step": self.mean("dynamic/valid_groups"),
@@ -150,6 +158,10 @@ class PlanResult:
             "valid_groups_carried_per_step": self.mean("dynamic/valid_groups_carried"),
             "valid_groups_per_gen_batch": (self.mean("dynamic/valid_groups") /
                                            max(self.mean("dynamic/gen_batches"), 1e-12)),
+            "level_hist_final": {k.rsplit("/", 1)[1]: v for k, v in
+                                 (self.steps[-1].items() if self.steps else ())
+                                 if k.startswith("curriculum/level_hist/")},
+            "retired_final": self.steps[-1].get("curriculum/retired", 0.0) if self.steps else 0.0,
             "seconds": self.seconds,
         }
 
