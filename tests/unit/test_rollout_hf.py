@@ -136,3 +136,18 @@ def test_config_validation():
         RolloutConfig(engine="sglang").validate("rollout")
     with pytest.raises(ConfigError, match="rollout.max_model_len"):
         RolloutConfig(max_tokens=512, max_model_len=512).validate("rollout")
+
+
+def test_verify_rollout_cli_json(tiny_moe_dir, capsys):
+    import json
+
+    from megagrpo.cli import main
+
+    rc = main(["verify-rollout", "--hf", str(tiny_moe_dir), "--engine", "hf", "--json",
+               "--n", "3", "--max-tokens", "6"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"] and out["engine"] == "hf"
+    assert out["weight_update_effective"] is True and out["sync_bytes"] > 0
+    assert out["sync_seconds"] > 0 and out["num_samples"] == 6
+    assert 0 <= out["logprob_mean_abs_diff"] <= out["logprob_max_abs_diff"] < 1e-4
+    assert main(["verify-rollout", "--hf", str(tiny_moe_dir / "nope")]) == 2
