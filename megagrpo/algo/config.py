@@ -46,9 +46,12 @@ class LossConfig:
     by min(exp(old_logprob - rollout_logprob), tis_cap); 0 disables it."""
     backend: str = "auto"
     """auto (Triton on CUDA, chunked torch on CPU) | triton | torch."""
-    grad_in_logits: bool = False
-    """Write the logits gradient into the logits buffer during forward (no extra [T, V] tensor).
-    Safe only when nothing else saved the logits for backward (autograd then raises)."""
+    grad_in_logits: bool = True
+    """Write the logits gradient into the logits buffer during forward, so no [T, V] tensor is
+    allocated at all (the gradient alone is as big as the logits). The logits' values are gone
+    after a loss call with grad enabled: set False if the caller reads them afterwards. Another
+    autograd node that saved the logits makes backward raise (version counter), never silently
+    wrong. With grad disabled (no_grad, eval) the logits are left untouched."""
     chunk_bytes: int = 32 * 1024 * 1024
     """CPU/torch path: fp32 working set per chunk of tokens (bounds extra memory)."""
 

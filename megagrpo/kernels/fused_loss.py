@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import increment_version
 
 from megagrpo.algo.config import LossConfig
 from megagrpo.algo.losses import make_seq_ids
@@ -131,6 +132,9 @@ class _FusedPolicyLoss(torch.autograd.Function):
             if plan.cfg.grad_in_logits:
                 _grad(logits2d, plan.target, lse, ex, g, h, logits2d, start, plan.backend,
                       plan.cfg.chunk_bytes)
+                # Triton writes through raw pointers: bump the version counter so that any
+                # other autograd node that saved these logits raises instead of using grads.
+                increment_version(logits2d)
                 ctx.in_logits = True
                 ctx.save_for_backward(logits2d)
             else:

@@ -120,3 +120,14 @@ def test_fused_policy_loss_triton_matches_reference(variant, dtype):
     for k in ("loss/policy", "loss/kl", "loss/entropy", "loss/clip_frac", "loss/ratio_max"):
         assert torch.allclose(m2[k], m1[k], atol=1e-4), k
     assert float(m1["loss/clip_frac"]) > 0
+
+
+def test_triton_grad_in_logits_bumps_version_counter():
+    logits, tgt, old, _, adv, mask = _inputs(8, 100, torch.float32, seed=3)
+    a = logits.clone().requires_grad_()
+    x = a * 2
+    other = x.sin()  # saves x; the Triton kernel overwrites x through a raw pointer
+    loss, _ = fused_policy_loss(x, tgt, old, adv, mask, LossConfig(variant="dapo",
+                                backend="triton", grad_in_logits=True))
+    with pytest.raises(RuntimeError, match="inplace"):
+        (loss + other.sum()).backward()

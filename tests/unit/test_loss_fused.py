@@ -134,3 +134,19 @@ def test_memory_no_full_fp32_tensor(grad_in_logits):
     big = [b for b, _ in fused.sizes if b >= T * V]
     # the only [T, V] allocation is the bf16 gradient itself, and none with grad_in_logits
     assert big == ([] if grad_in_logits else [T * V * 2])
+
+
+@pytest.mark.parametrize("grad_in_logits", [False, True])
+def test_grad_in_logits_is_caught_when_logits_are_saved_elsewhere(grad_in_logits):
+    logits, tgt, old, ref, adv, mask = _inputs((8,), 50, seed=7)
+    cfg = LossConfig(variant="dapo", backend="torch", grad_in_logits=grad_in_logits)
+    a = logits.clone().requires_grad_()
+    x = a * 2
+    other = x.sin()  # saves x: overwriting x with its gradient must not go unnoticed
+    loss, _ = fused_policy_loss(x, tgt, old, adv, mask, cfg)
+    if grad_in_logits:
+        with pytest.raises(RuntimeError, match="inplace"):
+            (loss + other.sum()).backward()
+    else:
+        (loss + other.sum()).backward()
+        assert a.grad is not None
