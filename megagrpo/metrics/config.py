@@ -4,11 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.loader import require
+
+WANDB_MODES = ("offline", "online", "disabled")
+
 
 @dataclass
 class MetricsConfig:
-    """Where metrics go: metrics.jsonl always, W&B offline by default."""
+    """Where metrics go: metrics.jsonl always, W&B offline by default, a console progress bar."""
 
     wandb_mode: str = "offline"
-    """offline | online | disabled."""
+    """offline (default: no key needed; `wandb sync` later) | online | disabled."""
     wandb_project: str = "megagrpo"
+    """W&B project name."""
+    wandb_entity: str | None = None
+    """W&B entity (team/user); None: the account default."""
+    wandb_dir: str | None = None
+    """Where W&B writes its files; None: the run directory."""
+    progress_bar: bool = True
+    """Console tqdm bar with step, reward, raw ACR and tokens/s (rank 0 only)."""
+    log_every: int = 1
+    """Also write a one-line INFO log every N steps (the bar updates every step)."""
+
+    def validate(self, path: str = "metrics") -> None:
+        """Check values; raises ConfigError naming the key."""
+        require(self.wandb_mode in WANDB_MODES, f"{path}.wandb_mode",
+                f"must be one of {WANDB_MODES}")
+        require(self.log_every >= 1, f"{path}.log_every", "must be >= 1")

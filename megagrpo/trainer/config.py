@@ -4,16 +4,78 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megagrpo.config.loader import require
+
+OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
+
 
 @dataclass
 class TrainerConfig:
-    """Optimisation and run bookkeeping."""
+    """Optimisation, batching and run bookkeeping of `megagrpo train`."""
 
     name: str = "run"
     """Run name: outputs go to {output_dir}/{name}."""
     output_dir: str = "runs"
+    """Parent directory of run directories."""
     max_steps: int = 10
+    """Optimiser steps (GRPO steps) of the whole run."""
     batch_groups: int = 8
-    """Groups (problems) per training batch."""
+    """Groups (problems) per training batch (B); each group holds rollout.group_size answers."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward micro-batch: activation memory is bounded by this and
+    rollout.max_tokens, never by the batch size (gradients accumulate over micro-batches)."""
+    ppo_epochs: int = 1
+    """Optimiser updates per generated batch (>1 needs old log-probs: recomputed)."""
+    old_logprobs: str = "auto"
+    """auto | rollout | recompute | none. Behaviour log-probs for the ratio: the engine's
+    sampled-token log-probs, a trainer forward before the update, or none (ratio 1).
+    auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout."""
     lr: float = 1e-4
+    """AdamW learning rate of the LoRA parameters."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: list[float] | None = None
+    """AdamW (beta1, beta2); None: (0.9, 0.999)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps (then constant)."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip over the LoRA parameters (0: off)."""
     seed: int = 0
+    """Seed of torch/numpy/python RNGs (per rank: seed + rank) and of the rollout engine."""
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end); always at the last step."""
+    keep_checkpoints: int = 2
+    """Keep the newest N checkpoints (older ones are deleted after a successful save)."""
+    eval_every: int = 0
+    """Evaluate on data.eval every N steps (0: never; also at the end when > 0)."""
+    eval_max_problems: int = 0
+    """Evaluate on at most this many held-out problems (0: all)."""
+    export_adapter: bool = True
+    """At the end, also write a PEFT adapter (runs/<name>/adapter) that peft and vLLM load."""
+
+    def resolved_old_logprobs(self, engine_has_logprobs: bool = True) -> str:
+        """The behaviour log-prob source actually used (see ``old_logprobs``)."""
+        if self.old_logprobs != "auto":
+            return self.old_logprobs
+        return "recompute" if self.ppo_epochs > 1 or not engine_has_logprobs else "rollout"
+
+    def validate(self, path: str = "trainer") -> None:
+        """Check values; raises ConfigError naming the key."""
+        require(bool(self.name) and "/" not in self.name, f"{path}.name",
+                "must be a non-empty name without '/'")
+        require(self.max_steps >= 1, f"{path}.max_steps", "must be >= 1")
+        require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")
+        require(self.micro_batch_size >= 1, f"{path}.micro_batch_size", "must be >= 1")
+        require(self.ppo_epochs >= 1, f"{path}.ppo_epochs", "must be >= 1")
+        require(self.old_logprobs in OLD_LOGPROBS, f"{path}.old_logprobs",
+                f"must be one of {OLD_LOGPROBS}")
+        require(not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
+                f"{path}.old_logprobs", "ppo_epochs > 1 needs 'recompute' (or 'auto')")
+        require(self.lr > 0, f"{path}.lr", "must be > 0")
+        require(self.adam_betas is None or len(self.adam_betas) == 2, f"{path}.adam_betas",
+                "must be [beta1, beta2]")
+        require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
+        require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
+        for key in ("save_every", "eval_every", "eval_max_problems"):
+            require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0")
+        require(self.keep_checkpoints >= 1, f"{path}.keep_checkpoints", "must be >= 1")

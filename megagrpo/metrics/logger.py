@@ -1,0 +1,195 @@
+"""Metric loggers: metrics.jsonl, W&B (offline by default), a console progress bar.
+
+A :class:`MetricLogger` takes one flat ``{name: float}`` dict per step. Rank 0 builds the
+real loggers with :func:`build_logger`; every other rank gets :class:`NullLogger` (the
+nanochat ``DummyWandb`` idea), so call sites never branch on rank.
+
+metrics.jsonl: one JSON object per line, ``{"step": int, "time": float, <name>: value}``;
+values that a step did not measure (e.g. ``collapse/acr_predicted`` without a levels file)
+are written as ``null`` so every row holds every name. On resume the rows of steps after the
+checkpoint are dropped (:meth:`JsonlLogger.truncate_after`) so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from megagrpo.metrics.config import MetricsConfig
+
+log = logging.getLogger(__name__)
+
+
+class MetricLogger(Protocol):
+    """Anything that takes one row of metrics per step."""
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Record ``metrics`` for ``step`` (1-based optimiser step)."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+def _clean(value: Any) -> float | int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return int(value)
+    value = float(value)
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+class NullLogger:
+    """No-op logger for ranks other than 0."""
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlLogger:
+    """Appends one JSON row per step to ``path`` (flushed and fsynced each step)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def truncate_after(self, step: int) -> int:
+        """Drop rows with ``step > step`` (a resumed run rewrites them); returns rows kept."""
+        self._fh.close()
+        rows = read_metrics(self.path) if self.path.exists() else []
+        kept = [r for r in rows if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        return len(kept)
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        row.update({k: _clean(v) for k, v in sorted(metrics.items())})
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+class WandbLogger:
+    """Real ``wandb`` run; ``mode`` offline (default, no key), online or disabled.
+
+    The run id is kept in ``run_dir/wandb_id`` so a resumed training continues the same run.
+    """
+
+    def __init__(self, cfg: MetricsConfig, run_dir: Path, name: str, config: dict | None = None):
+        import wandb
+
+        run_dir = Path(run_dir)
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+        id_file.write_text(run_id)
+        wandb_dir = Path(cfg.wandb_dir or run_dir)
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=name,
+                               id=run_id, resume="allow", dir=str(wandb_dir), mode=cfg.wandb_mode,
+                               config=config or {},
+                               settings=wandb.Settings(silent=True, console="off",
+                                                       x_disable_stats=True))
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        row = {k: v for k, v in ((k, _clean(v)) for k, v in metrics.items()) if v is not None}
+        self._run.log(row, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class ConsoleLogger:
+    """tqdm progress bar: step, reward, raw ACR, tokens/s; an INFO line every ``log_every``."""
+
+    def __init__(self, total_steps: int, initial_step: int = 0, log_every: int = 1,
+                 bar: bool = True):
+        self.log_every = log_every
+        self._bar = None
+        if bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", unit="step",
+                             dynamic_ncols=True)
+
+    @staticmethod
+    def summary(metrics: dict[str, float | None]) -> dict[str, str]:
+        """The few figures worth a glance, formatted."""
+        def fmt(key: str, spec: str) -> str:
+            v = _clean(metrics.get(key))
+            return "-" if v is None else format(v, spec)
+        return {"reward": fmt("reward/mean", ".3f"), "acr_raw": fmt("collapse/acr_raw", ".2f"),
+                "tok/s": fmt("perf/tokens_per_s", ".0f")}
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        info = self.summary(metrics)
+        if self._bar is not None:
+            self._bar.set_postfix(info, refresh=False)
+            self._bar.update(step - self._bar.n)
+        if step % self.log_every == 0:
+            log.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in info.items()))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class MultiLogger:
+    """Fans one row out to several loggers."""
+
+    def __init__(self, loggers: list[MetricLogger]):
+        self.loggers = loggers
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        for lg in self.loggers:
+            lg.log(step, metrics)
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.close()
+
+
+def build_logger(cfg: MetricsConfig, run_dir: str | os.PathLike, *, rank: int, name: str,
+                 total_steps: int, start_step: int = 0,
+                 config: dict | None = None) -> MetricLogger:
+    """JSONL + W&B + console on rank 0 (rows after ``start_step`` dropped); NullLogger elsewhere."""
+    if rank != 0:
+        return NullLogger()
+    run_dir = Path(run_dir)
+    jsonl = JsonlLogger(run_dir / "metrics.jsonl")
+    jsonl.truncate_after(start_step)
+    loggers: list[MetricLogger] = [jsonl]
+    if cfg.wandb_mode != "disabled":
+        loggers.append(WandbLogger(cfg, run_dir, name, config))
+    loggers.append(ConsoleLogger(total_steps, start_step, cfg.log_every, cfg.progress_bar))
+    return MultiLogger(loggers)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All rows of a metrics.jsonl (a torn last line, from a kill mid-write, is skipped)."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("%s: skipping a torn line", path)
+    return rows

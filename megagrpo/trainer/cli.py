@@ -1,0 +1,73 @@
+"""`megagrpo train CONFIG [key=value ...] [--resume]`: GRPO training.
+
+Single process:            megagrpo train configs/demo_cpu.yaml trainer.max_steps=3
+Several (gloo/NCCL):       torchrun --nproc-per-node 2 -m megagrpo.cli train CONFIG parallel.tp=2
+Continue a killed run:     megagrpo train CONFIG --resume
+
+Writes runs/<trainer.name>/: config.yaml (resolved), metrics.jsonl (one row per step, every
+metric of the design), checkpoints/step_*/ (adapters, optimiser, sampler state, RNGs),
+wandb/ (offline unless metrics.wandb_mode=online), adapter/ (PEFT adapter at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+DESCRIPTION = __doc__
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (configs/demo_cpu.yaml, ...)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted config overrides, e.g. trainer.max_steps=3")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint of the run")
+
+
+def _env_defaults() -> None:
+    """CPU-friendly defaults that must be set before vllm/triton/wandb are imported."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run(args: argparse.Namespace) -> int:
+    _env_defaults()
+    from megagrpo.config.loader import load_config
+    from megagrpo.config.schema import RunConfig
+    from megagrpo.trainer.loop import train
+    from megagrpo.trainer.setup import build_context, finish
+
+    cfg = load_config(RunConfig, [args.config], args.overrides)
+    ctx = build_context(cfg, resume=args.resume)
+    try:
+        rows = train(ctx)
+        finish(ctx)
+    finally:
+        shutdown(ctx)
+    if ctx.comm.is_main and rows:
+        last = rows[-1]
+        print(f"done: {ctx.step} steps, run dir {ctx.run_dir}, last reward/mean="
+              f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}")
+    return 0
+
+
+def shutdown(ctx) -> None:
+    """Release the engine and the process groups."""
+    if ctx.engine is not None and hasattr(ctx.engine, "close"):
+        ctx.engine.close()
+    try:
+        from megagrpo.parallel import destroy_parallel
+
+        destroy_parallel()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        log.debug("destroy_parallel failed", exc_info=True)

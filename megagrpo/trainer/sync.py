@@ -1,0 +1,58 @@
+"""Phase 6 of a step: wake the engine and push the new weights into it, verified.
+
+The policy streams merged (base + LoRA) HF-named tensors in bounded buckets
+(``export_hf_weights``: a collective over the model-parallel ranks, so every rank iterates
+it); rank 0 feeds them to ``engine.update_weights``. Verification is exact: every rank
+computes the trainer's log-probs of the engine's fixed probe sequence under the new
+weights and the engine must reproduce them within ``rollout.verify_tol``
+(``expected_probe``); a sync that silently changed nothing raises WeightSyncError.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megagrpo.kernels import token_stats
+from megagrpo.trainer.context import TrainContext
+
+log = logging.getLogger(__name__)
+
+
+def _stream(ctx: TrainContext):
+    for bucket in ctx.policy.export_hf_weights(merge_lora=True):
+        yield from bucket
+
+
+@torch.no_grad()
+def trainer_probe(ctx: TrainContext, probe_ids: list[int]) -> list[float]:
+    """The trainer's log-probs ``[L - 1]`` of ``probe_ids[1:]`` (collective over TP)."""
+    ids = torch.tensor([probe_ids], dtype=torch.long)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    logits = ctx.policy.forward_logits(ids, pos)
+    logp, *_ = token_stats(logits[0, :-1].contiguous(), ids[0, 1:], tp_group=ctx.tp_group,
+                           backend=ctx.cfg.loss.backend)
+    return logp.double().tolist()
+
+
+def sync_weights(ctx: TrainContext) -> dict[str, float]:
+    """Wake the engine (rank 0) and sync the merged weights; returns ``perf/sync_bytes`` etc."""
+    probe_ids = getattr(ctx.engine, "probe_token_ids", None) if ctx.comm.is_main else None
+    probe_ids = ctx.comm.broadcast_object(probe_ids)
+    expected = trainer_probe(ctx, probe_ids) if probe_ids else None
+    if not ctx.comm.is_main:
+        for _ in _stream(ctx):  # take part in the export's collectives
+            pass
+        ctx.comm.barrier()
+        return {"perf/sync_bytes": 0.0}
+    ctx.engine.wake_up()
+    report = ctx.engine.update_weights(_stream(ctx), expected_probe=expected)
+    ctx.comm.barrier()
+    # update_weights raises WeightSyncError when the probe disagrees; never trust silence.
+    if not getattr(report, "verified", False):
+        from megagrpo.rollout.base import WeightSyncError
+
+        raise WeightSyncError(f"weight sync not verified: {report}")
+    return {"perf/sync_bytes": float(report.bytes), "sync/probe_max_diff":
+            float(getattr(report, "max_probe_diff", 0.0)), "sync/engine_s": float(report.seconds)}
