@@ -135,18 +135,23 @@ def _patch_alltoall_dispatcher() -> None:
     from megatron.core.transformer.moe import token_dispatcher as td
     from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
 
+    # The original turns split sizes into numpy only for CUDA tensors (CPU tensors stay
+    # tensors, which gloo's all_to_all_single rejects as split sizes): convert here.
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+
+    def host(t, as_numpy=False):
+        t = maybe_move_tensor_to_cpu(t)
+        return t.numpy() if as_numpy and torch.is_tensor(t) else t
 
     def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
         if not self.drop_and_pad and point == self.cuda_dtoh_point:
-            tokens_per_expert = maybe_move_tensor_to_cpu(tokens_per_expert)
-            self.input_splits = maybe_move_tensor_to_cpu(self.input_splits, as_numpy=True)
-            self.output_splits = maybe_move_tensor_to_cpu(self.output_splits, as_numpy=True)
-            self.output_splits_tp = maybe_move_tensor_to_cpu(self.output_splits_tp,
-                                                             as_numpy=True)
-            self.num_out_tokens = maybe_move_tensor_to_cpu(self.num_out_tokens)
+            tokens_per_expert = host(tokens_per_expert)
+            self.input_splits = host(self.input_splits, as_numpy=True)
+            self.output_splits = host(self.output_splits, as_numpy=True)
+            self.output_splits_tp = host(self.output_splits_tp, as_numpy=True)
+            self.num_out_tokens = host(self.num_out_tokens)
             if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
-                self.num_global_tokens_per_local_expert = maybe_move_tensor_to_cpu(
+                self.num_global_tokens_per_local_expert = host(
                     self.num_global_tokens_per_local_expert)
         return tokens_per_expert
 

@@ -1,0 +1,173 @@
+"""Gather LoRA shards into HF-named full factors and write a PEFT adapter.
+
+Megatron fuses q/k/v (per query group) and gate/up; LoRA on a fused linear has one A and a
+fused B, so the HF adapter gets, per projection, the same A and its rows of B (exact:
+``B A`` restricted to those rows). Experts are written in one of two layouts:
+
+* ``fused`` (default; what peft >= 0.17 loads onto transformers 5's fused expert tensors,
+  via ``target_parameters``): per layer ``mlp.experts.base_layer.lora_{A,B}`` for
+  ``gate_up_proj`` and ``mlp.experts.lora_{A,B}`` for ``down_proj``; A is [E*r, in] (expert
+  e in rows e*r..), B is [out, r*E] viewed as [out, r, E].
+* ``per_expert``: ``mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}`` (vLLM's MoE LoRA keys).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.model.hf_mapping import hf_weight_shapes
+
+_TARGET = [
+    (re.compile(r"\.self_attn\.[qkv]_proj\.weight$"), "linear_qkv", "column"),
+    (re.compile(r"\.self_attn\.o_proj\.weight$"), "linear_proj", "row"),
+    (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), "linear_fc1", "column"),
+    (re.compile(r"\.mlp\.down_proj\.weight$"), "linear_fc2", "row"),
+    (re.compile(r"\.mlp\.experts\.\d+\.(gate|up)_proj\.weight$"), "expert_linear_fc1", "column"),
+    (re.compile(r"\.mlp\.experts\.\d+\.down_proj\.weight$"), "expert_linear_fc2", "row"),
+]
+
+
+def lora_target(hf_name: str, targets: list[str]) -> tuple[str, bool] | None:
+    """``(kind, is_expert)`` when the HF weight ``hf_name`` carries LoRA under ``targets``."""
+    for pat, target, kind in _TARGET:
+        if pat.search(hf_name):
+            expert = target.startswith("expert_")
+            on = target in targets or (expert and target[len("expert_"):] in targets)
+            return (kind, expert) if on else None
+    return None
+
+
+def _adapter_for(policy, param: str):
+    mod, _, leaf = param.rpartition(".")
+    adapter = policy.adapters[mod]
+    j = re.fullmatch(r"weight(\d+)", leaf)
+    if adapter.num_experts:
+        k = int(j.group(1))
+        return adapter.lora_A[k], adapter.lora_B[k], adapter.lora_A, adapter.lora_B
+    return adapter.lora_A, adapter.lora_B, adapter.lora_A, adapter.lora_B
+
+
+def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{hf_weight_name: (A [r, in], B [out, r])}`` full fp32 factors (or their gradients
+    with ``use_grad``), identical on every rank; collective over all ranks. The scale
+    ``alpha / r`` is not folded in."""
+    g, lc = policy.groups, policy.cfg.lora
+    out = {}
+    for name, shape in hf_weight_shapes(policy.arch).items():
+        hit = lora_target(name, lc.targets)
+        if hit is None:
+            continue
+        kind, expert = hit
+        a = torch.zeros(lc.rank, shape[1])
+        b = torch.zeros(shape[0], lc.rank)
+        lead = (g.etp_rank if expert else g.tp_rank) == 0  # owns the TP-replicated factor
+        for p in policy.plan.get(name, []):
+            if not p.owner:
+                continue
+            la, lb, pa, pb = _adapter_for(policy, p.param)
+            if use_grad:
+                la = _grad_view(la, pa)
+                lb = _grad_view(lb, pb)
+            la, lb = la.detach().float(), lb.detach().float()
+            if kind == "column":
+                b[p.src[0]] = lb[p.dst[0]]
+                if lead:
+                    a.copy_(la)
+            else:
+                a[:, p.src[1]] = la[:, p.dst[1]]
+                if lead:
+                    b.copy_(lb)
+        group = g.expert_mp if expert else g.mp
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(a, group=group)
+            dist.all_reduce(b, group=group)
+        out[name] = (a, b)
+    return out
+
+
+def _grad_view(view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if param.grad is None:
+        return torch.zeros_like(view)
+    if view is param:
+        return param.grad
+    idx = next(i for i in range(param.shape[0]) if param[i].data_ptr() == view.data_ptr())
+    return param.grad[idx]
+
+
+def peft_tensors(lora: dict, num_experts: int, expert_format: str = "fused"
+                 ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """PEFT state dict + ``target_modules`` + ``target_parameters`` from :func:`gather_lora`."""
+    sd: dict[str, torch.Tensor] = {}
+    modules: set[str] = set()
+    experts: dict[str, dict] = {}
+    for name, (a, b) in lora.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m and expert_format == "fused":
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = (a, b)
+            continue
+        base = "base_model.model." + name[: -len(".weight")]
+        sd[base + ".lora_A.weight"], sd[base + ".lora_B.weight"] = a.contiguous(), b.contiguous()
+        modules.add(name[: -len(".weight")].rsplit(".", 1)[1])
+    params: list[str] = []
+    for prefix, parts in experts.items():
+        fused = {}
+        if any(k[1] == "gate" for k in parts):
+            fused["gate_up_proj"] = [(parts[(e, "gate")][0],
+                                      torch.cat([parts[(e, "gate")][1], parts[(e, "up")][1]]))
+                                     for e in range(num_experts)]
+        if any(k[1] == "down" for k in parts):
+            fused["down_proj"] = [parts[(e, "down")] for e in range(num_experts)]
+        for pname, per in fused.items():
+            a = torch.cat([ae for ae, _ in per])                     # [E*r, in]
+            b = torch.stack([be for _, be in per], dim=-1)          # [out, r, E]
+            inner = len(fused) == 2 and pname == "gate_up_proj"     # peft nests the first
+            key = f"base_model.model.{prefix}{'.base_layer' if inner else ''}"
+            sd[key + ".lora_A.weight"] = a.contiguous()
+            sd[key + ".lora_B.weight"] = b.reshape(b.shape[0], -1).contiguous()
+            if f"mlp.experts.{pname}" not in params:
+                params.append(f"mlp.experts.{pname}")
+    order = {"mlp.experts.gate_up_proj": 0, "mlp.experts.down_proj": 1}
+    return sd, sorted(modules), sorted(params, key=order.get)
+
+
+def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused"
+                        ) -> Path | None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (rank 0, atomically:
+    temp dir then rename). Collective. Returns the directory on rank 0, else None."""
+    from safetensors.torch import save_file
+
+    lc = policy.cfg.lora
+    if lc.dropout and expert_format == "fused" and any(
+            t.endswith("fc1") or t.endswith("fc2") for t in lc.targets) and policy.arch.is_moe:
+        raise ValueError("peft's fused-expert LoRA (target_parameters) has no dropout: "
+                         "set model.lora.dropout=0 or expert_format='per_expert'")
+    lora = gather_lora(policy)
+    if dist.get_rank() != 0:
+        return None
+    sd, modules, params = peft_tensors(lora, policy.arch.num_experts, expert_format)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc.rank, "lora_alpha": lc.alpha,
+        "lora_dropout": lc.dropout, "target_modules": modules, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+        "init_lora_weights": True, "modules_to_save": None,
+        "base_model_name_or_path": str(policy.cfg.hf_path),
+    }
+    if params:
+        config["target_parameters"] = params
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

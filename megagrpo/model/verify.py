@@ -1,0 +1,205 @@
+"""``megagrpo verify-model``: the parallel Megatron model against transformers' own model.
+
+Launches the layout's gloo ranks itself (or runs in-process for one rank), loads the HF
+weights into the sharded model, and compares logits on fixed inputs with
+``AutoModelForCausalLM`` in fp32; checks that zero-initialised LoRA leaves the logits
+unchanged and that HF → Megatron → HF round-trips bitwise. ``--meta`` builds one rank of a
+full-size layout on the meta device instead and reports parameter counts and shard sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from dataclasses import asdict
+
+import torch
+
+DESCRIPTION = __doc__
+log = logging.getLogger(__name__)
+
+
+def gather_vocab(logits: torch.Tensor, groups) -> torch.Tensor:
+    """[B, T, V/TP] local logits → [B, T, V] on every TP rank."""
+    import torch.distributed as dist
+
+    if groups.tp_size == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(groups.tp_size)]
+    dist.all_gather(parts, logits.contiguous(), group=groups.tp)
+    return torch.cat(parts, dim=-1)
+
+
+def _loss_weights(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def parity_worker(rank: int, job: dict) -> dict | None:
+    """One rank of a verification job (see :func:`run_layout`). Returns rank 0's report."""
+    from safetensors.torch import load_file
+
+    from megagrpo.model.config import LoraConfig, ModelConfig
+    from megagrpo.model.policy import build_policy
+    from megagrpo.model.weights import safetensors_files
+    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    pcfg = ParallelConfig(**job["layout"])
+    groups = init_parallel(pcfg)
+    try:
+        lora = LoraConfig(**job.get("lora", {"rank": 4, "alpha": 8.0}))
+        policy = build_policy(ModelConfig(hf_path=job["hf_dir"], lora=lora), groups)
+        ids = job["input_ids"]
+        report: dict = {"world_size": groups.world_size, "layout": job["layout"]}
+        with torch.no_grad():
+            logits = gather_vocab(policy.forward_logits(ids), groups)
+            scales = {k: a.scaling for k, a in policy.adapters.items()}
+            for a in policy.adapters.values():
+                a.scaling = 0.0  # adapters off: the base model
+            base = gather_vocab(policy.forward_logits(ids), groups)
+            for k, a in policy.adapters.items():
+                a.scaling = scales[k]
+        report["logits"] = logits
+        report["lora_zero_init_max_diff"] = (logits - base).abs().max().item()
+        orig = {}
+        for f in safetensors_files(job["hf_dir"]):
+            orig.update(load_file(str(f)))
+        if policy.arch.tie_word_embeddings:
+            orig.pop("lm_head.weight", None)
+        seen, equal = 0, True
+        for bucket in policy.export_hf_weights(merge_lora=True, bucket_bytes=1 << 20):
+            for name, t in bucket:
+                seen += 1
+                equal &= name in orig and torch.equal(t, orig[name])
+        report["roundtrip_bitwise"] = bool(equal and seen == len(orig))
+        if job.get("train_steps"):
+            report.update(_train(policy, groups, ids, job))
+        return report if rank == 0 else None
+    finally:
+        destroy_parallel()
+
+
+def _train(policy, groups, ids, job) -> dict:
+    """SGD steps on a fixed linear loss of the logits; gradients gathered per step."""
+    from megagrpo.model.peft_export import gather_lora
+
+    b, t = ids.shape
+    v = policy.arch.vocab_size
+    w = _loss_weights((b, t, v), job.get("loss_seed", 7))
+    n = v // groups.tp_size
+    w_local = w[..., groups.tp_rank * n:(groups.tp_rank + 1) * n]
+    opt = torch.optim.SGD(policy.lora_parameters(), lr=job.get("lr", 0.5))
+    grads = []
+    for _ in range(job["train_steps"]):
+        opt.zero_grad()
+        loss = (policy.forward_logits(ids) * w_local).sum() / (b * t)
+        loss.backward()
+        policy.finish_grad_sync()
+        grads.append({k: (a.clone(), bb.clone())
+                      for k, (a, bb) in gather_lora(policy, use_grad=True).items()})
+        opt.step()
+    out = {"grads": grads}
+    with torch.no_grad():
+        out["trained_logits"] = gather_vocab(policy.forward_logits(ids), groups)
+    if job.get("adapter_dir"):
+        policy.export_peft_adapter(job["adapter_dir"])
+        out["adapter_dir"] = job["adapter_dir"]
+    if job.get("merged_dir"):
+        out["merged"] = {k: t for bucket in policy.export_hf_weights() for k, t in bucket}
+    return out
+
+
+def run_layout(hf_dir: str, layout: dict, world_size: int, input_ids: torch.Tensor,
+               **job) -> dict:
+    """Run :func:`parity_worker` on ``world_size`` ranks (in-process when 1); rank 0's report."""
+    from megagrpo.parallel.launch import launch
+
+    job = dict(job, hf_dir=str(hf_dir), layout=layout, input_ids=input_ids)
+    if world_size == 1:
+        return parity_worker(0, job)
+    return launch(parity_worker, world_size, job)[0]
+
+
+def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own fp32 logits [B, T, V]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def fixed_inputs(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf", help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--world", type=int, default=0,
+                   help="number of ranks (default: lcm(tp, ep*etp) * pp)")
+    p.add_argument("--no-sp", action="store_true", help="disable sequence parallel (dense only)")
+    p.add_argument("--seq", type=int, default=16, help="tokens per row of the fixed input")
+    p.add_argument("--tol", type=float, default=1e-4, help="max |logit diff| accepted")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--meta", action="store_true",
+                   help="size a full model on the meta device (no weights, no memory)")
+    p.add_argument("--hf-config", help="with --meta: the config.json to size")
+    p.add_argument("--rank", type=int, default=0, help="with --meta: which rank to build")
+    p.add_argument("--dtype", default="bfloat16", help="with --meta: parameter dtype")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megagrpo.errors import ConfigError
+
+    if args.meta:
+        from megagrpo.model.meta import meta_report
+
+        if not (args.hf_config or args.hf):
+            raise ConfigError("--meta needs --hf-config FILE (or --hf DIR)")
+        report = meta_report(args.hf_config or args.hf, _layout(args), _world(args), args.rank,
+                             args.dtype)
+        _print(report, args.json)
+        return 0
+    if not args.hf:
+        raise ConfigError("--hf DIR is required (or use --meta --hf-config FILE)")
+    from megagrpo.model.arch import arch_from_hf, load_hf_config
+    from megagrpo.parallel import ParallelConfig, validate_layout
+
+    arch = arch_from_hf(load_hf_config(args.hf))
+    layout, world = _layout(args, arch.is_moe), _world(args)
+    validate_layout(ParallelConfig(**layout), arch.raw, world)
+    ids = fixed_inputs(min(arch.vocab_size, 32000), seq=args.seq)
+    rep = run_layout(args.hf, layout, world, ids)
+    ref = hf_reference_logits(args.hf, ids)
+    out = {"max_abs_logit_diff": (rep.pop("logits") - ref).abs().max().item(), **rep}
+    out["ok"] = bool(out["max_abs_logit_diff"] <= args.tol and
+                     out["lora_zero_init_max_diff"] == 0.0 and out["roundtrip_bitwise"])
+    _print(out, args.json)
+    return 0 if out["ok"] else 1
+
+
+def _layout(args, moe: bool = True) -> dict:
+    from megagrpo.parallel import ParallelConfig
+
+    sp = args.tp > 1 and not args.no_sp
+    return asdict(ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
+                                 sequence_parallel=sp))
+
+
+def _world(args) -> int:
+    if args.world:
+        return args.world
+    return math.lcm(args.tp, args.ep * args.etp) * args.pp
+
+
+def _print(report: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    for k, v in report.items():
+        print(f"{k:>28}: {v}")
