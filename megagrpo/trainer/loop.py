@@ -50,6 +50,7 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: dict[str, float]
                 [v for g in groups for v in g.reward_parts.get(name, [])] or [0.0]))
         out["length/mean"] = float(np.mean([n for g in groups for n in g.lengths]))
         out["length/max"] = float(max(n for g in groups for n in g.lengths))
+    out["reward/mean_raw"] = gen["raw_reward_mean"]  # first generation, before filtering
     out["length/clip_ratio"] = gen["clipped"] / max(gen["gen_seqs"], 1.0)
     out["length/gen_mean"] = gen["gen_tokens"] / max(gen["gen_seqs"], 1.0)
     return out

@@ -40,6 +40,9 @@ def make_generate_fn(ctx: TrainContext, step: int, counters: dict[str, float]):
         seed = round_seed(ctx.cfg.trainer.seed, step, int(counters["rounds"]))
         groups = ctx.engine.generate(problems, num_g, SamplingSpec(seed=seed))
         score_groups(ctx, groups)
+        if counters["rounds"] == 0:  # the raw (pre-filter) round
+            raw = [r for g in groups for r in g.rewards]
+            counters["raw_reward_mean"] = sum(raw) / max(len(raw), 1)
         counters["rounds"] += 1
         counters["gen_tokens"] += sum(sum(g.lengths) for g in groups)
         counters["gen_seqs"] += sum(g.size for g in groups)
@@ -52,11 +55,13 @@ def make_generate_fn(ctx: TrainContext, step: int, counters: dict[str, float]):
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, dict[str, float]]:
     """Rank 0: fill one batch (bounded dynamic sampling); every rank: receive it.
 
-    Returns (the batch to train on, generation counters: gen_tokens, gen_seqs, clipped).
+    Returns (the batch to train on, generation counters: gen_tokens, gen_seqs, clipped,
+    raw_reward_mean).
     """
     out = None
     if ctx.comm.is_main:
-        counters = {"rounds": 0.0, "gen_tokens": 0.0, "gen_seqs": 0.0, "clipped": 0.0}
+        counters = {"rounds": 0.0, "gen_tokens": 0.0, "gen_seqs": 0.0, "clipped": 0.0,
+                    "raw_reward_mean": 0.0}
         batch = ctx.dynamic.fill(ctx.sampler, make_generate_fn(ctx, step, counters),
                                  ctx.cfg.trainer.batch_groups, step)
         out = (batch, counters)

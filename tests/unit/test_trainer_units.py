@@ -1,0 +1,175 @@
+"""Trainer pieces without a model: micro-batching, gradient accumulation, checkpoints,
+config validation, seeds, the toy reward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megagrpo.algo.config import LossConfig
+from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.kernels import fused_policy_loss
+from megagrpo.trainer import checkpoint
+from megagrpo.trainer.batch import build_samples, micro_batches, microbatch_weight
+from megagrpo.trainer.config import TrainerConfig
+from megagrpo.trainer.rollout_phase import round_seed
+from megagrpo.types import Group, Problem
+
+
+def _groups(lengths=((3, 5), (1, 4)), prompt_lens=(4, 2), vocab=11, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n, (lens, p) in enumerate(zip(lengths, prompt_lens)):
+        prompt = torch.randint(0, vocab, (p,), generator=gen).tolist()
+        toks = [torch.randint(0, vocab, (L,), generator=gen).tolist() for L in lens]
+        lps = [(-torch.rand(L, generator=gen) - 0.5).tolist() for L in lens]
+        out.append(Group(problem=Problem(f"p{n}", [], ["a"]), completions=["x"] * len(lens),
+                         token_ids=toks, logprobs=lps, prompt_ids=prompt))
+    return out
+
+
+def test_samples_align_targets_mask_and_rollout_logprobs():
+    groups = _groups()
+    adv = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
+    mbs = list(micro_batches(build_samples(groups, adv), micro_batch_size=8, pad_id=99))
+    assert len(mbs) == 1
+    mb = mbs[0]
+    assert mb.num_seqs == 4 and mb.num_tokens == 3 + 5 + 1 + 4
+    for row, idx in enumerate(mb.indices):
+        g, k = divmod(idx, 2)
+        prompt, comp = groups[g].prompt_ids, groups[g].token_ids[k]
+        full = prompt + comp
+        p, L = len(prompt), len(full)
+        assert mb.input_ids[row, :L].tolist() == full
+        assert (mb.input_ids[row, L:] == 99).all()
+        # position t predicts token t + 1; the loss covers exactly the completion tokens
+        assert mb.target_ids[row, p - 1:L - 1].tolist() == comp
+        assert mb.mask[row].nonzero().flatten().tolist() == list(range(p - 1, L - 1))
+        assert torch.allclose(mb.rollout_logprobs[row, p - 1:L - 1],
+                              torch.tensor(groups[g].logprobs[k]))
+        assert (mb.advantages[row, p - 1:L - 1] == adv[g, k]).all()
+
+
+def test_micro_batches_bound_size_and_pad_to_multiple():
+    groups = _groups(lengths=((1, 2, 3, 4, 5),), prompt_lens=(3,))
+    mbs = list(micro_batches(build_samples(groups, torch.zeros(1, 5)), 2, pad_to_multiple=4))
+    assert [mb.num_seqs for mb in mbs] == [2, 2, 1]
+    assert all(mb.input_ids.shape[1] % 4 == 0 for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb.indices) == list(range(5))
+
+
+@pytest.mark.parametrize("variant", ["grpo", "dapo", "dr_grpo", "gspo"])
+def test_gradient_accumulation_equals_whole_batch(variant):
+    """Micro-batches of 1 sequence, weighted, give the gradient of the whole-batch loss."""
+    vocab = 11
+    groups = _groups(lengths=((3, 5, 2), (1, 4, 6)), prompt_lens=(4, 2), vocab=vocab)
+    adv = torch.tensor([[1.0, -0.3, -0.7], [0.5, 0.2, -0.7]])
+    cfg = LossConfig(variant=variant, backend="torch", max_tokens=6 if variant == "dr_grpo" else 0)
+    samples = build_samples(groups, adv)
+    torch.manual_seed(0)
+    table = torch.randn(vocab + 1, vocab, dtype=torch.float64)
+
+    def grad_of(mbs):
+        emb = table.clone().requires_grad_(True)
+        seqs = sum(mb.num_seqs for mb in mbs)
+        toks = sum(mb.num_tokens for mb in mbs)
+        for mb in mbs:
+            logits = emb[mb.input_ids.clamp(max=vocab)]
+            loss, _ = fused_policy_loss(logits, mb.target_ids, mb.rollout_logprobs, mb.advantages,
+                                        mb.mask, cfg)
+            (loss * microbatch_weight(mb, cfg.resolved_loss_agg(), seqs, toks)).backward()
+        return emb.grad
+
+    whole = grad_of(list(micro_batches(samples, 64, pad_id=vocab)))
+    accumulated = grad_of(list(micro_batches(samples, 1, pad_id=vocab)))
+    assert whole.abs().max() > 1e-3
+    torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)  # fp32 inside the loss
+
+
+def _save(root, step, rank=0, world=1, meta=None, keep=2):
+    return checkpoint.save(root, step, rank=rank, world_size=world,
+                           rank_state={"lora": {"w": torch.full((2,), float(step))}},
+                           trainer_state={"sampler": {"s": step}}, meta=meta or {"tp": 1},
+                           keep=keep)
+
+
+def test_checkpoint_roundtrip_prune_and_rng(tmp_path):
+    torch.manual_seed(123)
+    _save(tmp_path, 1)
+    expected = torch.rand(3)  # what the RNG gives right after the save
+    for step in (2, 3):
+        _save(tmp_path, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
+    assert checkpoint.latest(tmp_path).name == "step_000003"
+    rank_state, trainer_state = checkpoint.load(tmp_path / "step_000003", rank=0, world_size=1,
+                                                meta={"tp": 1})
+    assert rank_state["lora"]["w"].tolist() == [3.0, 3.0]
+    assert trainer_state == {"step": 3, "sampler": {"s": 3}}
+    # RNG restore: reload step 1's state (re-saved here) and draw the same numbers
+    torch.manual_seed(123)
+    _save(tmp_path / "again", 1)
+    rs, _ = checkpoint.load(tmp_path / "again" / "step_000001", rank=0, world_size=1,
+                            meta={"tp": 1})
+    torch.rand(10)
+    checkpoint.set_rng_state(rs["rng"])
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_incomplete_checkpoint_is_ignored_and_layout_mismatch_refused(tmp_path):
+    _save(tmp_path, 4)
+    tmp = tmp_path / "step_000006.tmp"  # a save killed half-way
+    tmp.mkdir()
+    (tmp / "rank00000.pt").write_bytes(b"partial")
+    half = tmp_path / "step_000008"  # renamed but without meta.json cannot happen; still ignored
+    half.mkdir()
+    assert checkpoint.latest(tmp_path).name == "step_000004"
+    with pytest.raises(CheckpointError, match="processes"):
+        checkpoint.load(tmp_path / "step_000004", rank=0, world_size=2, meta={"tp": 1})
+    with pytest.raises(CheckpointError, match="'tp'"):
+        checkpoint.load(tmp_path / "step_000004", rank=0, world_size=1, meta={"tp": 2})
+    with pytest.raises(CheckpointError, match="meta.json"):
+        checkpoint.load(half, rank=0, world_size=1, meta={})
+    assert json.loads((tmp_path / "step_000004" / "meta.json").read_text())["step"] == 4
+
+
+def test_trainer_config_validation_names_the_key():
+    TrainerConfig().validate()
+    with pytest.raises(ConfigError, match="trainer.micro_batch_size"):
+        TrainerConfig(micro_batch_size=0).validate()
+    with pytest.raises(ConfigError, match="trainer.old_logprobs"):
+        TrainerConfig(ppo_epochs=2, old_logprobs="rollout").validate()
+    assert TrainerConfig(ppo_epochs=2).resolved_old_logprobs() == "recompute"
+    assert TrainerConfig().resolved_old_logprobs(engine_has_logprobs=False) == "recompute"
+    assert TrainerConfig().resolved_old_logprobs() == "rollout"
+
+
+def test_round_seed_is_deterministic_and_distinct():
+    seeds = {round_seed(0, s, r) for s in range(1, 50) for r in range(4)}
+    assert len(seeds) == 49 * 4
+    assert round_seed(3, 7, 1) == round_seed(3, 7, 1) != round_seed(4, 7, 1)
+
+
+def test_toy_reward_and_bundled_demo_problems(repo_root):
+    from megagrpo.data import load_problems
+    from megagrpo.rewards import get
+    from megagrpo.trainer import toy_rewards  # noqa: F401
+
+    fn = get("toy_first_token", modulus=4, residue=0)
+    assert fn(["a", "b", "c"], None, token_ids=[[8, 1], [5], []]) == [1.0, 0.0, 0.0]
+    train = load_problems([repo_root / "megagrpo/assets/demo_train.jsonl"])
+    evals = load_problems([repo_root / "megagrpo/assets/demo_eval.jsonl"])
+    assert len(train) >= 48 and len(evals) >= 8
+    assert not {p.id for p in train} & {p.id for p in evals}
+    reward = get("mcq_accuracy")
+    for p in train[:10]:
+        assert len(p.meta["choices"]) == 4 and p.answer[0] in "abcd"
+        assert reward([f"Answer: {p.answer[0]}", "Answer: z"], p) == [1.0, 0.0]
+
+
+def test_unknown_model_path_is_a_config_error(tmp_path):
+    from megagrpo.trainer.pretrained import resolve_model_path
+
+    with pytest.raises(ConfigError, match="model.hf_path"):
+        resolve_model_path(str(tmp_path / "nope"))
