@@ -11,6 +11,11 @@ Peak extra memory is measured
 Errors are max |fused - naive| of per-token log-probs, of the loss and of sampled gradient
 rows; the naive path is the reference (megagrpo.algo.losses).
 
+Methods: naive = log_softmax + gather + megagrpo.algo.losses.policy_loss; fused =
+fused_policy_loss as configured by default (gradient written into the logits buffer,
+LossConfig.grad_in_logits=True); fused_outgrad = the same with a separate gradient tensor
+(grad_in_logits=False: its peak is bounded below by that [T, V] gradient itself).
+
 Inputs: hidden [T, H] and an output projection W [V, H] give logits = hidden @ W^T [T, V]
 (built in chunks, in --dtype); the naive and fused paths take the logits as their input;
 fused_linear (megagrpo.kernels.fused_linear) and Liger's LigerFusedLinearGRPOLoss take hidden
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-METHODS = ("naive", "fused", "fused_inplace", "fused_linear", "liger")
+METHODS = ("naive", "fused", "fused_outgrad", "fused_linear", "liger")
 H200_PEAK_BYTES_PER_S = 4.8e12
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -103,7 +108,7 @@ def run_naive(d: dict) -> dict:
     return dict(loss=loss.detach(), grad=grad, logp=logp.detach())
 
 
-def run_fused(d: dict, in_logits: bool = False) -> dict:
+def run_fused(d: dict, in_logits: bool = True) -> dict:
     from megagrpo.kernels import fused_policy_loss
 
     cfg = loss_cfg()
@@ -140,7 +145,7 @@ def run_liger(d: dict) -> dict:
 
 
 RUNNERS = {"naive": run_naive, "fused": run_fused,
-           "fused_inplace": lambda d: run_fused(d, in_logits=True),
+           "fused_outgrad": lambda d: run_fused(d, in_logits=False),
            "fused_linear": run_fused_linear, "liger": run_liger}
 
 
