@@ -57,7 +57,8 @@ class SyncReport:
         verified: True when the probe passed (a failed probe raises instead).
         max_probe_diff: max |engine - expected| probe log-prob when ``expected_probe`` was
             given, else the max |after - before| change of the probe.
-        num_tensors: tensors streamed; num_buckets: buckets they were streamed in.
+        num_tensors: tensors streamed; num_buckets: buckets they were streamed in;
+        max_bucket_bytes: the largest bucket (the sync's transient memory).
         mode: "full" (merged weights) or "adapter" (LoRA tensors only).
     """
 
@@ -67,6 +68,7 @@ class SyncReport:
     max_probe_diff: float
     num_tensors: int = 0
     num_buckets: int = 0
+    max_bucket_bytes: int = 0
     mode: str = "full"
 
     def as_dict(self) -> dict[str, Any]:

@@ -249,7 +249,8 @@ class HFEngine:
         self._last_probe = after
         return SyncReport(bytes=meter.bytes, seconds=time.perf_counter() - t0, verified=True,
                           max_probe_diff=diff, num_tensors=meter.num_tensors,
-                          num_buckets=meter.num_buckets, mode="full")
+                          num_buckets=meter.num_buckets,
+                          max_bucket_bytes=meter.max_bucket_bytes, mode="full")
 
     def supports_adapter_sync(self) -> bool:
         """The HF engine takes merged weights only."""

@@ -88,6 +88,7 @@ def write_peft_adapter(adapter: LoraAdapter, path: str | Path,
             meter.bytes += t.numel() * t.element_size()
             meter.num_tensors += 1
     meter.num_buckets = 1
+    meter.max_bucket_bytes = meter.bytes
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.alpha,
               "target_modules": adapter.target_modules, "lora_dropout": 0.0, "bias": "none",

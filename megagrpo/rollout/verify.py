@@ -37,8 +37,8 @@ TINY = ("tiny-moe", "tiny-dense")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", required=True,
-                        help="HF checkpoint directory (or tiny-moe / tiny-dense: a random tiny "
-                             "test model built on the fly)")
+                        help="HF checkpoint directory, smollm2-135m (bundled), or tiny-moe / "
+                             "tiny-dense (a random tiny test model built on the fly)")
     parser.add_argument("--engine", choices=ENGINES, default="vllm")
     parser.add_argument("--n", type=int, default=8, help="answers per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -57,10 +57,15 @@ def _model_dir(spec: str, tmp: Path) -> Path:
 
         return build_tiny_model(tmp / spec, spec.removeprefix("tiny-"))
     path = Path(spec)
-    if not (path / "config.json").is_file():
+    if (path / "config.json").is_file():
+        return path
+    try:  # bundled names (smollm2-135m), converted once by megagrpo.model
+        from megagrpo.model.resolve import resolve_hf_path
+
+        return resolve_hf_path(spec)
+    except (ImportError, ConfigError) as exc:
         raise ConfigError(f"--hf {spec}: no config.json there (an HF checkpoint directory, "
-                          f"or one of {TINY})")
-    return path
+                          f"a bundled name like smollm2-135m, or one of {TINY}): {exc}") from exc
 
 
 def _mismatch(groups, trainer) -> tuple[float, float, int]:

@@ -302,7 +302,8 @@ class VLLMEngine:
         self._last_probe = after
         report = SyncReport(bytes=meter.bytes, seconds=time.perf_counter() - t0, verified=True,
                             max_probe_diff=diff, num_tensors=meter.num_tensors,
-                            num_buckets=meter.num_buckets, mode=mode)
+                            num_buckets=meter.num_buckets,
+                            max_bucket_bytes=meter.max_bucket_bytes, mode=mode)
         log.info("weight sync verified: %s", report)
         return report
 
