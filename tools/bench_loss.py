@@ -134,7 +134,8 @@ def run_liger(d: dict) -> dict:
 
     n, T = d["num_seqs"], d["tgt"].numel()
     s = T // n
-    fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, chunk_size=1,
+    compiled = d["hidden"].is_cuda  # Liger's intended mode on GPU; eager on CPU (no compiler)
+    fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False, chunk_size=1,
                                   epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo")
     h = d["hidden"].detach().view(n, s, -1).requires_grad_()
     out = fn(h, d["weight"], d["tgt"].view(n, s), d["mask"].view(n, s), d["adv_seq"],
