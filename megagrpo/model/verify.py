@@ -36,8 +36,20 @@ def _loss_weights(shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def parity_worker(rank: int, job: dict) -> dict | None:
-    """One rank of a verification job (see :func:`run_layout`). Returns rank 0's report."""
+def parity_worker(rank: int, job: dict) -> dict | list | None:
+    """One rank of a verification job (see :func:`run_layout`). Returns rank 0's report.
+
+    ``job["jobs"]``: several jobs run one after another in the same processes (Megatron's
+    parallel state is rebuilt between them); rank 0 then returns the list of reports.
+    """
+    if "jobs" in job:
+        reports = [_one_job(rank, j, keep=i < len(job["jobs"]) - 1)
+                   for i, j in enumerate(job["jobs"])]
+        return reports if rank == 0 else None
+    return _one_job(rank, job, keep=False)
+
+
+def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
     from safetensors.torch import load_file
 
     from megagrpo.model.config import LoraConfig, ModelConfig
@@ -77,7 +89,7 @@ def parity_worker(rank: int, job: dict) -> dict | None:
             report.update(_train(policy, groups, ids, job))
         return report if rank == 0 else None
     finally:
-        destroy_parallel()
+        destroy_parallel(keep_process_group=keep)
 
 
 def _train(policy, groups, ids, job) -> dict:
@@ -119,6 +131,14 @@ def run_layout(hf_dir: str, layout: dict, world_size: int, input_ids: torch.Tens
     if world_size == 1:
         return parity_worker(0, job)
     return launch(parity_worker, world_size, job)[0]
+
+
+def run_layouts(jobs: list[dict], world_size: int) -> list[dict]:
+    """Several verification jobs (each: hf_dir, layout, input_ids, ...) in one launch."""
+    from megagrpo.parallel.launch import launch
+
+    jobs = [dict(j, hf_dir=str(j["hf_dir"])) for j in jobs]
+    return launch(parity_worker, world_size, {"jobs": jobs})[0]
 
 
 def hf_reference_logits(hf_dir: str, input_ids: torch.Tensor) -> torch.Tensor:

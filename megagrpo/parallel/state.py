@@ -228,11 +228,12 @@ def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
         device=device, pg_collection=pgc, fake=fake)
 
 
-def destroy_parallel() -> None:
-    """Tear down Megatron parallel state and torch.distributed (safe to call twice)."""
+def destroy_parallel(keep_process_group: bool = False) -> None:
+    """Tear down Megatron parallel state and (unless ``keep_process_group``, e.g. to switch
+    layouts in the same processes) torch.distributed. Safe to call twice."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         dist.destroy_process_group()
