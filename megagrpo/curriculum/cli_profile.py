@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.errors import ConfigError
     from megagrpo.rewards import get as get_reward
     from megagrpo.rollout import build_engine
+    from megagrpo.trainer.pretrained import resolve_model_path
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
     if not cfg.data.train:
@@ -50,8 +51,14 @@ def run(args: argparse.Namespace) -> int:
     spec = cfg.rewards.functions[0]
     reward_fn = get_reward(spec.name, **spec.kwargs)
     out = args.out or cfg.curriculum.levels_file or "levels.jsonl"
-    engine = build_engine(cfg)
-    records = run_profile(problems, engine, reward_fn, args.k, out, args.batch_size)
+    engine = build_engine(cfg.rollout, str(resolve_model_path(cfg.model.hf_path)),
+                          cfg.rollout.seed)
+    try:
+        records = run_profile(problems, engine, reward_fn, args.k, out, args.batch_size)
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
     print(format_level_table(records, args.k, cfg.rollout.group_size,
                              cfg.curriculum.keep_levels))
     print(f"levels written to {out}")

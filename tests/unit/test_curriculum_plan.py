@@ -149,10 +149,12 @@ def test_profile_cli_with_injected_engine(tmp_path, monkeypatch, capsys):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"data:\n  train: ['{data}']\n", encoding="utf-8")
 
-    def build_engine(run_cfg):
-        assert run_cfg.data.train == [str(data)]
+    def build_engine(rollout_cfg, model_path, seed):
+        assert model_path == str(tmp_path) and rollout_cfg.group_size == 8
         return BernoulliEngine({f"q{i}": float(i % 2) for i in range(6)}, fill_rewards=False)
-    monkeypatch.setattr(megagrpo.rollout, "build_engine", build_engine, raising=False)
+    monkeypatch.setattr(megagrpo.rollout, "build_engine", build_engine)
+    import megagrpo.trainer.pretrained
+    monkeypatch.setattr(megagrpo.trainer.pretrained, "resolve_model_path", lambda p: tmp_path)
     import megagrpo.rewards
     monkeypatch.setattr(megagrpo.rewards, "get", lambda name, **kw: _exact)
     out = tmp_path / "levels.jsonl"
