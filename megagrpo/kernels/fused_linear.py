@@ -20,7 +20,7 @@ import torch
 from megagrpo.algo.config import LossConfig
 from megagrpo.algo.losses import make_seq_ids
 from megagrpo.kernels import epilogue
-from megagrpo.kernels.fused_loss import _grad, _Plan, _stats, resolve_backend
+from megagrpo.kernels.fused_loss import LossPlan, grad_pass, resolve_backend, stats_pass
 from megagrpo.kernels.vocab_parallel import combine_stats, vocab_start_of
 
 Tensor = torch.Tensor
@@ -33,14 +33,14 @@ def _chunks(T: int, step: int):
 
 class _FusedLinearPolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, plan: _Plan, chunk_tokens: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, plan: LossPlan, chunk_tokens: int) -> Tensor:
         T, V = hidden.shape[0], weight.shape[0]
         start = vocab_start_of(plan.tp_group, V)
         cb = plan.cfg.chunk_bytes
         stats = torch.empty(T, 4, device=hidden.device, dtype=torch.float32)
         for r0, r1 in _chunks(T, chunk_tokens):  # pass 1: stats
             logits = hidden[r0:r1] @ weight.T
-            stats[r0:r1] = _stats(logits, plan.target[r0:r1], start, plan.backend, cb, None)[0]
+            stats[r0:r1] = stats_pass(logits, plan.target[r0:r1], start, plan.backend, cb, None)[0]
         stats = combine_stats(stats, plan.tp_group)
         lse = stats[:, 0] + torch.log(stats[:, 1])
         ex = stats[:, 2]
@@ -63,7 +63,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             for r0, r1 in _chunks(T, chunk_tokens):  # pass 2: gradients
                 logits = hidden[r0:r1] @ weight.T
                 hc = None if h is None else h[r0:r1]
-                _grad(logits, plan.target[r0:r1], lse[r0:r1], ex[r0:r1], g[r0:r1], hc, logits,
+                grad_pass(logits, plan.target[r0:r1], lse[r0:r1], ex[r0:r1], g[r0:r1], hc, logits,
                       start, plan.backend, cb)
                 if need_h:
                     grad_h[r0:r1] = (logits @ weight).float()
@@ -112,7 +112,7 @@ def fused_linear_policy_loss(hidden: Tensor, weight: Tensor, target_ids: Tensor,
     def flat(t):
         return None if t is None else t.reshape(-1).float()
 
-    plan = _Plan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
+    plan = LossPlan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
                  flat(ref_logprobs), flat(rollout_logprobs), ids, num_seqs, tp_group,
                  resolve_backend(cfg.backend, hidden.device))
     if chunk_tokens is None:

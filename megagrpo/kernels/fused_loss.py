@@ -38,16 +38,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _stats(logits: Tensor, target: Tensor, vocab_start: int, backend: str, chunk_bytes: int,
-           fuse: dict | None) -> tuple[Tensor, Tensor | None]:
+def stats_pass(logits: Tensor, target: Tensor, vocab_start: int, backend: str,
+               chunk_bytes: int, fuse: dict | None) -> tuple[Tensor, Tensor | None]:
+    """Local stats [T, 4] of logits [T, V_local] (+ fused surrogate terms [T, 8] or None)."""
     if backend == "triton":
         from megagrpo.kernels.triton_loss import triton_stats
         return triton_stats(logits, target, vocab_start, **(fuse or {}))
     return chunked.chunked_stats(logits, target, vocab_start, chunk_bytes), None
 
 
-def _grad(logits: Tensor, target: Tensor, lse: Tensor, ex: Tensor, g: Tensor, h: Tensor | None,
-          out: Tensor, vocab_start: int, backend: str, chunk_bytes: int) -> Tensor:
+def grad_pass(logits: Tensor, target: Tensor, lse: Tensor, ex: Tensor, g: Tensor,
+              h: Tensor | None, out: Tensor, vocab_start: int, backend: str,
+              chunk_bytes: int) -> Tensor:
+    """Write dL/dlogits [T, V_local] into out (may be logits) from per-token g, h [T]."""
     if backend == "triton":
         from megagrpo.kernels.triton_loss import triton_logits_grad
         return triton_logits_grad(logits, target, lse, ex, g, h, out, vocab_start)
@@ -66,14 +69,14 @@ def token_stats(logits: Tensor, target_ids: Tensor, tp_group=None, backend: str 
     v_local = logits.shape[-1]
     logits2d = logits.reshape(-1, v_local)
     start = vocab_start_of(tp_group, v_local)
-    stats, _ = _stats(logits2d, target_ids.reshape(-1), start, backend, chunk_bytes, None)
+    stats, _ = stats_pass(logits2d, target_ids.reshape(-1), start, backend, chunk_bytes, None)
     stats = combine_stats(stats, tp_group)
     lse = stats[:, 0] + torch.log(stats[:, 1])
     return stats[:, 3] - lse, lse - stats[:, 2], lse, stats[:, 2]
 
 
 @dataclass
-class _Plan:
+class LossPlan:
     """Everything the autograd Function needs besides the logits (flattened to [T])."""
 
     target: Tensor
@@ -90,7 +93,7 @@ class _Plan:
     metrics: dict = field(default_factory=dict)
 
 
-def _forward(logits2d: Tensor, p: _Plan) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+def _forward(logits2d: Tensor, p: LossPlan) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Loss and the backward's inputs (lse, E[x], g, h) for logits [T, V_local]."""
     v_local = logits2d.shape[1]
     start = vocab_start_of(p.tp_group, v_local)
@@ -99,7 +102,7 @@ def _forward(logits2d: Tensor, p: _Plan) -> tuple[Tensor, Tensor, Tensor, Tensor
     if p.backend == "triton" and tp == 1 and p.cfg.variant != "gspo" and p.old is not None:
         fuse = dict(old_logprobs=p.old, advantages=p.adv, ref_logprobs=p.ref,
                     eps_low=p.cfg.eps_low, eps_high=p.cfg.eps_high)
-    stats, kterms = _stats(logits2d, p.target, start, p.backend, p.cfg.chunk_bytes, fuse)
+    stats, kterms = stats_pass(logits2d, p.target, start, p.backend, p.cfg.chunk_bytes, fuse)
     stats = combine_stats(stats, p.tp_group)
     lse = stats[:, 0] + torch.log(stats[:, 1])
     ex = stats[:, 2]
@@ -123,14 +126,14 @@ class _FusedPolicyLoss(torch.autograd.Function):
     """loss = f(logits); backward recomputes softmax chunk by chunk (or reuses grad-in-logits)."""
 
     @staticmethod
-    def forward(ctx, logits2d: Tensor, plan: _Plan) -> Tensor:
+    def forward(ctx, logits2d: Tensor, plan: LossPlan) -> Tensor:
         loss, lse, ex, g, h = _forward(logits2d, plan)
         ctx.plan = plan
         ctx.in_logits = False
         if ctx.needs_input_grad[0]:
             start = vocab_start_of(plan.tp_group, logits2d.shape[1])
             if plan.cfg.grad_in_logits:
-                _grad(logits2d, plan.target, lse, ex, g, h, logits2d, start, plan.backend,
+                grad_pass(logits2d, plan.target, lse, ex, g, h, logits2d, start, plan.backend,
                       plan.cfg.chunk_bytes)
                 # Triton writes through raw pointers: bump the version counter so that any
                 # other autograd node that saved these logits raises instead of using grads.
@@ -155,7 +158,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
         g = g * grad_loss
         h = h * grad_loss if ctx.has_h else None
         out = torch.empty_like(logits2d)
-        _grad(logits2d, p.target, lse, ex, g, h, out, ctx.start, p.backend, p.cfg.chunk_bytes)
+        grad_pass(logits2d, p.target, lse, ex, g, h, out, ctx.start, p.backend, p.cfg.chunk_bytes)
         return out, None
 
 
@@ -200,7 +203,7 @@ def fused_policy_loss(logits: Tensor, target_ids: Tensor, old_logprobs: Tensor |
     def flat(t):
         return None if t is None else t.reshape(-1).float()
 
-    plan = _Plan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
+    plan = LossPlan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
                  flat(ref_logprobs), flat(rollout_logprobs), ids, num_seqs, tp_group,
                  resolve_backend(cfg.backend, logits.device))
     loss = _FusedPolicyLoss.apply(logits2d, plan)
