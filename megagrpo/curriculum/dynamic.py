@@ -14,7 +14,8 @@ again, at most ``R`` extra rounds. Policies when the batch is still short:
 - ``carry`` (default): ``partial``, plus the surplus valid groups of an over-full round are
   kept in a bounded buffer (staleness limit) and fill the next step first.
 
-When the batch fills, it holds the first ``B`` valid groups; post-filter
+A group is valid when the std of its total rewards is >= ``tau`` (ms-swift: std > 0; the
+same groups up to float noise). When the batch fills, it holds the first ``B`` valid groups; post-filter
 ``frac_reward_zero_std`` is then 0 by construction ("dynamic sampling succeeded", not
 "nothing collapsed") which is why the raw round's statistics are logged too. A step with
 no valid group at all under ``partial``/``carry`` returns an empty batch: the trainer skips
@@ -44,7 +45,9 @@ GenerateFn = Callable[[list[Problem]], list[Group]]
 
 
 class ProblemSource(Protocol):
-    """What fill() needs of a sampler (CurriculumSampler satisfies it)."""
+    """What fill() needs of a sampler (CurriculumSampler satisfies it). Optional extras,
+    used when present: ``levels_of(groups) -> [N]`` profile levels (0 = none) for
+    ``collapse/acr_by_level/*`` and ``k`` (levels are L1..L{k+1})."""
 
     def next_problems(self, n: int, resample: bool = False) -> list[Problem]: ...
 
