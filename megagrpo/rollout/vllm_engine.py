@@ -161,7 +161,7 @@ class VLLMEngine:
                       dtype=str(self.dtype).removeprefix("torch."),
                       max_model_len=cfg.max_model_len, seed=self._base_seed,
                       tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=True,
-                      disable_log_stats=True)
+                      disable_log_stats=True, logprobs_mode="raw_logprobs")
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
                           enable_expert_parallel=cfg.enable_expert_parallel,

@@ -47,7 +47,7 @@ def test_group_structure_and_logprobs(engine, hf_model, tiny_moe_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_moe_dir)
     assert isinstance(engine, RolloutEngine)
-    groups = engine.generate(PROBLEMS, n=8)
+    groups = engine.generate(PROBLEMS, n=8, sampling=SamplingSpec(temperature=0.7, top_p=0.9))
     assert [g.problem.id for g in groups] == ["p1", "p2"]
     for g in groups:
         ref = tok.apply_chat_template(g.problem.messages, add_generation_prompt=True,
@@ -161,3 +161,17 @@ def test_engine_error_messages_name_config_keys():
     assert "No available memory" in oom
     gen = _explain(RuntimeError("boom"), "generation")
     assert "rollout.max_tokens" in gen and "boom" in gen
+
+
+def test_seeded_sampler_matches_temperature_top_p_distribution():
+    from megagrpo.rollout.hf_engine import _SeededSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    rows = 6000
+    sampler = _SeededSampler(list(range(rows)), temperature=0.7, top_p=0.8, device="cpu")
+    chosen = sampler(None, logits.expand(rows, 4).clone()).argmax(-1)
+    p = torch.softmax(logits / 0.7, -1)  # [0.745, 0.178, 0.087, 0.010]: top-p 0.8 keeps two
+    keep = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    expected = p * keep / (p * keep).sum()
+    freq = torch.bincount(chosen, minlength=4).float() / rows
+    assert torch.allclose(freq, expected, atol=0.02), (freq, expected)

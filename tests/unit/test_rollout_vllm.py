@@ -71,9 +71,12 @@ def test_groups_have_n_distinct_samples_and_chat_prompt(engine, tiny_moe_dir):
         assert g.rewards == []
 
 
-def test_logprobs_match_transformers(engine, hf_model):
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_match_transformers(engine, hf_model, temperature, top_p):
+    """Sampled-token log-probs are the raw (temperature-1) model's, whatever the sampling."""
     diffs = []
-    for g in engine.generate(PROBLEMS, n=8):
+    spec = SamplingSpec(temperature=temperature, top_p=top_p)
+    for g in engine.generate(PROBLEMS, n=8, sampling=spec):
         for toks, lps in zip(g.token_ids, g.logprobs):
             ref = sequence_logprobs(hf_model, g.prompt_ids + toks)[len(g.prompt_ids) - 1:]
             diffs.append((torch.tensor(lps, dtype=torch.float64) - torch.tensor(ref)).abs().max())
