@@ -214,9 +214,12 @@ class MegatronPolicy(nn.Module):
         return export_peft_adapter(self, out_dir)
 
 
-def build_policy(model_cfg: ModelConfig, groups: ParallelGroups) -> MegatronPolicy:
+def build_policy(model_cfg: ModelConfig, groups: ParallelGroups,
+                 load_weights: bool = True) -> MegatronPolicy:
     """Build this rank's stage, stream HF weights from ``model_cfg.hf_path``, add LoRA.
 
+    ``load_weights=False`` leaves the base weights uninitialised (only config.json is read),
+    for loading Megatron shards instead (:mod:`megagrpo.model.checkpoint_io`).
     Raises ConfigError (bad config/layout) or CheckpointError (missing/mismatched tensors).
     """
     model_cfg.validate("model")
@@ -230,8 +233,9 @@ def build_policy(model_cfg: ModelConfig, groups: ParallelGroups) -> MegatronPoli
     validate_layout(layout_of(groups), arch.raw, groups.world_size)
     model, spec = build_gpt_model(arch, model_cfg, groups)
     policy = MegatronPolicy(model, arch, model_cfg, groups, spec)
-    stats = load_hf_weights(policy.params(), policy.plan, arch, hf_dir)
-    log.info("loaded %d HF tensors (%.1f MB on this rank) from %s", stats["tensors"],
-             stats["bytes_read"] / 1e6, hf_dir)
+    if load_weights:
+        stats = load_hf_weights(policy.params(), policy.plan, arch, hf_dir)
+        log.info("loaded %d HF tensors (%.1f MB on this rank) from %s", stats["tensors"],
+                 stats["bytes_read"] / 1e6, hf_dir)
     policy.attach_adapters()
     return policy

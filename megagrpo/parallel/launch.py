@@ -46,7 +46,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` spawned processes; return their results.
 
     ``fn`` must be importable (module level). Results must be picklable by ``torch.save``.
+    With ``world_size == 1`` and no torch.distributed yet, ``fn`` runs in this process.
     """
+    import torch.distributed as dist
+
+    if world_size == 1 and not dist.is_initialized() and "RANK" not in os.environ:
+        return [fn(0, *args)]
     with tempfile.TemporaryDirectory(prefix="megagrpo-launch-") as tmp:
         ctx = mp.start_processes(_entry, args=(world_size, _free_port(), tmp, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")

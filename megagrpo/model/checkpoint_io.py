@@ -1,0 +1,295 @@
+"""megagrpo/Megatron checkpoints: per-rank safetensors shards + metadata; HF ⇄ Megatron.
+
+Layout of a checkpoint directory::
+
+    megagrpo_ckpt.json           format, parallel layout, world size, LoRA config
+    hf/                          config.json + tokenizer files of the source HF model
+    dense_tp{t}_pp{p}.safetensors        non-expert shards (written by DP rank 0)
+    expert_ep{e}_etp{t}_pp{p}.safetensors  expert shards (written by expert-DP rank 0)
+    lora_*.safetensors           the same split for LoRA shards (when present)
+
+A checkpoint is reloaded under the layout it was written with. Everything is written into a
+temporary sibling directory and renamed into place when every rank has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.model.arch import arch_from_hf, load_hf_config
+from megagrpo.model.config import LoraConfig, ModelConfig
+from megagrpo.model.hf_mapping import hf_weight_shapes
+from megagrpo.model.weights import safetensors_files
+
+log = logging.getLogger(__name__)
+FORMAT = "megagrpo-megatron-v1"
+META = "megagrpo_ckpt.json"
+
+
+def check_hf_dir(hf_dir: str | Path) -> dict:
+    """Validate an HF checkpoint from the safetensors headers only (no tensor data read):
+    every expected tensor present with the right shape, nothing unknown. Returns config."""
+    from safetensors import safe_open
+
+    cfg = load_hf_config(hf_dir)
+    arch = arch_from_hf(cfg)
+    shapes, seen = hf_weight_shapes(arch), set()
+    for path in safetensors_files(hf_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                if key not in shapes:
+                    raise CheckpointError(f"{path.name}: unknown tensor '{key}'")
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != shapes[key]:
+                    raise CheckpointError(f"{path.name}: tensor '{key}' has shape {shape}, "
+                                          f"config implies {shapes[key]}")
+                seen.add(key)
+    missing = [k for k in shapes if k not in seen]
+    if missing:
+        raise CheckpointError(f"{hf_dir}: tensor '{missing[0]}' missing "
+                              f"({len(missing)} missing in total)")
+    return cfg
+
+
+def _shard_names(groups, prefix: str = "") -> tuple[str, str]:
+    g = groups
+    return (f"{prefix}dense_tp{g.tp_rank}_pp{g.pp_rank}.safetensors",
+            f"{prefix}expert_ep{g.ep_rank}_etp{g.etp_rank}_pp{g.pp_rank}.safetensors")
+
+
+def _split(sd: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    dense = {k: v.contiguous() for k, v in sd.items() if ".mlp.experts." not in k}
+    expert = {k: v.contiguous() for k, v in sd.items() if ".mlp.experts." in k}
+    return dense, expert
+
+
+def save_shards(policy, out_dir: Path, with_lora: bool) -> None:
+    """Write this rank's base (and LoRA) shards; replicas over DP do not write."""
+    from safetensors.torch import save_file
+
+    g = policy.groups
+    base = {n: p.detach() for n, p in policy.model.named_parameters() if ".adapter." not in n}
+    parts = [("", base)] + ([("lora_", policy.lora_state_dict())] if with_lora else [])
+    for prefix, sd in parts:
+        dense, expert = _split(sd)
+        dname, ename = _shard_names(g, prefix)
+        if g.dp_rank == 0 and dense:
+            save_file(dense, str(out_dir / dname))
+        if g.expert_dp_rank == 0 and expert:
+            save_file(expert, str(out_dir / ename))
+
+
+def load_lora_shards(policy, ckpt: Path) -> None:
+    """Load this rank's LoRA shards from ``ckpt``."""
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for name in _shard_names(policy.groups, "lora_"):
+        if (ckpt / name).is_file():
+            sd.update(load_file(str(ckpt / name)))
+    policy.load_lora_state_dict(sd)
+
+
+def load_shards(policy, ckpt: Path, with_lora: bool) -> None:
+    """Load this rank's shards written by :func:`save_shards` (same layout)."""
+    from safetensors.torch import load_file
+
+    params = {n: p for n, p in policy.model.named_parameters() if ".adapter." not in n}
+    for prefix in ("",) + (("lora_",) if with_lora else ()):
+        sd: dict[str, torch.Tensor] = {}
+        for name in _shard_names(policy.groups, prefix):
+            path = ckpt / name
+            if not path.is_file():
+                if any(".mlp.experts." in k for k in params) or "dense" in name:
+                    raise CheckpointError(f"{ckpt}: shard file '{name}' missing")
+                continue
+            sd.update(load_file(str(path)))
+        if prefix:
+            policy.load_lora_state_dict(sd)
+            continue
+        missing = sorted(set(params) - set(sd))
+        if missing:
+            raise CheckpointError(f"{ckpt}: tensor '{missing[0]}' missing from the shards")
+        with torch.no_grad():
+            for n, p in params.items():
+                if tuple(sd[n].shape) != tuple(p.shape):
+                    raise CheckpointError(f"{ckpt}: tensor '{n}' has shape "
+                                          f"{tuple(sd[n].shape)}, model has {tuple(p.shape)}")
+                p.copy_(sd[n])
+
+
+def save_policy_checkpoint(policy, out_dir: str | Path, with_base: bool = True,
+                           base_ckpt: str | Path | None = None) -> Path:
+    """Collective: write ``policy`` (LoRA shards, plus base shards when ``with_base``) as a
+    checkpoint that ``tools/convert_ckpt.py export`` reads. Without base shards,
+    ``base_ckpt`` (a checkpoint from ``import`` with the same layout) or the HF directory
+    ``policy.cfg.hf_path`` supplies the base on export. Atomic (temp dir, then rename)."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        copy_hf_metadata(Path(policy.cfg.hf_path), tmp / "hf")
+    dist.barrier()
+    if with_base:
+        save_shards(policy, tmp, with_lora=True)
+    else:
+        from safetensors.torch import save_file
+
+        dense, expert = _split(policy.lora_state_dict())
+        dname, ename = _shard_names(policy.groups, "lora_")
+        if policy.groups.dp_rank == 0 and dense:
+            save_file(dense, str(tmp / dname))
+        if policy.groups.expert_dp_rank == 0 and expert:
+            save_file(expert, str(tmp / ename))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        from megagrpo.model.policy import layout_of
+
+        write_meta(tmp, asdict(layout_of(policy.groups)), policy.groups.world_size,
+                   policy.cfg.dtype, policy.cfg.lora, has_lora=True,
+                   base=None if with_base else str(base_ckpt or policy.cfg.hf_path))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    dist.barrier()
+    return out
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def import_worker(rank: int, job: dict) -> dict:
+    """One rank of ``import``: stream HF weights into the shards, write them to job['tmp']."""
+    from megagrpo.model.policy import build_policy
+    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    groups = init_parallel(ParallelConfig(**job["layout"]))
+    try:
+        t0 = time.perf_counter()
+        lora = LoraConfig(**job["lora"])
+        policy = build_policy(ModelConfig(hf_path=job["hf"], lora=lora, dtype=job["dtype"]),
+                              groups)
+        t_load = time.perf_counter() - t0
+        save_shards(policy, Path(job["tmp"]), with_lora=False)
+        dist.barrier()
+        return {"rank": rank, "load_s": t_load, "total_s": time.perf_counter() - t0,
+                "peak_rss_mb": _peak_rss_mb(),
+                "shard_bytes": sum(p.numel() * p.element_size()
+                                   for n, p in policy.model.named_parameters()
+                                   if ".adapter." not in n)}
+    finally:
+        destroy_parallel()
+
+
+def export_worker(rank: int, job: dict) -> dict:
+    """One rank of ``export``: load shards, then write merged HF safetensors or a PEFT
+    adapter (rank 0 writes into job['tmp'])."""
+    from safetensors.torch import save_file
+
+    from megagrpo.model.policy import build_policy
+    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    meta = job["meta"]
+    groups = init_parallel(ParallelConfig(**meta["layout"]))
+    try:
+        t0 = time.perf_counter()
+        ckpt = Path(job["ckpt"])
+        mcfg = ModelConfig(hf_path=str(ckpt / "hf"), lora=LoraConfig(**meta["lora"]),
+                           dtype=meta["dtype"])
+        base = meta.get("base")
+        if base and not (Path(base) / META).is_file():  # base weights from an HF directory
+            policy = build_policy(dataclasses.replace(mcfg, hf_path=base), groups)
+        else:
+            policy = build_policy(mcfg, groups, load_weights=False)
+            load_shards(policy, Path(base) if base else ckpt, with_lora=False)
+        if meta["has_lora"]:
+            load_lora_shards(policy, ckpt)
+        t_load = time.perf_counter() - t0
+        out, written = Path(job["tmp"]), 0
+        if job["mode"] == "adapter":
+            policy.export_peft_adapter(out / "adapter")
+        else:
+            index: dict[str, str] = {}
+            buckets = policy.export_hf_weights(merge_lora=job["mode"] == "merged",
+                                               bucket_bytes=job["bucket_bytes"])
+            for i, bucket in enumerate(buckets):
+                written += sum(t.numel() * t.element_size() for _, t in bucket)
+                if rank == 0:
+                    fname = f"model-{i + 1:05d}.safetensors"
+                    save_file(dict(bucket), str(out / fname), metadata={"format": "pt"})
+                    index.update({k: fname for k, _ in bucket})
+            if rank == 0:
+                (out / "model.safetensors.index.json").write_text(json.dumps(
+                    {"metadata": {"total_size": written}, "weight_map": index}, indent=1))
+        dist.barrier()
+        return {"rank": rank, "load_s": t_load, "total_s": time.perf_counter() - t0,
+                "peak_rss_mb": _peak_rss_mb(), "bytes": written}
+    finally:
+        destroy_parallel()
+
+
+def copy_hf_metadata(src: Path, dst: Path) -> None:
+    """config.json, tokenizer and generation files (everything but the weights)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and \
+                f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+
+
+def world_of(layout: dict) -> int:
+    import math
+
+    return math.lcm(layout["tp"], layout["ep"] * layout["etp"]) * layout["pp"]
+
+
+def read_meta(ckpt: Path) -> dict:
+    path = ckpt / META
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt}: not a megagrpo checkpoint ({META} missing)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def write_meta(out: Path, layout: dict, world: int, dtype: str, lora: LoraConfig,
+               has_lora: bool, base: str | None = None) -> None:
+    """``base``: where base weights live when this checkpoint holds only LoRA shards (a
+    megagrpo checkpoint of the same layout, or an HF directory)."""
+    meta = {"format": FORMAT, "layout": layout, "world_size": world, "dtype": dtype,
+            "lora": asdict(lora), "has_lora": has_lora, "base": base}
+    (out / META).write_text(json.dumps(meta, indent=2))
+
+
+def atomic_dir(out: Path) -> Path:
+    """A fresh temp sibling of ``out`` (rename it with :func:`commit_dir`)."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"output directory {out} exists and is not empty")
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Convert checkpoints: HF ⇄ megagrpo/Megatron (per-rank shards), LoRA merge / adapter export.
+
+    python tools/convert_ckpt.py import --hf HF_DIR --out CKPT [--tp N --ep N --etp N --pp N]
+    python tools/convert_ckpt.py export --ckpt CKPT --out DIR [--merge-lora | --adapter-only]
+
+``import`` launches the layout's ranks (gloo on CPU), streams the HF safetensors into each
+rank's shards and writes them with the layout. ``export`` reloads under that layout and
+writes HF safetensors + config + tokenizer that transformers loads (``--merge-lora`` folds
+LoRA shards in when present), or a PEFT adapter (``--adapter-only``: adapter_config.json +
+adapter_model.safetensors). Output is written to a temp directory and renamed when complete.
+Bad input (missing files, unknown tensors, wrong shapes, a layout that does not divide the
+model) exits with status 2 and a message naming the tensor or key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+log = logging.getLogger("convert_ckpt")
+
+
+def _layout(args) -> dict:
+    from megagrpo.parallel import ParallelConfig
+
+    return asdict(ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
+                                 sequence_parallel=args.tp > 1))
+
+
+def cmd_import(args) -> dict:
+    from megagrpo.model.checkpoint_io import (atomic_dir, check_hf_dir, commit_dir,
+                                              copy_hf_metadata, import_worker, world_of,
+                                              write_meta)
+    from megagrpo.model.config import LoraConfig
+    from megagrpo.parallel import ParallelConfig, validate_layout
+    from megagrpo.parallel.launch import launch
+
+    hf, out = Path(args.hf), Path(args.out)
+    cfg = check_hf_dir(hf)
+    layout = _layout(args)
+    world = world_of(layout)
+    validate_layout(ParallelConfig(**layout), cfg, world)
+    tmp = atomic_dir(out)
+    try:
+        lora = LoraConfig()
+        job = dict(hf=str(hf), tmp=str(tmp), layout=layout, lora=asdict(lora),
+                   dtype=args.dtype)
+        stats = launch(import_worker, world, job)
+        copy_hf_metadata(hf, tmp / "hf")
+        write_meta(tmp, layout, world, args.dtype, lora, has_lora=False)
+        commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"world_size": world, "ranks": stats}
+
+
+def cmd_export(args) -> dict:
+    from megagrpo.errors import ConfigError
+    from megagrpo.model.checkpoint_io import (atomic_dir, commit_dir, copy_hf_metadata,
+                                              export_worker, read_meta)
+    from megagrpo.parallel.launch import launch
+
+    ckpt, out = Path(args.ckpt), Path(args.out)
+    meta = read_meta(ckpt)
+    if args.adapter_only and not meta["has_lora"]:
+        raise ConfigError(f"--adapter-only: checkpoint {ckpt} holds no LoRA shards")
+    mode = "adapter" if args.adapter_only else ("merged" if args.merge_lora or
+                                                 meta["has_lora"] else "base")
+    tmp = atomic_dir(out)
+    try:
+        job = dict(ckpt=str(ckpt), tmp=str(tmp), meta=meta, mode=mode,
+                   bucket_bytes=args.shard_mb << 20)
+        stats = launch(export_worker, meta["world_size"], job)
+        if mode == "adapter":
+            for f in (tmp / "adapter").iterdir():
+                f.rename(tmp / f.name)
+            (tmp / "adapter").rmdir()
+        else:
+            copy_hf_metadata(ckpt / "hf", tmp)
+        commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"mode": mode, "world_size": meta["world_size"], "ranks": stats}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="HF checkpoint -> megagrpo/Megatron checkpoint")
+    imp.add_argument("--hf", required=True)
+    imp.add_argument("--out", required=True)
+    for k in ("tp", "ep", "etp", "pp"):
+        imp.add_argument(f"--{k}", type=int, default=1)
+    imp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    exp = sub.add_parser("export", help="megagrpo checkpoint -> HF safetensors or PEFT adapter")
+    exp.add_argument("--ckpt", required=True)
+    exp.add_argument("--out", required=True)
+    g = exp.add_mutually_exclusive_group()
+    g.add_argument("--merge-lora", action="store_true", help="fold LoRA into the weights")
+    g.add_argument("--adapter-only", action="store_true", help="write a PEFT adapter only")
+    exp.add_argument("--shard-mb", type=int, default=2048, help="max safetensors file size")
+    for q in (imp, exp):
+        q.add_argument("--json", action="store_true", help="print timing stats as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from megagrpo.errors import MegagrpoError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        stats = cmd_import(args) if args.cmd == "import" else cmd_export(args)
+    except MegagrpoError as exc:
+        print(f"convert_ckpt {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(stats, indent=2) if args.json else f"{args.cmd}: done -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
