@@ -49,12 +49,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
     ctx = build_context(cfg, resume=args.resume)
+    is_main = ctx.comm.is_main
     try:
         rows = train(ctx)
         finish(ctx)
     finally:
         shutdown(ctx)
-    if ctx.comm.is_main and rows:
+    if is_main and rows:
         last = rows[-1]
         print(f"done: {ctx.step} steps, run dir {ctx.run_dir}, last reward/mean="
               f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}")

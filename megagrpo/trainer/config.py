@@ -52,6 +52,14 @@ class TrainerConfig:
     """Evaluate on at most this many held-out problems (0: all)."""
     export_adapter: bool = True
     """At the end, also write a PEFT adapter (runs/<name>/adapter) that peft and vLLM load."""
+    num_nodes: int = 1
+    """Nodes of the launch (slurm/grpo_235b.sh, `megagrpo plan-memory`); world = nodes x GPUs."""
+    gpus_per_node: int = 8
+    """GPUs per node (H100 nodes: 8)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU for `megagrpo plan-memory` (H100 SXM: 80 GiB)."""
+    activation_recompute: bool = False
+    """Plan for full activation recomputation (only layer inputs kept) in `plan-memory`."""
 
     def resolved_old_logprobs(self, engine_has_logprobs: bool = True) -> str:
         """The behaviour log-prob source actually used (see ``old_logprobs``)."""
@@ -79,3 +87,6 @@ class TrainerConfig:
         for key in ("save_every", "eval_every", "eval_max_problems"):
             require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0")
         require(self.keep_checkpoints >= 1, f"{path}.keep_checkpoints", "must be >= 1")
+        require(self.num_nodes >= 1 and self.gpus_per_node >= 1, f"{path}.num_nodes",
+                "num_nodes and gpus_per_node must be >= 1")
+        require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")

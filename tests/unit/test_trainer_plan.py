@@ -1,0 +1,74 @@
+"""`megagrpo plan-memory` and the Slurm dry run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megagrpo.config.loader import load_config
+from megagrpo.config.schema import RunConfig
+from megagrpo.model.arch import arch_from_hf, load_hf_config, param_counts
+from megagrpo.trainer.plan_memory import GIB, plan
+
+
+@pytest.fixture(scope="module")
+def hf235(repo_root):
+    return load_hf_config(repo_root / "configs/qwen3_235b_a22b.hf_config.json")
+
+
+def _cfg(repo_root, *overrides):
+    return load_config(RunConfig, [repo_root / "configs/qwen3_235b_a22b.yaml"], list(overrides))
+
+
+def test_unsharded_weights_equal_the_parameter_count(repo_root, hf235):
+    """1 GPU, no parallelism: base weights = every parameter in bf16 (closed form count)."""
+    cfg = _cfg(repo_root, "trainer.num_nodes=1", "trainer.gpus_per_node=1", "parallel.tp=1",
+               "parallel.ep=1", "parallel.pp=1", "parallel.sequence_parallel=false")
+    total = param_counts(arch_from_hf(hf235))["total"]
+    assert 230e9 < total < 240e9
+    got = plan(cfg, hf235)["breakdown_gib"]["base_weights"] * GIB
+    assert got == pytest.approx(total * 2, rel=2e-3)
+    assert plan(cfg, hf235)["fits"] is False
+
+
+def test_shipped_layout_fits_h100_and_sharding_scales(repo_root, hf235):
+    p = plan(_cfg(repo_root), hf235)
+    assert p["fits"] and p["num_gpus"] == 128 and p["per_gpu_gib"] <= 0.95 * 80
+    half = plan(_cfg(repo_root, "parallel.ep=16", "trainer.num_nodes=8"), hf235)
+    # experts dominate: halving EP nearly doubles the per-GPU base weights
+    assert 1.7 < half["breakdown_gib"]["base_weights"] / p["breakdown_gib"]["base_weights"] < 2.0
+    bad = plan(_cfg(repo_root, "trainer.num_nodes=1", "parallel.ep=8"), hf235)
+    assert not bad["fits"] and bad["advice"]
+
+
+def test_cli_json_and_error(repo_root, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "megagrpo.cli", "plan-memory",
+                          str(repo_root / "configs/qwen3_235b_a22b.yaml"), "--hf-config",
+                          str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"), "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert {"fits", "num_gpus", "per_gpu_gib"} <= set(data)
+    out = subprocess.run([sys.executable, "-m", "megagrpo.cli", "plan-memory",
+                          str(repo_root / "configs/qwen3_235b_a22b.yaml")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "--hf-config" in out.stderr
+
+
+def test_slurm_dry_run_prints_per_node_commands_and_plan(repo_root):
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    out = subprocess.run(["bash", str(repo_root / "slurm/grpo_235b.sh"), "trainer.max_steps=5"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=repo_root)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[h100-node")]
+    assert len(lines) == 16
+    for rank, line in enumerate(lines):
+        assert f"--node-rank={rank} " in line and "--nnodes=16" in line
+        assert "--nproc-per-node=8" in line and "trainer.max_steps=5" in line
+        assert "-m megagrpo.cli train configs/qwen3_235b_a22b.yaml" in line
+    assert "FITS" in out.stdout and "NCCL_IB_HCA" in out.stdout
