@@ -170,6 +170,14 @@ def save_policy_checkpoint(policy, out_dir: str | Path, with_base: bool = True,
 
 
 def _peak_rss_mb() -> float:
+    """Peak resident memory of this process (VmHWM; unlike ru_maxrss on Linux it is not
+    inherited from the parent across fork/exec). Falls back to ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
