@@ -34,9 +34,15 @@ def _layout(args) -> dict:
 
 
 def cmd_import(args) -> dict:
-    from megagrpo.model.checkpoint_io import (atomic_dir, check_hf_dir, commit_dir,
-                                              copy_hf_metadata, import_worker, world_of,
-                                              write_meta)
+    from megagrpo.model.checkpoint_io import (
+        atomic_dir,
+        check_hf_dir,
+        commit_dir,
+        copy_hf_metadata,
+        import_worker,
+        world_of,
+        write_meta,
+    )
     from megagrpo.model.config import LoraConfig
     from megagrpo.parallel import ParallelConfig, validate_layout
     from megagrpo.parallel.launch import launch
@@ -63,8 +69,13 @@ def cmd_import(args) -> dict:
 
 def cmd_export(args) -> dict:
     from megagrpo.errors import ConfigError
-    from megagrpo.model.checkpoint_io import (atomic_dir, commit_dir, copy_hf_metadata,
-                                              export_worker, read_meta)
+    from megagrpo.model.checkpoint_io import (
+        atomic_dir,
+        commit_dir,
+        copy_hf_metadata,
+        export_worker,
+        read_meta,
+    )
     from megagrpo.parallel.launch import launch
 
     ckpt, out = Path(args.ckpt), Path(args.out)
