@@ -241,7 +241,8 @@ def export_worker(rank: int, job: dict) -> dict:
                 written += sum(t.numel() * t.element_size() for _, t in bucket)
                 if rank == 0:
                     fname = f"model-{i + 1:05d}.safetensors"
-                    save_file(dict(bucket), str(out / fname), metadata={"format": "pt"})
+                    save_file({k: t.cpu() for k, t in bucket}, str(out / fname),
+                              metadata={"format": "pt"})
                     index.update({k: fname for k, _ in bucket})
             if rank == 0:
                 (out / "model.safetensors.index.json").write_text(json.dumps(

@@ -65,8 +65,8 @@ def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor,
         if hit is None:
             continue
         kind, expert = hit
-        a = torch.zeros(lc.rank, shape[1])
-        b = torch.zeros(shape[0], lc.rank)
+        a = torch.zeros(lc.rank, shape[1], device=g.device)  # collectives need NCCL's device
+        b = torch.zeros(shape[0], lc.rank, device=g.device)
         lead = (g.etp_rank if expert else g.tp_rank) == 0  # owns the TP-replicated factor
         for p in policy.plan.get(name, []):
             if not p.owner:
@@ -75,7 +75,7 @@ def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor,
             if use_grad:
                 la = _grad_view(la, pa)
                 lb = _grad_view(lb, pb)
-            la, lb = la.detach().float(), lb.detach().float()
+            la, lb = la.detach().float().to(g.device), lb.detach().float().to(g.device)
             if kind == "column":
                 b[p.src[0]] = lb[p.dst[0]]
                 if lead:
@@ -88,7 +88,7 @@ def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor,
         if dist.get_world_size(group) > 1:
             dist.all_reduce(a, group=group)
             dist.all_reduce(b, group=group)
-        out[name] = (a, b)
+        out[name] = (a.cpu(), b.cpu())
     return out
 
 

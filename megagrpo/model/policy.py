@@ -193,8 +193,9 @@ class MegatronPolicy(nn.Module):
                           dtype: torch.dtype | None = None
                           ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors ``[(hf_name, tensor)]`` in buckets of <= ``bucket_bytes``, yielded
-        on *every* rank (each gathered over its model-parallel group). Collective: all ranks
-        must consume the iterator. LoRA is merged into the base weights when ``merge_lora``."""
+        on *every* rank (each gathered over its model-parallel group), on ``groups.device``,
+        in the base dtype unless ``dtype``. Collective: all ranks must consume the iterator.
+        LoRA is merged into the base weights (fp32 add, then cast) when ``merge_lora``."""
         cache: dict[str, torch.Tensor] = {}
 
         def get(name: str) -> torch.Tensor:

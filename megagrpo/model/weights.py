@@ -99,7 +99,8 @@ def export_hf_tensors(get_param: Callable[[str], torch.Tensor], plan: dict[str, 
                       bucket_bytes: int = 256 << 20
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield full HF tensors ``[(hf_name, tensor)]`` in buckets of at most ``bucket_bytes``
-    (a bigger single tensor gets a bucket of its own), identical on every rank.
+    (a bigger single tensor gets a bucket of its own), identical on every rank, on
+    ``groups.device`` (GPU tensors under CUDA, ready for a colocated engine).
 
     ``get_param(megatron_name)`` returns the local tensor to export (merged LoRA or base).
     Collective: every rank must iterate the generator to the end.
@@ -110,10 +111,10 @@ def export_hf_tensors(get_param: Callable[[str], torch.Tensor], plan: dict[str, 
     for name, shape in shapes.items():
         pieces = [p for p in plan.get(name, []) if p.owner]
         expert = ".mlp.experts." in name
-        full = torch.zeros(shape, dtype=dtype)
+        full = torch.zeros(shape, dtype=dtype, device=groups.device)  # NCCL needs CUDA
         with torch.no_grad():
             for p in pieces:
-                full[p.src] = get_param(p.param)[p.dst].to(dtype)
+                full[p.src] = get_param(p.param)[p.dst].to(groups.device, dtype)
         group = groups.expert_mp if expert else groups.mp
         if dist.get_world_size(group) > 1:
             dist.all_reduce(full, group=group)
