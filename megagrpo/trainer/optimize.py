@@ -22,8 +22,13 @@ import math
 import torch
 
 from megagrpo.kernels import fused_policy_loss, token_stats
-from megagrpo.trainer.batch import (MicroBatch, build_samples, has_rollout_logprobs,
-                                    micro_batches, microbatch_weight)
+from megagrpo.trainer.batch import (
+    MicroBatch,
+    build_samples,
+    has_rollout_logprobs,
+    micro_batches,
+    microbatch_weight,
+)
 from megagrpo.trainer.context import TrainContext
 from megagrpo.types import Group
 

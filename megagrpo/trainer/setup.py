@@ -27,11 +27,13 @@ from megagrpo.data import load_problems
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.metrics.logger import build_logger
 from megagrpo.rewards import build_composite
-from megagrpo.trainer import checkpoint
+from megagrpo.trainer import (
+    checkpoint,
+    toy_rewards,  # noqa: F401  (registers toy_first_token)
+)
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.dist import Comm
 from megagrpo.trainer.pretrained import resolve_model_path
-from megagrpo.trainer import toy_rewards  # noqa: F401  (registers toy_first_token)
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,10 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
         ctx.engine = (engine_factory or _default_engine_factory)(cfg.rollout, str(model_path),
                                                                  cfg.trainer.seed)
     start = 0
+    if not resume and comm.is_main and checkpoint.latest(ctx.ckpt_root) is not None:
+        log.warning("%s already holds checkpoints: starting again from step 0 (its "
+                    "metrics.jsonl is rewritten); pass --resume to continue instead",
+                    ctx.run_dir)
     if resume:
         path = checkpoint.latest(ctx.ckpt_root)
         if path is None:

@@ -7,8 +7,15 @@ import re
 
 import pytest
 
-from megagrpo.metrics import (CORE_METRICS, JsonlLogger, NullLogger, build_logger, missing_metrics,
-                              read_metrics, required_metrics)
+from megagrpo.metrics import (
+    CORE_METRICS,
+    JsonlLogger,
+    NullLogger,
+    build_logger,
+    missing_metrics,
+    read_metrics,
+    required_metrics,
+)
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.metrics.logger import ConsoleLogger
 from megagrpo.metrics.report import make_report
