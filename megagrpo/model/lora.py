@@ -146,8 +146,11 @@ def lora_grad_sync(params: list[nn.Parameter], groups) -> None:
     3. non-expert: sum over DP; expert: sum over expert-DP; both divided by the DP size, so
     the gradient is that of the mean over DP ranks of their losses.
     """
+    for p in params:  # an expert that got no tokens still takes part in the collectives
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
     def reduce(ps, group, scale=None):
-        ps = [p for p in ps if p.grad is not None]
         if not ps or dist.get_world_size(group) == 1:
             if scale is not None:
                 for p in ps:
