@@ -19,6 +19,7 @@ LAYOUTS = {  # name -> (layout, world size)
     "ep2": (dict(ep=2), 2),
     "tp2ep2": (dict(tp=2, ep=2, sequence_parallel=True), 4),
     "dense_tp2": (dict(tp=2), 2),
+    "tp2etp2": (dict(tp=2, etp=2, sequence_parallel=True), 2),  # experts split over ETP
 }
 LOGIT_TOL = 1e-4
 JOB = dict(train_steps=2, lr=0.05, lora={"rank": 4, "alpha": 8.0})
@@ -33,13 +34,14 @@ def ids():
 
 @pytest.fixture(scope="module")
 def runs(tiny_moe_dir, tiny_dense_dir, ids, tmp_path_factory):
-    """Two launches: 2 processes (TP2+SP, EP2, dense TP2 without SP, one after another in
-    the same ranks) and 4 processes (TP2xEP2); plus the single-process references."""
+    """Two launches: 2 processes (TP2+SP, EP2, dense TP2 without SP, TP2 x expert-TP2, one
+    after another in the same ranks) and 4 processes (TP2xEP2); plus the 1-process runs."""
     from megagrpo.model.verify import run_layout, run_layouts
 
     out = {"w1": run_layout(tiny_moe_dir, {}, 1, ids, **JOB),
            "dense_w1": run_layout(tiny_dense_dir, {}, 1, ids, **JOB)}
-    two = [("tp2", tiny_moe_dir), ("ep2", tiny_moe_dir), ("dense_tp2", tiny_dense_dir)]
+    two = [("tp2", tiny_moe_dir), ("ep2", tiny_moe_dir), ("dense_tp2", tiny_dense_dir),
+           ("tp2etp2", tiny_moe_dir)]
     reports = run_layouts([dict(JOB, hf_dir=d, layout=LAYOUTS[n][0], input_ids=ids)
                            for n, d in two], 2)
     out.update({n: r for (n, _), r in zip(two, reports)})
