@@ -83,6 +83,10 @@ def load_hf_weights(params: dict[str, torch.Tensor], plan: dict[str, list[Piece]
                         region.copy_(src)
                     covered[piece.param] += src.numel()
                     bytes_read += src.numel() * src.element_size()
+    unmapped = [n for n in params if n not in covered and ".adapter." not in n]
+    if unmapped:
+        raise CheckpointError(f"Megatron tensor '{unmapped[0]}' has no HF source (unsupported "
+                              "layer spec, e.g. legacy GroupedMLP?)")
     missing = [k for k in shapes if k not in seen]
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} tensor(s) missing, e.g. '{missing[0]}'")
