@@ -100,11 +100,20 @@ class WandbLogger:
         id_file.write_text(run_id)
         wandb_dir = Path(cfg.wandb_dir or run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=name,
-                               id=run_id, resume="allow", dir=str(wandb_dir), mode=cfg.wandb_mode,
-                               config=config or {},
-                               settings=wandb.Settings(silent=True, console="off",
-                                                       x_disable_stats=True))
+        kwargs = dict(project=cfg.wandb_project, entity=cfg.wandb_entity, name=name,
+                      resume="allow", dir=str(wandb_dir), mode=cfg.wandb_mode,
+                      config=config or {},
+                      settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        try:
+            self._run = wandb.init(id=run_id, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. "run ID in use" after a SIGKILL
+            # The killed process's W&B service may still hold the id: continue in a new run
+            # (same name and group), never lose the training run over its logging.
+            new_id = f"{run_id.split('-r')[0]}-r{secrets.token_hex(2)}"
+            log.warning("W&B run %s could not be resumed (%s); logging to new run %s",
+                        run_id, exc, new_id)
+            id_file.write_text(new_id)
+            self._run = wandb.init(id=new_id, group=run_id.split("-r")[0], **kwargs)
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         row = {k: v for k, v in ((k, _clean(v)) for k, v in metrics.items()) if v is not None}

@@ -136,3 +136,19 @@ def test_resume_after_kill_matches_uninterrupted(full_run, tiny_moe_dir, repo_ro
                 assert b.get(k) is None, (a["step"], k)
             else:
                 assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)
+
+
+def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, repo_root):
+    """kl_coef > 0: reference log-probs from the frozen base (adapters off); ppo_epochs = 2:
+    old log-probs recomputed by the trainer. At step 1 the LoRA B factors are zero, so the
+    first epoch is exactly on the reference (KL 0); the second epoch's KL is > 0."""
+    cfg = write_config(tmp_path / "kl.yaml", tiny_moe_dir, tmp_path, "kl", repo_root,
+                       max_steps=2, ppo_epochs=2, eval_every=0, save_every=0)
+    text = cfg.read_text().replace("engine: vllm", "engine: hf")
+    text += "loss:\n  kl_coef: 0.05\n"
+    cfg.write_text(text)
+    run_train(cfg)
+    rows = read_metrics(tmp_path / "kl" / "metrics.jsonl")
+    assert rows[0]["train/old_logprobs_recompute"] == 1
+    assert rows[0]["loss/kl"] > 0 and rows[1]["loss/kl"] > 0
+    assert rows[0]["train/lr"] == pytest.approx(2e-2)
