@@ -366,7 +366,7 @@ class VLLMEngine:
             del llm
         shutil.rmtree(self._lora_dir, ignore_errors=True)
         try:
-            from vllm.distributed.parallel_state import (
+            from vllm.distributed import (  # vLLM's own state, not Megatron's
                 destroy_distributed_environment,
                 destroy_model_parallel,
             )
