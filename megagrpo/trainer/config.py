@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megagrpo.config.loader import require
 
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
+WEIGHT_SYNCS = ("merged", "adapter")
 
 
 @dataclass
@@ -52,6 +53,11 @@ class TrainerConfig:
     """Evaluate on at most this many held-out problems (0: all)."""
     export_adapter: bool = True
     """At the end, also write a PEFT adapter (runs/<name>/adapter) that peft and vLLM load."""
+    weight_sync: str = "merged"
+    """merged: stream base + LoRA merged HF tensors into the engine every step (works for
+    every engine and target); adapter: write the PEFT adapter (a few MB) and let the engine
+    serve it on its base weights (needs rollout.enable_lora and vLLM LoRA support for the
+    targeted modules). Both are verified against the trainer's probe log-probs."""
     num_nodes: int = 1
     """Nodes of the launch (slurm/grpo_235b.sh, `megagrpo plan-memory`); world = nodes x GPUs."""
     gpus_per_node: int = 8
@@ -80,6 +86,8 @@ class TrainerConfig:
         require(not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
                 f"{path}.old_logprobs", "ppo_epochs > 1 needs 'recompute' (or 'auto')")
         require(self.lr > 0, f"{path}.lr", "must be > 0")
+        require(self.weight_sync in WEIGHT_SYNCS, f"{path}.weight_sync",
+                f"must be one of {WEIGHT_SYNCS}")
         require(self.adam_betas is None or len(self.adam_betas) == 2, f"{path}.adam_betas",
                 "must be [beta1, beta2]")
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")

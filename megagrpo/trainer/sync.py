@@ -1,5 +1,8 @@
 """Phase 6 of a step: wake the engine and push the new weights into it, verified.
 
+``trainer.weight_sync``: ``merged`` (default, below) or ``adapter`` (the PEFT adapter only,
+served by the engine on its base weights; :func:`_sync_adapter`).
+
 The policy streams merged (base + LoRA) HF-named tensors in bounded buckets
 (``export_hf_weights``: a collective over the model-parallel ranks, so every rank iterates
 it); rank 0 feeds them to ``engine.update_weights``. Verification is exact: every rank
@@ -10,11 +13,17 @@ weights and the engine must reproduce them within ``rollout.verify_tol``
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from megagrpo.kernels import token_stats
+from megagrpo.rollout.lora import LoraAdapter
 from megagrpo.trainer.context import TrainContext
 
 log = logging.getLogger(__name__)
@@ -41,6 +50,8 @@ def sync_weights(ctx: TrainContext) -> dict[str, float]:
     probe_ids = getattr(ctx.engine, "probe_token_ids", None) if ctx.comm.is_main else None
     probe_ids = ctx.comm.broadcast_object(probe_ids)
     expected = trainer_probe(ctx, probe_ids) if probe_ids else None
+    if ctx.cfg.trainer.weight_sync == "adapter":
+        return _sync_adapter(ctx, expected)
     if not ctx.comm.is_main:
         for _ in _stream(ctx):  # take part in the export's collectives
             pass
@@ -49,6 +60,10 @@ def sync_weights(ctx: TrainContext) -> dict[str, float]:
     ctx.engine.wake_up()
     report = ctx.engine.update_weights(_stream(ctx), expected_probe=expected)
     ctx.comm.barrier()
+    return _report_metrics(report)
+
+
+def _report_metrics(report) -> dict[str, float]:
     # update_weights raises WeightSyncError when the probe disagrees; never trust silence.
     if not getattr(report, "verified", False):
         from megagrpo.rollout.base import WeightSyncError
@@ -56,3 +71,25 @@ def sync_weights(ctx: TrainContext) -> dict[str, float]:
         raise WeightSyncError(f"weight sync not verified: {report}")
     return {"perf/sync_bytes": float(report.bytes), "sync/probe_max_diff":
             float(getattr(report, "max_probe_diff", 0.0)), "sync/engine_s": float(report.seconds)}
+
+
+def _sync_adapter(ctx: TrainContext, expected: list[float] | None) -> dict[str, float]:
+    """Adapter-only sync: the policy writes its PEFT adapter (collective, rank 0 writes) and
+    the engine serves it on top of its base weights; verified like a merged sync."""
+    tmp = tempfile.mkdtemp(prefix="megagrpo-sync-") if ctx.comm.is_main else None
+    tmp = ctx.comm.broadcast_object(tmp)
+    out = ctx.policy.export_peft_adapter(tmp + "/adapter")
+    if not ctx.comm.is_main:
+        ctx.comm.barrier()
+        return {"perf/sync_bytes": 0.0}
+    try:
+        conf = json.loads((Path(out) / "adapter_config.json").read_text(encoding="utf-8"))
+        state = load_file(str(Path(out) / "adapter_model.safetensors"))
+        adapter = LoraAdapter.from_peft_state_dict(state, int(conf["r"]),
+                                                   float(conf["lora_alpha"]))
+        ctx.engine.wake_up()
+        report = ctx.engine.update_adapter(adapter, expected_probe=expected)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ctx.comm.barrier()
+    return _report_metrics(report)

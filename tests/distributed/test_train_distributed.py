@@ -10,6 +10,7 @@ de-duplication across ranks. Later steps run to completion with verified weight 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,9 +55,17 @@ def _run(config: Path, nproc: int) -> None:
                 f"--master-port={_free_port()}", "-m", "megagrpo.cli"] if nproc > 1 else [
                     sys.executable, "-m", "megagrpo.cli"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
-    proc = subprocess.run([*launcher, "train", str(config)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    # Own process group: on a timeout the launcher AND its ranks are killed (no orphans).
+    proc = subprocess.Popen([*launcher, "train", str(config)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-5000:]
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,8 @@ SAVE_EVERY = 4
 
 
 def write_config(path: Path, model_dir: Path, out_dir: Path, name: str, repo_root: Path,
-                 **trainer) -> Path:
-    """A tiny-run config (also used by the distributed tests)."""
+                 extra: dict | None = None, **trainer) -> Path:
+    """A tiny-run config; ``extra`` = {section: {key: value}} merged in."""
     cfg = {
         "model": {"hf_path": str(model_dir),
                   "lora": {"rank": 4, "alpha": 8.0,
@@ -47,6 +47,8 @@ def write_config(path: Path, model_dir: Path, out_dir: Path, name: str, repo_roo
                     **trainer},
         "metrics": {"wandb_mode": "offline", "progress_bar": False},
     }
+    for section, values in (extra or {}).items():
+        cfg.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
 
@@ -142,13 +144,28 @@ def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, 
     """kl_coef > 0: reference log-probs from the frozen base (adapters off); ppo_epochs = 2:
     old log-probs recomputed by the trainer. At step 1 the LoRA B factors are zero, so the
     first epoch is exactly on the reference (KL 0); the second epoch's KL is > 0."""
-    cfg = write_config(tmp_path / "kl.yaml", tiny_moe_dir, tmp_path, "kl", repo_root,
+    extra = {"rollout": {"engine": "hf"}, "loss": {"kl_coef": 0.05}}
+    cfg = write_config(tmp_path / "kl.yaml", tiny_moe_dir, tmp_path, "kl", repo_root, extra,
                        max_steps=2, ppo_epochs=2, eval_every=0, save_every=0)
-    text = cfg.read_text().replace("engine: vllm", "engine: hf")
-    text += "loss:\n  kl_coef: 0.05\n"
-    cfg.write_text(text)
     run_train(cfg)
     rows = read_metrics(tmp_path / "kl" / "metrics.jsonl")
     assert rows[0]["train/old_logprobs_recompute"] == 1
     assert rows[0]["loss/kl"] > 0 and rows[1]["loss/kl"] > 0
     assert rows[0]["train/lr"] == pytest.approx(2e-2)
+
+
+def test_adapter_only_weight_sync(tiny_dense_dir, tmp_path, repo_root):
+    """trainer.weight_sync=adapter: the PEFT adapter (KBs, not the model) reaches vLLM's LoRA
+    path and the engine's probe log-probs match the trainer's (verified every step)."""
+    extra = {"rollout": {"enable_lora": True},
+             "model": {"hf_path": str(tiny_dense_dir),
+                       "lora": {"rank": 4, "alpha": 8.0,
+                                "targets": ["linear_qkv", "linear_proj"]}}}
+    cfg = write_config(tmp_path / "ad.yaml", tiny_dense_dir, tmp_path, "ad", repo_root, extra,
+                       max_steps=2, eval_every=0, save_every=0, weight_sync="adapter")
+    run_train(cfg)
+    rows = read_metrics(tmp_path / "ad" / "metrics.jsonl")
+    full_bytes = sum(p.stat().st_size for p in Path(tiny_dense_dir).glob("*.safetensors"))
+    for r in rows:
+        assert 0 < r["perf/sync_bytes"] < full_bytes / 4
+        assert r["sync/probe_max_diff"] < 1e-3
