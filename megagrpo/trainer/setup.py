@@ -57,6 +57,17 @@ def _default_engine_factory(rollout_cfg, model_path: str, seed: int):
     return build_engine(rollout_cfg, model_path, seed)
 
 
+def bundled_path(path: str) -> str:
+    """``path`` as given, or, when it does not exist here, the same relative path inside the
+    installed package's tree (``megagrpo/assets/demo_train.jsonl`` works from any directory)."""
+    if Path(path).exists() or Path(path).is_absolute():
+        return path
+    import megagrpo
+
+    candidate = Path(megagrpo.__file__).resolve().parent.parent / path
+    return str(candidate) if candidate.exists() else path
+
+
 def _curriculum(cfg: RunConfig, problems: list, correctness_key: str
                 ) -> tuple[CurriculumSampler, float | None]:
     levels, acr = None, None
@@ -139,6 +150,8 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
                        scheduler=scheduler, groups=groups, reward_fn=reward_fn,
                        pad_id=_pad_id(model_path))
     if comm.is_main:
+        cfg.data.train = [bundled_path(p) for p in cfg.data.train]
+        cfg.data.eval = [bundled_path(p) for p in cfg.data.eval]
         problems = load_problems(cfg.data.train, exclude_images=cfg.data.exclude_images,
                                  prompt=cfg.data.prompt)
         if not problems:
