@@ -21,7 +21,13 @@ import torch
 from megagrpo.config.loader import save_config
 from megagrpo.config.schema import RunConfig
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
-from megagrpo.curriculum.levels import histogram, levels_by_id, predict_acr, read_levels_file
+from megagrpo.curriculum.levels import (
+    histogram,
+    level_alternatives,
+    levels_by_id,
+    predict_acr,
+    read_levels_file,
+)
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
 from megagrpo.errors import CheckpointError, ConfigError
@@ -70,7 +76,7 @@ def bundled_path(path: str) -> str:
 
 def _curriculum(cfg: RunConfig, problems: list, correctness_key: str
                 ) -> tuple[CurriculumSampler, float | None]:
-    levels, acr = None, None
+    levels, acr, k = None, None, cfg.curriculum.level_k
     if cfg.curriculum.levels_file:
         records = read_levels_file(cfg.curriculum.levels_file)
         levels = levels_by_id(records)
@@ -80,8 +86,10 @@ def _curriculum(cfg: RunConfig, problems: list, correctness_key: str
                    if cfg.curriculum.level_weights else None)
         acr = predict_acr(hist, k, cfg.rollout.group_size, cfg.curriculum.keep_levels,
                           weights).acr
-        preflight_check(cfg.dynamic, acr, cfg.trainer.batch_groups)
-    sampler = CurriculumSampler(problems, cfg.curriculum, levels, correctness_key=correctness_key)
+        preflight_check(cfg.dynamic, acr, cfg.trainer.batch_groups,
+                        level_alternatives(hist, k, cfg.rollout.group_size))
+    sampler = CurriculumSampler(problems, cfg.curriculum, levels, correctness_key=correctness_key,
+                                level_k=k)
     return sampler, acr
 
 
