@@ -16,13 +16,13 @@ does not depend on prompt rendering.
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megagrpo.data.loader import read_jsonl
 from megagrpo.errors import DataError
 
 GOLD_NAME_RE = re.compile(r"^\d+-[A-Za-z]+\.jsonl$")
@@ -113,20 +113,6 @@ def find_files(paths: Iterable[str | Path], *, gold: bool, name_glob: str | None
     return out
 
 
-def _records(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as fh:
-        for num, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{num}: not valid JSON: {exc.msg}") from exc
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{num}: expected a JSON object")
-            yield num, rec
-
-
 def _year_of(path: Path, problem_id: str) -> str:
     if re.fullmatch(r"\d{4}", path.parent.name):
         return path.parent.name
@@ -139,7 +125,7 @@ def read_gold(files: Iterable[Path]) -> dict[str, GoldItem]:
     duplicate ids."""
     gold: dict[str, GoldItem] = {}
     for path in files:
-        for num, rec in _records(path):
+        for num, rec in read_jsonl(path):
             where = f"{path}:{num}"
             for key in ("problem_id", "answer", "points"):
                 if key not in rec:
@@ -163,7 +149,7 @@ def read_predictions(files: Iterable[Path]) -> dict[str, str]:
     preds: dict[str, str] = {}
     seen: dict[str, str] = {}
     for path in files:
-        for num, rec in _records(path):
+        for num, rec in read_jsonl(path):
             where = f"{path}:{num}"
             if "problem_id" not in rec or "prediction" not in rec:
                 raise DataError(f"{where}: prediction record needs 'problem_id' and 'prediction'")
