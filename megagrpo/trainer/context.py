@@ -1,7 +1,8 @@
 """Everything one training run holds, built once by :mod:`megagrpo.trainer.setup`.
 
 Rank 0 holds the rollout engine, the curriculum sampler and the dynamic sampler; on the
-other ranks those are ``None`` (their results arrive by broadcast). The policy, optimiser
+other ranks those are ``None`` (their results arrive by broadcast). With sharded rollouts
+(``sharded``) every rank holds an engine; the samplers stay on rank 0. The policy, optimiser
 and process groups exist on every rank.
 """
 
@@ -35,7 +36,11 @@ class TrainContext:
     groups: Any = None
     """ParallelGroups (tp/dp groups) from megagrpo.parallel.init_parallel."""
     engine: Any = None
-    """RolloutEngine on rank 0; None elsewhere."""
+    """RolloutEngine on rank 0 (every rank when ``sharded``); None elsewhere."""
+    sharded: bool = False
+    """Sharded colocated rollouts (megagrpo.trainer.sharding): an engine on every rank."""
+    rollout_replica_size: int = 1
+    """Consecutive ranks per engine replica (vLLM TP size; 1 for the HF engine)."""
     sampler: Any = None
     """CurriculumSampler on rank 0."""
     dynamic: Any = None

@@ -1,7 +1,8 @@
 """Small torch.distributed helpers for the loop (1 process: every call is a no-op).
 
-Generation, rewards and the curriculum run on global rank 0 (the rollout engine lives
-there on CPU); their results reach the other ranks through :meth:`Comm.broadcast_object`.
+Rewards and the curriculum run on global rank 0; their results reach the other ranks
+through :meth:`Comm.broadcast_object`. Generation runs on rank 0 too, or, with sharded
+rollouts, on every rank, gathered with :meth:`Comm.all_gather_object`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ class Comm:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (pickled)."""
+        if not _on() or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def mean_over(self, values: dict[str, float], group=None) -> dict[str, float]:
         """Average scalar metrics over ``group`` (None: the world)."""

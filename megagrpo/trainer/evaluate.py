@@ -4,7 +4,8 @@ Rank 0 generates one answer per held-out problem through the rollout engine (the
 configured sampling; seeded per evaluation step), extracts the answer with
 :func:`megagrpo.rewards.extract_answer` and scores the predictions with
 :func:`megagrpo.rewards.igakuqa.score` (exact set match of the comma-joined letters; the
-116A71 / 112B30 exceptions apply to IgakuQA ids). Logged as ``eval/accuracy`` (and
+116A71 / 112B30 exceptions apply to IgakuQA ids). With sharded rollouts every engine
+replica generates its share of the held-out problems (same seeds), rank 0 scores. Logged as ``eval/accuracy`` (and
 ``eval/score_frac``: points scored / points total).
 """
 
@@ -17,19 +18,33 @@ from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout.base import SamplingSpec
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.rollout_phase import round_seed
+from megagrpo.trainer.sharding import sharded_generate
 
 log = logging.getLogger(__name__)
 
 
-def evaluate(ctx: TrainContext, step: int) -> dict[str, float]:
-    """``eval/accuracy`` and friends on ``ctx.eval_problems`` (rank 0; {} elsewhere)."""
-    if not ctx.comm.is_main or not ctx.eval_problems:
-        return {}
+def _problems(ctx: TrainContext) -> list:
     problems = ctx.eval_problems
     if ctx.cfg.trainer.eval_max_problems:
         problems = problems[: ctx.cfg.trainer.eval_max_problems]
-    seed = round_seed(ctx.cfg.trainer.seed + 1, step, 0)
-    groups = ctx.engine.generate(problems, 1, SamplingSpec(seed=seed))
+    return problems
+
+
+def evaluate(ctx: TrainContext, step: int) -> dict[str, float]:
+    """``eval/accuracy`` and friends on ``ctx.eval_problems`` (rank 0; {} elsewhere)."""
+    if ctx.sharded:  # every rank generates its share; rank 0 scores
+        problems = ctx.comm.broadcast_object(_problems(ctx) if ctx.comm.is_main else None)
+        if not problems:
+            return {}
+        seed = round_seed(ctx.cfg.trainer.seed + 1, step, 0)
+        groups = sharded_generate(ctx, problems, 1, SamplingSpec(seed=seed))
+        if not ctx.comm.is_main:
+            return {}
+    else:
+        if not ctx.comm.is_main or not ctx.eval_problems:
+            return {}
+        seed = round_seed(ctx.cfg.trainer.seed + 1, step, 0)
+        groups = ctx.engine.generate(_problems(ctx), 1, SamplingSpec(seed=seed))
     gold, preds = {}, {}
     for g in groups:
         p = g.problem

