@@ -180,8 +180,8 @@ def test_train_sharded_two_processes(tmp_path, tiny_moe_dir, repo_root):
     one = _train(tmp_path, tiny_moe_dir, repo_root, "w1", 1)
     two = _train(tmp_path, tiny_moe_dir, repo_root, "dp2_sharded", 2, placement="sharded")
     assert len(two) == len(one) == 2
-    for key in ("reward/mean_raw", "length/gen_mean", "reward/mean", "loss/policy",
-                "eval/accuracy", "eval/num_problems"):
+    for key in ("reward/mean_raw", "length/gen_mean", "reward/mean", "loss/entropy",
+                "loss/policy", "eval/accuracy", "eval/num_problems"):
         a, b = one[0][key], two[0][key]
         assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
     assert two[0]["eval/num_problems"] == 5  # 5 held-out problems split over 2 replicas
