@@ -40,6 +40,19 @@ Let me think step by step about each option before answering.
 0 1 2 3 4 5 6 7 8 9 10 100 1.2 26 mg dL mmHg Torr
 """
 
+def _tiny_problems():
+    from megagrpo.types import Problem
+
+    return [
+        Problem("p1", [{"role": "system", "content": "医学の専門家です。"},
+                       {"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"}], ["c"]),
+        Problem("p2", [{"role": "user", "content": "The answer is c. Final answer: b, e"}], ["b"]),
+    ]
+
+
+TINY_PROBLEMS = _tiny_problems()
+"""Two chat problems (Japanese with a system turn; English) for rollout tests."""
+
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 ADDED_TOKENS = ["<think>", "</think>"]
 

@@ -70,3 +70,11 @@ def tiny_dense_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_dense"), "dense",
                             tokenizer_dir=tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_moe_dir):
+    """transformers' own Qwen3-MoE on the tiny checkpoint (fp32, eval): the logits reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()

@@ -17,20 +17,9 @@ from megagrpo.rollout import (
 )
 from megagrpo.rollout.base import check_probe, iter_buckets
 from megagrpo.rollout.hf_engine import sequence_logprobs
-from megagrpo.types import Problem
+from megagrpo.testing import TINY_PROBLEMS
 
-PROBLEMS = [
-    Problem("p1", [{"role": "system", "content": "医学の専門家です。"},
-                   {"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"}], ["c"]),
-    Problem("p2", [{"role": "user", "content": "The answer is c. Final answer: b, e"}], ["b"]),
-]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_moe_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+PROBLEMS = TINY_PROBLEMS
 
 
 @pytest.fixture(scope="module")
