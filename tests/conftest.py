@@ -59,8 +59,9 @@ def tiny_moe_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """HF checkpoint dir of a random tiny Qwen3-MoE (2 layers, 4 experts, top-2, head_dim 32)."""
     from megagrpo.testing import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), "moe",
-                            tokenizer_dir=tiny_tokenizer_dir)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_moe"), "moe", tokenizer_dir=tiny_tokenizer_dir
+    )
 
 
 @pytest.fixture(scope="session")
@@ -68,8 +69,9 @@ def tiny_dense_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """HF checkpoint dir of a random tiny dense Qwen3 (2 layers, head_dim 32)."""
     from megagrpo.testing import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_dense"), "dense",
-                            tokenizer_dir=tiny_tokenizer_dir)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny_dense"), "dense", tokenizer_dir=tiny_tokenizer_dir
+    )
 
 
 @pytest.fixture(scope="session")

@@ -52,10 +52,19 @@ def build_model(work: Path) -> Path:
 
     from megagrpo.testing import tiny_config
 
-    cfg = tiny_config("moe", vocab_size=32000, hidden_size=768, num_attention_heads=12,
-                      num_key_value_heads=4, head_dim=64, num_hidden_layers=6,
-                      intermediate_size=2048, moe_intermediate_size=512, num_experts=8,
-                      num_experts_per_tok=2)
+    cfg = tiny_config(
+        "moe",
+        vocab_size=32000,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_hidden_layers=6,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
@@ -67,10 +76,17 @@ def size_mb(path: Path) -> float:
 
 
 def baseline_rss_mb() -> float:
-    code = ("import megagrpo.model.policy, megatron.core.models.gpt; "
-            "from megagrpo.model.checkpoint_io import _peak_rss_mb; print(_peak_rss_mb())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO)
+    code = (
+        "import megagrpo.model.policy, megatron.core.models.gpt; "
+        "from megagrpo.model.checkpoint_io import _peak_rss_mb; print(_peak_rss_mb())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=REPO,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,23 +101,30 @@ def run_layout(name: str, hf: Path, work: Path) -> dict:
     t = time.perf_counter()
     imp = cmd_import(ns)
     t_imp = time.perf_counter() - t
-    ns = argparse.Namespace(ckpt=str(ckpt), out=str(out), merge_lora=False, adapter_only=False,
-                            shard_mb=128)
+    ns = argparse.Namespace(
+        ckpt=str(ckpt), out=str(out), merge_lora=False, adapter_only=False, shard_mb=128
+    )
     t = time.perf_counter()
     exp = cmd_export(ns)
     t_exp = time.perf_counter() - t
-    return {"layout": name, "world": imp["world_size"], "import_s": t_imp, "export_s": t_exp,
-            "import_load_s": max(r["load_s"] for r in imp["ranks"]),
-            "export_s_rank": max(r["total_s"] for r in exp["ranks"]),
-            "import_rss": [round(r["peak_rss_mb"]) for r in imp["ranks"]],
-            "export_rss": [round(r["peak_rss_mb"]) for r in exp["ranks"]],
-            "shard_mb": [round(r["shard_bytes"] / 1e6) for r in imp["ranks"]]}
+    return {
+        "layout": name,
+        "world": imp["world_size"],
+        "import_s": t_imp,
+        "export_s": t_exp,
+        "import_load_s": max(r["load_s"] for r in imp["ranks"]),
+        "export_s_rank": max(r["total_s"] for r in exp["ranks"]),
+        "import_rss": [round(r["peak_rss_mb"]) for r in imp["ranks"]],
+        "export_rss": [round(r["peak_rss_mb"]) for r in exp["ranks"]],
+        "shard_mb": [round(r["shard_bytes"] / 1e6) for r in imp["ranks"]],
+    }
 
 
 def main() -> int:
     sys.path.insert(0, str(REPO / "tools"))
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layouts", default="1,ep2,tp2")
     p.add_argument("--work", default="/tmp/megagrpo-bench")
     p.add_argument("--json", action="store_true")
@@ -110,9 +133,10 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    if not args.build_only and not (work / "hf" / "config.json").is_file():  # build in a child: keep this RSS small
-        subprocess.run([sys.executable, __file__, "--build-only", "--work", str(work)],
-                       check=True)
+    if (
+        not args.build_only and not (work / "hf" / "config.json").is_file()
+    ):  # build in a child: keep this RSS small
+        subprocess.run([sys.executable, __file__, "--build-only", "--work", str(work)], check=True)
     hf = build_model(work)
     if args.build_only:
         return 0
@@ -120,28 +144,43 @@ def main() -> int:
     rows = [run_layout(n, hf, work) for n in args.layouts.split(",")]
     peer_out = work / "peer_out"
     shutil.rmtree(peer_out, ignore_errors=True)
-    res = subprocess.run([sys.executable, "-c", PEER, str(hf), str(peer_out)],
-                         capture_output=True, text=True, env=dict(os.environ), cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-c", PEER, str(hf), str(peer_out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        cwd=REPO,
+    )
     t_load, t_save, peer_rss = map(float, res.stdout.split()[-3:])
     base = baseline_rss_mb()
-    report = {"checkpoint_mb": mb, "rss_after_imports_mb": base, "rows": rows,
-              "peer": {"load_s": t_load, "save_s": t_save, "peak_rss_mb": peer_rss},
-              "bench_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    report = {
+        "checkpoint_mb": mb,
+        "rss_after_imports_mb": base,
+        "rows": rows,
+        "peer": {"load_s": t_load, "save_s": t_save, "peak_rss_mb": peer_rss},
+        "bench_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     # world-1 rows run inside this process: their peak includes this process's history
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"HF checkpoint: {mb:.0f} MB fp32; rank RSS after imports: {base:.0f} MB")
-    print(f"{'layout':>8} {'ranks':>5} {'import MB/s':>14} {'export MB/s':>14} "
-          f"{'shard MB/rank':>14} {'peak RSS import/export MB per rank':>36}")
+    print(
+        f"{'layout':>8} {'ranks':>5} {'import MB/s':>14} {'export MB/s':>14} "
+        f"{'shard MB/rank':>14} {'peak RSS import/export MB per rank':>36}"
+    )
     for r in rows:
         imp = f"{mb / r['import_s']:.0f} ({mb / r['import_load_s']:.0f})"
         exp = f"{mb / r['export_s']:.0f} ({mb / r['export_s_rank']:.0f})"
-        print(f"{r['layout']:>8} {r['world']:>5} {imp:>14} {exp:>14} "
-              f"{'/'.join(map(str, r['shard_mb'])):>14} "
-              f"{'/'.join(map(str, r['import_rss']))} | {'/'.join(map(str, r['export_rss']))}")
-    print(f"{'peer':>8} {1:>5} {mb / t_load:>14.0f} {mb / t_save:>14.0f} {mb:>14.0f} "
-          f"{peer_rss:.0f}  (transformers from_pretrained / save_pretrained)")
+        print(
+            f"{r['layout']:>8} {r['world']:>5} {imp:>14} {exp:>14} "
+            f"{'/'.join(map(str, r['shard_mb'])):>14} "
+            f"{'/'.join(map(str, r['import_rss']))} | {'/'.join(map(str, r['export_rss']))}"
+        )
+    print(
+        f"{'peer':>8} {1:>5} {mb / t_load:>14.0f} {mb / t_save:>14.0f} {mb:>14.0f} "
+        f"{peer_rss:.0f}  (transformers from_pretrained / save_pretrained)"
+    )
     return 0
 
 

@@ -31,16 +31,20 @@ def bench_planner(num_problems: int, steps: int) -> None:
     total = sum(SPECIALIST.values())
     hist = {lv: round(n * num_problems / total) for lv, n in SPECIALIST.items()}
     print(f"planner: {sum(hist.values())} problems, {steps} steps, G=8, B=96, R=3")
-    print(f"{'keep':<7}{'policy':<10}{'seconds':>9}{'ms/step':>9}{'gen/step':>10}"
-          f"{'acr_raw':>9}{'ds_ok':>7}")
+    print(
+        f"{'keep':<7}{'policy':<10}{'seconds':>9}{'ms/step':>9}{'gen/step':>10}"
+        f"{'acr_raw':>9}{'ds_ok':>7}"
+    )
     for keep in ([1, 2, 3, 4, 5, 6], [2, 3, 4, 5]):
         for policy in ("original", "carry"):
             cur = CurriculumConfig(keep_levels=keep, retire_streak=0)
             dyn = DynamicSamplingConfig(policy=policy, max_resample=3)
             r = run_plan(hist, 5, 8, 96, steps, cur, dyn).to_dict()
-            print(f"{'L1-L6' if len(keep) == 6 else 'L2-L5':<7}{policy:<10}{r['seconds']:>9.2f}"
-                  f"{1e3 * r['seconds'] / steps:>9.2f}{r['gen_batches_per_step']:>10.2f}"
-                  f"{r['acr_raw_mean']:>9.3f}{r['ds_success_rate']:>7.2f}")
+            print(
+                f"{'L1-L6' if len(keep) == 6 else 'L2-L5':<7}{policy:<10}{r['seconds']:>9.2f}"
+                f"{1e3 * r['seconds'] / steps:>9.2f}{r['gen_batches_per_step']:>10.2f}"
+                f"{r['acr_raw_mean']:>9.3f}{r['ds_success_rate']:>7.2f}"
+            )
 
 
 def _naive_step(problems, groups, counts) -> list:
@@ -69,9 +73,11 @@ def bench_overhead(num_problems: int, num_groups: int, repeats: int = 50) -> flo
     """Per-step overhead; returns the median wall ms of ours."""
     total = sum(SPECIALIST.values())
     problems, levels, ps = synthetic_population(
-        {lv: n * num_problems // total for lv, n in SPECIALIST.items()}, 5)
-    sampler = CurriculumSampler(problems, CurriculumConfig(keep_levels=[1, 2, 3, 4, 5, 6]),
-                                levels, "correct")
+        {lv: n * num_problems // total for lv, n in SPECIALIST.items()}, 5
+    )
+    sampler = CurriculumSampler(
+        problems, CurriculumConfig(keep_levels=[1, 2, 3, 4, 5, 6]), levels, "correct"
+    )
     ds = DynamicSampler(DynamicSamplingConfig(policy="carry", max_resample=0), "correct")
     cache = BernoulliEngine(ps).generate(problems[:num_groups], 8)
 
@@ -80,9 +86,9 @@ def bench_overhead(num_problems: int, num_groups: int, repeats: int = 50) -> flo
         for g, p in zip(cache, batch):
             g.problem = p
             g.meta.clear()
-        return cache[:len(batch)]
+        return cache[: len(batch)]
 
-    step = iter(range(10 ** 9))
+    step = iter(range(10**9))
 
     def ours():
         ds.fill(sampler, generate, num_groups, next(step))
@@ -95,15 +101,21 @@ def bench_overhead(num_problems: int, num_groups: int, repeats: int = 50) -> flo
         batch = [problems[i] for i in rng.integers(0, len(problems), num_groups)]
         _naive_step(batch, generate(batch), counts)
 
-    print(f"sampler overhead per step, {num_groups} groups x G=8, {len(problems)} problems "
-          f"({repeats} steps; generation excluded)")
+    print(
+        f"sampler overhead per step, {num_groups} groups x G=8, {len(problems)} problems "
+        f"({repeats} steps; generation excluded)"
+    )
     print(f"  {'':<58}{'median':>8}{'min':>8}{'cpu':>8}  (ms)")
     m, lo, cpu = _timed(ours, repeats)
-    print(f"  {'megagrpo CurriculumSampler + DynamicSampler.fill + metrics':<58}"
-          f"{m:>8.2f}{lo:>8.2f}{cpu:>8.2f}")
+    print(
+        f"  {'megagrpo CurriculumSampler + DynamicSampler.fill + metrics':<58}"
+        f"{m:>8.2f}{lo:>8.2f}{cpu:>8.2f}"
+    )
     nm, nlo, ncpu = _timed(naive, repeats)
-    print(f"  {'naive pure-Python filter + bookkeeping (no curriculum)':<58}"
-          f"{nm:>8.2f}{nlo:>8.2f}{ncpu:>8.2f}")
+    print(
+        f"  {'naive pure-Python filter + bookkeeping (no curriculum)':<58}"
+        f"{nm:>8.2f}{nlo:>8.2f}{ncpu:>8.2f}"
+    )
     print(f"  target < 10 ms: {'OK' if m < 10 else 'MISSED'} (median wall)\n")
     return m
 

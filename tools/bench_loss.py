@@ -75,7 +75,7 @@ def make_inputs(a: argparse.Namespace) -> dict:
     logits = torch.empty(T, V, device=dev, dtype=dtype)
     step = max(1, (64 << 20) // (4 * V))
     for r0 in range(0, T, step):
-        logits[r0:r0 + step] = (hidden[r0:r0 + step].float() @ weight.float().T).to(dtype)
+        logits[r0 : r0 + step] = (hidden[r0 : r0 + step].float() @ weight.float().T).to(dtype)
     tgt = torch.randint(0, V, (T,), generator=g).to(dev)
     with torch.no_grad():
         logp, *_ = token_stats(logits, tgt)
@@ -85,8 +85,19 @@ def make_inputs(a: argparse.Namespace) -> dict:
     adv = adv_seq.repeat_interleave(T // num_seqs)
     mask = (torch.rand(T, generator=g) > 0.1).float().to(dev)
     rows = torch.randperm(T, generator=g)[:32].sort().values.to(dev)
-    return dict(hidden=hidden, weight=weight, logits=logits, tgt=tgt, old=old, adv=adv,
-                adv_seq=adv_seq, mask=mask, logp=logp, rows=rows, num_seqs=num_seqs)
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        logits=logits,
+        tgt=tgt,
+        old=old,
+        adv=adv,
+        adv_seq=adv_seq,
+        mask=mask,
+        logp=logp,
+        rows=rows,
+        num_seqs=num_seqs,
+    )
 
 
 def loss_cfg():
@@ -123,8 +134,9 @@ def run_fused_linear(d: dict) -> dict:
     from megagrpo.kernels.fused_linear import fused_linear_policy_loss
 
     h = d["hidden"].detach().requires_grad_()
-    loss, _ = fused_linear_policy_loss(h, d["weight"], d["tgt"], d["old"], d["adv"], d["mask"],
-                                       loss_cfg())
+    loss, _ = fused_linear_policy_loss(
+        h, d["weight"], d["tgt"], d["old"], d["adv"], d["mask"], loss_cfg()
+    )
     (grad_h,) = torch.autograd.grad(loss, h)
     return dict(loss=loss.detach(), grad_hidden=grad_h)
 
@@ -135,19 +147,36 @@ def run_liger(d: dict) -> dict:
     n, T = d["num_seqs"], d["tgt"].numel()
     s = T // n
     compiled = d["hidden"].is_cuda  # Liger's intended mode on GPU; eager on CPU (no compiler)
-    fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=compiled, use_ref_model=False, chunk_size=1,
-                                  epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo")
+    fn = LigerFusedLinearGRPOLoss(
+        beta=0.0,
+        compiled=compiled,
+        use_ref_model=False,
+        chunk_size=1,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+    )
     h = d["hidden"].detach().view(n, s, -1).requires_grad_()
-    out = fn(h, d["weight"], d["tgt"].view(n, s), d["mask"].view(n, s), d["adv_seq"],
-             old_per_token_logps=d["old"].view(n, s))
+    out = fn(
+        h,
+        d["weight"],
+        d["tgt"].view(n, s),
+        d["mask"].view(n, s),
+        d["adv_seq"],
+        old_per_token_logps=d["old"].view(n, s),
+    )
     loss = out[0] if isinstance(out, tuple) else out
     (grad_h,) = torch.autograd.grad(loss, h)
     return dict(loss=loss.detach(), grad_hidden=grad_h.reshape(T, -1))
 
 
-RUNNERS = {"naive": run_naive, "fused": run_fused,
-           "fused_outgrad": lambda d: run_fused(d, in_logits=False),
-           "fused_linear": run_fused_linear, "liger": run_liger}
+RUNNERS = {
+    "naive": run_naive,
+    "fused": run_fused,
+    "fused_outgrad": lambda d: run_fused(d, in_logits=False),
+    "fused_linear": run_fused_linear,
+    "liger": run_liger,
+}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -212,8 +241,13 @@ def worker(a: argparse.Namespace) -> None:
     logits_in = d["logits"]
     out, peak, seconds = measure(a.worker, d, a)
     rows = d["rows"]
-    res = {"method": a.worker, "peak_bytes": int(peak), "time_s": seconds,
-           "loss": float(out["loss"]), "logp_fused": d["logp"].cpu()}
+    res = {
+        "method": a.worker,
+        "peak_bytes": int(peak),
+        "time_s": seconds,
+        "loss": float(out["loss"]),
+        "logp_fused": d["logp"].cpu(),
+    }
     if "grad" in out:
         res["grad_rows"] = out["grad"][rows].float().cpu()
         res["grad_hidden_rows"] = (out["grad"][rows].float() @ d["weight"].float()).cpu()
@@ -227,10 +261,30 @@ def worker(a: argparse.Namespace) -> None:
 
 def spawn(method: str, a: argparse.Namespace, tmp: Path) -> dict | None:
     out = tmp / f"{method}.pt"
-    cmd = [sys.executable, __file__, "--worker", method, "--out", str(out),
-           "--device", a.device, "--tokens", str(a.tokens), "--vocab", str(a.vocab),
-           "--seq-len", str(a.seq_len), "--hidden", str(a.hidden), "--dtype", a.dtype,
-           "--repeat", str(a.repeat), "--threads", str(a.threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        method,
+        "--out",
+        str(out),
+        "--device",
+        a.device,
+        "--tokens",
+        str(a.tokens),
+        "--vocab",
+        str(a.vocab),
+        "--seq-len",
+        str(a.seq_len),
+        "--hidden",
+        str(a.hidden),
+        "--dtype",
+        a.dtype,
+        "--repeat",
+        str(a.repeat),
+        "--threads",
+        str(a.threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"[{method}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -244,11 +298,19 @@ def spawn(method: str, a: argparse.Namespace, tmp: Path) -> dict | None:
 def summarise(res: dict[str, dict], a: argparse.Namespace) -> dict:
     """The JSON figures: peaks, times, errors vs naive, ratios."""
     naive = res.get("naive")
-    out = {"device": a.device, "tokens": a.tokens, "vocab": a.vocab, "dtype": a.dtype,
-           "hidden": a.hidden, "memory_method": (
-               "peak RSS (VmHWM reset via /proc/self/clear_refs after malloc_trim) minus RSS "
-               "before the call, fresh subprocess per method" if a.device == "cpu"
-               else "torch.cuda.max_memory_allocated minus memory_allocated before the call")}
+    out = {
+        "device": a.device,
+        "tokens": a.tokens,
+        "vocab": a.vocab,
+        "dtype": a.dtype,
+        "hidden": a.hidden,
+        "memory_method": (
+            "peak RSS (VmHWM reset via /proc/self/clear_refs after malloc_trim) minus RSS "
+            "before the call, fresh subprocess per method"
+            if a.device == "cpu"
+            else "torch.cuda.max_memory_allocated minus memory_allocated before the call"
+        ),
+    }
     for m, r in res.items():
         out[f"peak_bytes_{m}"] = r["peak_bytes"]
         out[f"time_s_{m}"] = r["time_s"]
@@ -269,26 +331,35 @@ def summarise(res: dict[str, dict], a: argparse.Namespace) -> dict:
         out["max_abs_err_grad"] = out["max_abs_err_grad_fused"]
     if a.device == "cuda" and "fused" in res:  # fwd reads T*V, bwd reads + writes T*V
         moved = 3 * a.tokens * a.vocab * torch.tensor([], dtype=DTYPES[a.dtype]).element_size()
-        out["fused_bandwidth_frac_of_h200_peak"] = moved / res["fused"]["time_s"] / H200_PEAK_BYTES_PER_S
+        out["fused_bandwidth_frac_of_h200_peak"] = (
+            moved / res["fused"]["time_s"] / H200_PEAK_BYTES_PER_S
+        )
     return out
 
 
 def print_table(s: dict, res: dict) -> None:
-    print(f"GRPO loss bench: T={s['tokens']} V={s['vocab']} dtype={s['dtype']} "
-          f"device={s['device']}")
+    print(
+        f"GRPO loss bench: T={s['tokens']} V={s['vocab']} dtype={s['dtype']} device={s['device']}"
+    )
     print(f"memory: {s['memory_method']}")
-    print(f"{'method':<15}{'peak extra MiB':>16}{'time s':>10}{'naive/x mem':>13}"
-          f"{'err loss':>11}{'err grad':>11}")
+    print(
+        f"{'method':<15}{'peak extra MiB':>16}{'time s':>10}{'naive/x mem':>13}"
+        f"{'err loss':>11}{'err grad':>11}"
+    )
     for m in res:
         ratio = s.get(f"mem_ratio_naive_over_{m}", 1.0)
         err_l = s.get(f"max_abs_err_loss_{m}", 0.0)
         err_g = s.get(f"max_abs_err_grad_{m}", s.get(f"max_abs_err_grad_hidden_{m}", 0.0))
-        print(f"{m:<15}{s[f'peak_bytes_{m}'] / 2**20:>16.1f}{s[f'time_s_{m}']:>10.3f}"
-              f"{ratio:>13.1f}{err_l:>11.2e}{err_g:>11.2e}")
+        print(
+            f"{m:<15}{s[f'peak_bytes_{m}'] / 2**20:>16.1f}{s[f'time_s_{m}']:>10.3f}"
+            f"{ratio:>13.1f}{err_l:>11.2e}{err_g:>11.2e}"
+        )
     if "max_abs_err_logp" in s:
         print(f"max |logp fused - logp naive| = {s['max_abs_err_logp']:.2e}")
     if "fused_bandwidth_frac_of_h200_peak" in s:
-        print(f"fused achieved bandwidth: {s['fused_bandwidth_frac_of_h200_peak']:.2%} of H200 peak")
+        print(
+            f"fused achieved bandwidth: {s['fused_bandwidth_frac_of_h200_peak']:.2%} of H200 peak"
+        )
     if any(k.startswith("max_abs_err_grad_hidden_") for k in s):
         print("fused_linear/liger: grad error is on hidden states (naive grad_logits @ W as ref)")
 

@@ -53,8 +53,8 @@ def random_adapter(model, rank: int, seed: int):
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
             out_f, in_f = mod.weight.shape
-            adapter.a[name] = torch.randn(rank, in_f, generator=g) / in_f ** 0.5
-            adapter.b[name] = 0.05 * torch.randn(out_f, rank, generator=g) / rank ** 0.5
+            adapter.a[name] = torch.randn(rank, in_f, generator=g) / in_f**0.5
+            adapter.b[name] = 0.05 * torch.randn(out_f, rank, generator=g) / rank**0.5
     return adapter
 
 
@@ -77,9 +77,15 @@ def bench_engine(kind: str, path: Path, args, trainer) -> dict:
 
     dense = "moe" not in trainer.config.model_type
     lora = kind == "vllm" and (dense or torch.cuda.is_available())
-    cfg = RolloutConfig(engine=kind, max_tokens=args.max_tokens, max_model_len=args.max_model_len,
-                        enable_lora=lora, max_lora_rank=max(8, args.lora_rank),
-                        verify_tol=args.tol, sync_bucket_mb=args.bucket_mb)
+    cfg = RolloutConfig(
+        engine=kind,
+        max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
+        enable_lora=lora,
+        max_lora_rank=max(8, args.lora_rank),
+        verify_tol=args.tol,
+        sync_bucket_mb=args.bucket_mb,
+    )
     t0 = time.perf_counter()
     engine = build_engine(cfg, str(path), seed=0)
     row = {"engine": kind, "start_s": time.perf_counter() - t0}
@@ -93,22 +99,34 @@ def bench_engine(kind: str, path: Path, args, trainer) -> dict:
         toks += sum(sum(g.lengths) for g in groups)
     row.update(gen_tokens=toks, gen_s=secs, tokens_per_s=toks / secs)
     # full sync: perturbed weights, verified against the trainer's probe
-    new = {k: v + 0.01 * v.float().std() * torch.randn_like(v) if v.dim() >= 2 else v
-           for k, v in trainer.state_dict().items()}
+    new = {
+        k: v + 0.01 * v.float().std() * torch.randn_like(v) if v.dim() >= 2 else v
+        for k, v in trainer.state_dict().items()
+    }
     ref = type(trainer)(trainer.config).eval()
     ref.load_state_dict(new)
     expected = sequence_logprobs(ref, engine.probe_token_ids)
     rep = engine.update_weights(iter(new.items()), expected_probe=expected)
-    row.update(full_sync_s=rep.seconds, full_sync_bytes=rep.bytes,
-               full_sync_buckets=rep.num_buckets, full_sync_probe_diff=rep.max_probe_diff)
+    row.update(
+        full_sync_s=rep.seconds,
+        full_sync_bytes=rep.bytes,
+        full_sync_buckets=rep.num_buckets,
+        full_sync_probe_diff=rep.max_probe_diff,
+    )
     # LoRA sync (adapter-only where supported, else merged); base = trainer's weights
-    engine.update_weights(iter(trainer.state_dict().items()),
-                          expected_probe=sequence_logprobs(trainer, engine.probe_token_ids))
+    engine.update_weights(
+        iter(trainer.state_dict().items()),
+        expected_probe=sequence_logprobs(trainer, engine.probe_token_ids),
+    )
     adapter = random_adapter(trainer, args.lora_rank, seed=1)
     expected = sequence_logprobs(merged_reference(trainer, adapter), engine.probe_token_ids)
     rep = sync_lora(engine, adapter, iter(trainer.state_dict().items()), expected)
-    row.update(lora_sync_mode=rep.mode, lora_sync_s=rep.seconds, lora_sync_bytes=rep.bytes,
-               lora_sync_probe_diff=rep.max_probe_diff)
+    row.update(
+        lora_sync_mode=rep.mode,
+        lora_sync_s=rep.seconds,
+        lora_sync_bytes=rep.bytes,
+        lora_sync_probe_diff=rep.max_probe_diff,
+    )
     t0 = time.perf_counter()
     engine.sleep()
     row["sleep_s"] = time.perf_counter() - t0
@@ -120,8 +138,9 @@ def bench_engine(kind: str, path: Path, args, trainer) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hf", default="tiny-moe", help="HF dir, smollm2-135m, tiny-moe, tiny-dense")
     p.add_argument("--engines", default="vllm,hf")
     p.add_argument("--prompts", type=int, default=4)
@@ -146,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": args.hf, "rows": rows}))
         return 0
     params = sum(p.numel() for p in trainer.parameters())
-    print(f"model {args.hf} ({params / 1e6:.1f} M params, fp32), {args.prompts} prompts x "
-          f"G={args.n}, max {args.max_tokens} tokens, {args.repeats} timed calls, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model {args.hf} ({params / 1e6:.1f} M params, fp32), {args.prompts} prompts x "
+        f"G={args.n}, max {args.max_tokens} tokens, {args.repeats} timed calls, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     keys = [k for k in rows[0] if k != "engine"]
     print(f"{'':24s}" + "".join(f"{r['engine']:>16s}" for r in rows))
     for k in keys:

@@ -29,8 +29,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PERF = ("perf/step_s", "perf/gen_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
-        "perf/gen_tokens_per_s", "perf/gen_tokens", "perf/sync_bytes")
+PERF = (
+    "perf/step_s",
+    "perf/gen_s",
+    "perf/train_s",
+    "perf/sync_s",
+    "perf/tokens_per_s",
+    "perf/gen_tokens_per_s",
+    "perf/gen_tokens",
+    "perf/sync_bytes",
+)
 
 
 def bench_megagrpo(steps: int, out_dir: str) -> dict:
@@ -43,10 +51,20 @@ def bench_megagrpo(steps: int, out_dir: str) -> dict:
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context
 
-    cfg = load_config(RunConfig, [REPO / "configs/demo_cpu.yaml"], [
-        f"trainer.max_steps={steps}", "trainer.eval_every=0", f"trainer.output_dir={out_dir}",
-        "trainer.name=bench", "trainer.export_adapter=false", "dynamic.enabled=false",
-        "metrics.wandb_mode=disabled", "metrics.progress_bar=false"])
+    cfg = load_config(
+        RunConfig,
+        [REPO / "configs/demo_cpu.yaml"],
+        [
+            f"trainer.max_steps={steps}",
+            "trainer.eval_every=0",
+            f"trainer.output_dir={out_dir}",
+            "trainer.name=bench",
+            "trainer.export_adapter=false",
+            "dynamic.enabled=false",
+            "metrics.wandb_mode=disabled",
+            "metrics.progress_bar=false",
+        ],
+    )
     t0 = time.perf_counter()
     ctx = build_context(cfg)
     startup = time.perf_counter() - t0
@@ -60,7 +78,7 @@ def bench_megagrpo(steps: int, out_dir: str) -> dict:
     return out
 
 
-_TRL_CHILD = r'''
+_TRL_CHILD = r"""
 import json, sys, time, statistics
 import torch
 from datasets import Dataset
@@ -105,13 +123,19 @@ tok = statistics.mean(lens[1:] or lens) * 16
 print("TRLRESULT " + json.dumps({"perf/step_s": statistics.mean(times),
       "perf/tokens_per_s": tok / statistics.mean(times), "mean_completion_tokens":
       statistics.mean(lens[1:] or lens), "completions_per_step": 16}))
-'''
+"""
 
 
 def bench_trl(steps: int, pkg_dir: str, out_dir: str) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{pkg_dir}{os.pathsep}{REPO}")
-    proc = subprocess.run([sys.executable, "-c", _TRL_CHILD, str(steps), out_dir], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRL_CHILD, str(steps), out_dir],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("TRLRESULT "):
             return json.loads(line.split(" ", 1)[1])
@@ -119,8 +143,9 @@ def bench_trl(steps: int, pkg_dir: str, out_dir: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--trl", default=None, help="directory holding trl + datasets (see above)")
     ap.add_argument("--json", action="store_true")
@@ -132,14 +157,25 @@ def main() -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    keys = ["perf/step_s", "perf/gen_s", "perf/train_s", "perf/sync_s", "perf/tokens_per_s",
-            "mean_completion_tokens", "completions_per_step", "perf/sync_bytes", "startup_s"]
+    keys = [
+        "perf/step_s",
+        "perf/gen_s",
+        "perf/train_s",
+        "perf/sync_s",
+        "perf/tokens_per_s",
+        "mean_completion_tokens",
+        "completions_per_step",
+        "perf/sync_bytes",
+        "startup_s",
+    ]
     cols = list(res)
     print(f"{'metric (mean over steps 2..N)':<32}" + "".join(f"{c:>14}" for c in cols))
     for k in keys:
         vals = [res[c].get(k) for c in cols]
-        print(f"{k:<32}" + "".join(f"{v:>14.3f}" if isinstance(v, (int, float)) else f"{'-':>14}"
-                                   for v in vals))
+        print(
+            f"{k:<32}"
+            + "".join(f"{v:>14.3f}" if isinstance(v, (int, float)) else f"{'-':>14}" for v in vals)
+        )
     if "error" in res.get("trl", {}):
         print("TRL failed:", res["trl"]["error"])
     return 0

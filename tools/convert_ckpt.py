@@ -29,8 +29,11 @@ log = logging.getLogger("convert_ckpt")
 def _layout(args) -> dict:
     from megagrpo.parallel import ParallelConfig
 
-    return asdict(ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
-                                 sequence_parallel=args.tp > 1))
+    return asdict(
+        ParallelConfig(
+            tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, sequence_parallel=args.tp > 1
+        )
+    )
 
 
 def cmd_import(args) -> dict:
@@ -55,8 +58,7 @@ def cmd_import(args) -> dict:
     tmp = atomic_dir(out)
     try:
         lora = LoraConfig()
-        job = dict(hf=str(hf), tmp=str(tmp), layout=layout, lora=asdict(lora),
-                   dtype=args.dtype)
+        job = dict(hf=str(hf), tmp=str(tmp), layout=layout, lora=asdict(lora), dtype=args.dtype)
         stats = launch(import_worker, world, job)
         copy_hf_metadata(hf, tmp / "hf")
         write_meta(tmp, layout, world, args.dtype, lora, has_lora=False)
@@ -82,12 +84,16 @@ def cmd_export(args) -> dict:
     meta = read_meta(ckpt)
     if args.adapter_only and not meta["has_lora"]:
         raise ConfigError(f"--adapter-only: checkpoint {ckpt} holds no LoRA shards")
-    mode = "adapter" if args.adapter_only else ("merged" if args.merge_lora or
-                                                 meta["has_lora"] else "base")
+    mode = (
+        "adapter"
+        if args.adapter_only
+        else ("merged" if args.merge_lora or meta["has_lora"] else "base")
+    )
     tmp = atomic_dir(out)
     try:
-        job = dict(ckpt=str(ckpt), tmp=str(tmp), meta=meta, mode=mode,
-                   bucket_bytes=args.shard_mb << 20)
+        job = dict(
+            ckpt=str(ckpt), tmp=str(tmp), meta=meta, mode=mode, bucket_bytes=args.shard_mb << 20
+        )
         stats = launch(export_worker, meta["world_size"], job)
         if mode == "adapter":
             for f in (tmp / "adapter").iterdir():
@@ -103,8 +109,9 @@ def cmd_export(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF checkpoint -> megagrpo/Megatron checkpoint")
     imp.add_argument("--hf", required=True)

@@ -14,8 +14,10 @@ import json
 import random
 from pathlib import Path
 
-SYSTEM = ("You answer multiple-choice questions. Think briefly, then finish with a line "
-          "'Answer: <letter>'.")
+SYSTEM = (
+    "You answer multiple-choice questions. Think briefly, then finish with a line "
+    "'Answer: <letter>'."
+)
 LETTERS = "abcd"
 
 FACTS = [
@@ -59,9 +61,15 @@ def _mcq(rng: random.Random, question: str, right: str, wrong: list[str], pid: s
     rng.shuffle(options)
     letter = LETTERS[options.index(right)]
     body = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
-    return {"id": pid, "messages": [{"role": "system", "content": SYSTEM},
-                                    {"role": "user", "content": f"{question}\n{body}"}],
-            "solution": letter, "choices": options}
+    return {
+        "id": pid,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{question}\n{body}"},
+        ],
+        "solution": letter,
+        "choices": options,
+    }
 
 
 def _arithmetic(rng: random.Random, pid: str) -> dict:
@@ -86,8 +94,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     train, evals = build()
     for name, recs in (("demo_train.jsonl", train), ("demo_eval.jsonl", evals)):
-        (out / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs),
-                                encoding="utf-8")
+        (out / name).write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8"
+        )
         print(f"{out / name}: {len(recs)} problems")
 
 

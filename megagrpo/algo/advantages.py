@@ -8,7 +8,9 @@ COLLAPSE_STD = 1e-6
 """A group whose reward std is below this is collapsed (DESIGN.md: ACR uses the same bound)."""
 
 
-def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, scale: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
     """Advantages of G samples per problem, centred on their group's mean reward.
 
     Args:

@@ -73,9 +73,13 @@ class LossConfig:
         require(self.kl_coef >= 0.0, f"{path}.kl_coef", "must be >= 0")
         require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
         require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")
-        require(self.advantage_scale in ADVANTAGE_SCALES, f"{path}.advantage_scale",
-                f"must be one of {ADVANTAGE_SCALES}")
-        require(self.tis_cap == 0.0 or self.tis_cap >= 1.0, f"{path}.tis_cap",
-                "must be 0 (off) or >= 1")
+        require(
+            self.advantage_scale in ADVANTAGE_SCALES,
+            f"{path}.advantage_scale",
+            f"must be one of {ADVANTAGE_SCALES}",
+        )
+        require(
+            self.tis_cap == 0.0 or self.tis_cap >= 1.0, f"{path}.tis_cap", "must be 0 (off) or >= 1"
+        )
         require(self.backend in BACKENDS, f"{path}.backend", f"must be one of {BACKENDS}")
         require(self.chunk_bytes >= 1024, f"{path}.chunk_bytes", "must be >= 1024")

@@ -29,7 +29,9 @@ def _up(t: Tensor) -> Tensor:
 def token_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
     """log softmax(logits)[target] in fp32. logits [..., V], target_ids [...] -> [...]."""
     logp = torch.log_softmax(_up(logits), dim=-1)
-    return logp.gather(-1, target_ids.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, target_ids.long().clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(
+        -1
+    )
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -44,8 +46,9 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(r) - r - 1.0
 
 
-def clipped_surrogate(logp: Tensor, old: Tensor, adv: Tensor, eps_low: float,
-                      eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+def clipped_surrogate(
+    logp: Tensor, old: Tensor, adv: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """PPO/GRPO clipped surrogate per token with asymmetric clip (DAPO clip-higher).
 
     pg_t = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old).
@@ -58,8 +61,16 @@ def clipped_surrogate(logp: Tensor, old: Tensor, adv: Tensor, eps_low: float,
     return torch.maximum(pg1, pg2), (pg2 > pg1).detach(), ratio
 
 
-def gspo_surrogate(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, seq_ids: Tensor,
-                   num_seqs: int, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor, Tensor]:
+def gspo_surrogate(
+    logp: Tensor,
+    old: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor,
+    num_seqs: int,
+    eps_low: float,
+    eps_high: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """GSPO: clipped surrogate on the length-normalised sequence ratio, broadcast to tokens.
 
     s_i = exp(mean_{t in i, mask} (logp_t - old_t)); A_i = masked mean of adv over seq i.
@@ -93,8 +104,9 @@ def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Ten
     return None, 0
 
 
-def token_weights(mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str,
-                  max_tokens: int = 0) -> Tensor:
+def token_weights(
+    mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str, max_tokens: int = 0
+) -> Tensor:
     """Aggregation weights c_t [T] with loss = sum_t c_t * l_t.
 
     token_mean: m_t / sum(m). seq_mean_token_mean: m_t / (n_seq(t) * #non-empty seqs).
@@ -104,7 +116,9 @@ def token_weights(mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str,
     if agg == "token_mean":
         return m / m.sum().clamp_min(1.0)
     if seq_ids is None:
-        raise ValueError(f"loss aggregation {agg!r} needs sequences: pass [B, S] inputs or seq_ids [T]")
+        raise ValueError(
+            f"loss aggregation {agg!r} needs sequences: pass [B, S] inputs or seq_ids [T]"
+        )
     n = torch.zeros(num_seqs, device=m.device, dtype=m.dtype).index_add_(0, seq_ids, m)
     if agg == "seq_mean_token_mean":
         num_valid = (n > 0).sum().clamp_min(1).float()
@@ -119,9 +133,17 @@ def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
     return (x.to(m.dtype) * m).sum() / m.sum().clamp_min(1.0)
 
 
-def loss_metrics(m: Tensor, pg_loss: Tensor, ratio: Tensor, clipped: Tensor, adv: Tensor,
-                 cfg: LossConfig, entropy: Tensor | None = None, kl: Tensor | None = None,
-                 tis_w: Tensor | None = None) -> dict[str, Tensor]:
+def loss_metrics(
+    m: Tensor,
+    pg_loss: Tensor,
+    ratio: Tensor,
+    clipped: Tensor,
+    adv: Tensor,
+    cfg: LossConfig,
+    entropy: Tensor | None = None,
+    kl: Tensor | None = None,
+    tis_w: Tensor | None = None,
+) -> dict[str, Tensor]:
     """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T]."""
     valid = m > 0
     big = torch.finfo(ratio.dtype).max
@@ -132,8 +154,12 @@ def loss_metrics(m: Tensor, pg_loss: Tensor, ratio: Tensor, clipped: Tensor, adv
         "loss/clip_frac_low": _masked_mean(clipped & (ratio < 1.0 - cfg.eps_low) & (adv < 0), m),
         "loss/clip_frac_high": _masked_mean(clipped & (ratio > 1.0 + cfg.eps_high) & (adv > 0), m),
         "loss/ratio_mean": _masked_mean(ratio, m),
-        "loss/ratio_min": torch.where(valid, ratio, big).min() if valid.any() else ratio.new_ones(()),
-        "loss/ratio_max": torch.where(valid, ratio, -big).max() if valid.any() else ratio.new_ones(()),
+        "loss/ratio_min": torch.where(valid, ratio, big).min()
+        if valid.any()
+        else ratio.new_ones(()),
+        "loss/ratio_max": torch.where(valid, ratio, -big).max()
+        if valid.any()
+        else ratio.new_ones(()),
     }
     if entropy is not None:
         out["loss/entropy"] = _masked_mean(entropy.detach(), m)
@@ -145,10 +171,18 @@ def loss_metrics(m: Tensor, pg_loss: Tensor, ratio: Tensor, clipped: Tensor, adv
     return out
 
 
-def policy_loss(logp: Tensor, old_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
-                cfg: LossConfig, *, entropy: Tensor | None = None,
-                ref_logprobs: Tensor | None = None, rollout_logprobs: Tensor | None = None,
-                seq_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logp: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    entropy: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO-family loss from per-token log-probs.
 
     Args (all [T] or all [B, S]): logp (differentiable, fp32), old_logprobs (None: on-policy,
@@ -160,16 +194,19 @@ def policy_loss(logp: Tensor, old_logprobs: Tensor | None, advantages: Tensor, m
     """
     shape = logp.shape
     ids, num_seqs = make_seq_ids(shape, seq_ids, logp.device)
-    flat = [None if x is None else x.reshape(-1) for x in
-            (logp, old_logprobs, advantages, mask, entropy, ref_logprobs, rollout_logprobs)]
+    flat = [
+        None if x is None else x.reshape(-1)
+        for x in (logp, old_logprobs, advantages, mask, entropy, ref_logprobs, rollout_logprobs)
+    ]
     logp, old, adv, m, ent, ref, rollout = flat
     old = logp.detach() if old is None else old.to(logp.dtype)
     adv, m = adv.to(logp.dtype), m.to(logp.dtype)
     if cfg.variant == "gspo":
         if ids is None:
             raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
-        pg, clipped, ratio = gspo_surrogate(logp, old, adv, m, ids, num_seqs,
-                                            cfg.eps_low, cfg.eps_high)
+        pg, clipped, ratio = gspo_surrogate(
+            logp, old, adv, m, ids, num_seqs, cfg.eps_low, cfg.eps_high
+        )
     else:
         pg, clipped, ratio = clipped_surrogate(logp, old, adv, cfg.eps_low, cfg.eps_high)
     c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens)
@@ -197,17 +234,32 @@ def policy_loss(logp: Tensor, old_logprobs: Tensor | None, advantages: Tensor, m
     return loss, metrics
 
 
-def reference_policy_loss(logits: Tensor, target_ids: Tensor, old_logprobs: Tensor | None,
-                          advantages: Tensor, mask: Tensor, cfg: LossConfig, *,
-                          ref_logprobs: Tensor | None = None,
-                          rollout_logprobs: Tensor | None = None,
-                          seq_ids: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def reference_policy_loss(
+    logits: Tensor,
+    target_ids: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    ref_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Naive reference: full fp32 log_softmax + gather, then :func:`policy_loss`.
 
     logits [T, V] or [B, S, V]; the other tensors [T] or [B, S]. Memory: several [T, V] fp32.
     """
     logp = token_logprobs(logits, target_ids)
     ent = token_entropy(logits)
-    return policy_loss(logp, old_logprobs, advantages, mask, cfg, entropy=ent,
-                       ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs,
-                       seq_ids=seq_ids)
+    return policy_loss(
+        logp,
+        old_logprobs,
+        advantages,
+        mask,
+        cfg,
+        entropy=ent,
+        ref_logprobs=ref_logprobs,
+        rollout_logprobs=rollout_logprobs,
+        seq_ids=seq_ids,
+    )

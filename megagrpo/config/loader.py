@@ -26,8 +26,11 @@ def _describe(exc: OmegaConfBaseException) -> str:
     return f"config key '{key}': {msg}" if key else msg
 
 
-def load_config(schema: type[T], paths: list[str | os.PathLike] | None = None,
-                overrides: list[str] | None = None) -> T:
+def load_config(
+    schema: type[T],
+    paths: list[str | os.PathLike] | None = None,
+    overrides: list[str] | None = None,
+) -> T:
     """Merge ``paths`` (YAML, in order) then ``overrides`` (``a.b=value``) onto ``schema``.
 
     Returns a validated instance of the dataclass ``schema``.

@@ -24,8 +24,22 @@ from megagrpo.curriculum.levels import (
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.curriculum.stats import collapse_metrics, collapse_prob, collapse_stats
 
-__all__ = ["BetaPrior", "CollapsePrediction", "CurriculumSampler", "DynamicSampler",
-           "FilledBatch", "PreflightResult", "checked_rounds", "collapse_metrics",
-           "collapse_prob", "collapse_stats", "fill_success_prob", "level_alternatives",
-           "level_from_counts", "levels_by_id", "predict_acr", "preflight_check",
-           "read_levels_file"]
+__all__ = [
+    "BetaPrior",
+    "CollapsePrediction",
+    "CurriculumSampler",
+    "DynamicSampler",
+    "FilledBatch",
+    "PreflightResult",
+    "checked_rounds",
+    "collapse_metrics",
+    "collapse_prob",
+    "collapse_stats",
+    "fill_success_prob",
+    "level_alternatives",
+    "level_from_counts",
+    "levels_by_id",
+    "predict_acr",
+    "preflight_check",
+    "read_levels_file",
+]

@@ -24,9 +24,11 @@ example:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    parser.add_argument("--out", default=None,
-                        help="levels JSONL to write/resume (default: curriculum.levels_file, "
-                             "else levels.jsonl)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="levels JSONL to write/resume (default: curriculum.levels_file, else levels.jsonl)",
+    )
     parser.add_argument("--k", type=int, default=5, help="answers per problem (AlphaMed: 5)")
     parser.add_argument("--batch-size", type=int, default=64, help="problems per generate call")
     parser.add_argument("--limit", type=int, default=0, help="profile only the first N problems")
@@ -44,22 +46,21 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(RunConfig, [args.config], args.overrides)
     if not cfg.data.train:
         raise ConfigError("data.train: no training files to profile")
-    problems = load_problems(cfg.data.train, exclude_images=cfg.data.exclude_images,
-                             prompt=cfg.data.prompt)
+    problems = load_problems(
+        cfg.data.train, exclude_images=cfg.data.exclude_images, prompt=cfg.data.prompt
+    )
     if args.limit:
-        problems = problems[:args.limit]
+        problems = problems[: args.limit]
     spec = cfg.rewards.functions[0]
     reward_fn = get_reward(spec.name, **spec.kwargs)
     out = args.out or cfg.curriculum.levels_file or "levels.jsonl"
-    engine = build_engine(cfg.rollout, str(resolve_model_path(cfg.model.hf_path)),
-                          cfg.rollout.seed)
+    engine = build_engine(cfg.rollout, str(resolve_model_path(cfg.model.hf_path)), cfg.rollout.seed)
     try:
         records = run_profile(problems, engine, reward_fn, args.k, out, args.batch_size)
     finally:
         close = getattr(engine, "close", None)
         if callable(close):
             close()
-    print(format_level_table(records, args.k, cfg.rollout.group_size,
-                             cfg.curriculum.keep_levels))
+    print(format_level_table(records, args.k, cfg.rollout.group_size, cfg.curriculum.keep_levels))
     print(f"levels written to {out}")
     return 0

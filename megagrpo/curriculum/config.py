@@ -27,23 +27,34 @@ class CurriculumConfig:
     online: bool = True
     """Update each problem's pass-rate posterior from every rollout (observe)."""
     online_decay: float = 0.5
-    """Weight kept by a problem's older evidence each time it is observed again (1: never forget)."""
+    """Weight kept by a problem's older evidence each time it is observed again
+    (1: never forget)."""
     level_k: int = 5
     """k of the level scale (levels L1..L{k+1}); taken from the levels file when it has one."""
     retire_streak: int = 2
     """Retire a problem after this many consecutive all-correct/all-wrong groups (0: never)."""
     revisit_prob: float = 0.05
-    """Probability that a retired problem is served anyway when drawn (it un-retires if it splits)."""
+    """Probability that a retired problem is served anyway when drawn (it un-retires if it
+    splits)."""
 
     def validate(self, path: str) -> None:
-        require(all(isinstance(x, int) and 1 <= x for x in self.keep_levels),
-                f"{path}.keep_levels", "levels are integers >= 1 (L1 = all correct)")
+        require(
+            all(isinstance(x, int) and 1 <= x for x in self.keep_levels),
+            f"{path}.keep_levels",
+            "levels are integers >= 1 (L1 = all correct)",
+        )
         require(len(self.keep_levels) > 0, f"{path}.keep_levels", "keep at least one level")
-        require(not self.level_weights or len(self.level_weights) == len(self.keep_levels),
-                f"{path}.level_weights", "needs one weight per keep_levels entry (or none)")
-        require(all(w >= 0 for w in self.level_weights) and
-                (not self.level_weights or sum(self.level_weights) > 0),
-                f"{path}.level_weights", "weights are >= 0 and not all zero")
+        require(
+            not self.level_weights or len(self.level_weights) == len(self.keep_levels),
+            f"{path}.level_weights",
+            "needs one weight per keep_levels entry (or none)",
+        )
+        require(
+            all(w >= 0 for w in self.level_weights)
+            and (not self.level_weights or sum(self.level_weights) > 0),
+            f"{path}.level_weights",
+            "weights are >= 0 and not all zero",
+        )
         require(0.0 < self.online_decay <= 1.0, f"{path}.online_decay", "must be in (0, 1]")
         require(self.level_k >= 1, f"{path}.level_k", "must be >= 1")
         require(self.retire_streak >= 0, f"{path}.retire_streak", "must be >= 0")
@@ -76,5 +87,8 @@ class DynamicSamplingConfig:
         require(self.tau > 0, f"{path}.tau", "must be > 0")
         require(self.carry_max_groups >= 0, f"{path}.carry_max_groups", "must be >= 0")
         require(self.carry_max_staleness >= 0, f"{path}.carry_max_staleness", "must be >= 0")
-        require(self.preflight in PREFLIGHT_MODES, f"{path}.preflight",
-                f"must be one of {PREFLIGHT_MODES}")
+        require(
+            self.preflight in PREFLIGHT_MODES,
+            f"{path}.preflight",
+            f"must be one of {PREFLIGHT_MODES}",
+        )

@@ -15,8 +15,8 @@ again, at most ``R`` extra rounds. Policies when the batch is still short:
   kept in a bounded buffer (staleness limit) and fill the next step first.
 
 A group is valid when the std of its total rewards is >= ``tau`` (ms-swift: std > 0; the
-same groups up to float noise). When the batch fills, it holds the first ``B`` valid groups; post-filter
-``frac_reward_zero_std`` is then 0 by construction ("dynamic sampling succeeded", not
+same groups up to float noise). When the batch fills, it holds the first ``B`` valid groups;
+post-filter ``frac_reward_zero_std`` is then 0 by construction ("dynamic sampling succeeded", not
 "nothing collapsed") which is why the raw round's statistics are logged too. A step with
 no valid group at all under ``partial``/``carry`` returns an empty batch: the trainer skips
 its optimizer step.
@@ -65,8 +65,15 @@ class FilledBatch:
 class _Rounds:
     """Bookkeeping of one fill(): generated rounds, valid groups and their reward rows."""
 
-    def __init__(self, owner: DynamicSampler, sampler: ProblemSource, generate_fn: GenerateFn,
-                 batch_groups: int, step: int, carried: list[Group]) -> None:
+    def __init__(
+        self,
+        owner: DynamicSampler,
+        sampler: ProblemSource,
+        generate_fn: GenerateFn,
+        batch_groups: int,
+        step: int,
+        carried: list[Group],
+    ) -> None:
         self.owner, self.sampler, self.generate_fn = owner, sampler, generate_fn
         self.batch_groups, self.step = batch_groups, step
         self.valid: list[Group] = list(carried)
@@ -93,8 +100,11 @@ class _Rounds:
 
     def check(self, groups: list[Group]) -> None:
         """Keep the non-collapsed groups of a generated round (std >= tau)."""
-        r, c = (self.first_matrices if self.num_checked == 0 else
-                group_matrices(groups, self.owner.correctness_key))
+        r, c = (
+            self.first_matrices
+            if self.num_checked == 0
+            else group_matrices(groups, self.owner.correctness_key)
+        )
         self.num_checked += 1
         if not groups:
             return
@@ -134,22 +144,30 @@ class DynamicSampler:
         acr_predicted: predicted ACR from the levels (logged as ``collapse/acr_predicted``).
     """
 
-    def __init__(self, cfg: DynamicSamplingConfig, correctness_key: str | None = None,
-                 acr_predicted: float | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DynamicSamplingConfig,
+        correctness_key: str | None = None,
+        acr_predicted: float | None = None,
+    ) -> None:
         self.cfg = cfg
         self.correctness_key = correctness_key
         self.acr_predicted = acr_predicted
         self.carry: list[Group] = []
 
     def _take_carry(self, step: int) -> tuple[list[Group], int]:
-        fresh = [g for g in self.carry
-                 if step - int(g.meta.get("step", step)) <= self.cfg.carry_max_staleness]
+        fresh = [
+            g
+            for g in self.carry
+            if step - int(g.meta.get("step", step)) <= self.cfg.carry_max_staleness
+        ]
         dropped = len(self.carry) - len(fresh)
         self.carry = []
         return fresh, dropped
 
-    def fill(self, sampler: ProblemSource, generate_fn: GenerateFn, batch_groups: int,
-             step: int) -> FilledBatch:
+    def fill(
+        self, sampler: ProblemSource, generate_fn: GenerateFn, batch_groups: int, step: int
+    ) -> FilledBatch:
         """Generate, filter and (per policy) complete one step's batch.
 
         Args:
@@ -183,22 +201,34 @@ class DynamicSampler:
             trained, post = rounds.valid[:take], rounds.valid_matrices(take)
             surplus = rounds.valid[take:]
             if cfg.policy == "carry":
-                self.carry = surplus[:cfg.carry_max_groups or batch_groups]
+                self.carry = surplus[: cfg.carry_max_groups or batch_groups]
             discarded = len(surplus) - len(self.carry)
         stats = self._stats(rounds, first, post, success)
         carried_ids = {id(g) for g in carried}
         stats["dynamic/valid_groups_carried"] = float(
-            sum(1 for g in trained if id(g) in carried_ids))
+            sum(1 for g in trained if id(g) in carried_ids)
+        )
         stats["dynamic/valid_groups_discarded"] = float(discarded)
         stats["dynamic/carry_buffer"] = float(len(self.carry))
         stats["dynamic/carry_dropped_stale"] = float(dropped_stale)
         if not success and cfg.enabled:
-            log.debug("step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
-                      step, rounds.num_valid, batch_groups, rounds.num_checked, cfg.policy)
+            log.debug(
+                "step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
+                step,
+                rounds.num_valid,
+                batch_groups,
+                rounds.num_checked,
+                cfg.policy,
+            )
         return FilledBatch(trained, stats)
 
-    def _stats(self, rounds: _Rounds, first: list[Group],
-               post: tuple[np.ndarray, np.ndarray | None], success: bool) -> dict[str, float]:
+    def _stats(
+        self,
+        rounds: _Rounds,
+        first: list[Group],
+        post: tuple[np.ndarray, np.ndarray | None],
+        success: bool,
+    ) -> dict[str, float]:
         levels_of = getattr(rounds.sampler, "levels_of", None)
         levels = levels_of(first) if levels_of is not None else None
         if levels is not None and not levels.any():
@@ -209,14 +239,16 @@ class DynamicSampler:
         out = collapse_metrics(raw, post_stats, self.acr_predicted, num_levels)
         num_trained = post_stats["num_groups"]
         num_valid = float(round(num_trained * (1.0 - post_stats["acr"])))
-        out.update({
-            "dynamic/success": float(success),
-            "dynamic/rounds": float(rounds.num_checked),
-            "dynamic/gen_batches": float(rounds.num_generated),
-            "dynamic/valid_groups": num_valid,
-            "dynamic/trained_groups": num_trained,
-            "dynamic/collapsed_groups_trained": num_trained - num_valid,
-        })
+        out.update(
+            {
+                "dynamic/success": float(success),
+                "dynamic/rounds": float(rounds.num_checked),
+                "dynamic/gen_batches": float(rounds.num_generated),
+                "dynamic/valid_groups": num_valid,
+                "dynamic/trained_groups": num_trained,
+                "dynamic/collapsed_groups_trained": num_trained - num_valid,
+            }
+        )
         return out
 
     # ------------------------------------------------------------------ state
@@ -246,8 +278,12 @@ class PreflightResult:
     message: str
 
 
-def preflight_check(cfg: DynamicSamplingConfig, acr_predicted: float, batch_groups: int,
-                    level_alternatives: Mapping[str, float] | None = None) -> PreflightResult:
+def preflight_check(
+    cfg: DynamicSamplingConfig,
+    acr_predicted: float,
+    batch_groups: int,
+    level_alternatives: Mapping[str, float] | None = None,
+) -> PreflightResult:
     """Will dynamic sampling fill batches? The article's condition (1 - ACR) * rounds >= 1.
 
     ``rounds`` is what the policy checks (ms-swift/original: R; ours: 1 + R). Says which R
@@ -257,15 +293,20 @@ def preflight_check(cfg: DynamicSamplingConfig, acr_predicted: float, batch_grou
     rounds = checked_rounds(cfg)
     ok = (1.0 - acr_predicted) * rounds >= 1.0 - 1e-12
     p_fill = fill_success_prob(acr_predicted, batch_groups, rounds)
-    msg = (f"predicted ACR {acr_predicted:.3f}, policy {cfg.policy} checks {rounds} round(s) "
-           f"of {batch_groups} groups: expected valid {(1 - acr_predicted) * rounds:.2f} "
-           f"batches, P(batch fills) = {p_fill:.2f}")
+    msg = (
+        f"predicted ACR {acr_predicted:.3f}, policy {cfg.policy} checks {rounds} round(s) "
+        f"of {batch_groups} groups: expected valid {(1 - acr_predicted) * rounds:.2f} "
+        f"batches, P(batch fills) = {p_fill:.2f}"
+    )
     if not ok:
         need = math.inf if acr_predicted >= 1 else math.ceil(1.0 / (1.0 - acr_predicted) - 1e-9)
         need_r = need if cfg.policy == "original" else need - 1
         hints = [f"max_resample >= {need_r}" if math.isfinite(need) else "no R suffices"]
-        good = [f"{name} (ACR {acr:.2f})" for name, acr in (level_alternatives or {}).items()
-                if (1.0 - acr) * rounds >= 1.0]
+        good = [
+            f"{name} (ACR {acr:.2f})"
+            for name, acr in (level_alternatives or {}).items()
+            if (1.0 - acr) * rounds >= 1.0
+        ]
         if good:
             hints.append("or keep_levels " + " / ".join(good[:3]))
         if cfg.policy == "original":

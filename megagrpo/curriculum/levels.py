@@ -149,8 +149,9 @@ class BetaPrior:
     b: float
 
     @classmethod
-    def fit(cls, counts: Mapping[tuple[int, int], int], lo: float = 1e-3,
-            hi: float = 1e3) -> BetaPrior:
+    def fit(
+        cls, counts: Mapping[tuple[int, int], int], lo: float = 1e-3, hi: float = 1e3
+    ) -> BetaPrior:
         """Maximum marginal likelihood fit to ``{(k, correct): number of problems}``.
 
         Grid search over log a, log b in [lo, hi], then a shrinking pattern search.
@@ -209,10 +210,14 @@ class CollapsePrediction:
     group_size: int
 
 
-def predict_acr(hist: Mapping[int, int], k: int, group_size: int,
-                keep_levels: Iterable[int] | None = None,
-                level_weights: Mapping[int, float] | None = None,
-                prior: BetaPrior | None = None) -> CollapsePrediction:
+def predict_acr(
+    hist: Mapping[int, int],
+    k: int,
+    group_size: int,
+    keep_levels: Iterable[int] | None = None,
+    level_weights: Mapping[int, float] | None = None,
+    prior: BetaPrior | None = None,
+) -> CollapsePrediction:
     """Predicted ACR of training on ``keep_levels`` of a population with histogram ``hist``.
 
     The prior is fitted on the *whole* histogram (all levels), then each kept level
@@ -234,8 +239,7 @@ def predict_acr(hist: Mapping[int, int], k: int, group_size: int,
     return CollapsePrediction(acr, by_level, share, prior, group_size)
 
 
-def level_alternatives(hist: Mapping[int, int], k: int, group_size: int
-                       ) -> dict[str, float]:
+def level_alternatives(hist: Mapping[int, int], k: int, group_size: int) -> dict[str, float]:
     """Predicted ACR of contiguous level filters that drop at least one extreme level
     (``{"L2-L5": acr, ...}``), for the pre-flight check's advice."""
     prior = BetaPrior.fit_histogram(hist, k)
@@ -245,11 +249,13 @@ def level_alternatives(hist: Mapping[int, int], k: int, group_size: int
         for hi in range(lo, top + 1):
             if (lo, hi) == (1, top) or sum(hist.get(x, 0) for x in range(lo, hi + 1)) == 0:
                 continue
-            out[f"L{lo}-L{hi}"] = predict_acr(hist, k, group_size, range(lo, hi + 1),
-                                              prior=prior).acr
+            out[f"L{lo}-L{hi}"] = predict_acr(
+                hist, k, group_size, range(lo, hi + 1), prior=prior
+            ).acr
     # widest filters first: the advice prefers keeping more problems
-    return dict(sorted(out.items(), key=lambda kv: -sum(
-        hist.get(x, 0) for x in parse_level_set(kv[0]))))
+    return dict(
+        sorted(out.items(), key=lambda kv: -sum(hist.get(x, 0) for x in parse_level_set(kv[0])))
+    )
 
 
 def fill_success_prob(acr: float, batch_groups: int, num_checked_rounds: int) -> float:
@@ -265,7 +271,13 @@ def fill_success_prob(acr: float, batch_groups: int, num_checked_rounds: int) ->
         return 0.0
     if q >= 1.0:
         return 1.0
-    logs = [math.lgamma(n + 1) - math.lgamma(x + 1) - math.lgamma(n - x + 1)
-            + x * math.log(q) + (n - x) * math.log1p(-q) for x in range(batch_groups, n + 1)]
+    logs = [
+        math.lgamma(n + 1)
+        - math.lgamma(x + 1)
+        - math.lgamma(n - x + 1)
+        + x * math.log(q)
+        + (n - x) * math.log1p(-q)
+        for x in range(batch_groups, n + 1)
+    ]
     top = max(logs)
     return min(1.0, math.exp(top) * sum(math.exp(v - top) for v in logs))

@@ -46,16 +46,24 @@ def _finished(path: Path, k: int) -> dict[str, dict]:
                 break
             raise DataError(f"{path}:{lineno}: not JSON: {exc}") from exc
         if int(rec.get("k", -1)) != k:
-            raise DataError(f"{path}:{lineno}: profiled with k={rec.get('k')}, now k={k}; "
-                            "use another output file")
+            raise DataError(
+                f"{path}:{lineno}: profiled with k={rec.get('k')}, now k={k}; "
+                "use another output file"
+            )
         done[str(rec["id"])] = rec
         good_lines.append(line)
     return done
 
 
-def run_profile(problems: Sequence[Problem], engine: Any, reward_fn: RewardFn, k: int,
-                out_path: str | os.PathLike, batch_size: int = 64,
-                sampling: Any | None = None) -> list[dict]:
+def run_profile(
+    problems: Sequence[Problem],
+    engine: Any,
+    reward_fn: RewardFn,
+    k: int,
+    out_path: str | os.PathLike,
+    batch_size: int = 64,
+    sampling: Any | None = None,
+) -> list[dict]:
     """Profile ``problems`` (skipping those already in ``out_path``); returns all records.
 
     Args:
@@ -72,11 +80,16 @@ def run_profile(problems: Sequence[Problem], engine: Any, reward_fn: RewardFn, k
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _finished(path, k)
     todo = [p for p in problems if p.id not in done]
-    log.info("profile: %d problems, %d already done, %d to sample (k=%d)",
-             len(problems), len(problems) - len(todo), len(todo), k)
+    log.info(
+        "profile: %d problems, %d already done, %d to sample (k=%d)",
+        len(problems),
+        len(problems) - len(todo),
+        len(todo),
+        k,
+    )
     with path.open("a", encoding="utf-8") as fh:
         for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
+            batch = todo[start : start + batch_size]
             groups = engine.generate(batch, k, sampling)
             if len(groups) != len(batch):
                 raise RuntimeError(f"engine returned {len(groups)} groups for {len(batch)}")
@@ -97,14 +110,19 @@ def _record(problem: Problem, group: Any, reward_fn: RewardFn, k: int) -> dict:
         raise RuntimeError(f"problem {problem.id}: {len(rewards)} rewards for k={k}")
     correct = sum(1 for r in rewards if r >= SOLVED_THRESHOLD)
     lengths = list(group.lengths) or [len(c) for c in group.completions]
-    return {"id": problem.id, "k": k, "correct": correct,
-            "level": level_from_counts(correct, k),
-            "mean_length": sum(lengths) / max(len(lengths), 1),
-            "mean_reward": sum(rewards) / k}
+    return {
+        "id": problem.id,
+        "k": k,
+        "correct": correct,
+        "level": level_from_counts(correct, k),
+        "mean_length": sum(lengths) / max(len(lengths), 1),
+        "mean_reward": sum(rewards) / k,
+    }
 
 
-def format_level_table(records: Sequence[dict], k: int, group_size: int = 8,
-                       keep_levels: Sequence[int] | None = None) -> str:
+def format_level_table(
+    records: Sequence[dict], k: int, group_size: int = 8, keep_levels: Sequence[int] | None = None
+) -> str:
     """Level histogram with shares and the predicted collapse probability at G."""
     hist = histogram((int(r["level"]) for r in records), k + 1)
     total = sum(hist.values())
@@ -112,18 +130,26 @@ def format_level_table(records: Sequence[dict], k: int, group_size: int = 8,
         return "no problems profiled"
     prior = BetaPrior.fit_histogram(hist, k)
     all_pred = predict_acr(hist, k, group_size, prior=prior)
-    lines = [f"{'level':<6}{'correct':>9}{'problems':>10}{'share':>8}{'P(collapse) G=' + str(group_size):>18}"]
+    lines = [
+        f"{'level':<6}{'correct':>9}{'problems':>10}{'share':>8}"
+        f"{'P(collapse) G=' + str(group_size):>18}"
+    ]
     for lv, n in hist.items():
-        lines.append(f"L{lv:<5}{f'{k - lv + 1}/{k}':>9}{n:>10}{n / total:>8.1%}"
-                     f"{all_pred.by_level[lv]:>18.3f}")
+        lines.append(
+            f"L{lv:<5}{f'{k - lv + 1}/{k}':>9}{n:>10}{n / total:>8.1%}"
+            f"{all_pred.by_level[lv]:>18.3f}"
+        )
     lines.append(f"{'total':<15}{total:>10}")
-    lines.append(f"prior Beta(a={prior.a:.3f}, b={prior.b:.3f}); predicted ACR, all levels: "
-                 f"{all_pred.acr:.3f}")
+    lines.append(
+        f"prior Beta(a={prior.a:.3f}, b={prior.b:.3f}); predicted ACR, all levels: "
+        f"{all_pred.acr:.3f}"
+    )
     if keep_levels:
         kept = {lv: n for lv, n in hist.items() if lv in set(keep_levels)}
         if sum(kept.values()):
             pred = predict_acr(hist, k, group_size, keep_levels, prior=prior)
             names = ",".join(f"L{x}" for x in sorted(set(keep_levels)))
-            lines.append(f"predicted ACR, keep {names} ({sum(kept.values())} problems): "
-                         f"{pred.acr:.3f}")
+            lines.append(
+                f"predicted ACR, keep {names} ({sum(kept.values())} problems): {pred.acr:.3f}"
+            )
     return "\n".join(lines)

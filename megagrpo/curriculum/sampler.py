@@ -72,7 +72,7 @@ class _Walk:
                 self.pos = 0
                 self._order = self._permutation()
             end = min(len(self._order), self.pos + m - len(out))
-            out.extend(self._order[self.pos:end])
+            out.extend(self._order[self.pos : end])
             self.pos = end
         return np.asarray(out, dtype=np.int64)
 
@@ -95,9 +95,14 @@ class CurriculumSampler:
             :meth:`observe`; None or missing: the total reward (>= 0.5 counts as correct).
     """
 
-    def __init__(self, problems: Sequence[Problem], cfg: CurriculumConfig,
-                 levels: Mapping[str, int] | None = None,
-                 correctness_key: str | None = None, level_k: int | None = None) -> None:
+    def __init__(
+        self,
+        problems: Sequence[Problem],
+        cfg: CurriculumConfig,
+        levels: Mapping[str, int] | None = None,
+        correctness_key: str | None = None,
+        level_k: int | None = None,
+    ) -> None:
         self.problems = list(problems)
         self.cfg = cfg
         self.correctness_key = correctness_key
@@ -111,13 +116,17 @@ class CurriculumSampler:
             for pid, level in levels.items():
                 i = self.index.get(pid)
                 if not 1 <= int(level) <= self.k + 1:
-                    raise ConfigError(f"curriculum: problem {pid} has level L{level}, outside "
-                                      f"L1..L{self.k + 1} of k={self.k} (curriculum.level_k)")
+                    raise ConfigError(
+                        f"curriculum: problem {pid} has level L{level}, outside "
+                        f"L1..L{self.k + 1} of k={self.k} (curriculum.level_k)"
+                    )
                 if i is not None:
                     self.profile_level[i] = int(level)
         profiled = self.profile_level > 0
-        self._level_by_id = {self.problems[i].id: int(self.profile_level[i])
-                             for i in np.flatnonzero(profiled).tolist()}
+        self._level_by_id = {
+            self.problems[i].id: int(self.profile_level[i])
+            for i in np.flatnonzero(profiled).tolist()
+        }
         hist = histogram(self.profile_level[profiled].tolist(), self.k + 1)
         self.prior = self._online_prior(hist) if profiled.any() else BetaPrior(1, 1)
         # Online evidence, seeded with the profile's counts.
@@ -153,16 +162,21 @@ class CurriculumSampler:
             keep = np.isin(self.profile_level, cfg.keep_levels)
             unprofiled = self.profile_level == 0
             if unprofiled.any():
-                log.info("curriculum: %d problems have no level (%s)", int(unprofiled.sum()),
-                         "kept" if cfg.keep_unprofiled else "dropped")
+                log.info(
+                    "curriculum: %d problems have no level (%s)",
+                    int(unprofiled.sum()),
+                    "kept" if cfg.keep_unprofiled else "dropped",
+                )
                 if cfg.keep_unprofiled:
                     keep |= unprofiled
         else:
             keep = np.ones(n, dtype=bool)
         self.pool = np.flatnonzero(keep)
         if len(self.pool) == 0:
-            raise ConfigError(f"curriculum.keep_levels={cfg.keep_levels}: no problem left "
-                              f"(of {n}) after the level filter")
+            raise ConfigError(
+                f"curriculum.keep_levels={cfg.keep_levels}: no problem left "
+                f"(of {n}) after the level filter"
+            )
         self.bucket_weights: np.ndarray | None = None
         buckets: list[np.ndarray] = [self.pool]
         if filtered and cfg.level_weights:
@@ -175,8 +189,10 @@ class CurriculumSampler:
             if not buckets:
                 raise ConfigError("curriculum.level_weights: every weighted level is empty")
             self.bucket_weights = np.asarray(weights, dtype=np.float64) / sum(weights)
-        self.walks = {s: [_Walk(m, self.cfg.seed, j, b) for b, m in enumerate(buckets)]
-                      for j, s in enumerate(STREAMS)}
+        self.walks = {
+            s: [_Walk(m, self.cfg.seed, j, b) for b, m in enumerate(buckets)]
+            for j, s in enumerate(STREAMS)
+        }
         log.info("curriculum: %d of %d problems in the pool", len(self.pool), n)
 
     # ------------------------------------------------------------------ drawing
@@ -204,7 +220,7 @@ class CurriculumSampler:
         got: list[np.ndarray] = []
         have, dry = 0, 0
         while have < m:
-            if dry >= len(walk.members):   # a whole pass rejected: all retired, serve anyway
+            if dry >= len(walk.members):  # a whole pass rejected: all retired, serve anyway
                 got.append(walk.take(m - have))
                 break
             cand = walk.take(m - have)
@@ -246,7 +262,7 @@ class CurriculumSampler:
             self._update(idx, values)
         else:  # a problem twice in one call: keep the sequential semantics
             for j in range(len(idx)):
-                self._update(idx[j:j + 1], values[j:j + 1])
+                self._update(idx[j : j + 1], values[j : j + 1])
 
     def _update(self, idx: np.ndarray, values: np.ndarray) -> None:
         decay, streak_max = self.cfg.online_decay, self.cfg.retire_streak
@@ -259,16 +275,19 @@ class CurriculumSampler:
         self._move_levels(idx)
         self.streak[idx] = np.where(collapsed, self.streak[idx] + 1, 0)
         if streak_max:
-            self.retired[idx] = np.where(collapsed, self.retired[idx] |
-                                         (self.streak[idx] >= streak_max), False)
+            self.retired[idx] = np.where(
+                collapsed, self.retired[idx] | (self.streak[idx] >= streak_max), False
+            )
         else:
             self.retired[idx] = False
 
     def pass_rate(self, problem_id: str) -> float:
         """Posterior mean pass rate of one problem."""
         i = self.index[problem_id]
-        return float((self.prior.a + self.succ[i]) /
-                     (self.prior.a + self.prior.b + self.succ[i] + self.fail[i]))
+        return float(
+            (self.prior.a + self.succ[i])
+            / (self.prior.a + self.prior.b + self.succ[i] + self.fail[i])
+        )
 
     def current_levels(self, idx: np.ndarray | None = None) -> np.ndarray:
         """Online level estimate (L1..L{k+1}; 0 = no evidence yet) of problems ``idx``
@@ -302,8 +321,9 @@ class CurriculumSampler:
     def levels_of(self, groups: Sequence[Group]) -> np.ndarray:
         """``[N]`` profile levels of the groups' problems (0: not profiled)."""
         get = self._level_by_id.get
-        return np.fromiter((get(g.problem.id, 0) for g in groups), dtype=np.int64,
-                           count=len(groups))
+        return np.fromiter(
+            (get(g.problem.id, 0) for g in groups), dtype=np.int64, count=len(groups)
+        )
 
     def level_histogram(self) -> dict[int, int]:
         """``{level: count}`` of the pool's current (online) levels, L1..L{k+1}."""
@@ -311,8 +331,7 @@ class CurriculumSampler:
 
     def metrics(self) -> dict[str, float]:
         """``curriculum/level_hist/L{k}``, ``curriculum/retired``, ``curriculum/pool``."""
-        out = {f"curriculum/level_hist/L{lv}": float(n)
-               for lv, n in self.level_histogram().items()}
+        out = {f"curriculum/level_hist/L{lv}": float(n) for lv, n in self.level_histogram().items()}
         out["curriculum/retired"] = float(self.retired[self.pool].sum())
         out["curriculum/pool"] = float(len(self.pool))
         out["curriculum/epoch"] = float(self.walks["main"][0].epoch)
@@ -347,8 +366,10 @@ class CurriculumSampler:
         if state.get("version") != 1:
             raise CheckpointError(f"curriculum state: unknown version {state.get('version')}")
         if state["fingerprint"] != self._fingerprint():
-            raise CheckpointError("curriculum state: saved for a different problem set or "
-                                  "level filter (fingerprint mismatch)")
+            raise CheckpointError(
+                "curriculum state: saved for a different problem set or "
+                "level filter (fingerprint mismatch)"
+            )
         for s, ws in self.walks.items():
             for w, st in zip(ws, state["walks"][s]):
                 w.load(st)
@@ -360,4 +381,3 @@ class CurriculumSampler:
         self.retired = np.asarray(state["retired"], dtype=bool)
         self.num_observed = np.asarray(state["num_observed"], dtype=np.int64)
         self._refresh_levels()
-

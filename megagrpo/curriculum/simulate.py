@@ -38,8 +38,9 @@ class BernoulliEngine:
     (the profiler's tests).
     """
 
-    def __init__(self, p_by_id: Mapping[str, float], seed: int = 0,
-                 fill_rewards: bool = True) -> None:
+    def __init__(
+        self, p_by_id: Mapping[str, float], seed: int = 0, fill_rewards: bool = True
+    ) -> None:
         self.ids = list(p_by_id)
         self.index = {pid: i for i, pid in enumerate(self.ids)}
         self.p = np.asarray([p_by_id[i] for i in self.ids], dtype=np.float64)
@@ -47,18 +48,23 @@ class BernoulliEngine:
         self.fill_rewards = fill_rewards
         self.num_generated = 0
 
-    def generate(self, problems: Sequence[Problem], n: int,
-                 sampling: Any | None = None) -> list[Group]:
+    def generate(
+        self, problems: Sequence[Problem], n: int, sampling: Any | None = None
+    ) -> list[Group]:
         """``len(problems)`` groups of ``n`` completions each."""
-        idx = np.fromiter((self.index[p.id] for p in problems), dtype=np.int64,
-                          count=len(problems))
+        idx = np.fromiter((self.index[p.id] for p in problems), dtype=np.int64, count=len(problems))
         hits = (self.rng.random((len(problems), n)) < self.p[idx, None]).astype(np.float64)
         self.num_generated += len(problems) * n
         out = []
         for prob, row in zip(problems, hits.tolist()):
             gold = ",".join(prob.answer)
-            group = Group(problem=prob, completions=[gold if h else "wrong" for h in row],
-                          token_ids=[], logprobs=[], lengths=[1] * n)
+            group = Group(
+                problem=prob,
+                completions=[gold if h else "wrong" for h in row],
+                token_ids=[],
+                logprobs=[],
+                lengths=[1] * n,
+            )
             if self.fill_rewards:
                 group.rewards = row
                 group.reward_parts = {CORRECTNESS_KEY: row}
@@ -75,9 +81,9 @@ class BernoulliEngine:
         """No-op (protocol)."""
 
 
-def synthetic_population(hist: Mapping[int, int], k: int, seed: int = 0,
-                         prior: BetaPrior | None = None
-                         ) -> tuple[list[Problem], dict[str, int], dict[str, float]]:
+def synthetic_population(
+    hist: Mapping[int, int], k: int, seed: int = 0, prior: BetaPrior | None = None
+) -> tuple[list[Problem], dict[str, int], dict[str, float]]:
     """Problems, ``{id: level}`` and ``{id: p}`` for a level histogram.
 
     Each problem's p is drawn from its level's posterior Beta(a + c, b + k - c).
@@ -97,9 +103,9 @@ def synthetic_population(hist: Mapping[int, int], k: int, seed: int = 0,
     return problems, levels, ps
 
 
-def population_from_records(records: Sequence[Mapping[str, Any]], k: int, seed: int = 0,
-                            prior: BetaPrior | None = None
-                            ) -> tuple[list[Problem], dict[str, int], dict[str, float]]:
+def population_from_records(
+    records: Sequence[Mapping[str, Any]], k: int, seed: int = 0, prior: BetaPrior | None = None
+) -> tuple[list[Problem], dict[str, int], dict[str, float]]:
     """Like :func:`synthetic_population` but with the ids and counts of a levels file."""
     from megagrpo.curriculum.levels import histogram
 
@@ -156,21 +162,31 @@ class PlanResult:
             "collapsed_groups_trained_per_step": self.mean("dynamic/collapsed_groups_trained"),
             "valid_groups_discarded_per_step": self.mean("dynamic/valid_groups_discarded"),
             "valid_groups_carried_per_step": self.mean("dynamic/valid_groups_carried"),
-            "valid_groups_per_gen_batch": (self.mean("dynamic/valid_groups") /
-                                           max(self.mean("dynamic/gen_batches"), 1e-12)),
-            "level_hist_final": {k.rsplit("/", 1)[1]: v for k, v in
-                                 (self.steps[-1].items() if self.steps else ())
-                                 if k.startswith("curriculum/level_hist/")},
+            "valid_groups_per_gen_batch": (
+                self.mean("dynamic/valid_groups") / max(self.mean("dynamic/gen_batches"), 1e-12)
+            ),
+            "level_hist_final": {
+                k.rsplit("/", 1)[1]: v
+                for k, v in (self.steps[-1].items() if self.steps else ())
+                if k.startswith("curriculum/level_hist/")
+            },
             "retired_final": self.steps[-1].get("curriculum/retired", 0.0) if self.steps else 0.0,
             "seconds": self.seconds,
         }
 
 
-def run_plan(hist: Mapping[int, int], k: int, group_size: int, batch_groups: int,
-             steps: int, curriculum: CurriculumConfig, dynamic: DynamicSamplingConfig,
-             drift: float = 0.0, seed: int = 0,
-             population: tuple[list[Problem], dict[str, int], dict[str, float]] | None = None
-             ) -> PlanResult:
+def run_plan(
+    hist: Mapping[int, int],
+    k: int,
+    group_size: int,
+    batch_groups: int,
+    steps: int,
+    curriculum: CurriculumConfig,
+    dynamic: DynamicSamplingConfig,
+    drift: float = 0.0,
+    seed: int = 0,
+    population: tuple[list[Problem], dict[str, int], dict[str, float]] | None = None,
+) -> PlanResult:
     """Simulate ``steps`` training steps; returns per-step metrics and the predictions.
 
     Args:
@@ -188,13 +204,23 @@ def run_plan(hist: Mapping[int, int], k: int, group_size: int, batch_groups: int
     ds = DynamicSampler(dynamic, CORRECTNESS_KEY, acr_predicted=pred.acr)
     rounds = checked_rounds(dynamic)
     result = PlanResult(
-        config={"group_size": group_size, "batch_groups": batch_groups, "steps": steps,
-                "max_resample": dynamic.max_resample, "policy": dynamic.policy,
-                "keep_levels": list(keep), "num_problems": len(problems),
-                "pool": int(len(sampler.pool)), "checked_rounds": rounds, "drift": drift},
-        acr_predicted=pred.acr, acr_by_level_predicted=pred.by_level,
+        config={
+            "group_size": group_size,
+            "batch_groups": batch_groups,
+            "steps": steps,
+            "max_resample": dynamic.max_resample,
+            "policy": dynamic.policy,
+            "keep_levels": list(keep),
+            "num_problems": len(problems),
+            "pool": int(len(sampler.pool)),
+            "checked_rounds": rounds,
+            "drift": drift,
+        },
+        acr_predicted=pred.acr,
+        acr_by_level_predicted=pred.by_level,
         ds_fill_condition=(1.0 - pred.acr) * rounds >= 1.0,
-        ds_success_prob=fill_success_prob(pred.acr, batch_groups, rounds))
+        ds_success_prob=fill_success_prob(pred.acr, batch_groups, rounds),
+    )
 
     def generate(probs: list[Problem]) -> list[Group]:
         return engine.generate(probs, group_size)
@@ -212,14 +238,22 @@ def run_plan(hist: Mapping[int, int], k: int, group_size: int, batch_groups: int
     return result
 
 
-def compare_policies(hist: Mapping[int, int], k: int, group_size: int, batch_groups: int,
-                     steps: int, curriculum: CurriculumConfig, max_resample: int,
-                     seed: int = 0, policies: Sequence[str] = ("original", "partial", "carry")
-                     ) -> dict[str, dict[str, Any]]:
+def compare_policies(
+    hist: Mapping[int, int],
+    k: int,
+    group_size: int,
+    batch_groups: int,
+    steps: int,
+    curriculum: CurriculumConfig,
+    max_resample: int,
+    seed: int = 0,
+    policies: Sequence[str] = ("original", "partial", "carry"),
+) -> dict[str, dict[str, Any]]:
     """``run_plan`` once per policy on the same population and seed."""
     out = {}
     for policy in policies:
         dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy)
-        out[policy] = run_plan(hist, k, group_size, batch_groups, steps, curriculum, dyn,
-                               seed=seed).to_dict()
+        out[policy] = run_plan(
+            hist, k, group_size, batch_groups, steps, curriculum, dyn, seed=seed
+        ).to_dict()
     return out

@@ -31,7 +31,7 @@ SOLVED_THRESHOLD = 0.5
 def collapse_prob(p: float | np.ndarray, group_size: int) -> float | np.ndarray:
     """P(a group of ``group_size`` Bernoulli(p) rewards is collapsed) = p^G + (1-p)^G."""
     p = np.asarray(p, dtype=np.float64)
-    out = p ** group_size + (1.0 - p) ** group_size
+    out = p**group_size + (1.0 - p) ** group_size
     return float(out) if out.ndim == 0 else out
 
 
@@ -60,9 +60,12 @@ def collapsed_mask(values: Any, tau: float = ACR_TAU) -> np.ndarray:
     return group_std(values) < tau
 
 
-def collapse_stats(rewards: Any, correctness: Any | None = None,
-                   levels: Sequence[int | None] | None = None,
-                   tau: float = ACR_TAU) -> dict[str, float]:
+def collapse_stats(
+    rewards: Any,
+    correctness: Any | None = None,
+    levels: Sequence[int | None] | None = None,
+    tau: float = ACR_TAU,
+) -> dict[str, float]:
     """Collapse statistics of one batch.
 
     Args:
@@ -110,9 +113,12 @@ def collapse_stats(rewards: Any, correctness: Any | None = None,
     return out
 
 
-def collapse_metrics(raw: dict[str, float], post: dict[str, float],
-                     acr_predicted: float | None = None, num_levels: int = 6
-                     ) -> dict[str, float]:
+def collapse_metrics(
+    raw: dict[str, float],
+    post: dict[str, float],
+    acr_predicted: float | None = None,
+    num_levels: int = 6,
+) -> dict[str, float]:
     """DESIGN.md metric names from the raw (first round) and post-filter (trained) stats.
 
     ``collapse/acr_raw``, ``collapse/solve_all_raw``, ``collapse/solve_none_raw``,
@@ -145,8 +151,9 @@ def collapse_metrics(raw: dict[str, float], post: dict[str, float],
     return out
 
 
-def group_matrices(groups: Sequence[Any], correctness_key: str | None = None
-                   ) -> tuple[np.ndarray, np.ndarray | None]:
+def group_matrices(
+    groups: Sequence[Any], correctness_key: str | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """``(rewards [N, G], correctness [N, G] | None)`` of a list of Groups.
 
     Correctness is ``reward_parts[correctness_key]``; None unless every group has it.

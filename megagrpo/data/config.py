@@ -30,5 +30,8 @@ class DataConfig:
     prompt: PromptConfig = field(default_factory=PromptConfig)
 
     def validate(self, path: str) -> None:
-        require(all(isinstance(p, str) and p for p in self.train), f"{path}.train",
-                "entries must be non-empty paths")
+        require(
+            all(isinstance(p, str) and p for p in self.train),
+            f"{path}.train",
+            "entries must be non-empty paths",
+        )

@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 _SIBLING = re.compile(r"_(metadata|translate)\.jsonl$")
 _CHOOSE = re.compile(r"([2-9２-９二三四])\s*つ選べ")
 _KANJI_NUM = {"二": 2, "三": 3, "四": 4}
-_FULLWIDTH = str.maketrans("ａｂｃｄｅｆｇｈＡＢＣＤＥＦＧＨ０１２３４５６７８９",
-                           "abcdefghabcdefgh0123456789")
+_FULLWIDTH = str.maketrans(
+    "ａｂｃｄｅｆｇｈＡＢＣＤＥＦＧＨ０１２３４５６７８９", "abcdefghabcdefgh0123456789"
+)
 
 
 class ProblemList(list):
@@ -96,8 +97,9 @@ def _year_of(path: Path, exam: str) -> int | None:
     return int(m.group(1)) + 1906 if m else None  # 112th exam = 2018
 
 
-def _igakuqa_problem(rec: dict, where: str, path: Path, meta: dict,
-                     prompt: PromptConfig) -> Problem:
+def _igakuqa_problem(
+    rec: dict, where: str, path: Path, meta: dict, prompt: PromptConfig
+) -> Problem:
     pid = str(rec["problem_id"])
     answer = _normalise_answer(rec.get("answer") or [])
     if not answer:
@@ -109,7 +111,9 @@ def _igakuqa_problem(rec: dict, where: str, path: Path, meta: dict,
     try:
         points = int(str(rec.get("points", "1")).strip() or 1)
     except ValueError as exc:
-        raise DataError(f"{where}: problem {pid} has non-integer points {rec.get('points')!r}") from exc
+        raise DataError(
+            f"{where}: problem {pid} has non-integer points {rec.get('points')!r}"
+        ) from exc
     exam = path.stem
     extra = meta.get(pid, {})
     acc = extra.get("human_accuracy")
@@ -117,11 +121,19 @@ def _igakuqa_problem(rec: dict, where: str, path: Path, meta: dict,
         id=pid,
         messages=render_messages(text, choices, prompt),
         answer=answer,
-        meta={"choices": choices, "points": points, "text_only": bool(rec.get("text_only", True)),
-              "year": _year_of(path, exam), "exam": exam, "num_choose": num_choose,
-              "numeric": not choices, "question": text, "source": where,
-              "human_accuracy": float(acc) if acc not in (None, "") else None,
-              "category": extra.get("category")},
+        meta={
+            "choices": choices,
+            "points": points,
+            "text_only": bool(rec.get("text_only", True)),
+            "year": _year_of(path, exam),
+            "exam": exam,
+            "num_choose": num_choose,
+            "numeric": not choices,
+            "question": text,
+            "source": where,
+            "human_accuracy": float(acc) if acc not in (None, "") else None,
+            "category": extra.get("category"),
+        },
     )
 
 
@@ -142,8 +154,12 @@ def _swift_problem(rec: dict, where: str, path: Path, num: int) -> Problem:
     return Problem(id=pid, messages=messages, answer=_normalise_answer(items), meta=meta)
 
 
-def load_problems(paths: Iterable[str | os.PathLike], *, exclude_images: bool = False,
-                  prompt: PromptConfig | None = None) -> ProblemList:
+def load_problems(
+    paths: Iterable[str | os.PathLike],
+    *,
+    exclude_images: bool = False,
+    prompt: PromptConfig | None = None,
+) -> ProblemList:
     """Read problems from files/directories (see module docstring).
 
     Args:
@@ -167,11 +183,15 @@ def load_problems(paths: Iterable[str | os.PathLike], *, exclude_images: bool = 
             elif "messages" in rec:
                 prob = _swift_problem(rec, where, path, num)
             else:
-                raise DataError(f"{where}: unknown record format (keys: {sorted(rec)}); expected "
-                                "IgakuQA (problem_id, problem_text, answer) or ms-swift "
-                                "(messages, solution)")
+                raise DataError(
+                    f"{where}: unknown record format (keys: {sorted(rec)}); expected "
+                    "IgakuQA (problem_id, problem_text, answer) or ms-swift "
+                    "(messages, solution)"
+                )
             if prob.id in seen:
-                raise DataError(f"{where}: duplicate problem id {prob.id} (first at {seen[prob.id]})")
+                raise DataError(
+                    f"{where}: duplicate problem id {prob.id} (first at {seen[prob.id]})"
+                )
             seen[prob.id] = where
             if exclude_images and not prob.meta.get("text_only", True):
                 problems.skipped.setdefault("image", []).append(prob.id)

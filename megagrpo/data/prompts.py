@@ -27,8 +27,9 @@ def format_choices(choices: list[str]) -> str:
     return "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))
 
 
-def render_messages(question: str, choices: list[str],
-                    prompt: PromptConfig | None = None) -> list[dict[str, str]]:
+def render_messages(
+    question: str, choices: list[str], prompt: PromptConfig | None = None
+) -> list[dict[str, str]]:
     """Chat messages ``[system, user]`` for one multiple-choice or numeric question."""
     prompt = prompt or PromptConfig()
     system = DEFAULT_SYSTEM if prompt.system == "default" else prompt.system
@@ -36,8 +37,10 @@ def render_messages(question: str, choices: list[str],
     try:
         user = template.format(question=question.strip(), choices=format_choices(choices))
     except (KeyError, IndexError) as exc:
-        raise ConfigError(f"config key 'data.prompt.user_template': unknown placeholder {exc}; "
-                          "use {question} and {choices}") from exc
+        raise ConfigError(
+            f"config key 'data.prompt.user_template': unknown placeholder {exc}; "
+            "use {question} and {choices}"
+        ) from exc
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": user.strip()})
     return messages

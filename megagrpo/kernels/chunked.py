@@ -21,8 +21,12 @@ def _owned(target_ids: torch.Tensor, vocab_start: int, V: int) -> tuple[torch.Te
     return local.clamp(0, max(V - 1, 0)), owned
 
 
-def chunked_stats(logits: torch.Tensor, target_ids: torch.Tensor, vocab_start: int = 0,
-                  chunk_bytes: int = 32 << 20) -> torch.Tensor:
+def chunked_stats(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    vocab_start: int = 0,
+    chunk_bytes: int = 32 << 20,
+) -> torch.Tensor:
     """stats [T, 4] fp32 = (max, sum exp(x - max), E[x], target logit or 0) of logits [T, V]."""
     T, V = logits.shape
     stats = torch.empty(T, 4, device=logits.device, dtype=torch.float32)
@@ -45,10 +49,17 @@ def chunked_stats(logits: torch.Tensor, target_ids: torch.Tensor, vocab_start: i
     return stats
 
 
-def chunked_logits_grad(logits: torch.Tensor, target_ids: torch.Tensor, lse: torch.Tensor,
-                        ex: torch.Tensor, g: torch.Tensor, h: torch.Tensor | None,
-                        out: torch.Tensor, vocab_start: int = 0,
-                        chunk_bytes: int = 32 << 20) -> torch.Tensor:
+def chunked_logits_grad(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    lse: torch.Tensor,
+    ex: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    out: torch.Tensor,
+    vocab_start: int = 0,
+    chunk_bytes: int = 32 << 20,
+) -> torch.Tensor:
     """Write grad_j = g (onehot_j - p_j) - h p_j (x_j - E[x]) into out [T, V] (may be logits)."""
     T, V = logits.shape
     local, owned = _owned(target_ids, vocab_start, V)

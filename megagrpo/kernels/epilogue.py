@@ -30,15 +30,17 @@ class TokenTerms:
     dkl: Tensor | None = None
 
 
-def token_terms(logp: Tensor, old: Tensor, adv: Tensor, cfg: LossConfig,
-                ref: Tensor | None) -> TokenTerms:
+def token_terms(
+    logp: Tensor, old: Tensor, adv: Tensor, cfg: LossConfig, ref: Tensor | None
+) -> TokenTerms:
     """Clipped surrogate and k3 KL per token with their logp derivatives (as the kernel does)."""
     ratio = torch.exp(logp - old)
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     clipped = pg2 > pg1
-    terms = TokenTerms(torch.maximum(pg1, pg2), torch.where(clipped, 0.0, pg1),
-                       clipped.float(), ratio)
+    terms = TokenTerms(
+        torch.maximum(pg1, pg2), torch.where(clipped, 0.0, pg1), clipped.float(), ratio
+    )
     if ref is not None:
         d = ref - logp
         terms.kl, terms.dkl = torch.exp(d) - d - 1.0, 1.0 - torch.exp(d)
@@ -48,12 +50,19 @@ def token_terms(logp: Tensor, old: Tensor, adv: Tensor, cfg: LossConfig,
 def from_kernel(terms: Tensor, has_ref: bool) -> TokenTerms:
     """TokenTerms from the kernel's packed [T, 8] output."""
     t = terms.unbind(1)
-    return TokenTerms(t[2], t[3], t[4], t[5], t[6] if has_ref else None,
-                      t[7] if has_ref else None)
+    return TokenTerms(t[2], t[3], t[4], t[5], t[6] if has_ref else None, t[7] if has_ref else None)
 
 
-def gspo_terms(logp: Tensor, old: Tensor, adv: Tensor, m: Tensor, ids: Tensor, num_seqs: int,
-               cfg: LossConfig, ref: Tensor | None) -> tuple[TokenTerms, Tensor]:
+def gspo_terms(
+    logp: Tensor,
+    old: Tensor,
+    adv: Tensor,
+    m: Tensor,
+    ids: Tensor,
+    num_seqs: int,
+    cfg: LossConfig,
+    ref: Tensor | None,
+) -> tuple[TokenTerms, Tensor]:
     """GSPO sequence terms broadcast to tokens; dpg is d pg_i / d logp_t for t in i.
 
     Returns (terms, ids) where terms.pg is pg_i on every token of sequence i.
@@ -70,9 +79,18 @@ def gspo_terms(logp: Tensor, old: Tensor, adv: Tensor, m: Tensor, ids: Tensor, n
     return terms, ids
 
 
-def assemble(logp: Tensor, ent: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: LossConfig,
-             ids: Tensor | None, num_seqs: int, terms: TokenTerms, rollout: Tensor | None
-             ) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor | None]:
+def assemble(
+    logp: Tensor,
+    ent: Tensor,
+    old: Tensor,
+    adv: Tensor,
+    m: Tensor,
+    cfg: LossConfig,
+    ids: Tensor | None,
+    num_seqs: int,
+    terms: TokenTerms,
+    rollout: Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor | None]:
     """Loss (0-d), metrics, g [T] = dL/dlogp and h [T] = dL/dH (None when entropy_coef == 0)."""
     c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens)
     w = None
@@ -98,7 +116,6 @@ def assemble(logp: Tensor, ent: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * (c * ent).sum()
         h = -cfg.entropy_coef * c
-    metrics = loss_metrics(m, pg_loss, terms.ratio, terms.clipped > 0, adv, cfg, ent,
-                           terms.kl, w)
+    metrics = loss_metrics(m, pg_loss, terms.ratio, terms.clipped > 0, adv, cfg, ent, terms.kl, w)
     metrics["loss/total"] = loss.detach()
     return loss, metrics, g, h

@@ -49,13 +49,23 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         if plan.cfg.variant == "gspo":
             if plan.ids is None:
                 raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
-            terms, _ = epilogue.gspo_terms(logp, old, plan.adv, plan.mask, plan.ids,
-                                           plan.num_seqs, plan.cfg, plan.ref)
+            terms, _ = epilogue.gspo_terms(
+                logp, old, plan.adv, plan.mask, plan.ids, plan.num_seqs, plan.cfg, plan.ref
+            )
         else:
             terms = epilogue.token_terms(logp, old, plan.adv, plan.cfg, plan.ref)
-        loss, plan.metrics, g, h = epilogue.assemble(logp, ent, old, plan.adv, plan.mask,
-                                                     plan.cfg, plan.ids, plan.num_seqs, terms,
-                                                     plan.rollout)
+        loss, plan.metrics, g, h = epilogue.assemble(
+            logp,
+            ent,
+            old,
+            plan.adv,
+            plan.mask,
+            plan.cfg,
+            plan.ids,
+            plan.num_seqs,
+            terms,
+            plan.rollout,
+        )
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -63,8 +73,18 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             for r0, r1 in _chunks(T, chunk_tokens):  # pass 2: gradients
                 logits = hidden[r0:r1] @ weight.T
                 hc = None if h is None else h[r0:r1]
-                grad_pass(logits, plan.target[r0:r1], lse[r0:r1], ex[r0:r1], g[r0:r1], hc, logits,
-                      start, plan.backend, cb)
+                grad_pass(
+                    logits,
+                    plan.target[r0:r1],
+                    lse[r0:r1],
+                    ex[r0:r1],
+                    g[r0:r1],
+                    hc,
+                    logits,
+                    start,
+                    plan.backend,
+                    cb,
+                )
                 if need_h:
                     grad_h[r0:r1] = (logits @ weight).float()
                 if need_w:
@@ -81,12 +101,21 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         return out_h, out_w, None, None
 
 
-def fused_linear_policy_loss(hidden: Tensor, weight: Tensor, target_ids: Tensor,
-                             old_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
-                             cfg: LossConfig, ref_logprobs: Tensor | None = None, tp_group=None,
-                             *, rollout_logprobs: Tensor | None = None,
-                             seq_ids: Tensor | None = None, chunk_tokens: int | None = None
-                             ) -> tuple[Tensor, dict[str, Tensor]]:
+def fused_linear_policy_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    target_ids: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logprobs: Tensor | None = None,
+    tp_group=None,
+    *,
+    rollout_logprobs: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO-family loss of logits = hidden @ weight^T without materialising the logits.
 
     Args:
@@ -99,9 +128,14 @@ def fused_linear_policy_loss(hidden: Tensor, weight: Tensor, target_ids: Tensor,
         (loss, metrics); loss is differentiable w.r.t. hidden and weight.
     """
     lead = hidden.shape[:-1]
-    for name, t in (("target_ids", target_ids), ("advantages", advantages), ("mask", mask),
-                    ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
-                    ("rollout_logprobs", rollout_logprobs)):
+    for name, t in (
+        ("target_ids", target_ids),
+        ("advantages", advantages),
+        ("mask", mask),
+        ("old_logprobs", old_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+    ):
         if t is not None and tuple(t.shape) != tuple(lead):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -112,9 +146,19 @@ def fused_linear_policy_loss(hidden: Tensor, weight: Tensor, target_ids: Tensor,
     def flat(t):
         return None if t is None else t.reshape(-1).float()
 
-    plan = LossPlan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
-                 flat(ref_logprobs), flat(rollout_logprobs), ids, num_seqs, tp_group,
-                 resolve_backend(cfg.backend, hidden.device))
+    plan = LossPlan(
+        target_ids.reshape(-1),
+        flat(old_logprobs),
+        flat(advantages),
+        flat(mask),
+        cfg,
+        flat(ref_logprobs),
+        flat(rollout_logprobs),
+        ids,
+        num_seqs,
+        tp_group,
+        resolve_backend(cfg.backend, hidden.device),
+    )
     if chunk_tokens is None:
         chunk_tokens = max(1, cfg.chunk_bytes // (weight.shape[0] * hidden.element_size()))
     loss = _FusedLinearPolicyLoss.apply(hidden2d, weight, plan, int(chunk_tokens))

@@ -38,28 +38,49 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def stats_pass(logits: Tensor, target: Tensor, vocab_start: int, backend: str,
-               chunk_bytes: int, fuse: dict | None) -> tuple[Tensor, Tensor | None]:
+def stats_pass(
+    logits: Tensor,
+    target: Tensor,
+    vocab_start: int,
+    backend: str,
+    chunk_bytes: int,
+    fuse: dict | None,
+) -> tuple[Tensor, Tensor | None]:
     """Local stats [T, 4] of logits [T, V_local] (+ fused surrogate terms [T, 8] or None)."""
     if backend == "triton":
         from megagrpo.kernels.triton_loss import triton_stats
+
         return triton_stats(logits, target, vocab_start, **(fuse or {}))
     return chunked.chunked_stats(logits, target, vocab_start, chunk_bytes), None
 
 
-def grad_pass(logits: Tensor, target: Tensor, lse: Tensor, ex: Tensor, g: Tensor,
-              h: Tensor | None, out: Tensor, vocab_start: int, backend: str,
-              chunk_bytes: int) -> Tensor:
+def grad_pass(
+    logits: Tensor,
+    target: Tensor,
+    lse: Tensor,
+    ex: Tensor,
+    g: Tensor,
+    h: Tensor | None,
+    out: Tensor,
+    vocab_start: int,
+    backend: str,
+    chunk_bytes: int,
+) -> Tensor:
     """Write dL/dlogits [T, V_local] into out (may be logits) from per-token g, h [T]."""
     if backend == "triton":
         from megagrpo.kernels.triton_loss import triton_logits_grad
+
         return triton_logits_grad(logits, target, lse, ex, g, h, out, vocab_start)
-    return chunked.chunked_logits_grad(logits, target, lse, ex, g, h, out, vocab_start,
-                                       chunk_bytes)
+    return chunked.chunked_logits_grad(logits, target, lse, ex, g, h, out, vocab_start, chunk_bytes)
 
 
-def token_stats(logits: Tensor, target_ids: Tensor, tp_group=None, backend: str = "auto",
-                chunk_bytes: int = 32 << 20) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def token_stats(
+    logits: Tensor,
+    target_ids: Tensor,
+    tp_group=None,
+    backend: str = "auto",
+    chunk_bytes: int = 32 << 20,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token (logp, entropy, lse, E[x]) [T] fp32 of logits [T, V_local], no [T, V] fp32.
 
     Use it for old/reference log-probs (no grad). With tp_group the vocab is sharded and the
@@ -100,8 +121,13 @@ def _forward(logits2d: Tensor, p: LossPlan) -> tuple[Tensor, Tensor, Tensor, Ten
     tp = group_size(p.tp_group)
     fuse = None
     if p.backend == "triton" and tp == 1 and p.cfg.variant != "gspo" and p.old is not None:
-        fuse = dict(old_logprobs=p.old, advantages=p.adv, ref_logprobs=p.ref,
-                    eps_low=p.cfg.eps_low, eps_high=p.cfg.eps_high)
+        fuse = dict(
+            old_logprobs=p.old,
+            advantages=p.adv,
+            ref_logprobs=p.ref,
+            eps_low=p.cfg.eps_low,
+            eps_high=p.cfg.eps_high,
+        )
     stats, kterms = stats_pass(logits2d, p.target, start, p.backend, p.cfg.chunk_bytes, fuse)
     stats = combine_stats(stats, p.tp_group)
     lse = stats[:, 0] + torch.log(stats[:, 1])
@@ -117,8 +143,9 @@ def _forward(logits2d: Tensor, p: LossPlan) -> tuple[Tensor, Tensor, Tensor, Ten
         terms, _ = epilogue.gspo_terms(logp, old, p.adv, p.mask, p.ids, p.num_seqs, p.cfg, p.ref)
     else:
         terms = epilogue.token_terms(logp, old, p.adv, p.cfg, p.ref)
-    loss, p.metrics, g, h = epilogue.assemble(logp, ent, old, p.adv, p.mask, p.cfg, p.ids,
-                                              p.num_seqs, terms, p.rollout)
+    loss, p.metrics, g, h = epilogue.assemble(
+        logp, ent, old, p.adv, p.mask, p.cfg, p.ids, p.num_seqs, terms, p.rollout
+    )
     return loss, lse, ex, g, h
 
 
@@ -133,8 +160,18 @@ class _FusedPolicyLoss(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             start = vocab_start_of(plan.tp_group, logits2d.shape[1])
             if plan.cfg.grad_in_logits:
-                grad_pass(logits2d, plan.target, lse, ex, g, h, logits2d, start, plan.backend,
-                      plan.cfg.chunk_bytes)
+                grad_pass(
+                    logits2d,
+                    plan.target,
+                    lse,
+                    ex,
+                    g,
+                    h,
+                    logits2d,
+                    start,
+                    plan.backend,
+                    plan.cfg.chunk_bytes,
+                )
                 # Triton writes through raw pointers: bump the version counter so that any
                 # other autograd node that saved these logits raises instead of using grads.
                 increment_version(logits2d)
@@ -162,11 +199,19 @@ class _FusedPolicyLoss(torch.autograd.Function):
         return out, None
 
 
-def fused_policy_loss(logits: Tensor, target_ids: Tensor, old_logprobs: Tensor | None,
-                      advantages: Tensor, mask: Tensor, cfg: LossConfig,
-                      ref_logprobs: Tensor | None = None, tp_group=None, *,
-                      rollout_logprobs: Tensor | None = None, seq_ids: Tensor | None = None
-                      ) -> tuple[Tensor, dict[str, Tensor]]:
+def fused_policy_loss(
+    logits: Tensor,
+    target_ids: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logprobs: Tensor | None = None,
+    tp_group=None,
+    *,
+    rollout_logprobs: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO/DAPO/Dr.GRPO/GSPO loss straight from logits, without a [T, V] fp32 log-softmax.
 
     Args:
@@ -187,24 +232,43 @@ def fused_policy_loss(logits: Tensor, target_ids: Tensor, old_logprobs: Tensor |
     """
     v_local = logits.shape[-1]
     lead = logits.shape[:-1]
-    for name, t in (("target_ids", target_ids), ("advantages", advantages), ("mask", mask),
-                    ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
-                    ("rollout_logprobs", rollout_logprobs)):
+    for name, t in (
+        ("target_ids", target_ids),
+        ("advantages", advantages),
+        ("mask", mask),
+        ("old_logprobs", old_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+    ):
         if t is not None and tuple(t.shape) != tuple(lead):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
     logits2d = logits.reshape(-1, v_local)
     if logits2d.stride(1) != 1:
         logits2d = logits2d.contiguous()
     if logits2d.data_ptr() != logits.data_ptr() or logits2d.stride(1) != 1:
-        log.warning("fused_policy_loss: logits %s with strides %s are copied; pass a [T, V] "
-                    "view to avoid an extra [T, V] tensor", tuple(logits.shape), logits.stride())
+        log.warning(
+            "fused_policy_loss: logits %s with strides %s are copied; pass a [T, V] "
+            "view to avoid an extra [T, V] tensor",
+            tuple(logits.shape),
+            logits.stride(),
+        )
     ids, num_seqs = make_seq_ids(lead, seq_ids, logits.device)
 
     def flat(t):
         return None if t is None else t.reshape(-1).float()
 
-    plan = LossPlan(target_ids.reshape(-1), flat(old_logprobs), flat(advantages), flat(mask), cfg,
-                 flat(ref_logprobs), flat(rollout_logprobs), ids, num_seqs, tp_group,
-                 resolve_backend(cfg.backend, logits.device))
+    plan = LossPlan(
+        target_ids.reshape(-1),
+        flat(old_logprobs),
+        flat(advantages),
+        flat(mask),
+        cfg,
+        flat(ref_logprobs),
+        flat(rollout_logprobs),
+        ids,
+        num_seqs,
+        tp_group,
+        resolve_backend(cfg.backend, logits.device),
+    )
     loss = _FusedPolicyLoss.apply(logits2d, plan)
     return loss, plan.metrics

@@ -24,9 +24,23 @@ NUM_STATS = 4
 
 
 @triton.jit
-def _stats_fwd_kernel(logits_ptr, stride_row, target_ptr, vocab_start, V,
-                      stats_ptr, terms_ptr, old_ptr, adv_ptr, ref_ptr, eps_low, eps_high,
-                      BLOCK_V: tl.constexpr, FUSE: tl.constexpr, HAS_REF: tl.constexpr):
+def _stats_fwd_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    vocab_start,
+    V,
+    stats_ptr,
+    terms_ptr,
+    old_ptr,
+    adv_ptr,
+    ref_ptr,
+    eps_low,
+    eps_high,
+    BLOCK_V: tl.constexpr,
+    FUSE: tl.constexpr,
+    HAS_REF: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_V)
@@ -79,9 +93,21 @@ def _stats_fwd_kernel(logits_ptr, stride_row, target_ptr, vocab_start, V,
 
 
 @triton.jit
-def _logits_grad_kernel(logits_ptr, stride_row, grad_ptr, grad_stride, target_ptr, vocab_start,
-                        V, lse_ptr, ex_ptr, g_ptr, h_ptr,
-                        BLOCK_V: tl.constexpr, HAS_H: tl.constexpr):
+def _logits_grad_kernel(
+    logits_ptr,
+    stride_row,
+    grad_ptr,
+    grad_stride,
+    target_ptr,
+    vocab_start,
+    V,
+    lse_ptr,
+    ex_ptr,
+    g_ptr,
+    h_ptr,
+    BLOCK_V: tl.constexpr,
+    HAS_H: tl.constexpr,
+):
     """grad_j = g * (onehot_j - p_j) - h * p_j * (x_j - E[x]);  g = dL/dlogp, h = dL/dH."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
@@ -120,19 +146,28 @@ def _check(logits: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("logits must be [T, V] with a contiguous vocab dim")
     if not logits.is_cuda and not _interpreting():
-        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
-                           "megagrpo.kernels.triton_loss is imported; use backend='torch'")
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+            "megagrpo.kernels.triton_loss is imported; use backend='torch'"
+        )
 
 
 def _interpreting() -> bool:
     return type(_stats_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def triton_stats(logits: torch.Tensor, target_ids: torch.Tensor, vocab_start: int = 0, *,
-                 old_logprobs: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-                 ref_logprobs: torch.Tensor | None = None, eps_low: float = 0.2,
-                 eps_high: float = 0.2, block_v: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def triton_stats(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    vocab_start: int = 0,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Online log-softmax stats of logits [T, V_local] (bf16/fp16/fp32).
 
     Returns stats [T, 4] fp32 = (max, sum exp(x - max), E[x], target logit or 0) and, when
@@ -151,17 +186,38 @@ def triton_stats(logits: torch.Tensor, target_ids: torch.Tensor, vocab_start: in
     if T == 0:
         return stats, (terms if fuse else None)
     bv = _block_v(V, block_v)
-    _stats_fwd_kernel[(T,)](logits, logits.stride(0), target_ids.contiguous(), vocab_start, V,
-                            stats, terms, old, adv, ref, float(eps_low), float(eps_high),
-                            BLOCK_V=bv, FUSE=fuse, HAS_REF=ref_logprobs is not None,
-                            num_warps=8 if bv >= 2048 else 4)
+    _stats_fwd_kernel[(T,)](
+        logits,
+        logits.stride(0),
+        target_ids.contiguous(),
+        vocab_start,
+        V,
+        stats,
+        terms,
+        old,
+        adv,
+        ref,
+        float(eps_low),
+        float(eps_high),
+        BLOCK_V=bv,
+        FUSE=fuse,
+        HAS_REF=ref_logprobs is not None,
+        num_warps=8 if bv >= 2048 else 4,
+    )
     return stats, (terms if fuse else None)
 
 
-def triton_logits_grad(logits: torch.Tensor, target_ids: torch.Tensor, lse: torch.Tensor,
-                       ex: torch.Tensor, g: torch.Tensor, h: torch.Tensor | None,
-                       out: torch.Tensor, vocab_start: int = 0,
-                       block_v: int | None = None) -> torch.Tensor:
+def triton_logits_grad(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    lse: torch.Tensor,
+    ex: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    out: torch.Tensor,
+    vocab_start: int = 0,
+    block_v: int | None = None,
+) -> torch.Tensor:
     """Write d loss / d logits [T, V_local] into ``out`` (may be ``logits`` itself).
 
     lse, ex, g, h: [T] fp32 global log-sum-exp, E[x], dL/dlogp, dL/dentropy (h None: no
@@ -175,8 +231,20 @@ def triton_logits_grad(logits: torch.Tensor, target_ids: torch.Tensor, lse: torc
         raise ValueError("out must have a contiguous vocab dim")
     bv = _block_v(V, block_v)
     has_h = h is not None
-    _logits_grad_kernel[(T,)](logits, logits.stride(0), out, out.stride(0), target_ids.contiguous(),
-                              vocab_start, V, lse.contiguous(), ex.contiguous(), g.contiguous(),
-                              h.contiguous() if has_h else g, BLOCK_V=bv, HAS_H=has_h,
-                              num_warps=8 if bv >= 2048 else 4)
+    _logits_grad_kernel[(T,)](
+        logits,
+        logits.stride(0),
+        out,
+        out.stride(0),
+        target_ids.contiguous(),
+        vocab_start,
+        V,
+        lse.contiguous(),
+        ex.contiguous(),
+        g.contiguous(),
+        h.contiguous() if has_h else g,
+        BLOCK_V=bv,
+        HAS_H=has_h,
+        num_warps=8 if bv >= 2048 else 4,
+    )
     return out

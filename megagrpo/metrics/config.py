@@ -28,6 +28,7 @@ class MetricsConfig:
 
     def validate(self, path: str = "metrics") -> None:
         """Check values; raises ConfigError naming the key."""
-        require(self.wandb_mode in WANDB_MODES, f"{path}.wandb_mode",
-                f"must be one of {WANDB_MODES}")
+        require(
+            self.wandb_mode in WANDB_MODES, f"{path}.wandb_mode", f"must be one of {WANDB_MODES}"
+        )
         require(self.log_every >= 1, f"{path}.log_every", "must be >= 1")

@@ -100,18 +100,25 @@ class WandbLogger:
         id_file.write_text(run_id)
         wandb_dir = Path(cfg.wandb_dir or run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
-        kwargs = dict(project=cfg.wandb_project, entity=cfg.wandb_entity, name=name,
-                      resume="allow", dir=str(wandb_dir), mode=cfg.wandb_mode,
-                      config=config or {},
-                      settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
+        kwargs = dict(
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity,
+            name=name,
+            resume="allow",
+            dir=str(wandb_dir),
+            mode=cfg.wandb_mode,
+            config=config or {},
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+        )
         try:
             self._run = wandb.init(id=run_id, **kwargs)
         except Exception as exc:  # noqa: BLE001 - e.g. "run ID in use" after a SIGKILL
             # The killed process's W&B service may still hold the id: continue in a new run
             # (same name and group), never lose the training run over its logging.
             new_id = f"{run_id.split('-r')[0]}-r{secrets.token_hex(2)}"
-            log.warning("W&B run %s could not be resumed (%s); logging to new run %s",
-                        run_id, exc, new_id)
+            log.warning(
+                "W&B run %s could not be resumed (%s); logging to new run %s", run_id, exc, new_id
+            )
             id_file.write_text(new_id)
             self._run = wandb.init(id=new_id, group=run_id.split("-r")[0], **kwargs)
 
@@ -126,24 +133,35 @@ class WandbLogger:
 class ConsoleLogger:
     """tqdm progress bar: step, reward, raw ACR, tokens/s; an INFO line every ``log_every``."""
 
-    def __init__(self, total_steps: int, initial_step: int = 0, log_every: int = 1,
-                 bar: bool = True):
+    def __init__(
+        self, total_steps: int, initial_step: int = 0, log_every: int = 1, bar: bool = True
+    ):
         self.log_every = log_every
         self._bar = None
         if bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", unit="step",
-                             dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial_step,
+                desc="grpo",
+                unit="step",
+                dynamic_ncols=True,
+            )
 
     @staticmethod
     def summary(metrics: dict[str, float | None]) -> dict[str, str]:
         """The few figures worth a glance, formatted."""
+
         def fmt(key: str, spec: str) -> str:
             v = _clean(metrics.get(key))
             return "-" if v is None else format(v, spec)
-        return {"reward": fmt("reward/mean", ".3f"), "acr_raw": fmt("collapse/acr_raw", ".2f"),
-                "tok/s": fmt("perf/tokens_per_s", ".0f")}
+
+        return {
+            "reward": fmt("reward/mean", ".3f"),
+            "acr_raw": fmt("collapse/acr_raw", ".2f"),
+            "tok/s": fmt("perf/tokens_per_s", ".0f"),
+        }
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         info = self.summary(metrics)
@@ -173,9 +191,16 @@ class MultiLogger:
             lg.close()
 
 
-def build_logger(cfg: MetricsConfig, run_dir: str | os.PathLike, *, rank: int, name: str,
-                 total_steps: int, start_step: int = 0,
-                 config: dict | None = None) -> MetricLogger:
+def build_logger(
+    cfg: MetricsConfig,
+    run_dir: str | os.PathLike,
+    *,
+    rank: int,
+    name: str,
+    total_steps: int,
+    start_step: int = 0,
+    config: dict | None = None,
+) -> MetricLogger:
     """JSONL + W&B + console on rank 0 (rows after ``start_step`` dropped); NullLogger elsewhere."""
     if rank != 0:
         return NullLogger()

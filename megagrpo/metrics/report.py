@@ -31,8 +31,12 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="run directory holding metrics.jsonl (runs/<name>)")
     parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
-    parser.add_argument("--max-resample", type=int, default=None,
-                        help="R for the 1 - 1/R line (default: from RUN_DIR/config.yaml)")
+    parser.add_argument(
+        "--max-resample",
+        type=int,
+        default=None,
+        help="R for the 1 - 1/R line (default: from RUN_DIR/config.yaml)",
+    )
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -72,15 +76,20 @@ def plot_collapse(rows: list[dict], out: Path, rounds: int | None) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label, style in (
-            ("collapse/acr_raw", "raw ACR (pre-filter, first generation)", "-o"),
-            ("collapse/frac_reward_zero_std", "frac_reward_zero_std (post-filter, trained)", "-s"),
-            ("collapse/acr_predicted", "predicted ACR (levels)", ":")):
+        ("collapse/acr_raw", "raw ACR (pre-filter, first generation)", "-o"),
+        ("collapse/frac_reward_zero_std", "frac_reward_zero_std (post-filter, trained)", "-s"),
+        ("collapse/acr_predicted", "predicted ACR (levels)", ":"),
+    ):
         x, y = _series(rows, key)
         if x:
             ax.plot(x, y, style, ms=3, label=label)
     if rounds:
-        ax.axhline(1 - 1 / rounds, color="red", ls="--",
-                   label=f"1 - 1/R = {1 - 1 / rounds:.2f} (R = {rounds} checked rounds)")
+        ax.axhline(
+            1 - 1 / rounds,
+            color="red",
+            ls="--",
+            label=f"1 - 1/R = {1 - 1 / rounds:.2f} (R = {rounds} checked rounds)",
+        )
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of groups collapsed")
@@ -93,9 +102,18 @@ def plot_reward(rows: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    keys = ["reward/mean", "reward/mean_raw"] + sorted({k for r in rows for k in r
-                                     if k.startswith("reward/") and k.endswith("/mean")
-                                     and k != "reward/mean"}) + ["eval/accuracy"]
+    keys = (
+        ["reward/mean", "reward/mean_raw"]
+        + sorted(
+            {
+                k
+                for r in rows
+                for k in r
+                if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"
+            }
+        )
+        + ["eval/accuracy"]
+    )
     for key in keys:
         x, y = _series(rows, key)
         if x:
@@ -129,8 +147,10 @@ def plot_levels(rows: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    levels = sorted({k for r in rows for k in r if k.startswith("curriculum/level_hist/L")},
-                    key=lambda k: int(k.rsplit("L", 1)[1]))
+    levels = sorted(
+        {k for r in rows for k in r if k.startswith("curriculum/level_hist/L")},
+        key=lambda k: int(k.rsplit("L", 1)[1]),
+    )
     steps = [r["step"] for r in rows]
     stacks = [[float(r.get(k) or 0.0) for r in rows] for k in levels]
     if steps and stacks:
@@ -148,8 +168,11 @@ def plot_time(rows: list[dict], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows]
     bottom = [0.0] * len(rows)
-    for key, label in (("perf/gen_s", "generation"), ("perf/train_s", "training"),
-                       ("perf/sync_s", "weight sync")):
+    for key, label in (
+        ("perf/gen_s", "generation"),
+        ("perf/train_s", "training"),
+        ("perf/sync_s", "weight sync"),
+    ):
         vals = [float(r.get(key) or 0.0) for r in rows]
         ax.bar(steps, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -164,8 +187,11 @@ def plot_time(rows: list[dict], out: Path) -> Path:
     return _save(fig, out / "time.png")
 
 
-def make_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None,
-                max_resample: int | None = None) -> list[Path]:
+def make_report(
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    max_resample: int | None = None,
+) -> list[Path]:
     """Draw every plot; returns the PNG paths. DataError when metrics.jsonl is missing/empty."""
     import matplotlib
 
@@ -180,11 +206,21 @@ def make_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None
     out = Path(out) if out else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     rounds = _checked_rounds(run_dir, max_resample)
-    paths = [plot_collapse(rows, out, rounds), plot_reward(rows, out), plot_length(rows, out),
-             plot_levels(rows, out), plot_time(rows, out)]
-    summary = {"steps": len(rows), "plots": [p.name for p in paths],
-               "last": {k: rows[-1].get(k) for k in ("reward/mean", "collapse/acr_raw",
-                                                     "collapse/frac_reward_zero_std")}}
+    paths = [
+        plot_collapse(rows, out, rounds),
+        plot_reward(rows, out),
+        plot_length(rows, out),
+        plot_levels(rows, out),
+        plot_time(rows, out),
+    ]
+    summary = {
+        "steps": len(rows),
+        "plots": [p.name for p in paths],
+        "last": {
+            k: rows[-1].get(k)
+            for k in ("reward/mean", "collapse/acr_raw", "collapse/frac_reward_zero_std")
+        },
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return paths
 

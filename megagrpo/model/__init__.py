@@ -1,7 +1,7 @@
 """megagrpo.model: Qwen3-MoE / Qwen3 / Llama on Megatron-core with LoRA, HF weights in/out.
 
-    from megagrpo.model import build_policy
-    policy = build_policy(model_cfg, groups)   # groups from megagrpo.parallel.init_parallel
+from megagrpo.model import build_policy
+policy = build_policy(model_cfg, groups)   # groups from megagrpo.parallel.init_parallel
 """
 
 from megagrpo.model.config import LoraConfig, ModelConfig

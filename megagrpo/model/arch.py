@@ -69,8 +69,9 @@ def _rope_theta(cfg: dict) -> float:
     scaling = cfg.get("rope_scaling") or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     if kind not in (None, "default"):
-        raise ConfigError(f"config key 'rope_scaling': rope type {kind!r} is not supported "
-                          "(only plain RoPE)")
+        raise ConfigError(
+            f"config key 'rope_scaling': rope type {kind!r} is not supported (only plain RoPE)"
+        )
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
@@ -80,8 +81,9 @@ def arch_from_hf(cfg: dict | Any) -> Arch:
         cfg = cfg.to_dict()
     mt = cfg.get("model_type")
     if mt not in SUPPORTED:
-        raise ConfigError(f"config key 'model_type': {mt!r} is not supported "
-                          f"({', '.join(SUPPORTED)})")
+        raise ConfigError(
+            f"config key 'model_type': {mt!r} is not supported ({', '.join(SUPPORTED)})"
+        )
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(cfg.get(key), int):
             raise ConfigError(f"config key '{key}': missing or not an integer")
@@ -90,27 +92,38 @@ def arch_from_hf(cfg: dict | Any) -> Arch:
     if heads % kv:
         raise ConfigError(f"config key 'num_key_value_heads': {kv} does not divide {heads}")
     if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
-        raise ConfigError("config key 'use_sliding_window': sliding-window attention "
-                          "is not supported")
+        raise ConfigError(
+            "config key 'use_sliding_window': sliding-window attention is not supported"
+        )
     n = cfg["num_hidden_layers"]
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) \
-        if mt == "qwen3_moe" else 0
+    experts = (
+        int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if mt == "qwen3_moe" else 0
+    )
     step = int(cfg.get("decoder_sparse_step") or 1)
     only_mlp = set(cfg.get("mlp_only_layers") or [])
     moe_layers = [bool(experts) and i not in only_mlp and (i + 1) % step == 0 for i in range(n)]
     return Arch(
-        model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        num_layers=n, num_heads=heads, num_kv_heads=kv,
+        model_type=mt,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv,
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         ffn_hidden_size=int(cfg.get("intermediate_size") or 0),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=mt in ("qwen3", "qwen3_moe"),
         qkv_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
-        num_experts=experts, moe_topk=int(cfg.get("num_experts_per_tok") or 0),
+        num_experts=experts,
+        moe_topk=int(cfg.get("num_experts_per_tok") or 0),
         moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_layers=moe_layers, raw=cfg)
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        moe_layers=moe_layers,
+        raw=cfg,
+    )
 
 
 def param_counts(a: Arch) -> dict[str, int]:

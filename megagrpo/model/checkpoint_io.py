@@ -54,20 +54,25 @@ def check_hf_dir(hf_dir: str | Path) -> dict:
                     raise CheckpointError(f"{path.name}: unknown tensor '{key}'")
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != shapes[key]:
-                    raise CheckpointError(f"{path.name}: tensor '{key}' has shape {shape}, "
-                                          f"config implies {shapes[key]}")
+                    raise CheckpointError(
+                        f"{path.name}: tensor '{key}' has shape {shape}, "
+                        f"config implies {shapes[key]}"
+                    )
                 seen.add(key)
     missing = [k for k in shapes if k not in seen]
     if missing:
-        raise CheckpointError(f"{hf_dir}: tensor '{missing[0]}' missing "
-                              f"({len(missing)} missing in total)")
+        raise CheckpointError(
+            f"{hf_dir}: tensor '{missing[0]}' missing ({len(missing)} missing in total)"
+        )
     return cfg
 
 
 def _shard_names(groups, prefix: str = "") -> tuple[str, str]:
     g = groups
-    return (f"{prefix}dense_tp{g.tp_rank}_pp{g.pp_rank}.safetensors",
-            f"{prefix}expert_ep{g.ep_rank}_etp{g.etp_rank}_pp{g.pp_rank}.safetensors")
+    return (
+        f"{prefix}dense_tp{g.tp_rank}_pp{g.pp_rank}.safetensors",
+        f"{prefix}expert_ep{g.ep_rank}_etp{g.etp_rank}_pp{g.pp_rank}.safetensors",
+    )
 
 
 def _split(sd: dict[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -126,13 +131,16 @@ def load_shards(policy, ckpt: Path, with_lora: bool) -> None:
         with torch.no_grad():
             for n, p in params.items():
                 if tuple(sd[n].shape) != tuple(p.shape):
-                    raise CheckpointError(f"{ckpt}: tensor '{n}' has shape "
-                                          f"{tuple(sd[n].shape)}, model has {tuple(p.shape)}")
+                    raise CheckpointError(
+                        f"{ckpt}: tensor '{n}' has shape "
+                        f"{tuple(sd[n].shape)}, model has {tuple(p.shape)}"
+                    )
                 p.copy_(sd[n])
 
 
-def save_policy_checkpoint(policy, out_dir: str | Path, with_base: bool = True,
-                           base_ckpt: str | Path | None = None) -> Path:
+def save_policy_checkpoint(
+    policy, out_dir: str | Path, with_base: bool = True, base_ckpt: str | Path | None = None
+) -> Path:
     """Collective: write ``policy`` (LoRA shards, plus base shards when ``with_base``) as a
     checkpoint that ``tools/convert_ckpt.py export`` reads. Without base shards,
     ``base_ckpt`` (a checkpoint from ``import`` with the same layout) or the HF directory
@@ -159,9 +167,15 @@ def save_policy_checkpoint(policy, out_dir: str | Path, with_base: bool = True,
     if dist.get_rank() == 0:
         from megagrpo.model.policy import layout_of
 
-        write_meta(tmp, asdict(layout_of(policy.groups)), policy.groups.world_size,
-                   policy.cfg.dtype, policy.cfg.lora, has_lora=True,
-                   base=None if with_base else str(base_ckpt or policy.cfg.hf_path))
+        write_meta(
+            tmp,
+            asdict(layout_of(policy.groups)),
+            policy.groups.world_size,
+            policy.cfg.dtype,
+            policy.cfg.lora,
+            has_lora=True,
+            base=None if with_base else str(base_ckpt or policy.cfg.hf_path),
+        )
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -192,16 +206,21 @@ def import_worker(rank: int, job: dict) -> dict:
     try:
         t0 = time.perf_counter()
         lora = LoraConfig(**job["lora"])
-        policy = build_policy(ModelConfig(hf_path=job["hf"], lora=lora, dtype=job["dtype"]),
-                              groups)
+        policy = build_policy(ModelConfig(hf_path=job["hf"], lora=lora, dtype=job["dtype"]), groups)
         t_load = time.perf_counter() - t0
         save_shards(policy, Path(job["tmp"]), with_lora=False)
         dist.barrier()
-        return {"rank": rank, "load_s": t_load, "total_s": time.perf_counter() - t0,
-                "peak_rss_mb": _peak_rss_mb(),
-                "shard_bytes": sum(p.numel() * p.element_size()
-                                   for n, p in policy.model.named_parameters()
-                                   if ".adapter." not in n)}
+        return {
+            "rank": rank,
+            "load_s": t_load,
+            "total_s": time.perf_counter() - t0,
+            "peak_rss_mb": _peak_rss_mb(),
+            "shard_bytes": sum(
+                p.numel() * p.element_size()
+                for n, p in policy.model.named_parameters()
+                if ".adapter." not in n
+            ),
+        }
     finally:
         destroy_parallel()
 
@@ -219,8 +238,9 @@ def export_worker(rank: int, job: dict) -> dict:
     try:
         t0 = time.perf_counter()
         ckpt = Path(job["ckpt"])
-        mcfg = ModelConfig(hf_path=str(ckpt / "hf"), lora=LoraConfig(**meta["lora"]),
-                           dtype=meta["dtype"])
+        mcfg = ModelConfig(
+            hf_path=str(ckpt / "hf"), lora=LoraConfig(**meta["lora"]), dtype=meta["dtype"]
+        )
         base = meta.get("base")
         if base and not (Path(base) / META).is_file():  # base weights from an HF directory
             policy = build_policy(dataclasses.replace(mcfg, hf_path=base), groups)
@@ -235,21 +255,29 @@ def export_worker(rank: int, job: dict) -> dict:
             policy.export_peft_adapter(out / "adapter")
         else:
             index: dict[str, str] = {}
-            buckets = policy.export_hf_weights(merge_lora=job["mode"] == "merged",
-                                               bucket_bytes=job["bucket_bytes"])
+            buckets = policy.export_hf_weights(
+                merge_lora=job["mode"] == "merged", bucket_bytes=job["bucket_bytes"]
+            )
             for i, bucket in enumerate(buckets):
                 written += sum(t.numel() * t.element_size() for _, t in bucket)
                 if rank == 0:
                     fname = f"model-{i + 1:05d}.safetensors"
-                    save_file({k: t.cpu() for k, t in bucket}, str(out / fname),
-                              metadata={"format": "pt"})
+                    save_file(
+                        {k: t.cpu() for k, t in bucket}, str(out / fname), metadata={"format": "pt"}
+                    )
                     index.update({k: fname for k, _ in bucket})
             if rank == 0:
-                (out / "model.safetensors.index.json").write_text(json.dumps(
-                    {"metadata": {"total_size": written}, "weight_map": index}, indent=1))
+                (out / "model.safetensors.index.json").write_text(
+                    json.dumps({"metadata": {"total_size": written}, "weight_map": index}, indent=1)
+                )
         dist.barrier()
-        return {"rank": rank, "load_s": t_load, "total_s": time.perf_counter() - t0,
-                "peak_rss_mb": _peak_rss_mb(), "bytes": written}
+        return {
+            "rank": rank,
+            "load_s": t_load,
+            "total_s": time.perf_counter() - t0,
+            "peak_rss_mb": _peak_rss_mb(),
+            "bytes": written,
+        }
     finally:
         destroy_parallel()
 
@@ -258,8 +286,11 @@ def copy_hf_metadata(src: Path, dst: Path) -> None:
     """config.json, tokenizer and generation files (everything but the weights)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and \
-                f.name != "model.safetensors.index.json":
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(f, dst / f.name)
 
 
@@ -279,12 +310,26 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
-def write_meta(out: Path, layout: dict, world: int, dtype: str, lora: LoraConfig,
-               has_lora: bool, base: str | None = None) -> None:
+def write_meta(
+    out: Path,
+    layout: dict,
+    world: int,
+    dtype: str,
+    lora: LoraConfig,
+    has_lora: bool,
+    base: str | None = None,
+) -> None:
     """``base``: where base weights live when this checkpoint holds only LoRA shards (a
     megagrpo checkpoint of the same layout, or an HF directory)."""
-    meta = {"format": FORMAT, "layout": layout, "world_size": world, "dtype": dtype,
-            "lora": asdict(lora), "has_lora": has_lora, "base": base}
+    meta = {
+        "format": FORMAT,
+        "layout": layout,
+        "world_size": world,
+        "dtype": dtype,
+        "lora": asdict(lora),
+        "has_lora": has_lora,
+        "base": base,
+    }
     (out / META).write_text(json.dumps(meta, indent=2))
 
 

@@ -6,8 +6,14 @@ from dataclasses import dataclass, field
 
 from megagrpo.config.loader import require
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
-                "expert_linear_fc1", "expert_linear_fc2")
+LORA_TARGETS = (
+    "linear_qkv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "expert_linear_fc1",
+    "expert_linear_fc2",
+)
 
 
 @dataclass
@@ -27,7 +33,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter input (0 keeps PEFT export exact for expert parameters)."""
     targets: list[str] = field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
     """Which Megatron linears get adapters (see class docstring)."""
     init_seed: int = 0
     """Seed for A's Kaiming-uniform init (same on every rank, so layouts agree)."""
@@ -36,8 +43,11 @@ class LoraConfig:
         require(self.rank >= 1, f"{path}.rank", "must be >= 1")
         require(0.0 <= self.dropout < 1.0, f"{path}.dropout", "must be in [0, 1)")
         for t in self.targets:
-            require(t in LORA_TARGETS, f"{path}.targets", f"unknown target {t!r}; "
-                    f"choose from {', '.join(LORA_TARGETS)}")
+            require(
+                t in LORA_TARGETS,
+                f"{path}.targets",
+                f"unknown target {t!r}; choose from {', '.join(LORA_TARGETS)}",
+            )
 
     @property
     def scaling(self) -> float:
@@ -61,8 +71,14 @@ class ModelConfig:
     """Longest sequence the model is built for (RoPE cache)."""
 
     def validate(self, path: str = "model") -> None:
-        require(self.dtype in ("float32", "bfloat16", "float16"), f"{path}.dtype",
-                f"{self.dtype!r} is not float32 | bfloat16 | float16")
-        require(self.spec in ("auto", "local", "te"), f"{path}.spec",
-                f"{self.spec!r} is not auto | local | te")
+        require(
+            self.dtype in ("float32", "bfloat16", "float16"),
+            f"{path}.dtype",
+            f"{self.dtype!r} is not float32 | bfloat16 | float16",
+        )
+        require(
+            self.spec in ("auto", "local", "te"),
+            f"{path}.spec",
+            f"{self.spec!r} is not auto | local | te",
+        )
         require(self.max_seq_len >= 1, f"{path}.max_seq_len", "must be >= 1")

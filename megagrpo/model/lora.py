@@ -48,10 +48,25 @@ class LoraAdapter(nn.Module):
     so every layout starts from the same adapter.
     """
 
-    def __init__(self, kind: str, in_local: int, out_local: int, rank: int, alpha: float,
-                 dropout: float, tp_group, tp_size: int, tp_rank: int, sequence_parallel: bool,
-                 explicit_expert_comm: bool, is_expert: bool, global_keys: list[str], seed: int,
-                 num_experts: int = 0, input_gathered: bool = False):
+    def __init__(
+        self,
+        kind: str,
+        in_local: int,
+        out_local: int,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        tp_group,
+        tp_size: int,
+        tp_rank: int,
+        sequence_parallel: bool,
+        explicit_expert_comm: bool,
+        is_expert: bool,
+        global_keys: list[str],
+        seed: int,
+        num_experts: int = 0,
+        input_gathered: bool = False,
+    ):
         super().__init__()
         self.kind, self.rank, self.scaling = kind, rank, alpha / rank
         self.tp_group, self.tp_size = tp_group, tp_size
@@ -62,10 +77,11 @@ class LoraAdapter(nn.Module):
         in_global = in_local * (tp_size if kind == "row" else 1)
         n = max(num_experts, 1)
         assert len(global_keys) == n, (global_keys, n)
-        a = torch.stack([kaiming_a(rank, in_global, _seeded_generator(seed, k))
-                         for k in global_keys])
+        a = torch.stack(
+            [kaiming_a(rank, in_global, _seeded_generator(seed, k)) for k in global_keys]
+        )
         if kind == "row":
-            a = a[:, :, tp_rank * in_local:(tp_rank + 1) * in_local]
+            a = a[:, :, tp_rank * in_local : (tp_rank + 1) * in_local]
         b = torch.zeros(n, out_local, rank)
         if not num_experts:
             a, b = a[0], b[0]
@@ -87,7 +103,8 @@ class LoraAdapter(nn.Module):
         if self.kind == "column":
             if self.sequence_parallel and not self.input_gathered:
                 x = mp.gather_from_sequence_parallel_region(
-                    x, tensor_parallel_output_grad=False, group=g)
+                    x, tensor_parallel_output_grad=False, group=g
+                )
             h = F.linear(x, a)
             if self.comm:
                 h = mp.copy_to_tensor_model_parallel_region(h, group=g)
@@ -163,7 +180,7 @@ def lora_grad_sync(params: list[nn.Parameter], groups) -> None:
         off = 0
         for p in ps:
             n = p.grad.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            p.grad.copy_(flat[off : off + n].view_as(p.grad))
             off += n
 
     reduce([p for p in params if getattr(p, "sequence_parallel", False)], groups.tp)

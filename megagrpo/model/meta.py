@@ -15,8 +15,14 @@ from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.parallel import ParallelConfig, validate_layout
 
 
-def meta_report(hf_config: str, layout: dict, world_size: int, rank: int = 0,
-                dtype: str = "bfloat16", lora: LoraConfig | None = None) -> dict:
+def meta_report(
+    hf_config: str,
+    layout: dict,
+    world_size: int,
+    rank: int = 0,
+    dtype: str = "bfloat16",
+    lora: LoraConfig | None = None,
+) -> dict:
     """Counts for ``rank`` of ``layout`` on ``world_size`` ranks (see module docstring).
 
     Runs in the calling process and leaves a fake torch.distributed group behind: call it in
@@ -43,14 +49,22 @@ def meta_report(hf_config: str, layout: dict, world_size: int, rank: int = 0,
     counts = param_counts(arch)
     itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
     return {
-        "model_type": arch.model_type, "total_params": counts["total"],
-        "active_params": counts["active"], "world_size": world_size, "rank": rank,
-        "layout": layout, "dp": groups.dp_size, "expert_dp": groups.expert_dp_size,
+        "model_type": arch.model_type,
+        "total_params": counts["total"],
+        "active_params": counts["active"],
+        "world_size": world_size,
+        "rank": rank,
+        "layout": layout,
+        "dp": groups.dp_size,
+        "expert_dp": groups.expert_dp_size,
         "layers_on_rank": arch.num_layers // groups.pp_size,
         "experts_on_rank": arch.num_experts // groups.ep_size if arch.is_moe else 0,
-        "rank_params": n_base, "rank_expert_params": expert,
-        "rank_bytes": n_base * itemsize, "rank_gib": round(n_base * itemsize / 2**30, 3),
-        "dtype": dtype, "rank_lora_params": n_lora,
+        "rank_params": n_base,
+        "rank_expert_params": expert,
+        "rank_bytes": n_base * itemsize,
+        "rank_gib": round(n_base * itemsize / 2**30, 3),
+        "dtype": dtype,
+        "rank_lora_params": n_lora,
         "hf_mapping_covers_rank": planned == n_base,
     }
 

@@ -39,7 +39,7 @@ def lora_target(hf_name: str, targets: list[str]) -> tuple[str, bool] | None:
     for pat, target, kind in _TARGET:
         if pat.search(hf_name):
             expert = target.startswith("expert_")
-            on = target in targets or (expert and target[len("expert_"):] in targets)
+            on = target in targets or (expert and target[len("expert_") :] in targets)
             return (kind, expert) if on else None
     return None
 
@@ -101,8 +101,9 @@ def _grad_view(view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return param.grad[idx]
 
 
-def peft_tensors(lora: dict, num_experts: int, expert_format: str = "fused"
-                 ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+def peft_tensors(
+    lora: dict, num_experts: int, expert_format: str = "fused"
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """PEFT state dict + ``target_modules`` + ``target_parameters`` from :func:`gather_lora`."""
     sd: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
@@ -119,15 +120,16 @@ def peft_tensors(lora: dict, num_experts: int, expert_format: str = "fused"
     for prefix, parts in experts.items():
         fused = {}
         if any(k[1] == "gate" for k in parts):
-            fused["gate_up_proj"] = [(parts[(e, "gate")][0],
-                                      torch.cat([parts[(e, "gate")][1], parts[(e, "up")][1]]))
-                                     for e in range(num_experts)]
+            fused["gate_up_proj"] = [
+                (parts[(e, "gate")][0], torch.cat([parts[(e, "gate")][1], parts[(e, "up")][1]]))
+                for e in range(num_experts)
+            ]
         if any(k[1] == "down" for k in parts):
             fused["down_proj"] = [parts[(e, "down")] for e in range(num_experts)]
         for pname, per in fused.items():
-            a = torch.cat([ae for ae, _ in per])                     # [E*r, in]
-            b = torch.stack([be for _, be in per], dim=-1)          # [out, r, E]
-            inner = len(fused) == 2 and pname == "gate_up_proj"     # peft nests the first
+            a = torch.cat([ae for ae, _ in per])  # [E*r, in]
+            b = torch.stack([be for _, be in per], dim=-1)  # [out, r, E]
+            inner = len(fused) == 2 and pname == "gate_up_proj"  # peft nests the first
             key = f"base_model.model.{prefix}{'.base_layer' if inner else ''}"
             sd[key + ".lora_A.weight"] = a.contiguous()
             sd[key + ".lora_B.weight"] = b.reshape(b.shape[0], -1).contiguous()
@@ -137,26 +139,39 @@ def peft_tensors(lora: dict, num_experts: int, expert_format: str = "fused"
     return sd, sorted(modules), sorted(params, key=order.get)
 
 
-def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused"
-                        ) -> Path | None:
+def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (rank 0, atomically:
     temp dir then rename). Collective. Returns the directory on rank 0, else None."""
     from safetensors.torch import save_file
 
     lc = policy.cfg.lora
-    if lc.dropout and expert_format == "fused" and any(
-            t.endswith("fc1") or t.endswith("fc2") for t in lc.targets) and policy.arch.is_moe:
-        raise ValueError("peft's fused-expert LoRA (target_parameters) has no dropout: "
-                         "set model.lora.dropout=0 or expert_format='per_expert'")
+    if (
+        lc.dropout
+        and expert_format == "fused"
+        and any(t.endswith("fc1") or t.endswith("fc2") for t in lc.targets)
+        and policy.arch.is_moe
+    ):
+        raise ValueError(
+            "peft's fused-expert LoRA (target_parameters) has no dropout: "
+            "set model.lora.dropout=0 or expert_format='per_expert'"
+        )
     lora = gather_lora(policy)
     if dist.get_rank() != 0:
         return None
     sd, modules, params = peft_tensors(lora, policy.arch.num_experts, expert_format)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc.rank, "lora_alpha": lc.alpha,
-        "lora_dropout": lc.dropout, "target_modules": modules, "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
-        "init_lora_weights": True, "modules_to_save": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lc.rank,
+        "lora_alpha": lc.alpha,
+        "lora_dropout": lc.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
         "base_model_name_or_path": str(policy.cfg.hf_path),
     }
     if params:

@@ -32,16 +32,24 @@ from megagrpo.parallel.state import ParallelGroups, validate_layout
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_KINDS = {"self_attention.linear_qkv": ("column", "linear_qkv"),
-          "self_attention.linear_proj": ("row", "linear_proj"),
-          "mlp.linear_fc1": ("column", "linear_fc1"), "mlp.linear_fc2": ("row", "linear_fc2")}
+_KINDS = {
+    "self_attention.linear_qkv": ("column", "linear_qkv"),
+    "self_attention.linear_proj": ("row", "linear_proj"),
+    "mlp.linear_fc1": ("column", "linear_fc1"),
+    "mlp.linear_fc2": ("row", "linear_fc2"),
+}
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.)?(linear_fc[12])$")
 
 
 def layout_of(groups: ParallelGroups) -> ParallelConfig:
     """The ``ParallelConfig`` that produced ``groups``."""
-    return ParallelConfig(tp=groups.tp_size, ep=groups.ep_size, etp=groups.etp_size,
-                          pp=groups.pp_size, sequence_parallel=groups.sequence_parallel)
+    return ParallelConfig(
+        tp=groups.tp_size,
+        ep=groups.ep_size,
+        etp=groups.etp_size,
+        pp=groups.pp_size,
+        sequence_parallel=groups.sequence_parallel,
+    )
 
 
 class MegatronPolicy(nn.Module):
@@ -51,13 +59,26 @@ class MegatronPolicy(nn.Module):
     ``groups``, ``spec`` ("local" | "te"), ``adapters`` (Megatron module name → LoraAdapter).
     """
 
-    def __init__(self, model: nn.Module, arch: Arch, model_cfg: ModelConfig,
-                 groups: ParallelGroups, spec: str):
+    def __init__(
+        self,
+        model: nn.Module,
+        arch: Arch,
+        model_cfg: ModelConfig,
+        groups: ParallelGroups,
+        spec: str,
+    ):
         super().__init__()
-        self.model, self.arch, self.cfg, self.groups, self.spec = model, arch, model_cfg, groups, spec
+        self.model, self.arch, self.cfg, self.groups, self.spec = (
+            model,
+            arch,
+            model_cfg,
+            groups,
+            spec,
+        )
         self.hf_config = arch.raw
-        self.grouped_experts = any(".experts.linear_fc1.weight" in n
-                                   for n, _ in model.named_parameters())
+        self.grouped_experts = any(
+            ".experts.linear_fc1.weight" in n for n, _ in model.named_parameters()
+        )
         self.plan = build_plan(arch, groups, spec, self.grouped_experts)
         self.adapters: dict[str, LoraAdapter] = {}
 
@@ -84,8 +105,10 @@ class MegatronPolicy(nn.Module):
                 kind = "column" if fc == "linear_fc1" else "row"
                 grouped = em.group(1) is None  # TE grouped experts: one module, n_local experts
                 first = g.ep_rank * n_local + (0 if grouped else int(em.group(1)))
-                keys = [f"layers.{layer}.experts.{e}.{fc}"
-                        for e in range(first, first + (n_local if grouped else 1))]
+                keys = [
+                    f"layers.{layer}.experts.{e}.{fc}"
+                    for e in range(first, first + (n_local if grouped else 1))
+                ]
                 weight, num_experts = (mod.weight0, n_local) if grouped else (mod.weight, 0)
             elif rest in _KINDS:
                 kind, target = _KINDS[rest]
@@ -97,24 +120,39 @@ class MegatronPolicy(nn.Module):
             out_local, in_local = weight.shape
             is_expert = bool(getattr(mod, "is_expert", False))
             adapter = LoraAdapter(
-                kind, in_local, out_local, lc.rank, lc.alpha, lc.dropout,
+                kind,
+                in_local,
+                out_local,
+                lc.rank,
+                lc.alpha,
+                lc.dropout,
                 tp_group=getattr(mod, "tp_group", g.tp),
                 tp_size=(g.etp_size if is_expert else g.tp_size),
                 tp_rank=(g.etp_rank if is_expert else g.tp_rank),
                 sequence_parallel=bool(getattr(mod, "sequence_parallel", False)),
                 explicit_expert_comm=bool(getattr(mod, "explicit_expert_comm", False)),
-                is_expert=is_expert, global_keys=keys, seed=lc.init_seed,
-                num_experts=num_experts).to(weight.device)
+                is_expert=is_expert,
+                global_keys=keys,
+                seed=lc.init_seed,
+                num_experts=num_experts,
+            ).to(weight.device)
             attach_lora(mod, adapter)
             self.adapters[name] = adapter
         for pname, p in self.model.named_parameters():
             p.requires_grad_(".adapter.lora_" in pname)
-        log.info("LoRA: %d adapters, %d trainable parameters on this rank", len(self.adapters),
-                 sum(p.numel() for p in self.lora_parameters()))
+        log.info(
+            "LoRA: %d adapters, %d trainable parameters on this rank",
+            len(self.adapters),
+            sum(p.numel() for p in self.lora_parameters()),
+        )
 
     # ------------------------------------------------------------------ training API
-    def forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Vocab-parallel logits of this TP rank: [B, T] token ids → [B, T, V/TP].
 
         Logits are in the base dtype (float32 on CPU; bfloat16 on GPU: upcast in the loss).
@@ -124,8 +162,10 @@ class MegatronPolicy(nn.Module):
         padded keys on top of the causal mask; right padding needs no mask.
         """
         if self.groups.pp_size > 1:
-            raise NotImplementedError("forward_logits with pp > 1: use Megatron's pipeline "
-                                      "schedule (get_forward_backward_func) on self.model")
+            raise NotImplementedError(
+                "forward_logits with pp > 1: use Megatron's pipeline "
+                "schedule (get_forward_backward_func) on self.model"
+            )
         b, t = input_ids.shape
         dev = self.groups.device
         pos = torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
@@ -151,21 +191,25 @@ class MegatronPolicy(nn.Module):
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's LoRA shards (Megatron names → detached copies), for checkpoints."""
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()
-                if ".adapter.lora_" in n}
+        return {
+            n: p.detach().clone() for n, p in self.model.named_parameters() if ".adapter.lora_" in n
+        }
 
     def load_lora_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load shards saved by :meth:`lora_state_dict` under the same layout."""
         own = {n: p for n, p in self.model.named_parameters() if ".adapter.lora_" in n}
         missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
         if missing or unexpected:
-            raise CheckpointError(f"LoRA state mismatch: missing {missing[:3]}, unexpected "
-                                  f"{unexpected[:3]} (saved under another layout or targets?)")
+            raise CheckpointError(
+                f"LoRA state mismatch: missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]} (saved under another layout or targets?)"
+            )
         with torch.no_grad():
             for n, p in own.items():
                 if tuple(sd[n].shape) != tuple(p.shape):
-                    raise CheckpointError(f"LoRA tensor '{n}': shape {tuple(sd[n].shape)}, "
-                                          f"model has {tuple(p.shape)}")
+                    raise CheckpointError(
+                        f"LoRA tensor '{n}': shape {tuple(sd[n].shape)}, model has {tuple(p.shape)}"
+                    )
                 p.copy_(sd[n])
 
     def finish_grad_sync(self) -> None:
@@ -189,9 +233,12 @@ class MegatronPolicy(nn.Module):
             return (p.float() + delta[int(m.group(1))]).to(p.dtype)
         return p
 
-    def export_hf_weights(self, merge_lora: bool = True, bucket_bytes: int = 256 << 20,
-                          dtype: torch.dtype | None = None
-                          ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_hf_weights(
+        self,
+        merge_lora: bool = True,
+        bucket_bytes: int = 256 << 20,
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF tensors ``[(hf_name, tensor)]`` in buckets of <= ``bucket_bytes``, yielded
         on *every* rank (each gathered over its model-parallel group), on ``groups.device``,
         in the base dtype unless ``dtype``. Collective: all ranks must consume the iterator.
@@ -204,8 +251,9 @@ class MegatronPolicy(nn.Module):
                 cache[name] = self.merged_param(name, merge_lora)
             return cache[name]
 
-        yield from export_hf_tensors(get, self.plan, self.arch, self.groups,
-                                     dtype or DTYPES[self.cfg.dtype], bucket_bytes)
+        yield from export_hf_tensors(
+            get, self.plan, self.arch, self.groups, dtype or DTYPES[self.cfg.dtype], bucket_bytes
+        )
 
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
         """Write a PEFT adapter (adapter_config.json + adapter_model.safetensors) that peft
@@ -215,8 +263,9 @@ class MegatronPolicy(nn.Module):
         return export_peft_adapter(self, out_dir)
 
 
-def build_policy(model_cfg: ModelConfig, groups: ParallelGroups,
-                 load_weights: bool = True) -> MegatronPolicy:
+def build_policy(
+    model_cfg: ModelConfig, groups: ParallelGroups, load_weights: bool = True
+) -> MegatronPolicy:
     """Build this rank's stage, stream HF weights from ``model_cfg.hf_path``, add LoRA.
 
     ``load_weights=False`` leaves the base weights uninitialised (only config.json is read),
@@ -236,7 +285,11 @@ def build_policy(model_cfg: ModelConfig, groups: ParallelGroups,
     policy = MegatronPolicy(model, arch, model_cfg, groups, spec)
     if load_weights:
         stats = load_hf_weights(policy.params(), policy.plan, arch, hf_dir)
-        log.info("loaded %d HF tensors (%.1f MB on this rank) from %s", stats["tensors"],
-                 stats["bytes_read"] / 1e6, hf_dir)
+        log.info(
+            "loaded %d HF tensors (%.1f MB on this rank) from %s",
+            stats["tensors"],
+            stats["bytes_read"] / 1e6,
+            hf_dir,
+        )
     policy.attach_adapters()
     return policy

@@ -35,37 +35,56 @@ def resolve_spec(model_cfg: ModelConfig) -> str:
     return "te" if torch.cuda.is_available() and has_te else "local"
 
 
-def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups,
-                       spec: str):
+def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups, spec: str):
     """Megatron ``TransformerConfig`` for ``arch`` under ``groups``' layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[model_cfg.dtype]
     kw = dict(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size or arch.hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=arch.rms_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
-        attention_softmax_in_fp32=True, apply_rope_fusion=False,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size or arch.hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        tensor_model_parallel_size=groups.tp_size, pipeline_model_parallel_size=groups.pp_size,
-        expert_model_parallel_size=groups.ep_size, expert_tensor_parallel_size=groups.etp_size,
+        tensor_model_parallel_size=groups.tp_size,
+        pipeline_model_parallel_size=groups.pp_size,
+        expert_model_parallel_size=groups.ep_size,
+        expert_tensor_parallel_size=groups.etp_size,
         sequence_parallel=groups.sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available() or groups.fake,
         perform_initialization=False,
     )
     if arch.is_moe:
         kw.update(
-            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             moe_router_pre_softmax=not arch.norm_topk_prob,
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_dtype="fp32",
             moe_grouped_gemm=spec == "te" and model_cfg.moe_grouped_gemm,
             moe_permute_fusion=False,
             moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
@@ -73,8 +92,9 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
     return TransformerConfig(**kw)
 
 
-def build_gpt_model(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups,
-                    spec: str | None = None):
+def build_gpt_model(
+    arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups, spec: str | None = None
+):
     """Build this rank's ``GPTModel`` stage (weights uninitialised: load them after).
 
     Returns ``(model, spec)``. Build under ``torch.device("meta")`` for sizing only.
@@ -84,18 +104,25 @@ def build_gpt_model(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups,
 
     spec = spec or resolve_spec(model_cfg)
     cfg = transformer_config(arch, model_cfg, groups, spec)
-    block_spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=spec == "te",
-                                            normalization="RMSNorm")
+    block_spec = get_gpt_decoder_block_spec(
+        cfg, use_transformer_engine=spec == "te", normalization="RMSNorm"
+    )
     kwargs = {}
     if groups.pg_collection is not None:
         kwargs["pg_collection"] = groups.pg_collection
     model = GPTModel(
-        config=cfg, transformer_layer_spec=block_spec, vocab_size=arch.vocab_size,
+        config=cfg,
+        transformer_layer_spec=block_spec,
+        vocab_size=arch.vocab_size,
         max_sequence_length=max(model_cfg.max_seq_len, 1),
-        pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=int(arch.rope_theta), **kwargs)
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        **kwargs,
+    )
     if arch.rope_theta != int(arch.rope_theta):
         raise ConfigError(f"config key 'rope_theta': {arch.rope_theta} is not an integer")
     log.debug("built GPTModel stage %d/%d spec=%s", groups.pp_rank, groups.pp_size, spec)

@@ -43,8 +43,9 @@ def parity_worker(rank: int, job: dict) -> dict | list | None:
     parallel state is rebuilt between them); rank 0 then returns the list of reports.
     """
     if "jobs" in job:
-        reports = [_one_job(rank, j, keep=i < len(job["jobs"]) - 1)
-                   for i, j in enumerate(job["jobs"])]
+        reports = [
+            _one_job(rank, j, keep=i < len(job["jobs"]) - 1) for i, j in enumerate(job["jobs"])
+        ]
         return reports if rank == 0 else None
     return _one_job(rank, job, keep=False)
 
@@ -100,7 +101,7 @@ def _train(policy, groups, ids, job) -> dict:
     v = policy.arch.vocab_size
     w = _loss_weights((b, t, v), job.get("loss_seed", 7))
     n = v // groups.tp_size
-    w_local = w[..., groups.tp_rank * n:(groups.tp_rank + 1) * n]
+    w_local = w[..., groups.tp_rank * n : (groups.tp_rank + 1) * n]
     opt = torch.optim.SGD(policy.lora_parameters(), lr=job.get("lr", 0.5))
     grads = []
     for _ in range(job["train_steps"]):
@@ -108,8 +109,12 @@ def _train(policy, groups, ids, job) -> dict:
         loss = (policy.forward_logits(ids) * w_local).sum() / (b * t)
         loss.backward()
         policy.finish_grad_sync()
-        grads.append({k: (a.clone(), bb.clone())
-                      for k, (a, bb) in gather_lora(policy, use_grad=True).items()})
+        grads.append(
+            {
+                k: (a.clone(), bb.clone())
+                for k, (a, bb) in gather_lora(policy, use_grad=True).items()
+            }
+        )
         opt.step()
     out = {"grads": grads}
     with torch.no_grad():
@@ -122,8 +127,7 @@ def _train(policy, groups, ids, job) -> dict:
     return out
 
 
-def run_layout(hf_dir: str, layout: dict, world_size: int, input_ids: torch.Tensor,
-               **job) -> dict:
+def run_layout(hf_dir: str, layout: dict, world_size: int, input_ids: torch.Tensor, **job) -> dict:
     """Run :func:`parity_worker` on ``world_size`` ranks (in-process when 1); rank 0's report."""
     from megagrpo.parallel.launch import launch
 
@@ -160,15 +164,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--etp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--world", type=int, default=0,
-                   help="number of ranks (default: lcm(tp, ep*etp) * pp)")
+    p.add_argument(
+        "--world", type=int, default=0, help="number of ranks (default: lcm(tp, ep*etp) * pp)"
+    )
     p.add_argument("--no-sp", action="store_true", help="disable sequence parallel (dense only)")
     p.add_argument("--seq", type=int, default=16, help="tokens per row of the fixed input")
-    p.add_argument("--tol", type=float, default=1e-5,
-                   help="accepted max |logit diff| relative to max |reference logit|")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-5,
+        help="accepted max |logit diff| relative to max |reference logit|",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--meta", action="store_true",
-                   help="size a full model on the meta device (no weights, no memory)")
+    p.add_argument(
+        "--meta",
+        action="store_true",
+        help="size a full model on the meta device (no weights, no memory)",
+    )
     p.add_argument("--hf-config", help="with --meta: the config.json to size")
     p.add_argument("--rank", type=int, default=0, help="with --meta: which rank to build")
     p.add_argument("--dtype", default="bfloat16", help="with --meta: parameter dtype")
@@ -182,8 +194,9 @@ def run(args: argparse.Namespace) -> int:
 
         if not (args.hf_config or args.hf):
             raise ConfigError("--meta needs --hf-config FILE (or --hf DIR)")
-        report = meta_report(args.hf_config or args.hf, _layout(args), _world(args), args.rank,
-                             args.dtype)
+        report = meta_report(
+            args.hf_config or args.hf, _layout(args), _world(args), args.rank, args.dtype
+        )
         _print(report, args.json)
         return 0
     if not args.hf:
@@ -201,10 +214,17 @@ def run(args: argparse.Namespace) -> int:
     ref = hf_reference_logits(args.hf, ids)
     diff = (rep.pop("logits") - ref).abs().max().item()
     scale = ref.abs().max().item()
-    out = {"max_abs_logit_diff": diff, "max_abs_ref_logit": scale,
-           "rel_logit_diff": diff / max(scale, 1e-12), **rep}
-    out["ok"] = bool(out["rel_logit_diff"] <= args.tol and
-                     out["lora_zero_init_max_diff"] == 0.0 and out["roundtrip_bitwise"])
+    out = {
+        "max_abs_logit_diff": diff,
+        "max_abs_ref_logit": scale,
+        "rel_logit_diff": diff / max(scale, 1e-12),
+        **rep,
+    }
+    out["ok"] = bool(
+        out["rel_logit_diff"] <= args.tol
+        and out["lora_zero_init_max_diff"] == 0.0
+        and out["roundtrip_bitwise"]
+    )
     _print(out, args.json)
     return 0 if out["ok"] else 1
 
@@ -213,8 +233,9 @@ def _layout(args, moe: bool = True) -> dict:
     from megagrpo.parallel import ParallelConfig
 
     sp = args.tp > 1 and not args.no_sp
-    return asdict(ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp,
-                                 sequence_parallel=sp))
+    return asdict(
+        ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, sequence_parallel=sp)
+    )
 
 
 def _world(args) -> int:

@@ -43,8 +43,9 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_hf_weights(params: dict[str, torch.Tensor], plan: dict[str, list[Piece]],
-                    arch: Arch, hf_dir: str | Path) -> dict[str, int]:
+def load_hf_weights(
+    params: dict[str, torch.Tensor], plan: dict[str, list[Piece]], arch: Arch, hf_dir: str | Path
+) -> dict[str, int]:
     """Copy this rank's slices of every HF tensor into ``params`` (Megatron name → tensor).
 
     Checks every HF key against the model (unknown keys, wrong shapes, missing tensors,
@@ -61,47 +62,62 @@ def load_hf_weights(params: dict[str, torch.Tensor], plan: dict[str, list[Piece]
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (
-                        key == "lm_head.weight" and arch.tie_word_embeddings):
+                    key == "lm_head.weight" and arch.tie_word_embeddings
+                ):
                     continue
                 if key not in shapes:
-                    raise CheckpointError(f"{path.name}: tensor '{key}' is not a weight of this "
-                                          f"{arch.model_type} model")
+                    raise CheckpointError(
+                        f"{path.name}: tensor '{key}' is not a weight of this "
+                        f"{arch.model_type} model"
+                    )
                 sl = f.get_slice(key)
                 shape = tuple(sl.get_shape())
                 if shape != shapes[key]:
-                    raise CheckpointError(f"{path.name}: tensor '{key}' has shape {shape}, "
-                                          f"config implies {shapes[key]}")
+                    raise CheckpointError(
+                        f"{path.name}: tensor '{key}' has shape {shape}, "
+                        f"config implies {shapes[key]}"
+                    )
                 seen.add(key)
                 for piece in plan.get(key, []):
                     dst = params[piece.param]
                     src = sl[piece.src]
                     region = dst[piece.dst]
                     if tuple(region.shape) != tuple(src.shape):
-                        raise CheckpointError(f"'{key}' slice {tuple(src.shape)} does not fit "
-                                              f"'{piece.param}' region {tuple(region.shape)}")
+                        raise CheckpointError(
+                            f"'{key}' slice {tuple(src.shape)} does not fit "
+                            f"'{piece.param}' region {tuple(region.shape)}"
+                        )
                     with torch.no_grad():
                         region.copy_(src)
                     covered[piece.param] += src.numel()
                     bytes_read += src.numel() * src.element_size()
     unmapped = [n for n in params if n not in covered and ".adapter." not in n]
     if unmapped:
-        raise CheckpointError(f"Megatron tensor '{unmapped[0]}' has no HF source (unsupported "
-                              "layer spec, e.g. legacy GroupedMLP?)")
+        raise CheckpointError(
+            f"Megatron tensor '{unmapped[0]}' has no HF source (unsupported "
+            "layer spec, e.g. legacy GroupedMLP?)"
+        )
     missing = [k for k in shapes if k not in seen]
     if missing:
         raise CheckpointError(f"{hf_dir}: {len(missing)} tensor(s) missing, e.g. '{missing[0]}'")
     for name, n in covered.items():
         # the tied last-stage copy is covered too; every element must be written exactly once
         if n != params[name].numel():
-            raise CheckpointError(f"Megatron tensor '{name}': {n} of {params[name].numel()} "
-                                  "elements loaded (mapping error)")
+            raise CheckpointError(
+                f"Megatron tensor '{name}': {n} of {params[name].numel()} "
+                "elements loaded (mapping error)"
+            )
     return {"bytes_read": bytes_read, "tensors": len(seen)}
 
 
-def export_hf_tensors(get_param: Callable[[str], torch.Tensor], plan: dict[str, list[Piece]],
-                      arch: Arch, groups: ParallelGroups, dtype: torch.dtype,
-                      bucket_bytes: int = 256 << 20
-                      ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def export_hf_tensors(
+    get_param: Callable[[str], torch.Tensor],
+    plan: dict[str, list[Piece]],
+    arch: Arch,
+    groups: ParallelGroups,
+    dtype: torch.dtype,
+    bucket_bytes: int = 256 << 20,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield full HF tensors ``[(hf_name, tensor)]`` in buckets of at most ``bucket_bytes``
     (a bigger single tensor gets a bucket of its own), identical on every rank, on
     ``groups.device`` (GPU tensors under CUDA, ready for a colocated engine).

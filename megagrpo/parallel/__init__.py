@@ -15,5 +15,11 @@ from megagrpo.parallel.state import (
     validate_layout,
 )
 
-__all__ = ["ParallelConfig", "ParallelGroups", "destroy_parallel", "init_fake_parallel",
-           "init_parallel", "validate_layout"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelGroups",
+    "destroy_parallel",
+    "init_fake_parallel",
+    "init_parallel",
+    "validate_layout",
+]

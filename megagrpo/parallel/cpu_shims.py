@@ -96,8 +96,9 @@ def _patch_rng() -> None:
         torch.manual_seed(seed)
         tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
         tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-        tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME,
-                    seed + 1024 + 100 * ep_rank + etp_rank)
+        tracker.add(
+            mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+        )
         mrandom._CUDA_RNG_STATE_TRACKER = tracker
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
@@ -152,7 +153,8 @@ def _patch_alltoall_dispatcher() -> None:
             self.num_out_tokens = host(self.num_out_tokens)
             if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
                 self.num_global_tokens_per_local_expert = host(
-                    self.num_global_tokens_per_local_expert)
+                    self.num_global_tokens_per_local_expert
+                )
         return tokens_per_expert
 
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
@@ -164,8 +166,15 @@ def _patch_torch_norm() -> None:
     # Mark its weight ``sequence_parallel`` as TE does, so grads are summed over TP.
     from megatron.core.transformer import torch_norm
 
-    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                zero_centered_gamma=False, normalization="LayerNorm"):
+    def __new__(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in kinds:
             raise ValueError(f"normalization {config.normalization!r} unsupported on CPU")
@@ -194,7 +203,7 @@ def _patch_uneven_all_gather() -> None:
         padded[: input_.shape[0]] = input_
         out = input_.new_empty((longest * world, *input_.shape[1:]))
         torch.distributed.all_gather_into_tensor(out, padded.contiguous(), group=group)
-        chunks = [out[i * longest: i * longest + n] for i, n in enumerate(output_split_sizes)]
+        chunks = [out[i * longest : i * longest + n] for i, n in enumerate(output_split_sizes)]
         return torch.cat(chunks, dim=0)
 
     mappings._gather_along_first_dim = _gather_along_first_dim

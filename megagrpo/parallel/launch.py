@@ -26,10 +26,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(local_rank: int, world: int, port: int, out_dir: str, fn: Callable,
-           args: tuple) -> None:
-    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(local_rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = Path(out_dir) / f"rank{local_rank}.pt"
@@ -53,8 +57,13 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     if world_size == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return [fn(0, *args)]
     with tempfile.TemporaryDirectory(prefix="megagrpo-launch-") as tmp:
-        ctx = mp.start_processes(_entry, args=(world_size, _free_port(), tmp, fn, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, _free_port(), tmp, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         try:
             while not ctx.join():
                 pass

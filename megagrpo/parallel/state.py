@@ -88,35 +88,58 @@ def validate_layout(parallel_cfg: ParallelConfig, hf_config: Any, world_size: in
         if not cond:
             raise ConfigError(f"config key '{key}': {msg}")
 
-    need(world_size % (p.tp * p.pp) == 0, "parallel.tp",
-         f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}")
-    need(world_size % (p.ep * p.etp * p.pp) == 0, "parallel.ep",
-         f"world size {world_size} is not divisible by ep*etp*pp = {p.ep}*{p.etp}*{p.pp}")
+    need(
+        world_size % (p.tp * p.pp) == 0,
+        "parallel.tp",
+        f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}",
+    )
+    need(
+        world_size % (p.ep * p.etp * p.pp) == 0,
+        "parallel.ep",
+        f"world size {world_size} is not divisible by ep*etp*pp = {p.ep}*{p.etp}*{p.pp}",
+    )
     heads = _hf(hf_config, "num_attention_heads")
     groups = _hf(hf_config, "num_key_value_heads", heads)
-    need(heads % p.tp == 0, "parallel.tp",
-         f"num_attention_heads={heads} is not divisible by tp={p.tp}")
-    need(groups % p.tp == 0, "parallel.tp",
-         f"num_key_value_heads (query groups)={groups} is not divisible by tp={p.tp}")
+    need(
+        heads % p.tp == 0,
+        "parallel.tp",
+        f"num_attention_heads={heads} is not divisible by tp={p.tp}",
+    )
+    need(
+        groups % p.tp == 0,
+        "parallel.tp",
+        f"num_key_value_heads (query groups)={groups} is not divisible by tp={p.tp}",
+    )
     vocab = _hf(hf_config, "vocab_size")
     need(vocab % p.tp == 0, "parallel.tp", f"vocab_size={vocab} is not divisible by tp={p.tp}")
     layers = _hf(hf_config, "num_hidden_layers")
-    need(layers % p.pp == 0, "parallel.pp",
-         f"num_hidden_layers={layers} is not divisible by pp={p.pp}")
+    need(
+        layers % p.pp == 0,
+        "parallel.pp",
+        f"num_hidden_layers={layers} is not divisible by pp={p.pp}",
+    )
     experts = _hf(hf_config, "num_experts", None) or _hf(hf_config, "num_local_experts", 0) or 0
     if experts:
-        need(experts % p.ep == 0, "parallel.ep",
-             f"num_experts={experts} is not divisible by ep={p.ep}")
+        need(
+            experts % p.ep == 0,
+            "parallel.ep",
+            f"num_experts={experts} is not divisible by ep={p.ep}",
+        )
         moe_ffn = _hf(hf_config, "moe_intermediate_size")
-        need(moe_ffn % p.etp == 0, "parallel.etp",
-             f"moe_intermediate_size={moe_ffn} is not divisible by etp={p.etp}")
-        need(p.tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
-             f"MoE models with tp={p.tp} > 1 require sequence_parallel=true (Megatron)")
+        need(
+            moe_ffn % p.etp == 0,
+            "parallel.etp",
+            f"moe_intermediate_size={moe_ffn} is not divisible by etp={p.etp}",
+        )
+        need(
+            p.tp == 1 or p.sequence_parallel,
+            "parallel.sequence_parallel",
+            f"MoE models with tp={p.tp} > 1 require sequence_parallel=true (Megatron)",
+        )
     else:
         need(p.ep == 1 and p.etp == 1, "parallel.ep", "ep/etp > 1 needs a MoE model")
     ffn = _hf(hf_config, "intermediate_size", 0) or 0
-    need(ffn % p.tp == 0, "parallel.tp",
-         f"intermediate_size={ffn} is not divisible by tp={p.tp}")
+    need(ffn % p.tp == 0, "parallel.tp", f"intermediate_size={ffn} is not divisible by tp={p.tp}")
 
 
 def _free_port() -> int:
@@ -136,14 +159,24 @@ def _init_torch_distributed(backend: str | None, timeout_minutes: int) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout)
     else:  # single process, no launcher: a private one-rank group
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1, timeout=timeout)
-    log.info("torch.distributed up: backend=%s rank=%d world=%d", backend, dist.get_rank(),
-             dist.get_world_size())
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    log.info(
+        "torch.distributed up: backend=%s rank=%d world=%d",
+        backend,
+        dist.get_rank(),
+        dist.get_world_size(),
+    )
 
 
-def init_parallel(cfg: ParallelConfig, backend: str | None = None,
-                  hf_config: Any = None) -> ParallelGroups:
+def init_parallel(
+    cfg: ParallelConfig, backend: str | None = None, hf_config: Any = None
+) -> ParallelGroups:
     """Initialise torch.distributed (if needed) and Megatron parallel state; return groups.
 
     Env: torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT(/LOCAL_RANK); without them a
@@ -163,18 +196,23 @@ def init_parallel(cfg: ParallelConfig, backend: str | None = None,
     if hf_config is not None:
         validate_layout(cfg, hf_config, world)
     elif world % (cfg.tp * cfg.pp) or world % (cfg.ep * cfg.etp * cfg.pp):
-        raise ConfigError(f"config key 'parallel': world size {world} is not divisible by "
-                          f"tp*pp={cfg.tp * cfg.pp} and ep*etp*pp={cfg.ep * cfg.etp * cfg.pp}")
+        raise ConfigError(
+            f"config key 'parallel': world size {world} is not divisible by "
+            f"tp*pp={cfg.tp * cfg.pp} and ep*etp*pp={cfg.ep * cfg.etp * cfg.pp}"
+        )
     fake = dist.get_backend() == "fake"
     if fake or not torch.cuda.is_available():
         apply_cpu_shims(force=True)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-        expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=cfg.etp,
+        tensor_model_parallel_size=cfg.tp,
+        pipeline_model_parallel_size=cfg.pp,
+        expert_model_parallel_size=cfg.ep,
+        expert_tensor_parallel_size=cfg.etp,
         distributed_timeout_minutes=cfg.timeout_minutes,
-        create_gloo_process_groups=not fake)
+        create_gloo_process_groups=not fake,
+    )
     if not fake:
         from megatron.core.tensor_parallel import random as mrandom
 
@@ -206,18 +244,28 @@ def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
     except Exception:  # noqa: BLE001 - older/newer mcore: constructors fall back to globals
         pgc = None
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        torch.cuda.is_available() and not fake) else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if (torch.cuda.is_available() and not fake)
+        else torch.device("cpu")
+    )
     return ParallelGroups(
-        world_size=dist.get_world_size(), rank=dist.get_rank(),
-        tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, expert_dp=edp,
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        etp=etp,
+        expert_dp=edp,
         mp=ps.get_model_parallel_group(),
         expert_mp=ps.get_expert_tensor_model_pipeline_parallel_group(),
         tp_size=ps.get_tensor_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         etp_size=ps.get_expert_tensor_parallel_world_size(),
@@ -225,7 +273,10 @@ def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
         expert_dp_size=ps.get_expert_data_parallel_world_size(),
         expert_dp_rank=ps.get_expert_data_parallel_rank(),
         sequence_parallel=bool(cfg.sequence_parallel and cfg.tp > 1),
-        device=device, pg_collection=pgc, fake=fake)
+        device=device,
+        pg_collection=pgc,
+        fake=fake,
+    )
 
 
 def destroy_parallel(keep_process_group: bool = False) -> None:

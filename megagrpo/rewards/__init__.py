@@ -9,5 +9,14 @@ from megagrpo.rewards.length import soft_overlong
 from megagrpo.rewards.mcq import answers_match, extract_answer, mcq_accuracy
 from megagrpo.rewards.registry import get, names, register
 
-__all__ = ["CompositeReward", "answers_match", "build_composite", "extract_answer", "get",
-           "mcq_accuracy", "names", "register", "soft_overlong"]
+__all__ = [
+    "CompositeReward",
+    "answers_match",
+    "build_composite",
+    "extract_answer",
+    "get",
+    "mcq_accuracy",
+    "names",
+    "register",
+    "soft_overlong",
+]

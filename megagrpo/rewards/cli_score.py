@@ -26,12 +26,22 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gold", nargs="+", required=True, metavar="PATH",
-                        help="gold files or directories")
-    parser.add_argument("--predictions", nargs="+", required=True, metavar="PATH",
-                        help="prediction files or directories (one model)")
-    parser.add_argument("--predictions-glob", default=None, metavar="GLOB",
-                        help="only prediction files whose name matches (e.g. '*_gpt4.jsonl')")
+    parser.add_argument(
+        "--gold", nargs="+", required=True, metavar="PATH", help="gold files or directories"
+    )
+    parser.add_argument(
+        "--predictions",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="prediction files or directories (one model)",
+    )
+    parser.add_argument(
+        "--predictions-glob",
+        default=None,
+        metavar="GLOB",
+        help="only prediction files whose name matches (e.g. '*_gpt4.jsonl')",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -40,12 +50,17 @@ def run(args: argparse.Namespace) -> int:
     pred_files = find_files(args.predictions, gold=False, name_glob=args.predictions_glob)
     report = score(gold, read_predictions(pred_files))
     if report.missing:
-        logger.warning("%d gold problems have no prediction (counted wrong): %s",
-                       len(report.missing), ", ".join(report.missing[:20])
-                       + (" ..." if len(report.missing) > 20 else ""))
+        logger.warning(
+            "%d gold problems have no prediction (counted wrong): %s",
+            len(report.missing),
+            ", ".join(report.missing[:20]) + (" ..." if len(report.missing) > 20 else ""),
+        )
     if report.extra:
-        logger.warning("%d predictions have no gold problem (ignored): %s",
-                       len(report.extra), ", ".join(report.extra[:20]))
+        logger.warning(
+            "%d predictions have no gold problem (ignored): %s",
+            len(report.extra),
+            ", ".join(report.extra[:20]),
+        )
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
         return 0
@@ -53,9 +68,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'year':<8}{'correct':>8}{'total':>7}{'accuracy':>10}{'score':>7}{'points':>8}")
     for name, t in rows:
         d = t.as_dict()
-        print(f"{name:<8}{d['correct']:>8}{d['total']:>7}{d['accuracy']:>10.4f}"
-              f"{d['score']:>7}{d['points_total']:>8}")
-    print(f"missing predictions: {len(report.missing)}"
-          + (f" ({', '.join(report.missing[:10])}{' ...' if len(report.missing) > 10 else ''})"
-             if report.missing else ""))
+        print(
+            f"{name:<8}{d['correct']:>8}{d['total']:>7}{d['accuracy']:>10.4f}"
+            f"{d['score']:>7}{d['points_total']:>8}"
+        )
+    print(
+        f"missing predictions: {len(report.missing)}"
+        + (
+            f" ({', '.join(report.missing[:10])}{' ...' if len(report.missing) > 10 else ''})"
+            if report.missing
+            else ""
+        )
+    )
     return 0

@@ -46,8 +46,10 @@ class CompositeReward:
     def __init__(self, terms: list[tuple[str, float, RewardFn]]) -> None:
         if not terms:
             raise ValueError("a composite reward needs at least one function")
-        self.terms = [_Term(n, float(w), f, _accepts(f, "lengths"), _accepts(f, "token_ids"))
-                      for n, w, f in terms]
+        self.terms = [
+            _Term(n, float(w), f, _accepts(f, "lengths"), _accepts(f, "token_ids"))
+            for n, w, f in terms
+        ]
         self.num_errors = 0
         self._errors_since_pop = 0
 
@@ -56,10 +58,13 @@ class CompositeReward:
         """Term names, in config order (the keys of ``parts``)."""
         return [t.name for t in self.terms]
 
-    def __call__(self, completions: list[str], problem: Problem,
-                 lengths: Sequence[int] | None = None,
-                 token_ids: Sequence[Sequence[int]] | None = None
-                 ) -> tuple[list[float], dict[str, list[float]]]:
+    def __call__(
+        self,
+        completions: list[str],
+        problem: Problem,
+        lengths: Sequence[int] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[list[float], dict[str, list[float]]]:
         n = len(completions)
         total = [0.0] * n
         parts: dict[str, list[float]] = {}
@@ -98,8 +103,14 @@ class CompositeReward:
             except Exception as exc:  # noqa: BLE001 - a reward must never crash a step
                 self.num_errors += 1
                 self._errors_since_pop += 1
-                logger.warning("reward '%s' failed on problem %s, completion %d: %s: %s",
-                               term.name, problem.id, i, type(exc).__name__, exc)
+                logger.warning(
+                    "reward '%s' failed on problem %s, completion %d: %s: %s",
+                    term.name,
+                    problem.id,
+                    i,
+                    type(exc).__name__,
+                    exc,
+                )
                 values.append(0.0)
         return values
 
@@ -112,6 +123,8 @@ class CompositeReward:
 
 def build_composite(cfg: RewardsConfig) -> CompositeReward:
     """Build the weighted composite from ``cfg.functions`` (ConfigError on bad entries)."""
-    terms = [(spec.label or spec.name, spec.weight, get(spec.name, **dict(spec.kwargs)))
-             for spec in cfg.functions]
+    terms = [
+        (spec.label or spec.name, spec.weight, get(spec.name, **dict(spec.kwargs)))
+        for spec in cfg.functions
+    ]
     return CompositeReward(terms)

@@ -23,8 +23,11 @@ class RewardSpec:
     """Name of this term in metrics (``reward/<label>/mean``); defaults to ``name``."""
 
     def validate(self, path: str) -> None:
-        require(bool(self.name.strip()), f"{path}.name", "must name a registered reward or "
-                "'module.path:ClassName'")
+        require(
+            bool(self.name.strip()),
+            f"{path}.name",
+            "must name a registered reward or 'module.path:ClassName'",
+        )
         require(math.isfinite(self.weight), f"{path}.weight", f"must be finite, got {self.weight}")
 
 

@@ -58,9 +58,13 @@ class Tally:
             self.score += points
 
     def as_dict(self) -> dict[str, Any]:
-        return {"correct": self.correct, "total": self.total,
-                "accuracy": self.correct / self.total if self.total else 0.0,
-                "score": self.score, "points_total": self.points_total}
+        return {
+            "correct": self.correct,
+            "total": self.total,
+            "accuracy": self.correct / self.total if self.total else 0.0,
+            "score": self.score,
+            "points_total": self.points_total,
+        }
 
 
 @dataclass
@@ -91,8 +95,9 @@ def official_correct(problem_id: str, prediction: str, gold: list[str]) -> bool:
     return pred == sorted(gold)
 
 
-def find_files(paths: Iterable[str | Path], *, gold: bool, name_glob: str | None = None
-               ) -> list[Path]:
+def find_files(
+    paths: Iterable[str | Path], *, gold: bool, name_glob: str | None = None
+) -> list[Path]:
     """Files named in ``paths``, directories searched recursively for ``*.jsonl`` (gold: only
     ``EXAM-BLOCK.jsonl`` names). ``name_glob`` filters file names (e.g. ``'*_gpt4.jsonl'``)."""
     out: list[Path] = []
@@ -108,8 +113,10 @@ def find_files(paths: Iterable[str | Path], *, gold: bool, name_glob: str | None
         out += [f for f in found if name_glob is None or fnmatch.fnmatch(f.name, name_glob)]
     if not out:
         kind = "gold" if gold else "prediction"
-        raise DataError(f"no {kind} files found in {', '.join(map(str, paths))}"
-                        + (f" matching '{name_glob}'" if name_glob else ""))
+        raise DataError(
+            f"no {kind} files found in {', '.join(map(str, paths))}"
+            + (f" matching '{name_glob}'" if name_glob else "")
+        )
     return out
 
 
@@ -138,8 +145,9 @@ def read_gold(files: Iterable[Path]) -> dict[str, GoldItem]:
             except (TypeError, ValueError) as exc:
                 raise DataError(f"{where}: 'points' of {pid} is not an integer") from exc
             if pid in gold:
-                raise DataError(f"{where}: duplicate problem_id {pid} (first in "
-                                f"{gold[pid].source})")
+                raise DataError(
+                    f"{where}: duplicate problem_id {pid} (first in {gold[pid].source})"
+                )
             gold[pid] = GoldItem(pid, answer, points, _year_of(path, pid), where)
     return gold
 
@@ -157,8 +165,10 @@ def read_predictions(files: Iterable[Path]) -> dict[str, str]:
             if not isinstance(pred, str):
                 raise DataError(f"{where}: 'prediction' of {pid} must be a string")
             if pid in preds:
-                raise DataError(f"{where}: second prediction for {pid} (first at {seen[pid]}); "
-                                "score one model at a time (use --predictions-glob)")
+                raise DataError(
+                    f"{where}: second prediction for {pid} (first at {seen[pid]}); "
+                    "score one model at a time (use --predictions-glob)"
+                )
             preds[pid], seen[pid] = pred, where
     return preds
 

@@ -23,19 +23,21 @@ def soft_overlong_value(length: int, max_len: int, cache_len: int) -> float:
     return min(-exceed / cache_len, 0)
 
 
-def soft_overlong(max_len: int = 4096, cache_len: int = 2048
-                  ) -> Callable[..., list[float]]:
+def soft_overlong(max_len: int = 4096, cache_len: int = 2048) -> Callable[..., list[float]]:
     """Factory: ``(completions [G], problem, lengths [G]) -> [G]`` soft overlong penalties.
 
     ``max_len`` is the generation limit in tokens, ``cache_len`` the length of the linear
     penalty ramp before it (ms-swift's ``soft_max_length`` / ``soft_cache_length``).
     """
     if not 0 < cache_len < max_len:
-        raise ValueError(f"soft_overlong needs 0 < cache_len < max_len, got cache_len="
-                         f"{cache_len}, max_len={max_len}")
+        raise ValueError(
+            f"soft_overlong needs 0 < cache_len < max_len, got cache_len="
+            f"{cache_len}, max_len={max_len}"
+        )
 
-    def reward(completions: list[str], problem: Problem,
-               lengths: Sequence[int] | None = None) -> list[float]:
+    def reward(
+        completions: list[str], problem: Problem, lengths: Sequence[int] | None = None
+    ) -> list[float]:
         if lengths is None:
             raise TypeError("soft_overlong needs completion token lengths (lengths=None)")
         if len(lengths) != len(completions):

@@ -6,10 +6,12 @@ Extraction rules (``extract_answer(text, problem)``), applied in this order:
 1. **Reasoning blocks.** If the text contains ``</think>``, only what follows the last
    ``</think>`` is read (the opening tag may sit in the prompt). A ``<think>`` that is never
    closed means the model ran out of budget mid-thought: no answer (``None``).
-2. **Normalisation.** Full-width ASCII (``ａ``-``ｈ``, ``Ａ``-``Ｈ``, ``：``, ``（）``, ``０``-``９``)
-   becomes ASCII, the text is lower-cased, runs of spaces and blank lines collapse; markdown emphasis (``*``, `````, ``#``) and the
-   brackets ``「」『』［］<>`` are dropped; a heading ``【解答】`` reads as ``解答:``. ``\\boxed{X}`` and ``<answer>X</answer>``
-   read as ``answer: X``. Round-bracket groups are kept only when they hold nothing but an
+2. **Normalisation.** Full-width ASCII (``ａ``-``ｈ``, ``Ａ``-``Ｈ``, ``：``, ``（）``,
+   ``０``-``９``)
+   becomes ASCII, the text is lower-cased, runs of spaces and blank lines collapse; markdown
+   emphasis (``*``, `````, ``#``) and the brackets ``「」『』［］<>`` are dropped; a heading
+   ``【解答】`` reads as ``解答:``. ``\\boxed{X}`` and ``<answer>X</answer>`` read as
+   ``answer: X``. Round-bracket groups are kept only when they hold nothing but an
    answer (``(c)``, ``(c, d)``); others (``(A型肝炎)``, ``(a is wrong)``) are removed, so
    asides cannot add letters.
 3. **Candidates.** Every place that states an answer yields a candidate at its position:
@@ -35,12 +37,13 @@ Extraction rules (``extract_answer(text, problem)``), applied in this order:
    ignored. A hedge (``c or d``) yields both letters, which is wrong for a one-answer question.
 5. **Numeric questions** (no choices, gold is a number): the question's ``解答：①②.③``-style
    template (with optional fixed leading digits, ``1, ①②③ kcal``) is read from
-   ``meta['problem_text']``/``meta['question']`` or the prompt. The answer is either slot-wise (``①2 ②6``) or a
-   number (``26 Torr``, ``1,130 kcal``, ``7.2``) that fits the template: the fixed digits must
-   match, the integer digit count must equal the template's, and decimals beyond the
-   template's must be zeros (``7.2`` fills ``①.②③`` as 7.20). The extracted answer is the slot
-   digits (``["720"]``). In an answer span the first fitting number counts; on the final line
-   the last one. Without a template any number is taken as written.
+   ``meta['problem_text']``/``meta['question']`` or the prompt. The answer is either
+   slot-wise (``①2 ②6``) or a number (``26 Torr``, ``1,130 kcal``, ``7.2``) that fits the
+   template: the fixed digits must match, the integer digit count must equal the
+   template's, and decimals beyond the template's must be zeros (``7.2`` fills ``①.②③``
+   as 7.20). The extracted answer is the slot digits (``["720"]``). In an answer span the
+   first fitting number counts; on the final line the last one. Without a template any
+   number is taken as written.
 6. Nothing found, a refusal, or an empty text: ``None`` (reward 0.0).
 
 Comparison (:func:`answers_match`): option letters as sets; numbers by their digits only
@@ -62,8 +65,10 @@ _CIRCLED = "①②③④⑤⑥⑦⑧⑨"
 _NUMERIC_RE = re.compile(r"^\d+(?:\.\d+)?$")
 
 # One option letter standing alone (see rule 4). Text is lower-cased before matching.
-_L = (r"(?<![a-z0-9\u30a1-\u30fa\u30fc])[a-h]"
-      r"(?![a-z0-9\u30a1-\u30fa\u30fc])(?!(?![及並又])[\u4e00-\u9fff])")
+_L = (
+    r"(?<![a-z0-9\u30a1-\u30fa\u30fc])[a-h]"
+    r"(?![a-z0-9\u30a1-\u30fa\u30fc])(?!(?![及並又])[\u4e00-\u9fff])"
+)
 _SEP = r"(?:\s*(?:,|、|，|・|/|&|\+|と|and|及び|および|並びに|又は|または|or)\s*|\s+)"
 _GROUP = rf"{_L}(?:{_SEP}{_L}){{0,7}}"  # at most 8 options: bounded, so scans stay linear
 _LETTER_RE = re.compile(_L)
@@ -71,21 +76,26 @@ _ARTICLE_RE = re.compile(r"\s+(?!and\b|or\b)[a-z]{2,}")
 _JA_MARK = re.compile(
     r"(?:最終(?:的な|的に|的)?)?(?:答え|正解|正答|解答|回答|答)"
     r"(?:と(?:なる|する)(?:の|もの|選択肢)は|の選択肢は|選択肢は|は|:|=|→|⇒|[ \t]*$)",
-    re.M)
+    re.M,
+)
 _EN_MARK = re.compile(
     r"\b(?:final\s+answer|correct\s+(?:answer|option|choice)s?|answers?)\b"
     r"(?:\s*(?:is|are|would\s+be|should\s+be|will\s+be)\b\s*:?|\s*(?::|=|→)|[ \t]*$)",
-    re.M)
+    re.M,
+)
 _TRAIL_MARK = re.compile(
     rf"({_GROUP})\s*(?:(?:が|を)\s*(?:最も)?\s*(?:正解|正しい|答え|選ぶ|選択|適切|妥当)"
-    rf"|(?:is|are)\s+(?:the\s+)?(?:correct|right|best)\b)")
+    rf"|(?:is|are)\s+(?:the\s+)?(?:correct|right|best)\b)"
+)
 _NEXT_LINE_RE = re.compile(r"[^\S\n]*[^\s][^\n]*")
 _MAX_MARKERS = 64  # only the latest answer phrases can win; bounds work on looping outputs
 _ENUM_RE = re.compile(rf"{_L}\s*[.:)]")
 _SENT_END = re.compile(r"。|\.(?:\s|$)|[!?！？]|\n")
 _PAREN_RE = re.compile(r"[(（]([^()（）\n]*)[)）]")
 _DROP_CHARS = str.maketrans({c: " " for c in "*`#「」『』【】〔〕[]<>"})
-_NUM_RE = re.compile(r"(?<![a-z0-9.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d])|(?<![a-z0-9.,])\d+(?:\.\d+)?(?![\d])")
+_NUM_RE = re.compile(
+    r"(?<![a-z0-9.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d])|(?<![a-z0-9.,])\d+(?:\.\d+)?(?![\d])"
+)
 _SLOT_RE = re.compile(r"([①-⑨])\s*[:=は]?\s*(\d)(?![\d,.])")
 _TEMPLATE_RE = re.compile(r"解答[:：]\s*((?:\d[,，]?\s*)*)([①-⑨](?:[.．]?[①-⑨])*)")
 _BARE_TEMPLATE_RE = re.compile(r"([①-⑨](?:[.．]?[①-⑨])*)")
@@ -113,10 +123,12 @@ def _normalise(text: str) -> str:
     text = re.sub(r"<answer>(.*?)</answer>", r"\nanswer: \1\n", text, flags=re.S)
     text = re.sub(r"[【〔]([^】〕\n]*)[】〕]", r" \1: ", text)  # 【解答】c -> 解答: c
     text = text.translate(_DROP_CHARS)
+
     # keep "(c)" / "(c, d)", drop any other parenthesised aside
     def paren(m: re.Match) -> str:
         inner = m.group(1)
         return f" {inner} " if re.fullmatch(rf"\s*{_GROUP}\s*", inner) else " "
+
     return _PAREN_RE.sub(paren, text)
 
 
@@ -126,8 +138,7 @@ def _normalise(text: str) -> str:
 def _letters_in(span: str, valid: str) -> list[str] | None:
     """Option letters stated in ``span`` (rule 4); None if there are none."""
     bare = re.sub(r"[\s.:;,、。!?]+|です|である|となる|だ$", "", span)
-    if 2 <= len(bare) <= len(valid) and set(bare) <= set(valid) \
-            and len(set(bare)) == len(bare):
+    if 2 <= len(bare) <= len(valid) and set(bare) <= set(valid) and len(set(bare)) == len(bare):
         return sorted(bare)
     found = []
     for m in _LETTER_RE.finditer(span):
@@ -142,7 +153,7 @@ def _letters_in(span: str, valid: str) -> list[str] | None:
 def _sentence(text: str, start: int) -> str:
     """From ``start`` to the end of its sentence; if that is empty, the next non-empty line."""
     m = _SENT_END.search(text, start)
-    span = text[start: m.start()] if m else text[start:]
+    span = text[start : m.start()] if m else text[start:]
     if span.strip(" \t:=→"):
         return span
     nl = text.find("\n", start)
@@ -185,8 +196,9 @@ def _extract_letters(text: str, valid: str, choices: list[str]) -> list[str] | N
     return max(cands, key=lambda c: c[0])[1] if cands else None
 
 
-def _final_line_letters(line: str, valid: str, choices: list[str],
-                        allow_labelled: bool) -> list[str] | None:
+def _final_line_letters(
+    line: str, valid: str, choices: list[str], allow_labelled: bool
+) -> list[str] | None:
     """Letters of a final line that is only an answer, or (``allow_labelled``, i.e. not the
     end of an option list) an answer letter followed by ``.``/``:``/``)`` or its choice text."""
     s = line.strip()
@@ -243,7 +255,7 @@ def _fit(number: str, template: tuple[str, str] | None) -> str | None:
     whole = whole.zfill(width)
     if not whole.startswith(prefix):
         return None
-    return whole[len(prefix):] + frac
+    return whole[len(prefix) :] + frac
 
 
 def _numbers_in(span: str, template, last: bool) -> str | None:
@@ -280,8 +292,11 @@ def _extract_number(text: str, problem: Problem) -> list[str] | None:
 def is_numeric_problem(problem: Problem) -> bool:
     """A numeric-answer question: no choices, and every gold entry is a number."""
     choices = problem.meta.get("choices")
-    return not choices and bool(problem.answer) and all(
-        _NUMERIC_RE.match(str(a).strip()) for a in problem.answer)
+    return (
+        not choices
+        and bool(problem.answer)
+        and all(_NUMERIC_RE.match(str(a).strip()) for a in problem.answer)
+    )
 
 
 def valid_letters(problem: Problem) -> str:
@@ -324,7 +339,11 @@ def answers_match(predicted: list[str] | None, gold: list[str]) -> bool:
 
 def mcq_accuracy() -> Callable[[list[str], Problem], list[float]]:
     """Factory of the exact-set reward: ``(completions [G], problem) -> [G]`` of 0.0/1.0."""
+
     def reward(completions: list[str], problem: Problem) -> list[float]:
-        return [1.0 if answers_match(extract_answer(c, problem), problem.answer) else 0.0
-                for c in completions]
+        return [
+            1.0 if answers_match(extract_answer(c, problem), problem.answer) else 0.0
+            for c in completions
+        ]
+
     return reward

@@ -47,10 +47,13 @@ def get(name: str, **kwargs: Any) -> RewardFn:
     """
     if ":" in name:
         from megagrpo.rewards.swift_adapter import swift_reward
+
         return swift_reward(name, **kwargs)
     if name not in _FACTORIES:
-        raise ConfigError(f"unknown reward '{name}'; known: {', '.join(names())} "
-                          "(or 'module.path:ClassName' for an ms-swift ORM plugin)")
+        raise ConfigError(
+            f"unknown reward '{name}'; known: {', '.join(names())} "
+            "(or 'module.path:ClassName' for an ms-swift ORM plugin)"
+        )
     try:
         return _FACTORIES[name](**kwargs)
     except (TypeError, ValueError) as exc:

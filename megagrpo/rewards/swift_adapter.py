@@ -42,8 +42,11 @@ def load_object(path: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = " (install the swift extra: pip install 'megagrpo[swift]')" \
-            if "swift" in str(exc) else ""
+        hint = (
+            " (install the swift extra: pip install 'megagrpo[swift]')"
+            if "swift" in str(exc)
+            else ""
+        )
         raise ConfigError(f"reward '{path}': cannot import {module_name}: {exc}{hint}") from exc
     obj = module
     for part in attr.split("."):
@@ -63,16 +66,21 @@ class SwiftORMReward:
         self.orm = orm
         self.name = name or type(orm).__name__
 
-    def __call__(self, completions: list[str], problem: Problem,
-                 lengths: Sequence[int] | None = None,
-                 token_ids: Sequence[Sequence[int]] | None = None) -> list[float]:
+    def __call__(
+        self,
+        completions: list[str],
+        problem: Problem,
+        lengths: Sequence[int] | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[float]:
         n = len(completions)
         columns: dict[str, Any] = {k: v for k, v in problem.meta.items()}
         columns["solution"] = problem.meta.get("solution", ",".join(problem.answer))
         columns["problem_id"] = problem.id
         kwargs: dict[str, Any] = {k: [v] * n for k, v in columns.items()}
-        kwargs["messages"] = [list(problem.messages) + [{"role": "assistant", "content": c}]
-                              for c in completions]
+        kwargs["messages"] = [
+            list(problem.messages) + [{"role": "assistant", "content": c}] for c in completions
+        ]
         kwargs["trainer_state"] = None
         if token_ids is not None:
             kwargs["response_token_ids"] = [list(t) for t in token_ids]
@@ -83,8 +91,9 @@ class SwiftORMReward:
             out = asyncio.run(_await(out))
         values = [float(v) for v in out]
         if len(values) != n:
-            raise ValueError(f"ms-swift reward {self.name} returned {len(values)} values "
-                             f"for {n} completions")
+            raise ValueError(
+                f"ms-swift reward {self.name} returned {len(values)} values for {n} completions"
+            )
         return values
 
 
@@ -95,8 +104,9 @@ def swift_reward(path: str, **kwargs: Any) -> SwiftORMReward:
         try:
             obj = _construct(obj, kwargs)
         except (TypeError, AttributeError, AssertionError) as exc:
-            raise ConfigError(f"reward '{path}': cannot construct with {kwargs}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            raise ConfigError(
+                f"reward '{path}': cannot construct with {kwargs}: {type(exc).__name__}: {exc}"
+            ) from exc
     elif kwargs:
         raise ConfigError(f"reward '{path}' is not a class; it takes no kwargs (got {kwargs})")
     return SwiftORMReward(obj, name=path)

@@ -22,8 +22,18 @@ from megagrpo.rollout.base import (
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import LoraAdapter, merged_stream
 
-__all__ = ["EngineError", "LoraAdapter", "RolloutConfig", "RolloutEngine", "SamplingSpec",
-           "SyncReport", "WeightSyncError", "build_engine", "sync_lora", "to_checkpoint_format"]
+__all__ = [
+    "EngineError",
+    "LoraAdapter",
+    "RolloutConfig",
+    "RolloutEngine",
+    "SamplingSpec",
+    "SyncReport",
+    "WeightSyncError",
+    "build_engine",
+    "sync_lora",
+    "to_checkpoint_format",
+]
 
 
 def build_engine(rollout_cfg: RolloutConfig, model_path: str, seed: int = 0) -> RolloutEngine:
@@ -39,9 +49,12 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, seed: int = 0) -> 
     return HFEngine(rollout_cfg, model_path, seed)
 
 
-def sync_lora(engine: RolloutEngine, adapter: LoraAdapter,
-              base_named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
-              expected_probe: Sequence[float] | None = None) -> SyncReport:
+def sync_lora(
+    engine: RolloutEngine,
+    adapter: LoraAdapter,
+    base_named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    expected_probe: Sequence[float] | None = None,
+) -> SyncReport:
     """Sync a LoRA policy: adapter-only where the engine supports it, else merged.
 
     ``base_named_tensors`` (the frozen base weights, HF names) is needed for the merged path
@@ -51,8 +64,11 @@ def sync_lora(engine: RolloutEngine, adapter: LoraAdapter,
     if supports:
         return engine.update_adapter(adapter, expected_probe=expected_probe)
     if base_named_tensors is None:
-        raise EngineError(f"engine {getattr(engine, 'name', '?')} cannot serve LoRA adapters "
-                          "alone (rollout.enable_lora=false or unsupported modules): pass the "
-                          "base weights so the adapter is merged")
-    return engine.update_weights(merged_stream(base_named_tensors, adapter),
-                                 expected_probe=expected_probe)
+        raise EngineError(
+            f"engine {getattr(engine, 'name', '?')} cannot serve LoRA adapters "
+            "alone (rollout.enable_lora=false or unsupported modules): pass the "
+            "base weights so the adapter is merged"
+        )
+    return engine.update_weights(
+        merged_stream(base_named_tensors, adapter), expected_probe=expected_probe
+    )

@@ -88,8 +88,9 @@ class RolloutEngine(Protocol):
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The exact prompt token ids ``[P]`` (chat template + generation prompt)."""
 
-    def generate(self, problems: list[Problem], n: int,
-                 sampling: SamplingSpec | None = None) -> list[Group]:
+    def generate(
+        self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
+    ) -> list[Group]:
         """Sample ``n`` completions per problem; one Group per problem, in order.
 
         Fills ``completions``, ``token_ids`` ``[L_i]``, ``logprobs`` ``[L_i]`` (sampled
@@ -99,8 +100,11 @@ class RolloutEngine(Protocol):
     def probe_logprobs(self) -> list[float]:
         """Log-probs ``[probe_len - 1]`` of the fixed probe sequence under current weights."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       expected_probe: Sequence[float] | None = None) -> SyncReport:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        expected_probe: Sequence[float] | None = None,
+    ) -> SyncReport:
         """Load HF-named full tensors, streamed in buckets; verify; raise WeightSyncError."""
 
     def sleep(self) -> None:
@@ -115,6 +119,7 @@ class RolloutEngine(Protocol):
 
 # ----------------------------------------------------------------------------- prompts
 
+
 def chat_prompt_ids(tokenizer, problem: Problem) -> list[int]:
     """Tokenise ``problem.messages`` with the tokenizer's chat template, generation prompt on.
 
@@ -124,8 +129,9 @@ def chat_prompt_ids(tokenizer, problem: Problem) -> list[int]:
     if not problem.messages:
         raise EngineError(f"problem {problem.id!r} has no messages")
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(problem.messages, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            problem.messages, tokenize=False, add_generation_prompt=True
+        )
     else:  # base models without a template: plain concatenation of the contents
         text = "\n".join(m["content"] for m in problem.messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -156,9 +162,14 @@ def default_probe_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def check_probe(before: Sequence[float], after: Sequence[float],
-                expected: Sequence[float] | None, tol: float, min_change: float,
-                what: str) -> float:
+def check_probe(
+    before: Sequence[float],
+    after: Sequence[float],
+    expected: Sequence[float] | None,
+    tol: float,
+    min_change: float,
+    what: str,
+) -> float:
     """Verify a weight sync from probe log-probs; returns the reported max diff.
 
     With ``expected`` (the trainer's log-probs of the probe under the new weights), the
@@ -169,22 +180,26 @@ def check_probe(before: Sequence[float], after: Sequence[float],
     if expected is not None:
         exp_t = torch.tensor(list(expected), dtype=torch.float64)
         if exp_t.shape != after_t.shape:
-            raise WeightSyncError(f"{what}: expected_probe has {exp_t.numel()} values, the "
-                                  f"probe has {after_t.numel()} (use engine.probe_token_ids)")
+            raise WeightSyncError(
+                f"{what}: expected_probe has {exp_t.numel()} values, the "
+                f"probe has {after_t.numel()} (use engine.probe_token_ids)"
+            )
         diff = float((after_t - exp_t).abs().max())
         if not diff <= tol:  # also catches NaN
             raise WeightSyncError(
                 f"{what}: weight sync did not take effect as the trainer predicts: probe "
                 f"log-probs differ by {diff:.3g} > rollout.verify_tol={tol:g} (changed by "
                 f"{float((after_t - torch.tensor(before, dtype=torch.float64)).abs().max()):.3g}"
-                " from before the sync). Tensor names or layout probably did not map.")
+                " from before the sync). Tensor names or layout probably did not map."
+            )
         return diff
     change = float((after_t - torch.tensor(before, dtype=torch.float64)).abs().max())
     if not change > min_change:
         raise WeightSyncError(
             f"{what}: weight sync did not take effect: probe log-probs moved by {change:.3g} "
             f"<= rollout.verify_min_change={min_change:g}. Pass expected_probe from the "
-            "trainer for an exact check.")
+            "trainer for an exact check."
+        )
     return change
 
 
@@ -193,8 +208,9 @@ def check_probe(before: Sequence[float], after: Sequence[float],
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def to_checkpoint_format(named_tensors: Iterable[tuple[str, torch.Tensor]]
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+def to_checkpoint_format(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF checkpoint names: split transformers-5 fused expert tensors into per-expert ones.
 
     ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]`` -> ``...experts.{e}.gate_proj.weight``
@@ -217,9 +233,12 @@ def to_checkpoint_format(named_tensors: Iterable[tuple[str, torch.Tensor]]
                 yield f"{prefix}.{e}.down_proj.weight", tensor[e]
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a tensor stream into buckets of at most ``bucket_bytes`` (after casting to
     ``dtype`` on ``device``); a single larger tensor forms its own bucket.
 
@@ -251,8 +270,9 @@ class SyncMeter:
         self.num_buckets = 0
         self.max_bucket_bytes = 0
 
-    def stream(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(
+        self, buckets: Iterable[list[tuple[str, torch.Tensor]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Flatten buckets into (name, tensor) pairs while counting them."""
         for bucket in buckets:
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
@@ -267,5 +287,4 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None = None) -> tor
     """Config dtype string -> torch dtype ("auto": the checkpoint's, else float32)."""
     if name == "auto":
         return checkpoint_dtype or torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

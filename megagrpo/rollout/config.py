@@ -62,21 +62,36 @@ class RolloutConfig:
 
     def validate(self, path: str = "rollout") -> None:
         """Check value ranges; raises ConfigError naming the key."""
-        require(self.engine in ENGINES, f"{path}.engine", f"must be one of {ENGINES}, "
-                f"got {self.engine!r}")
+        require(
+            self.engine in ENGINES,
+            f"{path}.engine",
+            f"must be one of {ENGINES}, got {self.engine!r}",
+        )
         require(self.group_size >= 1, f"{path}.group_size", "must be >= 1")
         require(self.temperature > 0, f"{path}.temperature", "must be > 0")
         require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
         require(self.max_tokens >= 1, f"{path}.max_tokens", "must be >= 1")
-        require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"{path}.dtype",
-                "must be auto | float32 | bfloat16 | float16")
-        require(self.max_model_len > self.max_tokens, f"{path}.max_model_len",
-                f"must exceed rollout.max_tokens ({self.max_tokens}) to leave room for prompts")
-        require(0 < self.gpu_memory_utilization <= 1, f"{path}.gpu_memory_utilization",
-                "must be in (0, 1]")
+        require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"{path}.dtype",
+            "must be auto | float32 | bfloat16 | float16",
+        )
+        require(
+            self.max_model_len > self.max_tokens,
+            f"{path}.max_model_len",
+            f"must exceed rollout.max_tokens ({self.max_tokens}) to leave room for prompts",
+        )
+        require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"{path}.gpu_memory_utilization",
+            "must be in (0, 1]",
+        )
         require(self.kv_cache_gib >= 1, f"{path}.kv_cache_gib", "must be >= 1")
-        require(self.placement in PLACEMENTS, f"{path}.placement",
-                f"must be one of {PLACEMENTS}, got {self.placement!r}")
+        require(
+            self.placement in PLACEMENTS,
+            f"{path}.placement",
+            f"must be one of {PLACEMENTS}, got {self.placement!r}",
+        )
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
         require(self.verify_tol > 0, f"{path}.verify_tol", "must be > 0")

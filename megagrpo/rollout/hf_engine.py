@@ -62,8 +62,9 @@ class _SeededSampler:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p > self.top_p
             probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        choice = torch.cat([torch.multinomial(probs[i], 1, generator=g)
-                            for i, g in enumerate(self.gens)])
+        choice = torch.cat(
+            [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.gens)]
+        )
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(len(choice)), choice] = 0.0
         return out
@@ -83,11 +84,14 @@ class HFEngine:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=None if cfg.dtype == "auto" else resolve_dtype(cfg.dtype))
+                self.model_path, dtype=None if cfg.dtype == "auto" else resolve_dtype(cfg.dtype)
+            )
             self.model.to(device).eval()
         except Exception as exc:
-            raise EngineError(f"HF engine start failed: {type(exc).__name__}: {exc}\n"
-                              "  -> check model.hf_path and rollout.dtype") from exc
+            raise EngineError(
+                f"HF engine start failed: {type(exc).__name__}: {exc}\n"
+                "  -> check model.hf_path and rollout.dtype"
+            ) from exc
         self.dtype = next(self.model.parameters()).dtype
         try:
             gen = GenerationConfig.from_pretrained(self.model_path)
@@ -98,8 +102,9 @@ class HFEngine:
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = eos
-        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                       else eos[0])
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
+        )
         self._base_seed = int(cfg.seed) * 7919 + int(seed)
         self._calls = itertools.count()
         self._asleep = False
@@ -115,8 +120,14 @@ class HFEngine:
             raise EngineError("rollout engine is asleep: call wake_up() before using it")
 
     @torch.no_grad()
-    def _generate_rows(self, rows: list[list[int]], seeds: list[int], temperature: float,
-                       top_p: float, max_tokens: int) -> list[tuple[list[int], list[float], str]]:
+    def _generate_rows(
+        self,
+        rows: list[list[int]],
+        seeds: list[int],
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+    ) -> list[tuple[list[int], list[float], str]]:
         """Left-padded batch generate; returns (token_ids, logprobs, finish) per row."""
         from transformers import LogitsProcessorList
 
@@ -124,15 +135,24 @@ class HFEngine:
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
         dev = self.model.device
         sampler = _SeededSampler(seeds, temperature, top_p, dev)
         out = self.model.generate(
-            input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
-            max_new_tokens=max_tokens, logits_processor=LogitsProcessorList([sampler]),
-            eos_token_id=self.eos_ids, pad_token_id=self.pad_id, output_logits=True,
-            return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            logits_processor=LogitsProcessorList([sampler]),
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
         new = out.sequences[:, width:].cpu()
         logp = torch.log_softmax(torch.stack(out.logits, 1).double(), -1).cpu()  # [B, L, V]
         results = []
@@ -148,8 +168,9 @@ class HFEngine:
             results.append((toks, lps, finish))
         return results
 
-    def generate(self, problems: list[Problem], n: int,
-                 sampling: SamplingSpec | None = None) -> list[Group]:
+    def generate(
+        self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
+    ) -> list[Group]:
         """Sample ``n`` completions per problem (see RolloutEngine.generate)."""
         self._check_awake()
         s = sampling or SamplingSpec()
@@ -160,29 +181,41 @@ class HFEngine:
         rows, seeds = [], []
         for j, ids in enumerate(prompts):
             if cfg.max_model_len - len(ids) < 1:
-                raise EngineError(f"problem {problems[j].id!r}: prompt of {len(ids)} tokens "
-                                  "leaves no room to generate; raise rollout.max_model_len")
+                raise EngineError(
+                    f"problem {problems[j].id!r}: prompt of {len(ids)} tokens "
+                    "leaves no room to generate; raise rollout.max_model_len"
+                )
             rows += [ids] * n
             seeds += [request_seed(base, s.problem_offset + j, i) for i in range(n)]
-        max_tokens = min(s.max_tokens or cfg.max_tokens,
-                         cfg.max_model_len - max(len(p) for p in prompts))
+        max_tokens = min(
+            s.max_tokens or cfg.max_tokens, cfg.max_model_len - max(len(p) for p in prompts)
+        )
         results = []
         try:
             for k in range(0, len(rows), MAX_ROWS):
-                results += self._generate_rows(rows[k:k + MAX_ROWS], seeds[k:k + MAX_ROWS],
-                                               s.temperature or cfg.temperature,
-                                               s.top_p or cfg.top_p, max_tokens)
+                results += self._generate_rows(
+                    rows[k : k + MAX_ROWS],
+                    seeds[k : k + MAX_ROWS],
+                    s.temperature or cfg.temperature,
+                    s.top_p or cfg.top_p,
+                    max_tokens,
+                )
         except torch.OutOfMemoryError as exc:
-            raise EngineError(f"HF generation out of memory: {exc}\n  -> lower "
-                              "rollout.group_size, rollout.max_tokens") from exc
+            raise EngineError(
+                f"HF generation out of memory: {exc}\n  -> lower "
+                "rollout.group_size, rollout.max_tokens"
+            ) from exc
         except Exception as exc:
-            raise EngineError(f"HF generation failed: {type(exc).__name__}: {exc}\n  -> check "
-                              "rollout.max_tokens, rollout.temperature, rollout.top_p") from exc
+            raise EngineError(
+                f"HF generation failed: {type(exc).__name__}: {exc}\n  -> check "
+                "rollout.max_tokens, rollout.temperature, rollout.top_p"
+            ) from exc
         groups = []
         for j, problem in enumerate(problems):
-            group = Group(problem=problem, completions=[], token_ids=[], logprobs=[],
-                          prompt_ids=prompts[j])
-            for toks, lps, finish in results[j * n:(j + 1) * n]:
+            group = Group(
+                problem=problem, completions=[], token_ids=[], logprobs=[], prompt_ids=prompts[j]
+            )
+            for toks, lps, finish in results[j * n : (j + 1) * n]:
                 group.completions.append(decode_completion(self.tokenizer, toks))
                 group.token_ids.append(toks)
                 group.logprobs.append(lps)
@@ -223,16 +256,20 @@ class HFEngine:
         return True
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       expected_probe: Sequence[float] | None = None) -> SyncReport:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        expected_probe: Sequence[float] | None = None,
+    ) -> SyncReport:
         """Copy HF-named tensors (fused or per-expert names) in; verify with the probe."""
         self._check_awake()
         t0 = time.perf_counter()
         params = dict(self.model.state_dict(keep_vars=False))
         meter = SyncMeter()
         unknown = []
-        buckets = iter_buckets(named_tensors, int(self.cfg.sync_bucket_mb * 2**20), self.dtype,
-                               self.model.device)
+        buckets = iter_buckets(
+            named_tensors, int(self.cfg.sync_bucket_mb * 2**20), self.dtype, self.model.device
+        )
         for name, tensor in meter.stream(buckets):
             try:
                 ok = self._copy_in(params, name, tensor)
@@ -241,16 +278,29 @@ class HFEngine:
             if not ok:
                 unknown.append(name)
         if unknown:
-            raise WeightSyncError(f"HF sync: {len(unknown)} tensor names match no parameter "
-                                  f"(first: {unknown[:3]})")
+            raise WeightSyncError(
+                f"HF sync: {len(unknown)} tensor names match no parameter (first: {unknown[:3]})"
+            )
         after = self.probe_logprobs()
-        diff = check_probe(self._last_probe, after, expected_probe, self.cfg.verify_tol,
-                           self.cfg.verify_min_change, "HF sync")
+        diff = check_probe(
+            self._last_probe,
+            after,
+            expected_probe,
+            self.cfg.verify_tol,
+            self.cfg.verify_min_change,
+            "HF sync",
+        )
         self._last_probe = after
-        return SyncReport(bytes=meter.bytes, seconds=time.perf_counter() - t0, verified=True,
-                          max_probe_diff=diff, num_tensors=meter.num_tensors,
-                          num_buckets=meter.num_buckets,
-                          max_bucket_bytes=meter.max_bucket_bytes, mode="full")
+        return SyncReport(
+            bytes=meter.bytes,
+            seconds=time.perf_counter() - t0,
+            verified=True,
+            max_probe_diff=diff,
+            num_tensors=meter.num_tensors,
+            num_buckets=meter.num_buckets,
+            max_bucket_bytes=meter.max_bucket_bytes,
+            mode="full",
+        )
 
     def supports_adapter_sync(self) -> bool:
         """The HF engine takes merged weights only."""

@@ -51,8 +51,9 @@ class LoraAdapter:
         return sorted({name.rsplit(".", 1)[-1] for name in self.a})
 
     @classmethod
-    def from_peft_state_dict(cls, state: dict[str, torch.Tensor], rank: int,
-                             alpha: float) -> LoraAdapter:
+    def from_peft_state_dict(
+        cls, state: dict[str, torch.Tensor], rank: int, alpha: float
+    ) -> LoraAdapter:
         """From PEFT names (``base_model.model.<module>.lora_A[.default].weight``)."""
         out = cls(rank=rank, alpha=alpha)
         for key, tensor in state.items():
@@ -69,8 +70,9 @@ class LoraAdapter:
         return self.scale * (self.b[module].float() @ self.a[module].float())
 
 
-def write_peft_adapter(adapter: LoraAdapter, path: str | Path,
-                       dtype: torch.dtype = torch.float32) -> SyncMeter:
+def write_peft_adapter(
+    adapter: LoraAdapter, path: str | Path, dtype: torch.dtype = torch.float32
+) -> SyncMeter:
     """Save ``adapter`` as a PEFT directory (safetensors + adapter_config.json).
 
     Returns a SyncMeter with the bytes written (the adapter-only sync volume).
@@ -90,17 +92,27 @@ def write_peft_adapter(adapter: LoraAdapter, path: str | Path,
     meter.num_buckets = 1
     meter.max_bucket_bytes = meter.bytes
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.alpha,
-              "target_modules": adapter.target_modules, "lora_dropout": 0.0, "bias": "none",
-              "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
-              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-              "modules_to_save": None}
+    config = {
+        "peft_type": "LORA",
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "target_modules": adapter.target_modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return meter
 
 
-def merged_stream(base_named_tensors: Iterable[tuple[str, torch.Tensor]],
-                  adapter: LoraAdapter) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_stream(
+    base_named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield base tensors (checkpoint names) with the adapter folded in, one at a time.
 
     ``W' = W + scale * B @ A`` for every adapted ``<module>.weight``; other tensors pass

@@ -27,27 +27,43 @@ DESCRIPTION = __doc__
 log = logging.getLogger(__name__)
 
 PROMPTS = [
-    [{"role": "system", "content": "あなたは日本の医師国家試験の問題に答える医学の専門家です。"},
-     {"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。\na 糖尿病\nb 肝硬変\n"
-                                 "c 甲状腺機能低下症\nd 貧血\ne 肺炎"}],
+    [
+        {"role": "system", "content": "あなたは日本の医師国家試験の問題に答える医学の専門家です。"},
+        {
+            "role": "user",
+            "content": "高アンモニア血症をきたす疾患はどれか。\na 糖尿病\nb 肝硬変\n"
+            "c 甲状腺機能低下症\nd 貧血\ne 肺炎",
+        },
+    ],
     [{"role": "user", "content": "Let me think step by step about each option before answering."}],
 ]
 TINY = ("tiny-moe", "tiny-dense")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf", required=True,
-                        help="HF checkpoint directory, smollm2-135m (bundled), or tiny-moe / "
-                             "tiny-dense (a random tiny test model built on the fly)")
+    parser.add_argument(
+        "--hf",
+        required=True,
+        help="HF checkpoint directory, smollm2-135m (bundled), or tiny-moe / "
+        "tiny-dense (a random tiny test model built on the fly)",
+    )
     parser.add_argument("--engine", choices=ENGINES, default="vllm")
     parser.add_argument("--n", type=int, default=8, help="answers per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--noise", type=float, default=0.01,
-                        help="weight perturbation, relative to each matrix's std")
-    parser.add_argument("--tol", type=float, default=None,
-                        help="max allowed log-prob mismatch (default 1e-3 fp32, 5e-2 else)")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.01,
+        help="weight perturbation, relative to each matrix's std",
+    )
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="max allowed log-prob mismatch (default 1e-3 fp32, 5e-2 else)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,8 +80,10 @@ def _model_dir(spec: str, tmp: Path) -> Path:
 
         return resolve_hf_path(spec)
     except (ImportError, ConfigError) as exc:
-        raise ConfigError(f"--hf {spec}: no config.json there (an HF checkpoint directory, "
-                          f"a bundled name like smollm2-135m, or one of {TINY}): {exc}") from exc
+        raise ConfigError(
+            f"--hf {spec}: no config.json there (an HF checkpoint directory, "
+            f"a bundled name like smollm2-135m, or one of {TINY}): {exc}"
+        ) from exc
 
 
 def _mismatch(groups, trainer) -> tuple[float, float, int]:
@@ -75,7 +93,7 @@ def _mismatch(groups, trainer) -> tuple[float, float, int]:
     diffs = []
     for g in groups:
         for toks, lps in zip(g.token_ids, g.logprobs):
-            ref = sequence_logprobs(trainer, g.prompt_ids + toks)[len(g.prompt_ids) - 1:]
+            ref = sequence_logprobs(trainer, g.prompt_ids + toks)[len(g.prompt_ids) - 1 :]
             diffs += [abs(a - b) for a, b in zip(lps, ref)]
     t = torch.tensor(diffs or [0.0], dtype=torch.float64)
     return float(t.max()), float(t.mean()), len(diffs)
@@ -99,8 +117,13 @@ def verify(model_dir: Path, args: argparse.Namespace) -> dict:
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     fp32 = next(trainer.parameters()).dtype == torch.float32
     tol = args.tol if args.tol is not None else (1e-3 if fp32 else 5e-2)
-    cfg = RolloutConfig(engine=args.engine, max_tokens=args.max_tokens,
-                        max_model_len=args.max_model_len, seed=args.seed, verify_tol=tol)
+    cfg = RolloutConfig(
+        engine=args.engine,
+        max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        verify_tol=tol,
+    )
     cfg.validate("rollout")
     problems = [Problem(f"verify-{i}", m, []) for i, m in enumerate(PROMPTS)]
     engine = build_engine(cfg, str(model_dir), seed=args.seed)
@@ -111,23 +134,28 @@ def verify(model_dir: Path, args: argparse.Namespace) -> dict:
         expected = sequence_logprobs(trainer, engine.probe_token_ids)
         effective, error = True, ""
         try:
-            report = engine.update_weights(iter(trainer.state_dict().items()),
-                                           expected_probe=expected)
-            sync = dict(seconds=report.seconds, bytes=report.bytes,
-                        probe=report.max_probe_diff)
+            report = engine.update_weights(
+                iter(trainer.state_dict().items()), expected_probe=expected
+            )
+            sync = dict(seconds=report.seconds, bytes=report.bytes, probe=report.max_probe_diff)
         except WeightSyncError as exc:
             effective, error, sync = False, str(exc), dict(seconds=None, bytes=None, probe=None)
         after = _mismatch(engine.generate(problems, n=args.n), trainer) if effective else None
     finally:
         engine.close()
     return {
-        "engine": args.engine, "model": str(args.hf), "dtype": str(
-            next(trainer.parameters()).dtype).removeprefix("torch."),
-        "num_samples": sum(g.size for g in groups), "num_tokens": num_tokens,
+        "engine": args.engine,
+        "model": str(args.hf),
+        "dtype": str(next(trainer.parameters()).dtype).removeprefix("torch."),
+        "num_samples": sum(g.size for g in groups),
+        "num_tokens": num_tokens,
         "distinct_samples": sum(len({tuple(t) for t in g.token_ids}) for g in groups),
-        "logprob_max_abs_diff": max_diff, "logprob_mean_abs_diff": mean_diff,
-        "tolerance": tol, "weight_update_effective": effective,
-        "sync_seconds": sync["seconds"], "sync_bytes": sync["bytes"],
+        "logprob_max_abs_diff": max_diff,
+        "logprob_mean_abs_diff": mean_diff,
+        "tolerance": tol,
+        "weight_update_effective": effective,
+        "sync_seconds": sync["seconds"],
+        "sync_bytes": sync["bytes"],
         "sync_probe_max_abs_diff": sync["probe"],
         "post_sync_logprob_max_abs_diff": after[0] if after else None,
         "error": error,
@@ -139,8 +167,11 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="megagrpo-verify-") as tmp:
         model_dir = _model_dir(args.hf, Path(tmp))
         out = verify(model_dir, args)  # EngineError: printed by the CLI with config keys
-    ok = (out["weight_update_effective"] and out["logprob_max_abs_diff"] <= out["tolerance"]
-          and (out["post_sync_logprob_max_abs_diff"] or 0.0) <= out["tolerance"])
+    ok = (
+        out["weight_update_effective"]
+        and out["logprob_max_abs_diff"] <= out["tolerance"]
+        and (out["post_sync_logprob_max_abs_diff"] or 0.0) <= out["tolerance"]
+    )
     out["ok"] = bool(ok)
     if args.json:
         print(json.dumps(out))

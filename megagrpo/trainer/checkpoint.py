@@ -36,8 +36,11 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 def rng_state() -> dict[str, Any]:
     """Every RNG this process draws from."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -61,8 +64,11 @@ def latest(ckpt_root: str | os.PathLike) -> Path | None:
     root = Path(ckpt_root)
     if not root.is_dir():
         return None
-    done = [(int(m.group(1)), p) for p in root.iterdir()
-            if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()]
+    done = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()
+    ]
     return max(done)[1] if done else None
 
 
@@ -71,9 +77,18 @@ def _barrier(comm) -> None:
         comm.barrier()
 
 
-def save(ckpt_root: str | os.PathLike, step: int, *, rank: int, world_size: int,
-         rank_state: dict[str, Any], trainer_state: dict[str, Any] | None,
-         meta: dict[str, Any], keep: int = 2, comm=None) -> Path:
+def save(
+    ckpt_root: str | os.PathLike,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    rank_state: dict[str, Any],
+    trainer_state: dict[str, Any] | None,
+    meta: dict[str, Any],
+    keep: int = 2,
+    comm=None,
+) -> Path:
     """Write one checkpoint atomically (collective: every rank calls it).
 
     Args:
@@ -105,14 +120,18 @@ def save(ckpt_root: str | os.PathLike, step: int, *, rank: int, world_size: int,
 
 
 def _prune(root: Path, keep: int) -> None:
-    done = sorted((int(m.group(1)), p) for p in root.iterdir()
-                  if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file())
+    done = sorted(
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()
+    )
     for _, path in done[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load(path: str | os.PathLike, *, rank: int, world_size: int,
-         meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def load(
+    path: str | os.PathLike, *, rank: int, world_size: int, meta: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read ``(rank_state, trainer_state)`` of a checkpoint written by :func:`save`.
 
     Raises CheckpointError when it is incomplete or was written for another layout
@@ -124,12 +143,15 @@ def load(path: str | os.PathLike, *, rank: int, world_size: int,
         raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
     saved = json.loads(meta_file.read_text(encoding="utf-8"))
     if saved.get("world_size") != world_size:
-        raise CheckpointError(f"{path}: written by {saved.get('world_size')} processes, "
-                              f"resumed with {world_size}; use the same launch layout")
+        raise CheckpointError(
+            f"{path}: written by {saved.get('world_size')} processes, "
+            f"resumed with {world_size}; use the same launch layout"
+        )
     for key, value in meta.items():
         if json.loads(json.dumps(value, default=str)) != saved.get(key):
-            raise CheckpointError(f"{path}: '{key}' was {saved.get(key)!r} when saved, "
-                                  f"now {value!r}")
+            raise CheckpointError(
+                f"{path}: '{key}' was {saved.get(key)!r} when saved, now {value!r}"
+            )
     rank_file = path / f"rank{rank:05d}.pt"
     if not rank_file.is_file():
         raise CheckpointError(f"{path}: missing {rank_file.name}")

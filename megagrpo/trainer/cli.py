@@ -22,10 +22,17 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML (configs/demo_cpu.yaml, ...)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted config overrides, e.g. trainer.max_steps=3")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint of the run")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted config overrides, e.g. trainer.max_steps=3",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint of the run",
+    )
 
 
 def _env_defaults() -> None:
@@ -57,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
         shutdown(ctx)
     if is_main and rows:
         last = rows[-1]
-        print(f"done: {ctx.step} steps, run dir {ctx.run_dir}, last reward/mean="
-              f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}")
+        print(
+            f"done: {ctx.step} steps, run dir {ctx.run_dir}, last reward/mean="
+            f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}"
+        )
     return 0
 
 

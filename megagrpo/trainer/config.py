@@ -75,26 +75,44 @@ class TrainerConfig:
 
     def validate(self, path: str = "trainer") -> None:
         """Check values; raises ConfigError naming the key."""
-        require(bool(self.name) and "/" not in self.name, f"{path}.name",
-                "must be a non-empty name without '/'")
+        require(
+            bool(self.name) and "/" not in self.name,
+            f"{path}.name",
+            "must be a non-empty name without '/'",
+        )
         require(self.max_steps >= 1, f"{path}.max_steps", "must be >= 1")
         require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")
         require(self.micro_batch_size >= 1, f"{path}.micro_batch_size", "must be >= 1")
         require(self.ppo_epochs >= 1, f"{path}.ppo_epochs", "must be >= 1")
-        require(self.old_logprobs in OLD_LOGPROBS, f"{path}.old_logprobs",
-                f"must be one of {OLD_LOGPROBS}")
-        require(not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
-                f"{path}.old_logprobs", "ppo_epochs > 1 needs 'recompute' (or 'auto')")
+        require(
+            self.old_logprobs in OLD_LOGPROBS,
+            f"{path}.old_logprobs",
+            f"must be one of {OLD_LOGPROBS}",
+        )
+        require(
+            not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
+            f"{path}.old_logprobs",
+            "ppo_epochs > 1 needs 'recompute' (or 'auto')",
+        )
         require(self.lr > 0, f"{path}.lr", "must be > 0")
-        require(self.weight_sync in WEIGHT_SYNCS, f"{path}.weight_sync",
-                f"must be one of {WEIGHT_SYNCS}")
-        require(self.adam_betas is None or len(self.adam_betas) == 2, f"{path}.adam_betas",
-                "must be [beta1, beta2]")
+        require(
+            self.weight_sync in WEIGHT_SYNCS,
+            f"{path}.weight_sync",
+            f"must be one of {WEIGHT_SYNCS}",
+        )
+        require(
+            self.adam_betas is None or len(self.adam_betas) == 2,
+            f"{path}.adam_betas",
+            "must be [beta1, beta2]",
+        )
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
         require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
         for key in ("save_every", "eval_every", "eval_max_problems"):
             require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0")
         require(self.keep_checkpoints >= 1, f"{path}.keep_checkpoints", "must be >= 1")
-        require(self.num_nodes >= 1 and self.gpus_per_node >= 1, f"{path}.num_nodes",
-                "num_nodes and gpus_per_node must be >= 1")
+        require(
+            self.num_nodes >= 1 and self.gpus_per_node >= 1,
+            f"{path}.num_nodes",
+            "num_nodes and gpus_per_node must be >= 1",
+        )
         require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")

@@ -48,15 +48,26 @@ def evaluate(ctx: TrainContext, step: int) -> dict[str, float]:
     gold, preds = {}, {}
     for g in groups:
         p = g.problem
-        gold[p.id] = GoldItem(problem_id=p.id, answer=list(p.answer),
-                              points=int(p.meta.get("points", 1) or 1),
-                              year=str(p.meta.get("year", "") or ""),
-                              source=str(p.meta.get("source", "")))
+        gold[p.id] = GoldItem(
+            problem_id=p.id,
+            answer=list(p.answer),
+            points=int(p.meta.get("points", 1) or 1),
+            year=str(p.meta.get("year", "") or ""),
+            source=str(p.meta.get("source", "")),
+        )
         letters = extract_answer(g.completions[0], p)
         preds[p.id] = ",".join(letters) if letters else ""
     report = score(gold, preds).as_dict()
-    log.info("eval step %d: accuracy %.3f (%d/%d)", step, report["accuracy"],
-             report["correct"], report["total"])
+    log.info(
+        "eval step %d: accuracy %.3f (%d/%d)",
+        step,
+        report["accuracy"],
+        report["correct"],
+        report["total"],
+    )
     points = report["points_total"] or 1
-    return {"eval/accuracy": float(report["accuracy"]), "eval/score_frac": report["score"] / points,
-            "eval/num_problems": float(report["total"])}
+    return {
+        "eval/accuracy": float(report["accuracy"]),
+        "eval/score_frac": report["score"] / points,
+        "eval/num_problems": float(report["total"]),
+    }

@@ -39,16 +39,18 @@ def compute_advantages(ctx: TrainContext, groups: list[Group]) -> torch.Tensor:
     return group_advantages(rewards, scale=ctx.cfg.loss.resolved_advantage_scale())
 
 
-def batch_metrics(ctx: TrainContext, groups: list[Group], gen: dict[str, float]
-                  ) -> dict[str, float]:
+def batch_metrics(
+    ctx: TrainContext, groups: list[Group], gen: dict[str, float]
+) -> dict[str, float]:
     """``reward/*`` and ``length/*`` of the trained batch."""
     out: dict[str, float] = {}
     if groups:
         out["reward/mean"] = float(np.mean([r for g in groups for r in g.rewards]))
         out["reward/std"] = float(np.std([r for g in groups for r in g.rewards]))
         for name in ctx.reward_fn.names:
-            out[f"reward/{name}/mean"] = float(np.mean(
-                [v for g in groups for v in g.reward_parts.get(name, [])] or [0.0]))
+            out[f"reward/{name}/mean"] = float(
+                np.mean([v for g in groups for v in g.reward_parts.get(name, [])] or [0.0])
+            )
         out["length/mean"] = float(np.mean([n for g in groups for n in g.lengths]))
         out["length/max"] = float(max(n for g in groups for n in g.lengths))
     out["reward/mean_raw"] = gen["raw_reward_mean"]  # first generation, before filtering
@@ -83,8 +85,9 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float]:
         metrics.update(evaluate(ctx, step))
     row = complete_row(ctx, metrics)
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
-    if _due(step, ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps,
-            ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the last step)
+    if _due(
+        step, ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps, ctx.cfg.trainer.max_steps
+    ):  # 9: checkpoint (always at the last step)
         save_checkpoint(ctx, step)
     return row
 
@@ -97,11 +100,15 @@ def _wake_only(ctx: TrainContext) -> dict[str, float]:
 
 def _perf(ctx: TrainContext, gen: dict[str, float], step_s: float) -> dict[str, float]:
     t = ctx.timings
-    return {"perf/step_s": step_s, "perf/gen_s": t.get("gen", 0.0),
-            "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
-            "perf/tokens_per_s": gen["gen_tokens"] / max(step_s, 1e-9),
-            "perf/gen_tokens_per_s": gen["gen_tokens"] / max(t.get("gen", 0.0), 1e-9),
-            "perf/gen_tokens": gen["gen_tokens"]}
+    return {
+        "perf/step_s": step_s,
+        "perf/gen_s": t.get("gen", 0.0),
+        "perf/train_s": t.get("train", 0.0),
+        "perf/sync_s": t.get("sync", 0.0),
+        "perf/tokens_per_s": gen["gen_tokens"] / max(step_s, 1e-9),
+        "perf/gen_tokens_per_s": gen["gen_tokens"] / max(t.get("gen", 0.0), 1e-9),
+        "perf/gen_tokens": gen["gen_tokens"],
+    }
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -121,32 +128,47 @@ def complete_row(ctx: TrainContext, metrics: dict[str, float]) -> dict[str, floa
 
 def save_checkpoint(ctx: TrainContext, step: int) -> None:
     """Adapters, optimiser, sampler + dynamic-sampler state and RNGs of every rank."""
-    rank_state = {"lora": ctx.policy.lora_state_dict(), "optimizer": ctx.optimizer.state_dict(),
-                  "scheduler": ctx.scheduler.state_dict() if ctx.scheduler else None}
+    rank_state = {
+        "lora": ctx.policy.lora_state_dict(),
+        "optimizer": ctx.optimizer.state_dict(),
+        "scheduler": ctx.scheduler.state_dict() if ctx.scheduler else None,
+    }
     trainer_state = None
     if ctx.comm.is_main:
-        trainer_state = {"sampler": ctx.sampler.state_dict(),
-                         "dynamic": ctx.dynamic.state_dict(),
-                         "engine": getattr(ctx.engine, "state_dict", dict)()}
-    checkpoint.save(ctx.ckpt_root, step, rank=ctx.comm.rank, world_size=ctx.comm.world_size,
-                    rank_state=rank_state, trainer_state=trainer_state,
-                    meta=checkpoint_meta(ctx), keep=ctx.cfg.trainer.keep_checkpoints,
-                    comm=ctx.comm)
+        trainer_state = {
+            "sampler": ctx.sampler.state_dict(),
+            "dynamic": ctx.dynamic.state_dict(),
+            "engine": getattr(ctx.engine, "state_dict", dict)(),
+        }
+    checkpoint.save(
+        ctx.ckpt_root,
+        step,
+        rank=ctx.comm.rank,
+        world_size=ctx.comm.world_size,
+        rank_state=rank_state,
+        trainer_state=trainer_state,
+        meta=checkpoint_meta(ctx),
+        keep=ctx.cfg.trainer.keep_checkpoints,
+        comm=ctx.comm,
+    )
 
 
 def checkpoint_meta(ctx: TrainContext) -> dict:
     """What a checkpoint must agree with to be resumed (layout, model, LoRA shape)."""
     from dataclasses import asdict
 
-    return {"parallel": asdict(ctx.cfg.parallel), "model": ctx.cfg.model.hf_path,
-            "lora": asdict(ctx.cfg.model.lora)}
+    return {
+        "parallel": asdict(ctx.cfg.parallel),
+        "model": ctx.cfg.model.hf_path,
+        "lora": asdict(ctx.cfg.model.lora),
+    }
 
 
 def restore_checkpoint(ctx: TrainContext, path) -> int:
     """Load a checkpoint into the context; returns its step. The engine is re-synced after."""
-    rank_state, trainer_state = checkpoint.load(path, rank=ctx.comm.rank,
-                                                world_size=ctx.comm.world_size,
-                                                meta=checkpoint_meta(ctx))
+    rank_state, trainer_state = checkpoint.load(
+        path, rank=ctx.comm.rank, world_size=ctx.comm.world_size, meta=checkpoint_meta(ctx)
+    )
     ctx.policy.load_lora_state_dict(rank_state["lora"])
     ctx.optimizer.load_state_dict(rank_state["optimizer"])
     if ctx.scheduler is not None and rank_state.get("scheduler"):
@@ -154,8 +176,11 @@ def restore_checkpoint(ctx: TrainContext, path) -> int:
     if ctx.comm.is_main:
         ctx.sampler.load_state_dict(trainer_state["sampler"])
         ctx.dynamic.load_state_dict(trainer_state["dynamic"])
-    if (ctx.engine is not None and trainer_state.get("engine")
-            and hasattr(ctx.engine, "load_state_dict")):
+    if (
+        ctx.engine is not None
+        and trainer_state.get("engine")
+        and hasattr(ctx.engine, "load_state_dict")
+    ):
         ctx.engine.load_state_dict(trainer_state["engine"])
     checkpoint.set_rng_state(rank_state["rng"])
     ctx.step = int(trainer_state["step"])

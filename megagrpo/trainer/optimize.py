@@ -37,27 +37,33 @@ log = logging.getLogger(__name__)
 LOSS_METRICS = ("loss/policy", "loss/kl", "loss/clip_frac", "loss/entropy")
 
 
-def local_share(ctx: TrainContext, groups: list[Group], adv: torch.Tensor
-                ) -> tuple[list[Group], torch.Tensor]:
+def local_share(
+    ctx: TrainContext, groups: list[Group], adv: torch.Tensor
+) -> tuple[list[Group], torch.Tensor]:
     """This data-parallel rank's groups (round-robin) and their advantage rows [n, G]."""
     dp_rank, dp_size = ctx.dp_rank_size
     idx = list(range(dp_rank, len(groups), dp_size))
     return [groups[i] for i in idx], adv[idx] if idx else adv[:0]
 
 
-def build_micro_batches(ctx: TrainContext, groups: list[Group], adv: torch.Tensor
-                        ) -> list[MicroBatch]:
+def build_micro_batches(
+    ctx: TrainContext, groups: list[Group], adv: torch.Tensor
+) -> list[MicroBatch]:
     """Padded micro-batches of this rank's share of the batch."""
     tp = int(getattr(ctx.groups, "tp_size", 1)) if ctx.groups is not None else 1
     sp = bool(getattr(ctx.groups, "sequence_parallel", False))
     samples = build_samples(groups, adv)
-    return list(micro_batches(samples, ctx.cfg.trainer.micro_batch_size, ctx.pad_id,
-                              pad_to_multiple=tp if sp else 1))
+    return list(
+        micro_batches(
+            samples, ctx.cfg.trainer.micro_batch_size, ctx.pad_id, pad_to_multiple=tp if sp else 1
+        )
+    )
 
 
 @torch.no_grad()
-def token_logprobs(ctx: TrainContext, mbs: list[MicroBatch], base_only: bool = False
-                   ) -> list[torch.Tensor]:
+def token_logprobs(
+    ctx: TrainContext, mbs: list[MicroBatch], base_only: bool = False
+) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
     frozen base with ``base_only``: the reference policy)."""
     ctx_mgr = adapters_disabled(ctx.policy) if base_only else contextlib.nullcontext()
@@ -65,8 +71,13 @@ def token_logprobs(ctx: TrainContext, mbs: list[MicroBatch], base_only: bool = F
     with ctx_mgr:
         for mb in mbs:
             logits = ctx.policy.forward_logits(mb.input_ids, mb.position_ids)
-            logp, *_ = token_stats(logits, mb.target_ids, tp_group=ctx.tp_group,
-                                   backend=ctx.cfg.loss.backend, chunk_bytes=ctx.cfg.loss.chunk_bytes)
+            logp, *_ = token_stats(
+                logits,
+                mb.target_ids,
+                tp_group=ctx.tp_group,
+                backend=ctx.cfg.loss.backend,
+                chunk_bytes=ctx.cfg.loss.chunk_bytes,
+            )
             out.append(logp.reshape(mb.target_ids.shape).float() * mb.mask)
     return out
 
@@ -123,8 +134,9 @@ def clip_grad_norm(ctx: TrainContext, max_norm: float) -> float:
     if ctx.comm.world_size > 1:
         torch.distributed.all_reduce(sq)
         g = ctx.groups
-        sq = sq / torch.tensor([float(g.dp_size), float(max(g.expert_dp_size, 1))],
-                               dtype=torch.float64)
+        sq = sq / torch.tensor(
+            [float(g.dp_size), float(max(g.expert_dp_size, 1))], dtype=torch.float64
+        )
     norm = float(sq.sum().sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
@@ -134,8 +146,13 @@ def clip_grad_norm(ctx: TrainContext, max_norm: float) -> float:
     return norm
 
 
-def _backward_pass(ctx: TrainContext, mbs: list[MicroBatch], old: list | None,
-                   ref: list | None, totals: tuple[int, int]) -> dict[str, float]:
+def _backward_pass(
+    ctx: TrainContext,
+    mbs: list[MicroBatch],
+    old: list | None,
+    ref: list | None,
+    totals: tuple[int, int],
+) -> dict[str, float]:
     """Forward/backward every micro-batch, accumulating gradients; weighted loss metrics."""
     cfg = ctx.cfg.loss
     agg = cfg.resolved_loss_agg()
@@ -143,9 +160,16 @@ def _backward_pass(ctx: TrainContext, mbs: list[MicroBatch], old: list | None,
     for i, mb in enumerate(mbs):
         logits = ctx.policy.forward_logits(mb.input_ids, mb.position_ids)
         loss, metrics = fused_policy_loss(
-            logits, mb.target_ids, None if old is None else old[i], mb.advantages, mb.mask, cfg,
-            ref_logprobs=None if ref is None else ref[i], tp_group=ctx.tp_group,
-            rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None)
+            logits,
+            mb.target_ids,
+            None if old is None else old[i],
+            mb.advantages,
+            mb.mask,
+            cfg,
+            ref_logprobs=None if ref is None else ref[i],
+            tp_group=ctx.tp_group,
+            rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None,
+        )
         weight = microbatch_weight(mb, agg, *totals)
         (loss * weight).backward()
         for k, v in metrics.items():
@@ -180,15 +204,17 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     grad_norm = 0.0
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
-        sums = _backward_pass(ctx, mbs, old, ref, (max(int(round(seqs)), 1),
-                                                   max(int(round(toks)), 1)))
+        sums = _backward_pass(
+            ctx, mbs, old, ref, (max(int(round(seqs)), 1), max(int(round(toks)), 1))
+        )
         ctx.policy.finish_grad_sync()
         grad_norm = clip_grad_norm(ctx, tcfg.grad_clip)
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | {
-        k: v for k, v in sums.items() if k not in LOSS_METRICS}
+        k: v for k, v in sums.items() if k not in LOSS_METRICS
+    }
     metrics = ctx.comm.mean_over(metrics, ctx.dp_group)
     metrics["train/grad_norm"] = grad_norm
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])

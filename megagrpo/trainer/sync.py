@@ -44,8 +44,9 @@ def trainer_probe(ctx: TrainContext, probe_ids: list[int]) -> list[float]:
     ids = torch.tensor([probe_ids], dtype=torch.long)
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
     logits = ctx.policy.forward_logits(ids, pos)
-    logp, *_ = token_stats(logits[0, :-1].contiguous(), ids[0, 1:], tp_group=ctx.tp_group,
-                           backend=ctx.cfg.loss.backend)
+    logp, *_ = token_stats(
+        logits[0, :-1].contiguous(), ids[0, 1:], tp_group=ctx.tp_group, backend=ctx.cfg.loss.backend
+    )
     return logp.double().tolist()
 
 
@@ -85,8 +86,11 @@ def _report_metrics(report) -> dict[str, float]:
         from megagrpo.rollout.base import WeightSyncError
 
         raise WeightSyncError(f"weight sync not verified: {report}")
-    return {"perf/sync_bytes": float(report.bytes), "sync/probe_max_diff":
-            float(getattr(report, "max_probe_diff", 0.0)), "sync/engine_s": float(report.seconds)}
+    return {
+        "perf/sync_bytes": float(report.bytes),
+        "sync/probe_max_diff": float(getattr(report, "max_probe_diff", 0.0)),
+        "sync/engine_s": float(report.seconds),
+    }
 
 
 def _on_every_rank(ctx: TrainContext, sync) -> dict[str, float]:
@@ -139,8 +143,9 @@ def _read_adapter(out) -> LoraAdapter:
     return LoraAdapter.from_peft_state_dict(state, int(conf["r"]), float(conf["lora_alpha"]))
 
 
-def _sync_adapter_sharded(ctx: TrainContext, out, tmp: str,
-                          expected: list[float] | None) -> dict[str, float]:
+def _sync_adapter_sharded(
+    ctx: TrainContext, out, tmp: str, expected: list[float] | None
+) -> dict[str, float]:
     """Rank 0 reads the adapter it wrote and broadcasts it (ranks may not share a disk);
     every rank's engine serves it, verified (:func:`_on_every_rank`)."""
     adapter = None

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def convert(repo_root):
-    spec = importlib.util.spec_from_file_location("convert_ckpt",
-                                                  repo_root / "tools" / "convert_ckpt.py")
+    spec = importlib.util.spec_from_file_location(
+        "convert_ckpt", repo_root / "tools" / "convert_ckpt.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -45,11 +46,12 @@ def _hf_logits(path, ids, adapter=None):
 
 def test_import_export_ep2_roundtrips_bitwise(convert, tiny_moe_dir, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf_out"
-    assert convert.main(["import", "--hf", str(tiny_moe_dir), "--out", str(ckpt),
-                         "--ep", "2"]) == 0
+    assert convert.main(["import", "--hf", str(tiny_moe_dir), "--out", str(ckpt), "--ep", "2"]) == 0
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == [
-        "dense_tp0_pp0.safetensors", "expert_ep0_etp0_pp0.safetensors",
-        "expert_ep1_etp0_pp0.safetensors"]
+        "dense_tp0_pp0.safetensors",
+        "expert_ep0_etp0_pp0.safetensors",
+        "expert_ep1_etp0_pp0.safetensors",
+    ]
     assert convert.main(["export", "--ckpt", str(ckpt), "--out", str(out)]) == 0
     orig, back = _tensors(tiny_moe_dir), _tensors(out)
     assert orig.keys() == back.keys()
@@ -76,10 +78,32 @@ def test_lora_checkpoint_to_adapter_and_merged(convert, tiny_moe_dir, tmp_path):
         save_policy_checkpoint(policy, tmp_path / "lora_ckpt", with_base=False)
     finally:
         destroy_parallel()
-    assert convert.main(["export", "--ckpt", str(tmp_path / "lora_ckpt"), "--out",
-                         str(tmp_path / "adapter"), "--adapter-only"]) == 0
-    assert convert.main(["export", "--ckpt", str(tmp_path / "lora_ckpt"), "--out",
-                         str(tmp_path / "merged"), "--merge-lora"]) == 0
+    assert (
+        convert.main(
+            [
+                "export",
+                "--ckpt",
+                str(tmp_path / "lora_ckpt"),
+                "--out",
+                str(tmp_path / "adapter"),
+                "--adapter-only",
+            ]
+        )
+        == 0
+    )
+    assert (
+        convert.main(
+            [
+                "export",
+                "--ckpt",
+                str(tmp_path / "lora_ckpt"),
+                "--out",
+                str(tmp_path / "merged"),
+                "--merge-lora",
+            ]
+        )
+        == 0
+    )
     base = _hf_logits(tiny_moe_dir, ids)
     assert (want - base).abs().max() > 1e-2
     peft_logits = _hf_logits(tiny_moe_dir, ids, adapter=str(tmp_path / "adapter"))
@@ -97,8 +121,12 @@ def test_bad_input_names_the_problem(convert, tiny_moe_dir, tmp_path, capsys):
     save_file(sd, str(bad / "model.safetensors"))
     assert convert.main(["import", "--hf", str(bad), "--out", str(tmp_path / "o1")]) == 2
     assert "model.layers.0.self_attn.q_proj.weight" in capsys.readouterr().err
-    assert convert.main(["import", "--hf", str(tiny_moe_dir), "--out", str(tmp_path / "o2"),
-                         "--ep", "3"]) == 2
+    assert (
+        convert.main(
+            ["import", "--hf", str(tiny_moe_dir), "--out", str(tmp_path / "o2"), "--ep", "3"]
+        )
+        == 2
+    )
     assert "num_experts=4 is not divisible by ep=3" in capsys.readouterr().err
     assert convert.main(["export", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o3")]) == 2
     assert "megagrpo_ckpt.json" in capsys.readouterr().err

@@ -38,16 +38,24 @@ def runs(tiny_moe_dir, tiny_dense_dir, ids, tmp_path_factory):
     after another in the same ranks) and 4 processes (TP2xEP2); plus the 1-process runs."""
     from megagrpo.model.verify import run_layout, run_layouts
 
-    out = {"w1": run_layout(tiny_moe_dir, {}, 1, ids, **JOB),
-           "dense_w1": run_layout(tiny_dense_dir, {}, 1, ids, **JOB)}
-    two = [("tp2", tiny_moe_dir), ("ep2", tiny_moe_dir), ("dense_tp2", tiny_dense_dir),
-           ("tp2etp2", tiny_moe_dir)]
-    reports = run_layouts([dict(JOB, hf_dir=d, layout=LAYOUTS[n][0], input_ids=ids)
-                           for n, d in two], 2)
+    out = {
+        "w1": run_layout(tiny_moe_dir, {}, 1, ids, **JOB),
+        "dense_w1": run_layout(tiny_dense_dir, {}, 1, ids, **JOB),
+    }
+    two = [
+        ("tp2", tiny_moe_dir),
+        ("ep2", tiny_moe_dir),
+        ("dense_tp2", tiny_dense_dir),
+        ("tp2etp2", tiny_moe_dir),
+    ]
+    reports = run_layouts(
+        [dict(JOB, hf_dir=d, layout=LAYOUTS[n][0], input_ids=ids) for n, d in two], 2
+    )
     out.update({n: r for (n, _), r in zip(two, reports)})
     adapter = tmp_path_factory.mktemp("adapter") / "peft"
-    out["tp2ep2"] = run_layout(tiny_moe_dir, LAYOUTS["tp2ep2"][0], 4, ids, **JOB,
-                               adapter_dir=str(adapter), merged_dir="1")
+    out["tp2ep2"] = run_layout(
+        tiny_moe_dir, LAYOUTS["tp2ep2"][0], 4, ids, **JOB, adapter_dir=str(adapter), merged_dir="1"
+    )
     return out
 
 

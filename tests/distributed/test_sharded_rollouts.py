@@ -37,17 +37,27 @@ def _cfg(tmp: Path, model_dir: Path, repo_root: Path, placement: str):
     from megagrpo.config.schema import RunConfig
 
     path = tmp / f"cfg_{placement}.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"hf_path": str(model_dir)},
-        "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")]},
-        "rewards": {"functions": [{"name": "toy_first_token"}]},
-        "rollout": {"engine": "hf", "group_size": 4, "max_tokens": 6, "max_model_len": 256,
-                    "placement": placement},
-        "dynamic": {"max_resample": 2},
-        "loss": {"backend": "torch"},
-        "trainer": {"name": "fn", "output_dir": str(tmp), "batch_groups": 5, "seed": 3},
-        "metrics": {"wandb_mode": "disabled", "progress_bar": False},
-    }), encoding="utf-8")
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"hf_path": str(model_dir)},
+                "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")]},
+                "rewards": {"functions": [{"name": "toy_first_token"}]},
+                "rollout": {
+                    "engine": "hf",
+                    "group_size": 4,
+                    "max_tokens": 6,
+                    "max_model_len": 256,
+                    "placement": placement,
+                },
+                "dynamic": {"max_resample": 2},
+                "loss": {"backend": "torch"},
+                "trainer": {"name": "fn", "output_dir": str(tmp), "batch_groups": 5, "seed": 3},
+                "metrics": {"wandb_mode": "disabled", "progress_bar": False},
+            }
+        ),
+        encoding="utf-8",
+    )
     return load_config(RunConfig, [path])
 
 
@@ -82,8 +92,15 @@ def _context(cfg, model_dir: Path, sharded: bool):
 
     comm = Comm()
     reward_fn = build_composite(cfg.rewards)
-    ctx = TrainContext(cfg=cfg, comm=comm, run_dir=Path(cfg.trainer.output_dir), policy=None,
-                       optimizer=None, reward_fn=reward_fn, sharded=sharded)
+    ctx = TrainContext(
+        cfg=cfg,
+        comm=comm,
+        run_dir=Path(cfg.trainer.output_dir),
+        policy=None,
+        optimizer=None,
+        reward_fn=reward_fn,
+        sharded=sharded,
+    )
     if comm.is_main:
         problems = load_problems(cfg.data.train, prompt=cfg.data.prompt)
         ctx.sampler, _ = _curriculum(cfg, problems, reward_fn.names[0])
@@ -102,8 +119,7 @@ def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_roo
     if world > 1:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        cfg = _cfg(Path(tmp), Path(model_dir), Path(repo_root),
-                   "sharded" if world > 1 else "auto")
+        cfg = _cfg(Path(tmp), Path(model_dir), Path(repo_root), "sharded" if world > 1 else "auto")
         ctx = _context(cfg, Path(model_dir), sharded=world > 1)
         batch, gen = collect_batch(ctx, 1)
         ctx.policy = _HFPolicy(Path(model_dir), seed=11)
@@ -120,16 +136,29 @@ def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_roo
             if rank == 1:
                 real = ctx.engine.update_weights
                 ctx.engine.update_weights = lambda s, expected_probe: real(
-                    iter([]), expected_probe=expected_probe)
+                    iter([]), expected_probe=expected_probe
+                )
             try:
                 sync_weights(ctx)
                 failed_on_all = False
             except WeightSyncError as exc:
                 failed_on_all = "rank 1" in str(exc)
-        out = {"groups": [{"id": g.problem.id, "tokens": g.token_ids, "logprobs": g.logprobs,
-                           "rewards": g.rewards} for g in batch.groups],
-               "rounds": gen["rounds"], "gen_tokens": gen["gen_tokens"], "sync": sync,
-               "engine_probe_diff": engine_diff, "failed_on_all": failed_on_all}
+        out = {
+            "groups": [
+                {
+                    "id": g.problem.id,
+                    "tokens": g.token_ids,
+                    "logprobs": g.logprobs,
+                    "rewards": g.rewards,
+                }
+                for g in batch.groups
+            ],
+            "rounds": gen["rounds"],
+            "gen_tokens": gen["gen_tokens"],
+            "sync": sync,
+            "engine_probe_diff": engine_diff,
+            "failed_on_all": failed_on_all,
+        }
         Path(tmp, f"w{world}_rank{rank}.json").write_text(json.dumps(out), encoding="utf-8")
     finally:
         if world > 1:
@@ -140,8 +169,12 @@ def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _worker(0, 1, "", str(tmp_path), str(tiny_moe_dir), str(repo_root))
     init = f"file://{tmp_path / 'pg_init'}"
-    mp.spawn(_worker, args=(2, init, str(tmp_path), str(tiny_moe_dir), str(repo_root)),
-             nprocs=2, join=True)
+    mp.spawn(
+        _worker,
+        args=(2, init, str(tmp_path), str(tiny_moe_dir), str(repo_root)),
+        nprocs=2,
+        join=True,
+    )
     one = json.loads((tmp_path / "w1_rank0.json").read_text())
     r0 = json.loads((tmp_path / "w2_rank0.json").read_text())
     r1 = json.loads((tmp_path / "w2_rank1.json").read_text())
@@ -180,8 +213,15 @@ def test_train_sharded_two_processes(tmp_path, tiny_moe_dir, repo_root):
     one = _train(tmp_path, tiny_moe_dir, repo_root, "w1", 1)
     two = _train(tmp_path, tiny_moe_dir, repo_root, "dp2_sharded", 2, placement="sharded")
     assert len(two) == len(one) == 2
-    for key in ("reward/mean_raw", "length/gen_mean", "reward/mean", "loss/entropy",
-                "loss/policy", "eval/accuracy", "eval/num_problems"):
+    for key in (
+        "reward/mean_raw",
+        "length/gen_mean",
+        "reward/mean",
+        "loss/entropy",
+        "loss/policy",
+        "eval/accuracy",
+        "eval/num_problems",
+    ):
         a, b = one[0][key], two[0][key]
         assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
     assert two[0]["eval/num_problems"] == 5  # 5 held-out problems split over 2 replicas

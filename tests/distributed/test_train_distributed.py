@@ -28,16 +28,28 @@ STEPS = 3
 
 def _config(path: Path, model_dir: Path, out: Path, name: str, repo_root: Path, **parallel):
     cfg = {
-        "model": {"hf_path": str(model_dir),
-                  "lora": {"rank": 4, "alpha": 8.0,
-                           "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}},
+        "model": {
+            "hf_path": str(model_dir),
+            "lora": {
+                "rank": 4,
+                "alpha": 8.0,
+                "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+            },
+        },
         "parallel": parallel,
         "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")]},
         "rewards": {"functions": [{"name": "toy_first_token"}]},
         "rollout": {"engine": "hf", "group_size": 4, "max_tokens": 5, "max_model_len": 256},
         "dynamic": {"max_resample": 1},
-        "trainer": {"name": name, "output_dir": str(out), "max_steps": STEPS,
-                    "batch_groups": 4, "micro_batch_size": 3, "lr": 1e-2, "grad_clip": 0.0},
+        "trainer": {
+            "name": name,
+            "output_dir": str(out),
+            "max_steps": STEPS,
+            "batch_groups": 4,
+            "micro_batch_size": 3,
+            "lr": 1e-2,
+            "grad_clip": 0.0,
+        },
         "metrics": {"wandb_mode": "disabled", "progress_bar": False},
     }
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
@@ -51,14 +63,29 @@ def _free_port() -> int:
 
 
 def _run(config: Path, nproc: int) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                f"--master-port={_free_port()}", "-m", "megagrpo.cli"] if nproc > 1 else [
-                    sys.executable, "-m", "megagrpo.cli"]
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={_free_port()}",
+            "-m",
+            "megagrpo.cli",
+        ]
+        if nproc > 1
+        else [sys.executable, "-m", "megagrpo.cli"]
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
     # Own process group: on a timeout the launcher AND its ranks are killed (no orphans).
-    proc = subprocess.Popen([*launcher, "train", str(config)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*launcher, "train", str(config)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -71,8 +98,11 @@ def _run(config: Path, nproc: int) -> None:
 @pytest.fixture(scope="module")
 def runs(tiny_moe_dir, tmp_path_factory, repo_root):
     out = tmp_path_factory.mktemp("dist_runs")
-    layouts = {"w1": ({}, 1), "tp2": ({"tp": 2, "sequence_parallel": True}, 2),
-               "ep2": ({"ep": 2}, 2)}
+    layouts = {
+        "w1": ({}, 1),
+        "tp2": ({"tp": 2, "sequence_parallel": True}, 2),
+        "ep2": ({"ep": 2}, 2),
+    }
     for name, (layout, nproc) in layouts.items():
         _run(_config(out / f"{name}.yaml", tiny_moe_dir, out, name, repo_root, **layout), nproc)
     return {name: read_metrics(out / name / "metrics.jsonl") for name in layouts}

@@ -42,22 +42,29 @@ def _check_case(rank, group, variant, backend, dtype, grad_in_logits):
     ref = lp + 0.3 * torch.randn(B, S, generator=g)
     adv = torch.randn(B, 1, generator=g).expand(B, S).contiguous()
     mask = (torch.rand(B, S, generator=g) > 0.2).float()
-    cfg = LossConfig(variant=variant, eps_low=0.1, eps_high=0.3, kl_coef=0.05,
-                     entropy_coef=0.01, backend=backend, grad_in_logits=grad_in_logits,
-                     chunk_bytes=4096)
+    cfg = LossConfig(
+        variant=variant,
+        eps_low=0.1,
+        eps_high=0.3,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        backend=backend,
+        grad_in_logits=grad_in_logits,
+        chunk_bytes=4096,
+    )
     if variant == "gspo":
         cfg.eps_low, cfg.eps_high = 0.01, 0.02
     full = logits.float().clone().requires_grad_()
     l_ref, m_ref = reference_policy_loss(full, tgt, old, adv, mask, cfg, ref_logprobs=ref)
     l_ref.backward()
     v_local = V // WORLD
-    shard = logits[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    shard = logits[..., rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
     loss, metrics = fused_policy_loss(shard * 1, tgt, old, adv, mask, cfg, ref, tp_group=group)
     loss.backward()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     case = f"rank {rank} {variant}/{backend}/{dtype}"
     assert torch.allclose(loss, l_ref, atol=1e-5), (case, float(loss), float(l_ref))
-    want = full.grad[..., rank * v_local:(rank + 1) * v_local]
+    want = full.grad[..., rank * v_local : (rank + 1) * v_local]
     assert torch.allclose(shard.grad.float(), want, atol=tol), case
     for k in ("loss/kl", "loss/entropy", "loss/clip_frac", "loss/policy"):
         assert torch.allclose(metrics[k], m_ref[k], atol=1e-4), (case, k)
@@ -96,8 +103,9 @@ def _check_fused_linear(rank, group):
 
 
 def _worker(rank: int, port: int):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
     try:
         group = dist.new_group(list(range(WORLD)))
         for case in CASES:

@@ -14,8 +14,10 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="TRITON_INTERPRET=1 is set: native kernels would not run"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="TRITON_INTERPRET=1 is set: native kernels would not run",
+    ),
 ]
 
 
@@ -45,8 +47,14 @@ def test_cuda_fused_matches_reference(variant, dtype, grad_in_logits):
     B, S, V = 8, 64, 32003
     logits, tgt, old, ref, adv, mask = _inputs(B * S, V, dtype)
     shp = (B, S)
-    cfg = LossConfig(variant=variant, eps_low=0.1, eps_high=0.3, kl_coef=0.05,
-                     entropy_coef=0.01, grad_in_logits=grad_in_logits)
+    cfg = LossConfig(
+        variant=variant,
+        eps_low=0.1,
+        eps_high=0.3,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        grad_in_logits=grad_in_logits,
+    )
     assert cfg.backend == "auto"  # -> triton on CUDA
     if variant == "gspo":
         cfg.eps_low, cfg.eps_high = 0.01, 0.02
@@ -91,6 +99,7 @@ def test_cuda_peak_memory_vs_naive():
         def run(x):
             cfg = LossConfig(variant="dapo", grad_in_logits=in_logits)
             return torch.autograd.grad(fused_policy_loss(x, tgt, old, adv, mask, cfg)[0], x)[0]
+
         return run
 
     grad_bytes = logits.numel() * logits.element_size()

@@ -9,10 +9,13 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-              pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                                 reason="needs Transformer Engine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ from megagrpo.cli import COMMANDS, main
 
 
 def test_help_lists_all_commands():
-    out = subprocess.run([sys.executable, "-m", "megagrpo.cli", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "megagrpo.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for name in COMMANDS:
         assert name in out
 

@@ -44,20 +44,28 @@ class ScriptedSource:
         for p in problems:
             r, i = (int(x) for x in p.id[1:].split("-"))
             rewards = list(self.rounds[r][i])
-            out.append(Group(problem=p, completions=["x"] * 4, token_ids=[], logprobs=[],
-                             rewards=rewards, reward_parts={"acc": rewards}))
+            out.append(
+                Group(
+                    problem=p,
+                    completions=["x"] * 4,
+                    token_ids=[],
+                    logprobs=[],
+                    rewards=rewards,
+                    reward_parts={"acc": rewards},
+                )
+            )
         return out
 
 
 def msswift_reference(rounds, batch, max_resample_times):
     """ms-swift's loop, transcribed: returns (trained ids, number of generated rounds).
 
-        while resample_count < max_resample_times:
-            valid_mask = std > 0; valid_samples.extend(...)
-            if len(valid_samples) >= generation_batch_size: break
-            inputs = next(resample_iterator); generate; score; resample_count += 1
-        if len(valid_samples) >= generation_batch_size: use valid_samples[:batch]
-        else: use origin_data
+    while resample_count < max_resample_times:
+        valid_mask = std > 0; valid_samples.extend(...)
+        if len(valid_samples) >= generation_batch_size: break
+        inputs = next(resample_iterator); generate; score; resample_count += 1
+    if len(valid_samples) >= generation_batch_size: use valid_samples[:batch]
+    else: use origin_data
     """
     cur, generated = 0, 1
     valid = []
@@ -95,15 +103,15 @@ def test_msswift_comparison_it_discards_what_we_keep():
     assert orig.stats["dynamic/gen_batches"] == ref_generated == 4
     assert orig.stats["dynamic/rounds"] == 3 and orig.stats["dynamic/success"] == 0
     assert orig.stats["dynamic/collapsed_groups_trained"] == 3
-    assert orig.stats["dynamic/valid_groups_discarded"] == 2          # r1-0, r2-0 thrown away
-    assert orig.stats["collapse/frac_reward_zero_std"] == 0.75       # = the raw ACR
+    assert orig.stats["dynamic/valid_groups_discarded"] == 2  # r1-0, r2-0 thrown away
+    assert orig.stats["collapse/frac_reward_zero_std"] == 0.75  # = the raw ACR
     assert orig.stats["collapse/acr_raw"] == 0.75
     # Same generation cost, every round checked: the batch fills with signal only.
     part, src_p, _ = _fill("partial", rounds)
     assert part.stats["dynamic/gen_batches"] == 4 and part.stats["dynamic/success"] == 1
     assert [g.problem.id for g in part.groups] == ["r0-0", "r1-0", "r2-0", "r3-0"]
     assert part.stats["collapse/frac_reward_zero_std"] == 0.0
-    assert part.stats["collapse/acr_raw"] == 0.75                   # raw still logged
+    assert part.stats["collapse/acr_raw"] == 0.75  # raw still logged
     assert part.stats["dynamic/valid_groups_discarded"] == 3
     # carry keeps the 3 surplus valid groups for the next step.
     carry, _, ds = _fill("carry", rounds)
@@ -117,8 +125,15 @@ def test_msswift_comparison_it_discards_what_we_keep():
 @pytest.mark.parametrize("seed", range(20))
 def test_original_policy_equals_msswift_on_random_patterns(seed):
     rng = np.random.default_rng(seed)
-    rounds = [[list(rng.integers(0, 2, size=4).astype(float)) if rng.random() < 0.5
-               else [float(rng.integers(0, 2))] * 4 for _ in range(B)] for _ in range(5)]
+    rounds = [
+        [
+            list(rng.integers(0, 2, size=4).astype(float))
+            if rng.random() < 0.5
+            else [float(rng.integers(0, 2))] * 4
+            for _ in range(B)
+        ]
+        for _ in range(5)
+    ]
     for R in (1, 2, 3):
         ref_ids, ref_generated = msswift_reference(rounds, B, R)
         batch, _, _ = _fill("original", rounds, R=R)
@@ -149,12 +164,12 @@ def test_stops_at_the_first_round_that_fills():
 def test_carry_feeds_the_next_step_and_respects_staleness_and_bound():
     cfg = DynamicSamplingConfig(policy="carry", max_resample=3, carry_max_staleness=1)
     ds = DynamicSampler(cfg, "acc")
-    _fill("carry", [_round(4), _round(4)], step=0, ds=ds)            # nothing surplus
-    _fill("carry", [_round(2), _round(4)], step=1, ds=ds)            # 2 surplus from round 1
+    _fill("carry", [_round(4), _round(4)], step=0, ds=ds)  # nothing surplus
+    _fill("carry", [_round(2), _round(4)], step=1, ds=ds)  # 2 surplus from round 1
     assert len(ds.carry) == 2
     nxt, src, _ = _fill("carry", [_round(2), _round(4)], step=2, ds=ds)
     assert nxt.stats["dynamic/valid_groups_carried"] == 2
-    assert nxt.stats["dynamic/gen_batches"] == 1                      # carried 2 + fresh 2
+    assert nxt.stats["dynamic/gen_batches"] == 1  # carried 2 + fresh 2
     assert [g.problem.id for g in nxt.groups][:2] == ["r1-2", "r1-3"]  # carried first
     # staleness: groups from step 2 are dropped at step 4
     ds.carry = nxt.groups[:1]
@@ -192,6 +207,7 @@ def test_length_penalty_split_is_reported_on_correctness():
         groups = src.generate(problems)
         groups[0].reward_parts = {"acc": [1.0] * 4}
         return groups
+
     batch = DynamicSampler(DynamicSamplingConfig(enabled=False), "acc").fill(src, gen, B, 0)
     assert batch.stats["collapse/acr_raw"] == 0.75
     assert batch.stats["collapse/acr_correctness_raw"] == 1.0
@@ -225,17 +241,27 @@ def test_every_design_metric_is_in_every_row():
     probs = [Problem(id=f"q{i}", messages=[], answer=["a"]) for i in range(8)]
     sampler = CurriculumSampler(probs, CurriculumConfig(), {p.id: 3 for p in probs})
     src = ScriptedSource([_round(2)] * 4)
-    gen_ids = iter(range(10 ** 6))
+    gen_ids = iter(range(10**6))
 
-    def generate(problems):   # scripted rewards on the sampler's problems
+    def generate(problems):  # scripted rewards on the sampler's problems
         rows = src.rounds[0]
-        return [Group(problem=p, completions=["x"] * 4, token_ids=[], logprobs=[],
-                      rewards=list(rows[next(gen_ids) % B])) for p in problems]
+        return [
+            Group(
+                problem=p,
+                completions=["x"] * 4,
+                token_ids=[],
+                logprobs=[],
+                rewards=list(rows[next(gen_ids) % B]),
+            )
+            for p in problems
+        ]
+
     for policy in ("original", "partial", "carry"):
-        ds = DynamicSampler(DynamicSamplingConfig(policy=policy), "acc")   # no acr_predicted
+        ds = DynamicSampler(DynamicSamplingConfig(policy=policy), "acc")  # no acr_predicted
         row = {**ds.fill(sampler, generate, B, 0).stats, **sampler.metrics()}
-        wanted = [n for n in CORE_METRICS if n.split("/")[0] in ("collapse", "dynamic",
-                                                                 "curriculum")]
+        wanted = [
+            n for n in CORE_METRICS if n.split("/")[0] in ("collapse", "dynamic", "curriculum")
+        ]
         assert not [n for n in wanted if n not in row], policy
         assert np.isnan(row["collapse/acr_by_level/L1"]) and row["collapse/acr_by_level/L3"] == 0.5
         assert np.isnan(row["collapse/acr_predicted"])

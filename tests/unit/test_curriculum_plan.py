@@ -26,12 +26,12 @@ def _plan(keep, policy, steps=150, retire=0, seed=0):
 
 def test_article_all_levels_msswift_fails_almost_every_step():
     r = _plan(ALL, "original")
-    assert 0.69 <= r["acr_predicted"] <= 0.76                     # article: 0.72-0.75
+    assert 0.69 <= r["acr_predicted"] <= 0.76  # article: 0.72-0.75
     assert r["acr_raw_mean"] == pytest.approx(r["acr_predicted"], abs=0.02)
-    assert r["ds_success_rate"] <= 0.25                           # article: never filled
+    assert r["ds_success_rate"] <= 0.25  # article: never filled
     # on a failed step ms-swift trains on the first batch: post-filter value = raw ACR
     assert r["collapsed_groups_trained_per_step"] > 40
-    assert r["gen_batches_per_step"] > 3.5                        # the 4th round is wasted
+    assert r["gen_batches_per_step"] > 3.5  # the 4th round is wasted
 
 
 def test_article_mid_levels_fill_every_step():
@@ -67,13 +67,31 @@ def test_planner_is_deterministic():
 def test_plan_cli_json(capsys):
     from megagrpo.cli import main
 
-    rc = main(["plan", "--levels", "L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636",
-               "--keep-levels", "L1-L6", "--policy", "original", "--retire-streak", "0",
-               "--steps", "30", "--json"])
+    rc = main(
+        [
+            "plan",
+            "--levels",
+            "L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636",
+            "--keep-levels",
+            "L1-L6",
+            "--policy",
+            "original",
+            "--retire-streak",
+            "0",
+            "--steps",
+            "30",
+            "--json",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("acr_predicted", "ds_success_rate", "valid_groups_per_step",
-                "gen_batches_per_step", "collapsed_groups_trained_per_step"):
+    for key in (
+        "acr_predicted",
+        "ds_success_rate",
+        "valid_groups_per_step",
+        "gen_batches_per_step",
+        "collapsed_groups_trained_per_step",
+    ):
         assert key in out
     assert out["policy"] == "original" and out["pool"] == 3713
 
@@ -83,8 +101,12 @@ def test_plan_cli_table_and_levels_file(tmp_path, capsys):
 
     path = tmp_path / "levels.jsonl"
     rng = np.random.default_rng(0)
-    path.write_text("".join(json.dumps({"id": f"p{i}", "k": 5, "correct": int(c)}) + "\n"
-                            for i, c in enumerate(rng.integers(0, 6, size=300))))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "k": 5, "correct": int(c)}) + "\n"
+            for i, c in enumerate(rng.integers(0, 6, size=300))
+        )
+    )
     assert main(["plan", "--levels-file", str(path), "--policy", "all", "--steps", "10"]) == 0
     out = capsys.readouterr().out
     assert "original" in out and "carry" in out and "valid_groups_per_step" in out
@@ -112,8 +134,7 @@ class _Flaky(BernoulliEngine):
 
 def test_profile_levels_match_engine_and_resume(tmp_path):
     problems, _, ps = synthetic_population({1: 20, 3: 20, 6: 20}, 5, seed=1)
-    ps = {pid: (1.0 if i % 3 == 0 else 0.0 if i % 3 == 1 else 0.5)
-          for i, pid in enumerate(ps)}
+    ps = {pid: (1.0 if i % 3 == 0 else 0.0 if i % 3 == 1 else 0.5) for i, pid in enumerate(ps)}
     out = tmp_path / "levels.jsonl"
     first = _Flaky(ps, seed=0, fill_rewards=False, budget=2)
     with pytest.raises(KeyboardInterrupt):
@@ -124,7 +145,7 @@ def test_profile_levels_match_engine_and_resume(tmp_path):
         fh.write('{"id": "L6-00')
     second = _Flaky(ps, seed=1, fill_rewards=False, budget=100)
     records = run_profile(problems, second, _exact, 5, out, batch_size=16)
-    assert len(second.problems_seen) == 60 - 32                 # never re-sampled
+    assert len(second.problems_seen) == 60 - 32  # never re-sampled
     assert not set(second.problems_seen) & set(first.problems_seen)
     assert [r["id"] for r in records] == [p.id for p in problems]
     by_id = {r["id"]: r for r in read_levels_file(out)}
@@ -143,19 +164,36 @@ def test_profile_cli_with_injected_engine(tmp_path, monkeypatch, capsys):
     from megagrpo.cli import main
 
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "messages": [
-        {"role": "user", "content": f"問題 {i}\na. x\nb. y\nc. z\nd. w\ne. v"}],
-        "solution": "c"}, ensure_ascii=False) + "\n" for i in range(6)), encoding="utf-8")
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"q{i}",
+                    "messages": [
+                        {"role": "user", "content": f"問題 {i}\na. x\nb. y\nc. z\nd. w\ne. v"}
+                    ],
+                    "solution": "c",
+                },
+                ensure_ascii=False,
+            )
+            + "\n"
+            for i in range(6)
+        ),
+        encoding="utf-8",
+    )
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"data:\n  train: ['{data}']\n", encoding="utf-8")
 
     def build_engine(rollout_cfg, model_path, seed):
         assert model_path == str(tmp_path) and rollout_cfg.group_size == 8
         return BernoulliEngine({f"q{i}": float(i % 2) for i in range(6)}, fill_rewards=False)
+
     monkeypatch.setattr(megagrpo.rollout, "build_engine", build_engine)
     import megagrpo.trainer.pretrained
+
     monkeypatch.setattr(megagrpo.trainer.pretrained, "resolve_model_path", lambda p: tmp_path)
     import megagrpo.rewards
+
     monkeypatch.setattr(megagrpo.rewards, "get", lambda name, **kw: _exact)
     out = tmp_path / "levels.jsonl"
     assert main(["profile", str(cfg), "--out", str(out), "--k", "5"]) == 0
@@ -174,8 +212,9 @@ def test_drift_makes_pre_training_levels_stale_and_online_levels_show_it():
     # Article section 7: levels measured before training go stale as the policy learns, and
     # while dynamic sampling keeps succeeding, frac_reward_zero_std (post-filter) hides it.
     cur = CurriculumConfig(keep_levels=MID, retire_streak=0)
-    res = run_plan(SPECIALIST, 5, 8, 96, 200, cur, DynamicSamplingConfig(policy="carry"),
-                   drift=0.08).to_dict()
+    res = run_plan(
+        SPECIALIST, 5, 8, 96, 200, cur, DynamicSamplingConfig(policy="carry"), drift=0.08
+    ).to_dict()
     assert res["ds_success_rate"] == 1.0 and res["frac_reward_zero_std_mean"] == 0.0
     assert res["acr_raw_last_10pct"] > res["acr_raw_first_10pct"] + 0.2
-    assert res["level_hist_final"]["L1"] > 0.5 * res["pool"]   # online levels moved to L1
+    assert res["level_hist_final"]["L1"] > 0.5 * res["pool"]  # online levels moved to L1

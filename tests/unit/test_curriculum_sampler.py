@@ -20,8 +20,13 @@ def _problems(levels_per_problem):
 
 
 def _group(problem, rewards):
-    return Group(problem=problem, completions=["x"] * len(rewards), token_ids=[], logprobs=[],
-                 rewards=list(map(float, rewards)))
+    return Group(
+        problem=problem,
+        completions=["x"] * len(rewards),
+        token_ids=[],
+        logprobs=[],
+        rewards=list(map(float, rewards)),
+    )
 
 
 LEVELS = [1, 2, 3, 4, 5, 6] * 10 + [1] * 20
@@ -35,13 +40,13 @@ def test_filter_keeps_levels_and_each_epoch_visits_every_kept_problem_once():
     first = [p.id for p in s.next_problems(40)]
     second = [p.id for p in s.next_problems(40)]
     assert set(first) == kept and set(second) == kept
-    assert len(set(first)) == 40 and first != second   # reshuffled per epoch
+    assert len(set(first)) == 40 and first != second  # reshuffled per epoch
 
 
 def test_no_levels_means_no_filter_and_unprofiled_handling():
     probs, levels = _problems(LEVELS)
     assert len(CurriculumSampler(probs, CurriculumConfig()).pool) == len(probs)
-    partial = {k: v for k, v in levels.items() if k != "q1"}   # q1 (L2) unprofiled
+    partial = {k: v for k, v in levels.items() if k != "q1"}  # q1 (L2) unprofiled
     assert "q1" in {probs[i].id for i in CurriculumSampler(probs, CurriculumConfig(), partial).pool}
     s = CurriculumSampler(probs, CurriculumConfig(keep_unprofiled=False), partial)
     assert "q1" not in {probs[i].id for i in s.pool}
@@ -98,7 +103,7 @@ def test_exact_resume_through_json_state():
 
     first = CurriculumSampler(probs, cfg, levels)
     head = _drive(first, 12)
-    state = json.loads(json.dumps(first.state_dict()))     # checkpoints are JSON-able
+    state = json.loads(json.dumps(first.state_dict()))  # checkpoints are JSON-able
     resumed = CurriculumSampler(probs, cfg, levels)
     resumed.load_state_dict(state)
     tail = _drive(resumed, 18, start=12)
@@ -128,7 +133,7 @@ def test_online_difficulty_posterior_levels_and_retirement():
     s.observe([_group(probs[0], [1] * 8)])
     assert s.retired[0]
     hist = s.level_histogram()
-    assert hist[1] == 1 and hist[3] == 3          # q0 drifted from L3 to L1
+    assert hist[1] == 1 and hist[3] == 3  # q0 drifted from L3 to L1
     # a retired problem is never served with revisit_prob 0 ...
     assert "q0" not in {p.id for p in s.next_problems(30)}
     # ... and a split group un-retires it.
@@ -142,7 +147,7 @@ def test_revisit_probability_serves_retired_problems_sometimes():
     probs, levels = _problems([3] * 10)
     cfg = CurriculumConfig(keep_levels=[3], retire_streak=1, revisit_prob=0.2)
     s = CurriculumSampler(probs, cfg, levels)
-    s.observe([_group(p, [0] * 4) for p in probs[:5]])        # q0..q4 retired
+    s.observe([_group(p, [0] * 4) for p in probs[:5]])  # q0..q4 retired
     drawn = Counter(p.id for p in s.next_problems(2000))
     retired_share = sum(drawn[f"q{i}"] for i in range(5)) / 2000
     # each pass over a retired problem serves it with prob 0.2: share = 5*0.2 / (5*0.2 + 5)
@@ -151,9 +156,10 @@ def test_revisit_probability_serves_retired_problems_sometimes():
 
 def test_correctness_key_is_used_for_online_counts():
     probs, levels = _problems([3])
-    s = CurriculumSampler(probs, CurriculumConfig(keep_levels=[3], online_decay=1.0), levels,
-                          correctness_key="acc")
-    g = _group(probs[0], [0.9, 0.9, 0.9, 0.1])     # total reward; correctness says 1 of 4
+    s = CurriculumSampler(
+        probs, CurriculumConfig(keep_levels=[3], online_decay=1.0), levels, correctness_key="acc"
+    )
+    g = _group(probs[0], [0.9, 0.9, 0.9, 0.1])  # total reward; correctness says 1 of 4
     g.reward_parts = {"acc": [1.0, 0.0, 0.0, 0.0]}
     s.observe([g])
     assert s.succ[0] == pytest.approx(3 + 1) and s.fail[0] == pytest.approx(2 + 3)
@@ -165,7 +171,7 @@ def test_all_retired_pool_is_still_served_and_duplicates_observe_sequentially():
     s = CurriculumSampler(probs, cfg, levels)
     s.observe([_group(p, [1] * 4) for p in probs])
     assert s.retired.all()
-    assert len(s.next_problems(6)) == 6            # nothing else to serve: no hang
+    assert len(s.next_problems(6)) == 6  # nothing else to serve: no hang
     t = CurriculumSampler(probs, cfg, levels)
     t.observe([_group(probs[0], [1, 1, 0, 0]), _group(probs[0], [1, 1, 1, 1])])
     u = CurriculumSampler(probs, cfg, levels)

@@ -26,8 +26,9 @@ SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
 IGAKUQA_2001_2022 = {1: 7061, 2: 325, 3: 154, 4: 119, 5: 150, 6: 286}
 
 
-@pytest.mark.parametrize("p,expected", [(0.05, 0.66), (0.1, 0.43), (0.2, 0.17), (0.3, 0.06),
-                                        (0.5, 0.008)])
+@pytest.mark.parametrize(
+    "p,expected", [(0.05, 0.66), (0.1, 0.43), (0.2, 0.17), (0.3, 0.06), (0.5, 0.008)]
+)
 def test_closed_form_matches_article_table(p, expected):
     # Article section 2.3, G=8; the table is symmetric in p <-> 1-p.
     assert round(collapse_prob(p, 8), 2 if expected >= 0.01 else 3) == expected
@@ -42,11 +43,13 @@ def test_collapse_prob_matches_monte_carlo():
 
 
 def test_collapse_stats_constructed_batch():
-    rewards = [[1, 1, 1, 1],          # all correct
-               [0, 0, 0, 0],          # all wrong
-               [1, 0, 1, 0],          # split
-               [1, 0.8, 1, 1],        # all correct, one length-penalised: split on the total
-               [0.5, 0.5, 0.5, 0.5 + 5e-7]]  # std ~2e-7: < tau=1e-6 but > ms-swift's 1e-8
+    rewards = [
+        [1, 1, 1, 1],  # all correct
+        [0, 0, 0, 0],  # all wrong
+        [1, 0, 1, 0],  # split
+        [1, 0.8, 1, 1],  # all correct, one length-penalised: split on the total
+        [0.5, 0.5, 0.5, 0.5 + 5e-7],
+    ]  # std ~2e-7: < tau=1e-6 but > ms-swift's 1e-8
     correct = [[1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
     s = collapse_stats(rewards, correct, levels=[1, 6, 3, 1, None])
     assert s["num_groups"] == 5
@@ -74,9 +77,15 @@ def test_metric_names_follow_design():
     raw = collapse_stats([[1, 1], [0, 1]], [[1, 1], [0, 1]], levels=[1, 3])
     post = collapse_stats([[0, 1]])
     m = collapse_metrics(raw, post, acr_predicted=0.7)
-    for name in ("collapse/acr_raw", "collapse/solve_all_raw", "collapse/solve_none_raw",
-                 "collapse/frac_reward_zero_std", "collapse/acr_predicted",
-                 "collapse/acr_by_level/L1", "collapse/acr_by_level/L3"):
+    for name in (
+        "collapse/acr_raw",
+        "collapse/solve_all_raw",
+        "collapse/solve_none_raw",
+        "collapse/frac_reward_zero_std",
+        "collapse/acr_predicted",
+        "collapse/acr_by_level/L1",
+        "collapse/acr_by_level/L3",
+    ):
         assert name in m, name
     assert m["collapse/acr_raw"] == 0.5 and m["collapse/frac_reward_zero_std"] == 0.0
 
@@ -95,17 +104,19 @@ def test_levels_alphamed_and_general_k():
 def _beta_moment_numeric(a, b, g):
     """E[p^g] + E[(1-p)^g] for Beta(a, b) by quadrature (independent of the product form)."""
     x = np.linspace(0, 1, 400_001)[1:-1]
-    logpdf = ((a - 1) * np.log(x) + (b - 1) * np.log1p(-x)
-              - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)))
+    logpdf = (
+        (a - 1) * np.log(x)
+        + (b - 1) * np.log1p(-x)
+        - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+    )
     pdf = np.exp(logpdf)
     dx = x[1] - x[0]
-    return float(((x ** g + (1 - x) ** g) * pdf).sum() * dx / (pdf.sum() * dx))
+    return float(((x**g + (1 - x) ** g) * pdf).sum() * dx / (pdf.sum() * dx))
 
 
 def test_beta_collapse_moment_matches_quadrature():
     for a, b in ((2.3, 1.7), (5.3, 1.1), (3.0, 4.0)):
-        assert beta_collapse_prob(a, b, 8) == pytest.approx(_beta_moment_numeric(a, b, 8),
-                                                            rel=2e-3)
+        assert beta_collapse_prob(a, b, 8) == pytest.approx(_beta_moment_numeric(a, b, 8), rel=2e-3)
 
 
 def test_beta_binomial_fit_reproduces_histogram_and_is_a_maximum():
@@ -114,15 +125,30 @@ def test_beta_binomial_fit_reproduces_histogram_and_is_a_maximum():
     a, b = prior.a, prior.b
     for level, n in SPECIALIST.items():
         c = 5 - level + 1
-        pmf = math.comb(5, c) * math.exp(math.lgamma(a + c) + math.lgamma(b + 5 - c)
-                                         - math.lgamma(a + b + 5) - math.lgamma(a)
-                                         - math.lgamma(b) + math.lgamma(a + b))
-        assert pmf * total == pytest.approx(n, rel=0.1)   # fitted marginal ~ observed
+        pmf = math.comb(5, c) * math.exp(
+            math.lgamma(a + c)
+            + math.lgamma(b + 5 - c)
+            - math.lgamma(a + b + 5)
+            - math.lgamma(a)
+            - math.lgamma(b)
+            + math.lgamma(a + b)
+        )
+        assert pmf * total == pytest.approx(n, rel=0.1)  # fitted marginal ~ observed
 
     def ll(a, b):
-        return sum(n * (math.lgamma(a + 6 - lv) + math.lgamma(b + lv - 1) - math.lgamma(a + b + 5)
-                        - math.lgamma(a) - math.lgamma(b) + math.lgamma(a + b))
-                   for lv, n in SPECIALIST.items())
+        return sum(
+            n
+            * (
+                math.lgamma(a + 6 - lv)
+                + math.lgamma(b + lv - 1)
+                - math.lgamma(a + b + 5)
+                - math.lgamma(a)
+                - math.lgamma(b)
+                + math.lgamma(a + b)
+            )
+            for lv, n in SPECIALIST.items()
+        )
+
     best = ll(a, b)
     for da, db in ((1.01, 1), (0.99, 1), (1, 1.01), (1, 0.99)):
         assert ll(a * da, b * db) <= best + 1e-9
@@ -158,14 +184,16 @@ def test_article_fill_ceiling_numbers():
 
 def test_fill_success_prob_matches_binomial_sum():
     n, q, b = 3 * 10, 0.3, 10
-    ref = sum(math.comb(n, x) * q ** x * (1 - q) ** (n - x) for x in range(b, n + 1))
+    ref = sum(math.comb(n, x) * q**x * (1 - q) ** (n - x) for x in range(b, n + 1))
     assert fill_success_prob(0.7, 10, 3) == pytest.approx(ref, rel=1e-9)
 
 
 def test_read_levels_file_checks(tmp_path):
     path = tmp_path / "levels.jsonl"
-    path.write_text('{"id": "a", "k": 5, "correct": 5}\n{"id": "b", "k": 5, "correct": 0}\n'
-                    '{"id": "c", "k": 5, "co')
+    path.write_text(
+        '{"id": "a", "k": 5, "correct": 5}\n{"id": "b", "k": 5, "correct": 0}\n'
+        '{"id": "c", "k": 5, "co'
+    )
     recs = read_levels_file(path)
     assert [r["level"] for r in recs] == [1, 6]
     path.write_text('{"id": "a", "k": 5, "correct": 7}\n')

@@ -62,11 +62,18 @@ def test_prompt_renders_choices_and_custom_template(igakuqa_dir):
 
 def test_swift_jsonl(tmp_path):
     f = tmp_path / "swift.jsonl"
-    rows = [{"messages": [{"role": "user", "content": "1+1?"}], "solution": "B"},
-            {"id": "q2", "messages": [{"role": "system", "content": "s"},
-                                      {"role": "user", "content": "pick two"},
-                                      {"role": "assistant", "content": "old"}],
-             "solution": "c, d"}]
+    rows = [
+        {"messages": [{"role": "user", "content": "1+1?"}], "solution": "B"},
+        {
+            "id": "q2",
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "pick two"},
+                {"role": "assistant", "content": "old"},
+            ],
+            "solution": "c, d",
+        },
+    ]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
     probs = load_problems([f])
     assert [p.id for p in probs] == ["swift:1", "q2"]
@@ -74,13 +81,25 @@ def test_swift_jsonl(tmp_path):
     assert [m["role"] for m in probs[1].messages] == ["system", "user"]
 
 
-@pytest.mark.parametrize("line,match", [
-    ('{"problem_id": "x1", "problem_text": "q", "choices": ["a"]', r"bad\.jsonl:2: malformed JSON"),
-    ('{"problem_id": "x1", "problem_text": "q", "choices": ["a"], "answer": []}', r"bad\.jsonl:2: problem x1 has no answer"),
-    ('{"foo": 1}', r"bad\.jsonl:2: unknown record format"),
-    ('[1, 2]', r"bad\.jsonl:2: expected a JSON object"),
-    ('{"problem_id": "ok1", "problem_text": "q", "choices": ["a"], "answer": ["a"]}', r"duplicate problem id ok1"),
-])
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        (
+            '{"problem_id": "x1", "problem_text": "q", "choices": ["a"]',
+            r"bad\.jsonl:2: malformed JSON",
+        ),
+        (
+            '{"problem_id": "x1", "problem_text": "q", "choices": ["a"], "answer": []}',
+            r"bad\.jsonl:2: problem x1 has no answer",
+        ),
+        ('{"foo": 1}', r"bad\.jsonl:2: unknown record format"),
+        ("[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
+        (
+            '{"problem_id": "ok1", "problem_text": "q", "choices": ["a"], "answer": ["a"]}',
+            r"duplicate problem id ok1",
+        ),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path, line, match):
     f = tmp_path / "bad.jsonl"
     good = '{"problem_id": "ok1", "problem_text": "q", "choices": ["a"], "answer": ["a"]}'

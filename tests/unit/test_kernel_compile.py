@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-SCRIPT = r'''
+SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -43,15 +43,16 @@ for dt in ("bf16", "fp32"):
         k = triton.compile(src, target=target, options={"num_warps": 8})
         assert ".target sm_90" in k.asm["ptx"]
 print("compiled")
-'''
+"""
 
 
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("Triton's bundled ptxas is not available")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -37,8 +37,17 @@ def _inputs(T, V, dtype, seed=0):
 @pytest.mark.parametrize("V,block_v", [(333, 64), (1000, 1024)])
 def test_stats_and_fused_terms_match_torch(dtype, V, block_v):
     logits, tgt, old, ref, adv, _ = _inputs(24, V, dtype)
-    stats, terms = triton_stats(logits, tgt, 0, old_logprobs=old, advantages=adv,
-                                ref_logprobs=ref, eps_low=0.1, eps_high=0.3, block_v=block_v)
+    stats, terms = triton_stats(
+        logits,
+        tgt,
+        0,
+        old_logprobs=old,
+        advantages=adv,
+        ref_logprobs=ref,
+        eps_low=0.1,
+        eps_high=0.3,
+        block_v=block_v,
+    )
     x = logits.float()
     lse = torch.logsumexp(x, -1)
     assert torch.allclose(stats[:, 0], x.amax(-1))
@@ -70,8 +79,9 @@ def test_stats_shard_with_target_outside():
     want = torch.where(owned, logits.gather(1, tgt[:, None])[:, 0], 0.0)
     assert terms is None
     assert torch.allclose(stats[:, 3], want)
-    assert torch.allclose(stats[:, 2], (logits[:, 100:].softmax(-1) * logits[:, 100:]).sum(-1),
-                          atol=1e-5)
+    assert torch.allclose(
+        stats[:, 2], (logits[:, 100:].softmax(-1) * logits[:, 100:]).sum(-1), atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,19 +111,28 @@ def test_fused_policy_loss_triton_matches_reference(variant, dtype):
     logits, tgt, old, ref, adv, mask = _inputs(B * S, V, dtype, seed=2)
     shp = (B, S)
     roll = old + 0.3
-    cfg = LossConfig(variant=variant, eps_low=0.1, eps_high=0.3, kl_coef=0.05,
-                     entropy_coef=0.01, tis_cap=2.0, backend="triton",
-                     grad_in_logits=(dtype == torch.bfloat16))
+    cfg = LossConfig(
+        variant=variant,
+        eps_low=0.1,
+        eps_high=0.3,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        tis_cap=2.0,
+        backend="triton",
+        grad_in_logits=(dtype == torch.bfloat16),
+    )
     if variant == "gspo":
         cfg.eps_low, cfg.eps_high = 0.02, 0.03
     x1 = logits.float().view(B, S, V).requires_grad_()
     args = (tgt.view(shp), old.view(shp), adv.view(shp), mask.view(shp), cfg)
-    l1, m1 = reference_policy_loss(x1, *args, ref_logprobs=ref.view(shp),
-                                   rollout_logprobs=roll.view(shp))
+    l1, m1 = reference_policy_loss(
+        x1, *args, ref_logprobs=ref.view(shp), rollout_logprobs=roll.view(shp)
+    )
     l1.backward()
     x2 = logits.clone().view(B, S, V).requires_grad_()
-    l2, m2 = fused_policy_loss(x2 * 1, *args, ref_logprobs=ref.view(shp),
-                               rollout_logprobs=roll.view(shp))
+    l2, m2 = fused_policy_loss(
+        x2 * 1, *args, ref_logprobs=ref.view(shp), rollout_logprobs=roll.view(shp)
+    )
     l2.backward()
     assert torch.allclose(l2, l1, atol=1e-5)
     assert torch.allclose(x2.grad.float(), x1.grad, **TOL[dtype])
@@ -127,7 +146,8 @@ def test_triton_grad_in_logits_bumps_version_counter():
     a = logits.clone().requires_grad_()
     x = a * 2
     other = x.sin()  # saves x; the Triton kernel overwrites x through a raw pointer
-    loss, _ = fused_policy_loss(x, tgt, old, adv, mask, LossConfig(variant="dapo",
-                                backend="triton", grad_in_logits=True))
+    loss, _ = fused_policy_loss(
+        x, tgt, old, adv, mask, LossConfig(variant="dapo", backend="triton", grad_in_logits=True)
+    )
     with pytest.raises(RuntimeError, match="inplace"):
         (loss + other.sum()).backward()

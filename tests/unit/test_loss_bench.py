@@ -13,9 +13,25 @@ BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench_loss.py"
 
 def test_bench_loss_json_smoke():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH), "--tokens", "64", "--vocab", "2048",
-                           "--seq-len", "16", "--methods", "naive,fused", "--json"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--tokens",
+            "64",
+            "--vocab",
+            "2048",
+            "--seq-len",
+            "16",
+            "--methods",
+            "naive,fused",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     for key in ("peak_bytes_naive", "peak_bytes_fused", "max_abs_err_logp", "max_abs_err_grad"):

@@ -26,16 +26,19 @@ def _inputs(shape, V, dtype=torch.float32, seed=0):
 def _compare(cfg, logits, tgt, old, ref, adv, mask, seq_ids=None, scale=1.0, atol=1e-5):
     roll = None if cfg.tis_cap == 0 else old - torch.linspace(-1, 1, old.numel()).view(old.shape)
     x1 = logits.float().clone().requires_grad_()
-    l1, m1 = reference_policy_loss(x1, tgt, old, adv, mask, cfg, ref_logprobs=ref,
-                                   rollout_logprobs=roll, seq_ids=seq_ids)
+    l1, m1 = reference_policy_loss(
+        x1, tgt, old, adv, mask, cfg, ref_logprobs=ref, rollout_logprobs=roll, seq_ids=seq_ids
+    )
     (scale * l1).backward()
     x2 = logits.clone().requires_grad_()
-    l2, m2 = fused_policy_loss(x2 * 1, tgt, old, adv, mask, cfg, ref, rollout_logprobs=roll,
-                               seq_ids=seq_ids)
+    l2, m2 = fused_policy_loss(
+        x2 * 1, tgt, old, adv, mask, cfg, ref, rollout_logprobs=roll, seq_ids=seq_ids
+    )
     (scale * l2).backward()
     assert torch.allclose(l2, l1, atol=atol)
-    assert torch.allclose(x2.grad.float(), x1.grad, atol=atol if logits.dtype == torch.float32
-                          else 2e-2)
+    assert torch.allclose(
+        x2.grad.float(), x1.grad, atol=atol if logits.dtype == torch.float32 else 2e-2
+    )
     assert set(m1) == set(m2)
     for k in m1:
         assert torch.allclose(m2[k].float(), m1[k].float(), atol=1e-4), k
@@ -46,9 +49,17 @@ def _compare(cfg, logits, tgt, old, ref, adv, mask, seq_ids=None, scale=1.0, ato
 @pytest.mark.parametrize("grad_in_logits", [False, True])
 def test_chunked_matches_reference(variant, grad_in_logits):
     data = _inputs((3, 9), 301)
-    cfg = LossConfig(variant=variant, eps_low=0.15, eps_high=0.35, kl_coef=0.1,
-                     entropy_coef=0.02, tis_cap=1.5, backend="torch", chunk_bytes=4096,
-                     grad_in_logits=grad_in_logits)
+    cfg = LossConfig(
+        variant=variant,
+        eps_low=0.15,
+        eps_high=0.35,
+        kl_coef=0.1,
+        entropy_coef=0.02,
+        tis_cap=1.5,
+        backend="torch",
+        chunk_bytes=4096,
+        grad_in_logits=grad_in_logits,
+    )
     if variant == "gspo":
         cfg.eps_low, cfg.eps_high = 0.01, 0.02
     m = _compare(cfg, *data, scale=(2.5 if grad_in_logits else 1.0))
@@ -93,8 +104,14 @@ def test_token_stats_and_errors():
     with pytest.raises(ValueError, match="ref_logprobs"):
         fused_policy_loss(logits, tgt, old, adv, mask, LossConfig(backend="torch", kl_coef=0.1))
     with pytest.raises(ValueError, match="sequences"):
-        fused_policy_loss(logits.view(24, 99), tgt.view(24), old.view(24), adv.view(24),
-                          mask.view(24), LossConfig(variant="gspo", backend="torch"))
+        fused_policy_loss(
+            logits.view(24, 99),
+            tgt.view(24),
+            old.view(24),
+            adv.view(24),
+            mask.view(24),
+            LossConfig(variant="gspo", backend="torch"),
+        )
 
 
 class _Allocs(TorchDispatchMode):
@@ -106,8 +123,11 @@ class _Allocs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-               if isinstance(a, torch.Tensor)}
+        ins = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
         for o in torch.utils._pytree.tree_leaves(out):
             if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins:
                 self.sizes.append((o.untyped_storage().nbytes(), o.dtype))
@@ -118,8 +138,14 @@ class _Allocs(TorchDispatchMode):
 def test_memory_no_full_fp32_tensor(grad_in_logits):
     T, V = 64, 2048
     logits, tgt, old, ref, adv, mask = _inputs((T,), V, torch.bfloat16, seed=6)
-    cfg = LossConfig(variant="dapo", backend="torch", chunk_bytes=64 * 1024, kl_coef=0.1,
-                     entropy_coef=0.01, grad_in_logits=grad_in_logits)
+    cfg = LossConfig(
+        variant="dapo",
+        backend="torch",
+        chunk_bytes=64 * 1024,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        grad_in_logits=grad_in_logits,
+    )
     x = logits.clone().requires_grad_()
     with _Allocs() as fused:
         loss, _ = fused_policy_loss(x, tgt, old, adv, mask, cfg, ref)

@@ -29,14 +29,26 @@ def _inputs(B, S, H, V, dtype, seed=0):
     return hidden, weight, tgt, old, ref, adv, mask
 
 
-@pytest.mark.parametrize("variant,backend,dtype", [
-    ("grpo", "torch", torch.float32), ("gspo", "torch", torch.float32),
-    ("dapo", "torch", torch.bfloat16), ("dr_grpo", "triton", torch.float32),
-])
+@pytest.mark.parametrize(
+    "variant,backend,dtype",
+    [
+        ("grpo", "torch", torch.float32),
+        ("gspo", "torch", torch.float32),
+        ("dapo", "torch", torch.bfloat16),
+        ("dr_grpo", "triton", torch.float32),
+    ],
+)
 def test_fused_linear_matches_reference(variant, backend, dtype):
     hidden, weight, tgt, old, ref, adv, mask = _inputs(3, 5, 16, 150, dtype)
-    cfg = LossConfig(variant=variant, eps_low=0.1, eps_high=0.3, kl_coef=0.05,
-                     entropy_coef=0.01, backend=backend, chunk_bytes=2048)
+    cfg = LossConfig(
+        variant=variant,
+        eps_low=0.1,
+        eps_high=0.3,
+        kl_coef=0.05,
+        entropy_coef=0.01,
+        backend=backend,
+        chunk_bytes=2048,
+    )
     if variant == "gspo":
         cfg.eps_low, cfg.eps_high = 0.01, 0.02
     h1 = hidden.float().clone().requires_grad_()

@@ -63,8 +63,9 @@ def test_logprobs_entropy_kl_closed_form():
     h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     assert torch.allclose(token_entropy(logits), torch.tensor([h]))
     # k3 = exp(r) - r - 1 with r = ref - logp
-    assert torch.allclose(k3_kl(torch.tensor([-1.0]), torch.tensor([-0.5])),
-                          torch.tensor([math.exp(0.5) - 1.5]))
+    assert torch.allclose(
+        k3_kl(torch.tensor([-1.0]), torch.tensor([-0.5])), torch.tensor([math.exp(0.5) - 1.5])
+    )
 
 
 def test_asymmetric_clip_closed_form():
@@ -125,8 +126,9 @@ def test_tis_weights_truncate_and_scale_loss():
     logp = torch.zeros(3)
     rollout = torch.tensor([-1.0, 0.0, 0.5])  # pi_old/pi_rollout = e, 1, e^-0.5
     cfg = LossConfig(variant="dapo", tis_cap=2.0)
-    loss, m = policy_loss(logp, torch.zeros(3), torch.ones(3), torch.ones(3), cfg,
-                          rollout_logprobs=rollout)
+    loss, m = policy_loss(
+        logp, torch.zeros(3), torch.ones(3), torch.ones(3), cfg, rollout_logprobs=rollout
+    )
     w = torch.tensor([2.0, 1.0, math.exp(-0.5)])
     assert float(loss) == pytest.approx(float(-w.mean()))
     assert float(m["loss/tis_clip_frac"]) == pytest.approx(1 / 3)

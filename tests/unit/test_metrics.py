@@ -49,8 +49,15 @@ def test_jsonl_rows_truncate_and_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lg = JsonlLogger(path)
     for step in range(1, 5):
-        lg.log(step, {"reward/mean": step / 10, "collapse/acr_raw": None,
-                      "loss/kl": float("nan"), "dynamic/success": True})
+        lg.log(
+            step,
+            {
+                "reward/mean": step / 10,
+                "collapse/acr_raw": None,
+                "loss/kl": float("nan"),
+                "dynamic/success": True,
+            },
+        )
     rows = read_metrics(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[1]["reward/mean"] == pytest.approx(0.2)
@@ -80,8 +87,9 @@ def test_build_logger_rank0_writes_jsonl_and_offline_wandb(tmp_path, monkeypatch
 
 
 def test_console_summary_formats_key_figures():
-    s = ConsoleLogger.summary({"reward/mean": 0.4567, "collapse/acr_raw": 0.25,
-                               "perf/tokens_per_s": 123.4})
+    s = ConsoleLogger.summary(
+        {"reward/mean": 0.4567, "collapse/acr_raw": 0.25, "perf/tokens_per_s": 123.4}
+    )
     assert s == {"reward": "0.457", "acr_raw": "0.25", "tok/s": "123"}
     assert ConsoleLogger.summary({})["reward"] == "-"
 
@@ -93,12 +101,22 @@ def test_report_draws_every_plot(tmp_path):
     with open(run / "metrics.jsonl", "w", encoding="utf-8") as fh:
         for step in range(1, 7):
             row = {name: 0.1 * step for name in CORE_METRICS}
-            row.update({"step": step, "collapse/frac_reward_zero_std": 0.0,
-                        "reward/mcq_accuracy/mean": 0.2})
+            row.update(
+                {
+                    "step": step,
+                    "collapse/frac_reward_zero_std": 0.0,
+                    "reward/mcq_accuracy/mean": 0.2,
+                }
+            )
             fh.write(json.dumps(row) + "\n")
     paths = make_report(run)
-    assert sorted(p.name for p in paths) == ["collapse.png", "length.png", "levels.png",
-                                             "reward.png", "time.png"]
+    assert sorted(p.name for p in paths) == [
+        "collapse.png",
+        "length.png",
+        "levels.png",
+        "reward.png",
+        "time.png",
+    ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     summary = json.loads((run / "report" / "summary.json").read_text())

@@ -43,10 +43,19 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
 
     out = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=32, tie_word_embeddings=True, rope_theta=100000.0,
-                      rms_norm_eps=1e-5, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -58,8 +67,9 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense", "llama"])
-def test_logits_match_transformers_and_roundtrip(kind, groups, tiny_moe_dir, tiny_dense_dir,
-                                                 tiny_llama_dir):
+def test_logits_match_transformers_and_roundtrip(
+    kind, groups, tiny_moe_dir, tiny_dense_dir, tiny_llama_dir
+):
     from safetensors.torch import load_file
 
     from megagrpo.model import build_policy
@@ -133,9 +143,11 @@ def test_bad_checkpoints_name_the_tensor(groups, tiny_moe_dir, tmp_path):
     from megagrpo.model import build_policy
 
     sd = load_file(f"{tiny_moe_dir}/model.safetensors")
-    for name, mutate in [("missing", lambda d: d.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
-                         ("shape", lambda d: d.__setitem__("model.norm.weight", torch.ones(3))),
-                         ("unknown", lambda d: d.__setitem__("model.extra.weight", torch.ones(2)))]:
+    for name, mutate in [
+        ("missing", lambda d: d.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
+        ("shape", lambda d: d.__setitem__("model.norm.weight", torch.ones(3))),
+        ("unknown", lambda d: d.__setitem__("model.extra.weight", torch.ones(2))),
+    ]:
         d = tmp_path / name
         shutil.copytree(tiny_moe_dir, d)
         bad = dict(sd)
@@ -143,8 +155,11 @@ def test_bad_checkpoints_name_the_tensor(groups, tiny_moe_dir, tmp_path):
         save_file(bad, str(d / "model.safetensors"))
         with pytest.raises(CheckpointError) as err:
             build_policy(ModelConfig(hf_path=str(d)), groups)
-        assert {"missing": "up_proj", "shape": "model.norm.weight",
-                "unknown": "model.extra.weight"}[name] in str(err.value)
+        assert {
+            "missing": "up_proj",
+            "shape": "model.norm.weight",
+            "unknown": "model.extra.weight",
+        }[name] in str(err.value)
 
 
 def test_validate_layout_names_the_key(tiny_moe_dir):
@@ -171,5 +186,7 @@ def test_param_counts_closed_form(tiny_moe_dir):
     counts = param_counts(arch_from_hf(load_hf_config(tiny_moe_dir)))
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     a = arch_from_hf(load_hf_config(tiny_moe_dir))
-    inactive = a.num_layers * (a.num_experts - a.moe_topk) * 3 * a.hidden_size * a.moe_ffn_hidden_size
+    inactive = (
+        a.num_layers * (a.num_experts - a.moe_topk) * 3 * a.hidden_size * a.moe_ffn_hidden_size
+    )
     assert counts["active"] == counts["total"] - inactive

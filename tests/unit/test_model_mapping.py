@@ -18,11 +18,31 @@ from megagrpo.parallel.state import ParallelGroups
 
 def fake_groups(tp=1, ep=1, pp=1, tp_rank=0, ep_rank=0, pp_rank=0) -> ParallelGroups:
     return ParallelGroups(
-        world_size=tp * pp * max(ep, 1), rank=0, tp=None, pp=None, dp=None, ep=None, etp=None,
-        expert_dp=None, mp=None, expert_mp=None, tp_size=tp, tp_rank=tp_rank, pp_size=pp,
-        pp_rank=pp_rank, dp_size=1, dp_rank=0, ep_size=ep, ep_rank=ep_rank, etp_size=1,
-        etp_rank=0, expert_dp_size=1, expert_dp_rank=0, sequence_parallel=tp > 1,
-        device=torch.device("cpu"))
+        world_size=tp * pp * max(ep, 1),
+        rank=0,
+        tp=None,
+        pp=None,
+        dp=None,
+        ep=None,
+        etp=None,
+        expert_dp=None,
+        mp=None,
+        expert_mp=None,
+        tp_size=tp,
+        tp_rank=tp_rank,
+        pp_size=pp,
+        pp_rank=pp_rank,
+        dp_size=1,
+        dp_rank=0,
+        ep_size=ep,
+        ep_rank=ep_rank,
+        etp_size=1,
+        etp_rank=0,
+        expert_dp_size=1,
+        expert_dp_rank=0,
+        sequence_parallel=tp > 1,
+        device=torch.device("cpu"),
+    )
 
 
 def megatron_shapes(a, tp, ep, pp, spec, grouped):
@@ -32,8 +52,14 @@ def megatron_shapes(a, tp, ep, pp, spec, grouped):
     out = {}
     for layer in range(a.num_layers // pp):
         m = f"decoder.layers.{layer}."
-        out[m + ("self_attention.linear_qkv.layer_norm_weight" if spec == "te"
-                 else "input_layernorm.weight")] = (h,)
+        out[
+            m
+            + (
+                "self_attention.linear_qkv.layer_norm_weight"
+                if spec == "te"
+                else "input_layernorm.weight"
+            )
+        ] = (h,)
         out[m + "self_attention.linear_qkv.weight"] = (qkv, h)
         out[m + "self_attention.linear_proj.weight"] = (h, a.num_heads * hd // tp)
         out[m + "self_attention.q_layernorm.weight"] = (hd,)

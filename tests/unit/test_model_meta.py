@@ -11,13 +11,26 @@ PUBLISHED_TOTAL = 235_093_634_560  # HF num_parameters() of Qwen/Qwen3-235B-A22B
 
 
 def test_meta_235b_one_rank_of_tp4_ep8_pp2(repo_root):
-    cmd = [sys.executable, "-m", "megagrpo.cli", "verify-model", "--meta", "--hf-config",
-           str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
-           "--tp", "4", "--ep", "8", "--pp", "2", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megagrpo.cli",
+        "verify-model",
+        "--meta",
+        "--hf-config",
+        str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
+        "--tp",
+        "4",
+        "--ep",
+        "8",
+        "--pp",
+        "2",
+        "--json",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    rep = json.loads(out.stdout[out.stdout.index("{"):])
+    rep = json.loads(out.stdout[out.stdout.index("{") :])
     assert rep["total_params"] == PUBLISHED_TOTAL
     assert 22.0e9 < rep["active_params"] < 22.4e9
     assert rep["world_size"] == 16 and rep["dp"] == 2 and rep["expert_dp"] == 1
@@ -32,8 +45,17 @@ def test_meta_235b_one_rank_of_tp4_ep8_pp2(repo_root):
 
 
 def test_meta_rejects_layout_that_does_not_divide(repo_root):
-    cmd = [sys.executable, "-m", "megagrpo.cli", "verify-model", "--meta", "--hf-config",
-           str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"), "--pp", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megagrpo.cli",
+        "verify-model",
+        "--meta",
+        "--hf-config",
+        str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
+        "--pp",
+        "4",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2
     assert "num_hidden_layers=94 is not divisible by pp=4" in out.stderr

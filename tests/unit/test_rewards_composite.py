@@ -18,8 +18,12 @@ from megagrpo.rewards.config import RewardsConfig, RewardSpec
 from megagrpo.rewards.length import soft_overlong_value
 from megagrpo.types import Problem
 
-PROBLEM = Problem("112A1", [{"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"}],
-                  ["e"], {"choices": ["v", "w", "x", "y", "z"]})
+PROBLEM = Problem(
+    "112A1",
+    [{"role": "user", "content": "高アンモニア血症をきたす疾患はどれか。"}],
+    ["e"],
+    {"choices": ["v", "w", "x", "y", "z"]},
+)
 
 
 def closed_form(length: int, max_len: int, cache_len: int) -> float:
@@ -33,8 +37,11 @@ def closed_form(length: int, max_len: int, cache_len: int) -> float:
 @pytest.mark.parametrize("max_len,cache_len", [(4096, 2048), (100, 20), (10, 3)])
 def test_soft_overlong_closed_form(max_len, cache_len):
     fn = get("soft_overlong", max_len=max_len, cache_len=cache_len)
-    lengths = list(range(0, 2 * max_len + 1, max(1, max_len // 64))) + [max_len - cache_len,
-                                                                        max_len, max_len + 1]
+    lengths = list(range(0, 2 * max_len + 1, max(1, max_len // 64))) + [
+        max_len - cache_len,
+        max_len,
+        max_len + 1,
+    ]
     got = fn(["x"] * len(lengths), PROBLEM, lengths=lengths)
     want = [closed_form(n, max_len, cache_len) for n in lengths]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12
@@ -58,6 +65,7 @@ def _swift_soft_overlong():
 def test_soft_overlong_matches_ms_swift():
     cls = _swift_soft_overlong()
     from types import SimpleNamespace
+
     if "args" in inspect.signature(cls).parameters:  # 4.x: cls(args=trainer_args)
         ref = cls(args=SimpleNamespace(soft_max_length=4096, soft_cache_length=2048))
     else:  # older releases: explicit lengths
@@ -67,9 +75,17 @@ def test_soft_overlong_matches_ms_swift():
     ours = get("soft_overlong", max_len=4096, cache_len=2048)
     assert ours(["x"] * len(lengths), PROBLEM, lengths=lengths) == pytest.approx(want, abs=0)
     # and ms-swift's class through the plugin adapter, in the composite
-    comp = build_composite(RewardsConfig(functions=[
-        RewardSpec(name=f"{cls.__module__}:SoftOverlong", label="swift_soft",
-                   kwargs={"soft_max_length": 4096, "soft_cache_length": 2048})]))
+    comp = build_composite(
+        RewardsConfig(
+            functions=[
+                RewardSpec(
+                    name=f"{cls.__module__}:SoftOverlong",
+                    label="swift_soft",
+                    kwargs={"soft_max_length": 4096, "soft_cache_length": 2048},
+                )
+            ]
+        )
+    )
     total, parts = comp(["x"] * len(lengths), PROBLEM, lengths=lengths)
     assert parts["swift_soft"] == pytest.approx(want, abs=0)
 
@@ -81,9 +97,12 @@ def test_soft_overlong_bad_args_and_value_helper():
 
 
 def test_composite_weighted_sum_and_parts():
-    cfg = RewardsConfig(functions=[RewardSpec("mcq_accuracy", 1.0),
-                                   RewardSpec("soft_overlong", 0.2,
-                                              {"max_len": 4096, "cache_len": 2048})])
+    cfg = RewardsConfig(
+        functions=[
+            RewardSpec("mcq_accuracy", 1.0),
+            RewardSpec("soft_overlong", 0.2, {"max_len": 4096, "cache_len": 2048}),
+        ]
+    )
     cfg.validate("rewards")
     comp = build_composite(cfg)
     texts = ["答え: e", "答え: a", "<think>長い思考", "Final answer: E"]
@@ -106,12 +125,14 @@ def _flaky():
                 raise RuntimeError("scorer exploded")
             out.append(math.nan if "NAN" in c else float(len(c)))
         return out
+
     return reward
 
 
 def test_composite_isolates_errors_per_completion(caplog):
-    comp = build_composite(RewardsConfig(functions=[RewardSpec("_test_flaky", 0.5),
-                                                    RewardSpec("mcq_accuracy", 1.0)]))
+    comp = build_composite(
+        RewardsConfig(functions=[RewardSpec("_test_flaky", 0.5), RewardSpec("mcq_accuracy", 1.0)])
+    )
     texts = ["abc", "BOOM 答え: e", "答え: e", "NAN"]
     with caplog.at_level(logging.WARNING, logger="megagrpo.rewards.composite"):
         total, parts = comp(texts, PROBLEM)
@@ -143,7 +164,7 @@ def test_registry_errors():
         get("math:NoSuchClass")
 
 
-ORM_MODULE = textwrap.dedent('''
+ORM_MODULE = textwrap.dedent("""
     class ORM:  # the shape of swift.rewards.ORM: __call__(completions, **kwargs) -> list[float]
         def __call__(self, **kwargs):
             raise NotImplementedError
@@ -156,7 +177,9 @@ ORM_MODULE = textwrap.dedent('''
             assert all(isinstance(col, list) and len(col) == len(completions)
                        for col in kwargs.values()), "ms-swift passes per-completion columns"
             assert [m[-1]["content"] for m in kwargs["messages"]] == completions
-            return [self.bonus * float(c.strip().endswith(s)) for c, s in zip(completions, solution)]
+            return [
+                self.bonus * float(c.strip().endswith(s)) for c, s in zip(completions, solution)
+            ]
 
     class ArgsStyle(ORM):  # ms-swift 4.x builtins: cls(args=trainer_args)
         def __init__(self, args=None, **kwargs):
@@ -175,7 +198,7 @@ ORM_MODULE = textwrap.dedent('''
 
     def plain_function(completions, problem_id, **kwargs):
         return [1.0 if pid == "112A1" else 0.0 for pid in problem_id]
-''')
+""")
 
 
 @pytest.fixture()
@@ -187,16 +210,20 @@ def orm_module(tmp_path, monkeypatch):
 
 
 def test_swift_orm_adapter(orm_module):
-    comp = build_composite(RewardsConfig(functions=[
-        RewardSpec(f"{orm_module}:ExactSolution", 2.0, {"bonus": 0.5}, label="exact"),
-        RewardSpec(f"{orm_module}:TokenCount", 0.0, label="ntok"),
-        RewardSpec(f"{orm_module}:plain_function", 1.0, label="fn"),
-        RewardSpec(f"{orm_module}:ArgsStyle", 0.0, {"max_chars": 10}, label="args"),
-        RewardSpec(f"{orm_module}:AsyncLen", 0.0, label="async"),
-    ]))
+    comp = build_composite(
+        RewardsConfig(
+            functions=[
+                RewardSpec(f"{orm_module}:ExactSolution", 2.0, {"bonus": 0.5}, label="exact"),
+                RewardSpec(f"{orm_module}:TokenCount", 0.0, label="ntok"),
+                RewardSpec(f"{orm_module}:plain_function", 1.0, label="fn"),
+                RewardSpec(f"{orm_module}:ArgsStyle", 0.0, {"max_chars": 10}, label="args"),
+                RewardSpec(f"{orm_module}:AsyncLen", 0.0, label="async"),
+            ]
+        )
+    )
     total, parts = comp(["答え: e", "答え: a"], PROBLEM, lengths=[4, 9])
-    assert parts["exact"] == [0.5, 0.0]        # solution column = gold joined by ','
-    assert parts["ntok"] == [4.0, 9.0]         # response_token_ids of the given lengths
+    assert parts["exact"] == [0.5, 0.0]  # solution column = gold joined by ','
+    assert parts["ntok"] == [4.0, 9.0]  # response_token_ids of the given lengths
     assert parts["fn"] == [1.0, 1.0]
     assert parts["args"] == [0.5, 0.5] and parts["async"] == [5.0, 5.0]
     assert total == [2.0, 1.0]
@@ -209,20 +236,26 @@ def test_swift_orm_adapter(orm_module):
 def test_rewards_package_is_pure():
     """megagrpo.rewards imports no megatron, vllm, torch (nor torch.distributed)."""
     import subprocess
-    code = ("import sys, megagrpo.rewards, megagrpo.rewards.cli_score, megagrpo.rewards.igakuqa, "
-            "megagrpo.rewards.swift_adapter; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'torch')]; "
-            "assert not bad, bad")
+
+    code = (
+        "import sys, megagrpo.rewards, megagrpo.rewards.cli_score, megagrpo.rewards.igakuqa, "
+        "megagrpo.rewards.swift_adapter; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'torch')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_yaml_config_builds_the_article_composite(tmp_path):
     from megagrpo.config.loader import load_config
+
     path = tmp_path / "rewards.yaml"
-    path.write_text("functions:\n"
-                    "  - {name: mcq_accuracy, weight: 1.0}\n"
-                    "  - {name: soft_overlong, weight: 0.2, "
-                    "kwargs: {max_len: 4096, cache_len: 2048}}\n")
+    path.write_text(
+        "functions:\n"
+        "  - {name: mcq_accuracy, weight: 1.0}\n"
+        "  - {name: soft_overlong, weight: 0.2, "
+        "kwargs: {max_len: 4096, cache_len: 2048}}\n"
+    )
     comp = build_composite(load_config(RewardsConfig, [path]))
     total, _ = comp(["答え: e"], PROBLEM, lengths=[3072])
     assert total == pytest.approx([1.0 - 0.2 * 0.5])

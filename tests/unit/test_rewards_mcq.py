@@ -18,8 +18,8 @@ from megagrpo.rewards import extract_answer, get
 from megagrpo.rewards.mcq import answers_match
 from megagrpo.types import Problem
 
-FW = {c: chr(ord(c) - 0x61 + 0xFF41) for c in "abcdefgh"}          # a -> ａ
-FW_UP = {c: chr(ord(c) - 0x61 + 0xFF21) for c in "abcdefgh"}       # a -> Ａ
+FW = {c: chr(ord(c) - 0x61 + 0xFF41) for c in "abcdefgh"}  # a -> ａ
+FW_UP = {c: chr(ord(c) - 0x61 + 0xFF21) for c in "abcdefgh"}  # a -> Ａ
 
 
 def gold_problems(root) -> list[Problem]:
@@ -30,11 +30,19 @@ def gold_problems(root) -> list[Problem]:
             continue
         for line in path.read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
-            text = rec["problem_text"] + "\n" + "\n".join(
-                f"{chr(97 + i)}. {c}" for i, c in enumerate(rec["choices"]))
-            out.append(Problem(rec["problem_id"], [{"role": "user", "content": text}],
-                               list(rec["answer"]),
-                               {"choices": rec["choices"], "problem_text": rec["problem_text"]}))
+            text = (
+                rec["problem_text"]
+                + "\n"
+                + "\n".join(f"{chr(97 + i)}. {c}" for i, c in enumerate(rec["choices"]))
+            )
+            out.append(
+                Problem(
+                    rec["problem_id"],
+                    [{"role": "user", "content": text}],
+                    list(rec["answer"]),
+                    {"choices": rec["choices"], "problem_text": rec["problem_text"]},
+                )
+            )
     return out
 
 
@@ -50,7 +58,8 @@ def letter_responses(g: list[str], w: str, choices: list[str]) -> list[str]:
     rev = list(reversed(g))
     up = [x.upper() for x in g]
     r = [
-        f"<think>\n選択肢{w}は{choices[0][:6] if choices else ''}なので誤り。{w}が正解かもしれない。"
+        f"<think>\n選択肢{w}は{choices[0][:6] if choices else ''}なので誤り。"
+        f"{w}が正解かもしれない。"
         f"答えは{w}?\n</think>\n\n答え: {','.join(g)}",
         f"各選択肢を検討します。\n{w}) 誤り。\n\n**答え: {' と '.join(up)}**",
         f"正解は「{'・'.join(FW[x] for x in g)}」です。",
@@ -58,7 +67,8 @@ def letter_responses(g: list[str], w: str, choices: list[str]) -> list[str]:
         f"Final answer: {', '.join(f'({x.upper()})' for x in rev)}",
         f"{w}も考えられるが、所見から否定的である。\n\n{''.join(rev)}",
         f"The answer is {' and '.join(g)}.",
-        f"最初は{w}と考えた。\n答え: {w}\n\nしかし再検討すると{w}は誤り。\n\n最終的な答え：{'、'.join(g)}",
+        f"最初は{w}と考えた。\n答え: {w}\n\nしかし再検討すると{w}は誤り。\n\n"
+        f"最終的な答え：{'、'.join(g)}",
         "\\boxed{" + ",".join(up) + "}",
         "【解答】\n" + "".join(f"({x})" for x in g),
         f"選択肢{'と'.join(g)}が正解である。",
@@ -84,7 +94,9 @@ def wrong_sets(g: list[str], valid: str) -> list[list[str]]:
 
 def numeric_value(problem: Problem) -> tuple[str, str]:
     """(gold value as written, the value with its last digit changed, the wrong slot digits)."""
-    m = re.search(r"解答：\s*((?:\d[,，]?\s*)*)([①-⑨](?:[.．]?[①-⑨])*)", problem.meta["problem_text"])
+    m = re.search(
+        r"解答：\s*((?:\d[,，]?\s*)*)([①-⑨](?:[.．]?[①-⑨])*)", problem.meta["problem_text"]
+    )
     prefix, core = re.sub(r"\D", "", m.group(1)), m.group(2)
     digits = re.sub(r"\D", "", problem.answer[0])
     assert len(digits) == len(re.findall(r"[①-⑨]", core)), problem.id
@@ -93,6 +105,7 @@ def numeric_value(problem: Problem) -> tuple[str, str]:
         it = iter(ds)
         body = "".join(ch if ch == "." else next(it) for ch in core)
         return f"{prefix},{body}" if prefix else body
+
     wrong = digits[:-1] + str((int(digits[-1]) + 1) % 10)
     return render(digits), render(wrong), wrong
 
@@ -100,7 +113,8 @@ def numeric_value(problem: Problem) -> tuple[str, str]:
 def numeric_responses(value: str, distractor: str, slot_digits: str) -> list[str]:
     slots = "".join(f"{'①②③④⑤'[i]}{d} " for i, d in enumerate(slot_digits))
     return [
-        f"<think>計算すると{distractor}になりそうだが見直す。答えは{distractor}?</think>\n答え: {value}",
+        f"<think>計算すると{distractor}になりそうだが見直す。答えは{distractor}?</think>\n"
+        f"答え: {value}",
         f"計算過程は省略します。\n\n解答：{slots.strip()}",
         f"Using the formula, the result is approximately {distractor} first.\n\n"
         f"Final answer: {value}",
@@ -122,8 +136,11 @@ def test_every_question_gold_formats_score_one_wrong_zero(problems):
                 good = letter_responses(g, w, p.meta["choices"])
                 # 112B30 accepts a or d: the other alternative alone is not wrong there
                 pool = "".join(c for c in valid if p.id != "112B30" or c not in "ad" or c in g)
-                wrong = [resp for ws in wrong_sets(g, pool)
-                         for resp in letter_responses(ws, g[0], p.meta["choices"])[:8]]
+                wrong = [
+                    resp
+                    for ws in wrong_sets(g, pool)
+                    for resp in letter_responses(ws, g[0], p.meta["choices"])[:8]
+                ]
                 wrong.append(f"<think>答え: {','.join(g)}")  # unclosed: ran out of budget
                 wrong.append(f"最初の答え: {','.join(g)}\n...\n最終的な答え: {w}")
                 scores = reward(good, p), reward(wrong, p)
@@ -145,32 +162,41 @@ def test_every_question_gold_formats_score_one_wrong_zero(problems):
 def test_refusals_and_empty_score_zero(problems):
     reward = get("mcq_accuracy")
     p = next(p for p in problems if p.answer == ["c"] and p.meta["choices"])
-    texts = ["", "わかりません。", "I cannot answer medical questions.", "<think>c</think>",
-             "<think>\n答えはcだと思う", "この問題には画像が必要なため回答できません。",
-             "The correct answer cannot be determined from the information given."]
+    texts = [
+        "",
+        "わかりません。",
+        "I cannot answer medical questions.",
+        "<think>c</think>",
+        "<think>\n答えはcだと思う",
+        "この問題には画像が必要なため回答できません。",
+        "The correct answer cannot be determined from the information given.",
+    ]
     assert reward(texts, p) == [0.0] * len(texts)
     assert extract_answer("", p) is None
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("答え: c, d", ["c", "d"]),
-    ("答えはc（aとbは誤り）とd", ["c", "d"]),           # asides do not add letters
-    ("答え: c (A型肝炎)", ["c"]),                         # 'A型' is not an answer
-    ("答え: c 及び d", ["c", "d"]),
-    ("Answer: a", ["a"]),
-    ("The answer is a combination of factors, so c.", ["c"]),  # article "a" skipped
-    ("選択肢cとdが正解", ["c", "d"]),
-    ("答え: c\n\n解説: aは誤り。", ["c"]),
-    ("a. Gaucher病\nb. von Gierke病\nc. Hurler症候群", None),  # an option list is not an answer
-    ("答え: b\n再考すると\n答え: e、c", ["c", "e"]),
-    ("HbA1c が高いので答えは ｅ", ["e"]),
-    ("<answer>B</answer>", ["b"]),
-    ("以上より c が最も適切である。", ["c"]),
-    ("(C) is the correct answer.", ["c"]),
-    ("aが正しいように見えるが、実際にはcが正解", ["c"]),
-    ("正解: c\n\n解説:\na. 誤り\nb. 誤り\nd. 誤り\ne. 誤り", ["c"]),
-    ("c or d", ["c", "d"]),                              # hedging: both letters (wrong for one-answer)
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("答え: c, d", ["c", "d"]),
+        ("答えはc（aとbは誤り）とd", ["c", "d"]),  # asides do not add letters
+        ("答え: c (A型肝炎)", ["c"]),  # 'A型' is not an answer
+        ("答え: c 及び d", ["c", "d"]),
+        ("Answer: a", ["a"]),
+        ("The answer is a combination of factors, so c.", ["c"]),  # article "a" skipped
+        ("選択肢cとdが正解", ["c", "d"]),
+        ("答え: c\n\n解説: aは誤り。", ["c"]),
+        ("a. Gaucher病\nb. von Gierke病\nc. Hurler症候群", None),  # an option list is not an answer
+        ("答え: b\n再考すると\n答え: e、c", ["c", "e"]),
+        ("HbA1c が高いので答えは ｅ", ["e"]),
+        ("<answer>B</answer>", ["b"]),
+        ("以上より c が最も適切である。", ["c"]),
+        ("(C) is the correct answer.", ["c"]),
+        ("aが正しいように見えるが、実際にはcが正解", ["c"]),
+        ("正解: c\n\n解説:\na. 誤り\nb. 誤り\nd. 誤り\ne. 誤り", ["c"]),
+        ("c or d", ["c", "d"]),  # hedging: both letters (wrong for one-answer)
+    ],
+)
 def test_extraction_rules(text, expected):
     p = Problem("x", [{"role": "user", "content": "q"}], ["c"], {"choices": list("12345")})
     assert extract_answer(text, p) == expected
@@ -180,12 +206,16 @@ def test_options_beyond_e_and_numeric_digits():
     p8 = Problem("8", [], ["g"], {"choices": list("ａｂｃｄｅｆｇｈ")})
     assert extract_answer("答え：ｇ", p8) == ["g"]
     p5 = Problem("5", [], ["c"], {"choices": list("12345")})
-    assert extract_answer("答え: g", p5) is None        # not an option of this question
-    num = Problem("n", [{"role": "user", "content": "求めよ。解答：①②.③/人口1,000対"}],
-                  ["100"], {"choices": []})
+    assert extract_answer("答え: g", p5) is None  # not an option of this question
+    num = Problem(
+        "n",
+        [{"role": "user", "content": "求めよ。解答：①②.③/人口1,000対"}],
+        ["100"],
+        {"choices": []},
+    )
     assert extract_answer("答え: 10.0", num) == ["100"]
     assert extract_answer("答え: 10", num) == ["100"]
-    assert extract_answer("答え: 10.04", num) is None   # not rounded as the question says
+    assert extract_answer("答え: 10.04", num) is None  # not rounded as the question says
     assert answers_match(["12"], ["1.2"]) and not answers_match(["13"], ["1.2"])
     assert answers_match(["d"], ["a or d"]) and not answers_match(["a", "d"], ["a or d"])
 
@@ -224,12 +254,23 @@ def test_agrees_with_baseline_parsed_predictions(igakuqa_dir, problems):
     assert checked > 5000
 
 
-@pytest.mark.parametrize("text", ["a " * 10000, "a" + " " * 20000 + "!", "答え: " * 5000,
-                                  "answer is " * 3000, "c, " * 8000, "cとd" * 5000,
-                                  "(c)" * 6000, "1 " * 10000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a " * 10000,
+        "a" + " " * 20000 + "!",
+        "答え: " * 5000,
+        "answer is " * 3000,
+        "c, " * 8000,
+        "cとd" * 5000,
+        "(c)" * 6000,
+        "1 " * 10000,
+    ],
+)
 def test_degenerate_looping_outputs_stay_linear(text):
     """RL policies loop; extraction must not backtrack quadratically (was 55 s on 'a a a ...')."""
     import time
+
     p = Problem("x", [], ["c"], {"choices": list("12345")})
     num = Problem("n", [{"role": "user", "content": "解答：①②Torr"}], ["26"], {"choices": []})
     start = time.perf_counter()

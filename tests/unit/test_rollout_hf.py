@@ -24,8 +24,9 @@ PROBLEMS = TINY_PROBLEMS
 
 @pytest.fixture(scope="module")
 def engine(tiny_moe_dir):
-    cfg = RolloutConfig(engine="hf", max_tokens=10, max_model_len=256, sync_bucket_mb=0.05,
-                        verify_tol=1e-5)
+    cfg = RolloutConfig(
+        engine="hf", max_tokens=10, max_model_len=256, sync_bucket_mb=0.05, verify_tol=1e-5
+    )
     eng = build_engine(cfg, str(tiny_moe_dir), seed=3)
     yield eng
     eng.close()
@@ -39,15 +40,16 @@ def test_group_structure_and_logprobs(engine, hf_model, tiny_moe_dir):
     groups = engine.generate(PROBLEMS, n=8, sampling=SamplingSpec(temperature=0.7, top_p=0.9))
     assert [g.problem.id for g in groups] == ["p1", "p2"]
     for g in groups:
-        ref = tok.apply_chat_template(g.problem.messages, add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ref = tok.apply_chat_template(
+            g.problem.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert g.prompt_ids == list(ref)
         assert g.size == 8 and len({tuple(t) for t in g.token_ids}) == 8
         for toks, lps, n, fin in zip(g.token_ids, g.logprobs, g.lengths, g.finish_reasons):
             assert len(toks) == len(lps) == n >= 1
             assert fin == ("stop" if toks[-1] == tok.eos_token_id else "length")
             assert (fin == "length") == (n == 10 and toks[-1] != tok.eos_token_id)
-            ref_lp = sequence_logprobs(hf_model, g.prompt_ids + toks)[len(g.prompt_ids) - 1:]
+            ref_lp = sequence_logprobs(hf_model, g.prompt_ids + toks)[len(g.prompt_ids) - 1 :]
             assert max(abs(a - b) for a, b in zip(lps, ref_lp)) < 1e-4  # left padding: fp32
 
 
@@ -60,8 +62,10 @@ def test_seeds_reproduce(engine):
 
 def test_update_weights_verified_and_failures_raise(engine, hf_model):
     g = torch.Generator().manual_seed(0)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() >= 2 else v
-           for k, v in hf_model.state_dict().items()}
+    new = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) if v.dim() >= 2 else v
+        for k, v in hf_model.state_dict().items()
+    }
     from transformers import AutoModelForCausalLM
 
     trainer = AutoModelForCausalLM.from_config(hf_model.config).eval()
@@ -106,7 +110,7 @@ def test_buckets_are_bounded_and_complete():
         assert size <= 2000 or len(b) == 1
         assert all(t.dtype == torch.bfloat16 for _, t in b)
     src = torch.ones(4)
-    (name, copy), = next(iter_buckets([("x", src)], 10))
+    ((name, copy),) = next(iter_buckets([("x", src)], 10))
     assert copy.data_ptr() != src.data_ptr()
 
 
@@ -132,8 +136,20 @@ def test_verify_rollout_cli_json(tiny_moe_dir, capsys):
 
     from megagrpo.cli import main
 
-    rc = main(["verify-rollout", "--hf", str(tiny_moe_dir), "--engine", "hf", "--json",
-               "--n", "3", "--max-tokens", "6"])
+    rc = main(
+        [
+            "verify-rollout",
+            "--hf",
+            str(tiny_moe_dir),
+            "--engine",
+            "hf",
+            "--json",
+            "--n",
+            "3",
+            "--max-tokens",
+            "6",
+        ]
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["engine"] == "hf"
     assert out["weight_update_effective"] is True and out["sync_bytes"] > 0

@@ -18,9 +18,16 @@ RANK, ALPHA = 4, 8.0
 
 @pytest.fixture(scope="module")
 def engine(tiny_dense_dir, tmp_path_factory):
-    cfg = RolloutConfig(engine="vllm", max_tokens=8, max_model_len=256, dtype="float32",
-                        enable_lora=True, max_lora_rank=8, verify_tol=1e-4,
-                        cache_dir=str(tmp_path_factory.mktemp("vcache")))
+    cfg = RolloutConfig(
+        engine="vllm",
+        max_tokens=8,
+        max_model_len=256,
+        dtype="float32",
+        enable_lora=True,
+        max_lora_rank=8,
+        verify_tol=1e-4,
+        cache_dir=str(tmp_path_factory.mktemp("vcache")),
+    )
     eng = build_engine(cfg, str(tiny_dense_dir), seed=0)
     yield eng
     eng.close()
@@ -31,8 +38,9 @@ def _peft_policy(model_dir, seed: int):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA,
-                                                      target_modules=TARGETS)).eval()
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS)
+    ).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -51,13 +59,16 @@ def test_adapter_only_sync_matches_peft(engine, tiny_dense_dir):
         report = sync_lora(engine, adapter, expected_probe=expected)
         assert report.mode == "adapter" and report.verified and report.max_probe_diff < 1e-4
         full = sum(p.numel() * 4 for p in policy.get_base_model().parameters())
-        assert report.bytes == sum(t.numel() * 4 for t in [*adapter.a.values(),
-                                                             *adapter.b.values()]) < full / 3
+        assert (
+            report.bytes
+            == sum(t.numel() * 4 for t in [*adapter.a.values(), *adapter.b.values()])
+            < full / 3
+        )
     assert max(abs(a - b) for a, b in zip(before, engine.probe_logprobs())) > 1e-3
     problem = Problem("q", [{"role": "user", "content": "答え: c"}], ["c"])
     group = engine.generate([problem], n=4)[0]
     for toks, lps in zip(group.token_ids, group.logprobs):
-        ref = sequence_logprobs(policy, group.prompt_ids + toks)[len(group.prompt_ids) - 1:]
+        ref = sequence_logprobs(policy, group.prompt_ids + toks)[len(group.prompt_ids) - 1 :]
         assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-4
 
 

@@ -26,9 +26,17 @@ PROBLEMS = TINY_PROBLEMS
 
 @pytest.fixture(scope="module")
 def engine(tiny_moe_dir, tmp_path_factory):
-    cfg = RolloutConfig(engine="vllm", max_tokens=12, max_model_len=256, dtype="float32",
-                        kv_cache_gib=1, cache_dir=str(tmp_path_factory.mktemp("vcache")),
-                        sync_bucket_mb=0.05, verify_tol=1e-4, enable_lora=True)
+    cfg = RolloutConfig(
+        engine="vllm",
+        max_tokens=12,
+        max_model_len=256,
+        dtype="float32",
+        kv_cache_gib=1,
+        cache_dir=str(tmp_path_factory.mktemp("vcache")),
+        sync_bucket_mb=0.05,
+        verify_tol=1e-4,
+        enable_lora=True,
+    )
     eng = build_engine(cfg, str(tiny_moe_dir), seed=3)
     yield eng
     eng.close()
@@ -37,8 +45,10 @@ def engine(tiny_moe_dir, tmp_path_factory):
 def _perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
     """transformers' own state_dict (fused experts), every matrix perturbed."""
     g = torch.Generator().manual_seed(seed)
-    return {k: (v + scale * torch.randn(v.shape, generator=g)) if v.dim() >= 2 else v.clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v + scale * torch.randn(v.shape, generator=g)) if v.dim() >= 2 else v.clone()
+        for k, v in model.state_dict().items()
+    }
 
 
 def test_groups_have_n_distinct_samples_and_chat_prompt(engine, tiny_moe_dir):
@@ -48,8 +58,9 @@ def test_groups_have_n_distinct_samples_and_chat_prompt(engine, tiny_moe_dir):
     groups = engine.generate(PROBLEMS, n=8)
     assert [g.problem.id for g in groups] == ["p1", "p2"]
     for g in groups:
-        ref = tok.apply_chat_template(g.problem.messages, add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ref = tok.apply_chat_template(
+            g.problem.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert g.prompt_ids == list(ref) == engine.prompt_ids(g.problem)
         assert g.size == 8 and len(g.token_ids) == len(g.logprobs) == len(g.finish_reasons) == 8
         assert len({tuple(t) for t in g.token_ids}) == 8
@@ -67,7 +78,7 @@ def test_logprobs_match_transformers(engine, hf_model, temperature, top_p):
     spec = SamplingSpec(temperature=temperature, top_p=top_p)
     for g in engine.generate(PROBLEMS, n=8, sampling=spec):
         for toks, lps in zip(g.token_ids, g.logprobs):
-            ref = sequence_logprobs(hf_model, g.prompt_ids + toks)[len(g.prompt_ids) - 1:]
+            ref = sequence_logprobs(hf_model, g.prompt_ids + toks)[len(g.prompt_ids) - 1 :]
             diffs.append((torch.tensor(lps, dtype=torch.float64) - torch.tensor(ref)).abs().max())
     assert max(diffs) < 1e-4, max(diffs)
 
@@ -91,13 +102,13 @@ def test_weight_update_takes_effect_and_matches_trainer(engine, hf_model):
     report = engine.update_weights(iter(new.items()), expected_probe=expected)
     assert report.verified and report.max_probe_diff < 1e-4 and report.mode == "full"
     assert report.num_buckets > 1 and report.max_bucket_bytes <= max(
-        0.05 * 2**20, max(v.numel() * 4 for v in hf_model.state_dict().values()))
-    assert report.bytes == sum(
-        v.numel() * 4 for v in hf_model.state_dict().values())
+        0.05 * 2**20, max(v.numel() * 4 for v in hf_model.state_dict().values())
+    )
+    assert report.bytes == sum(v.numel() * 4 for v in hf_model.state_dict().values())
     assert max(abs(a - b) for a, b in zip(before, engine.probe_logprobs())) > 1e-3
     g = engine.generate(PROBLEMS[:1], n=4)[0]  # generation uses all new weights (experts too)
     for toks, lps in zip(g.token_ids, g.logprobs):
-        ref = sequence_logprobs(trainer, g.prompt_ids + toks)[len(g.prompt_ids) - 1:]
+        ref = sequence_logprobs(trainer, g.prompt_ids + toks)[len(g.prompt_ids) - 1 :]
         assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-4
     # back to the original weights: the CPU MoE re-pack makes a reload exact
     original = sequence_logprobs(hf_model, engine.probe_token_ids)
@@ -129,13 +140,13 @@ def test_lora_falls_back_to_merged_sync_on_moe(engine, hf_model):
     adapter = LoraAdapter(rank=2, alpha=4.0)
     for mod in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.2.up_proj"):
         w = dict(hf_model.named_parameters()).get(mod + ".weight")
-        out_f, in_f = (w.shape if w is not None else (32, 64))
+        out_f, in_f = w.shape if w is not None else (32, 64)
         adapter.a[mod] = 0.3 * torch.randn(2, in_f, generator=g)
         adapter.b[mod] = 0.3 * torch.randn(out_f, 2, generator=g)
     merged = dict(hf_model.state_dict())
-    merged["model.layers.0.self_attn.q_proj.weight"] = (
-        merged["model.layers.0.self_attn.q_proj.weight"]
-        + adapter.delta("model.layers.0.self_attn.q_proj"))
+    merged["model.layers.0.self_attn.q_proj.weight"] = merged[
+        "model.layers.0.self_attn.q_proj.weight"
+    ] + adapter.delta("model.layers.0.self_attn.q_proj")
     gu = merged["model.layers.1.mlp.experts.gate_up_proj"].clone()
     gu[2, 32:] += adapter.delta("model.layers.1.mlp.experts.2.up_proj")
     merged["model.layers.1.mlp.experts.gate_up_proj"] = gu

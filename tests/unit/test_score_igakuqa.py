@@ -25,9 +25,11 @@ def official(gold_file, pred_file) -> tuple[int, int, int, int]:
         assert pred["problem_id"] == ans["problem_id"]
         prediction = sorted(pred["prediction"].split(","))
         points = int(ans["points"])
-        if ans["problem_id"] == "116A71" or (
-                ans["problem_id"] == "112B30" and prediction in (["a"], ["d"])) or (
-                prediction == sorted(ans["answer"])):
+        if (
+            ans["problem_id"] == "116A71"
+            or (ans["problem_id"] == "112B30" and prediction in (["a"], ["d"]))
+            or (prediction == sorted(ans["answer"]))
+        ):
             correct += 1
             score += points
         count += 1
@@ -43,8 +45,15 @@ def run_json(capsys, *argv) -> dict:
 @pytest.mark.parametrize("model", MODELS)
 def test_baselines_match_official_rule_per_year(igakuqa_dir, capsys, model):
     base = igakuqa_dir / "baseline_results"
-    out = run_json(capsys, "--gold", str(igakuqa_dir), "--predictions", str(base),
-                   "--predictions-glob", f"*-?_{model}.jsonl")
+    out = run_json(
+        capsys,
+        "--gold",
+        str(igakuqa_dir),
+        "--predictions",
+        str(base),
+        "--predictions-glob",
+        f"*-?_{model}.jsonl",
+    )
     sums = [0, 0, 0, 0]
     for year in YEARS:
         ref = [0, 0, 0, 0]
@@ -72,43 +81,66 @@ def test_text_output_and_single_files(igakuqa_dir, capsys):
 
 def test_missing_predictions_counted_wrong_and_reported(igakuqa_dir, tmp_path, capsys):
     gold = igakuqa_dir / "2019" / "113-A.jsonl"
-    lines = (igakuqa_dir / "baseline_results" / "2019" / "113-A_student-majority.jsonl"
-             ).read_text(encoding="utf-8").splitlines()
+    lines = (
+        (igakuqa_dir / "baseline_results" / "2019" / "113-A_student-majority.jsonl")
+        .read_text(encoding="utf-8")
+        .splitlines()
+    )
     dropped = [json.loads(x)["problem_id"] for x in lines[:5]]
     (tmp_path / "preds.jsonl").write_text("\n".join(lines[5:]) + "\n", encoding="utf-8")
-    full = official(gold, igakuqa_dir / "baseline_results" / "2019" / "113-A_student-majority.jsonl")
+    full = official(
+        gold, igakuqa_dir / "baseline_results" / "2019" / "113-A_student-majority.jsonl"
+    )
     out = run_json(capsys, "--gold", str(gold), "--predictions", str(tmp_path))
     assert out["missing"] == dropped and out["num_missing"] == 5
-    assert out["total"] == full[1]                      # still every gold question
+    assert out["total"] == full[1]  # still every gold question
     golds = {json.loads(x)["problem_id"]: json.loads(x) for x in gold.read_text().splitlines()}
-    lost = sum(official_correct(p, json.loads(x)["prediction"], golds[p]["answer"])
-               for p, x in zip(dropped, lines[:5]))
+    lost = sum(
+        official_correct(p, json.loads(x)["prediction"], golds[p]["answer"])
+        for p, x in zip(dropped, lines[:5])
+    )
     assert out["correct"] == full[0] - lost
 
 
 def test_special_cases_and_no_stripping(tmp_path, capsys):
     year = tmp_path / "2022"
     year.mkdir()
-    gold = [{"problem_id": "116A71", "answer": ["b"], "points": "1"},
-            {"problem_id": "112B30", "answer": ["a or d"], "points": "3"},
-            {"problem_id": "116A2", "answer": ["c", "d"], "points": "1"},
-            {"problem_id": "116A3", "answer": ["c", "d"], "points": "1"},
-            {"problem_id": "116A4", "answer": ["e"], "points": "0"}]
+    gold = [
+        {"problem_id": "116A71", "answer": ["b"], "points": "1"},
+        {"problem_id": "112B30", "answer": ["a or d"], "points": "3"},
+        {"problem_id": "116A2", "answer": ["c", "d"], "points": "1"},
+        {"problem_id": "116A3", "answer": ["c", "d"], "points": "1"},
+        {"problem_id": "116A4", "answer": ["e"], "points": "0"},
+    ]
     (year / "116-A.jsonl").write_text("\n".join(json.dumps(g) for g in gold))
     (year / "116-A_metadata.jsonl").write_text('{"problem_id": "zzz"}\n')  # skipped sibling
-    preds = [("116A71", "e"), ("112B30", "d"), ("116A2", "d,c"), ("116A3", "c, d"),
-             ("116A4", "e"), ("999X1", "a")]
-    (tmp_path / "p.jsonl").write_text("\n".join(
-        json.dumps({"problem_id": p, "prediction": x}) for p, x in preds))
+    preds = [
+        ("116A71", "e"),
+        ("112B30", "d"),
+        ("116A2", "d,c"),
+        ("116A3", "c, d"),
+        ("116A4", "e"),
+        ("999X1", "a"),
+    ]
+    (tmp_path / "p.jsonl").write_text(
+        "\n".join(json.dumps({"problem_id": p, "prediction": x}) for p, x in preds)
+    )
     out = run_json(capsys, "--gold", str(tmp_path), "--predictions", str(tmp_path / "p.jsonl"))
     # 116A71 always, 112B30 'd', 'd,c' order-free; 'c, d' has a space: wrong; 0-point correct
-    assert (out["correct"], out["total"], out["score"], out["points_total"]) == (4, 5, 5, 6)  # points 1+3+1+0
+    assert (out["correct"], out["total"], out["score"], out["points_total"]) == (
+        4,
+        5,
+        5,
+        6,
+    )  # points 1+3+1+0
     assert out["extra"] == ["999X1"] and out["by_year"]["2022"]["correct"] == 4
     assert not official_correct("112B30", "a,d", ["a or d"])
 
 
 def test_bad_input_names_file_and_line(tmp_path, capsys):
-    (tmp_path / "112-A.jsonl").write_text('{"problem_id": "1", "answer": ["a"], "points": "1"}\n{oops\n')
+    (tmp_path / "112-A.jsonl").write_text(
+        '{"problem_id": "1", "answer": ["a"], "points": "1"}\n{oops\n'
+    )
     with pytest.raises(DataError, match=r"112-A.jsonl:2"):
         read_gold(find_files([tmp_path], gold=True))
     (tmp_path / "112-A.jsonl").write_text('{"problem_id": "1", "answer": ["a"], "points": "1"}\n')
@@ -118,8 +150,21 @@ def test_bad_input_names_file_and_line(tmp_path, capsys):
         (both / name).write_text('{"problem_id": "1", "prediction": "a"}\n')
     assert main(["score", "--gold", str(tmp_path / "112-A.jsonl"), "--predictions", str(both)]) == 2
     assert "second prediction for 1" in capsys.readouterr().err
-    assert main(["score", "--gold", str(tmp_path / "112-A.jsonl"), "--predictions", str(both),
-                 "--predictions-glob", "*_y.jsonl", "--json"]) == 0
+    assert (
+        main(
+            [
+                "score",
+                "--gold",
+                str(tmp_path / "112-A.jsonl"),
+                "--predictions",
+                str(both),
+                "--predictions-glob",
+                "*_y.jsonl",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["correct"] == 1
     with pytest.raises(DataError, match="no such file"):
         find_files([tmp_path / "nope"], gold=True)

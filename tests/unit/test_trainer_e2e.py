@@ -29,22 +29,44 @@ STEPS = 16
 SAVE_EVERY = 4
 
 
-def write_config(path: Path, model_dir: Path, out_dir: Path, name: str, repo_root: Path,
-                 extra: dict | None = None, **trainer) -> Path:
+def write_config(
+    path: Path,
+    model_dir: Path,
+    out_dir: Path,
+    name: str,
+    repo_root: Path,
+    extra: dict | None = None,
+    **trainer,
+) -> Path:
     """A tiny-run config; ``extra`` = {section: {key: value}} merged in."""
     cfg = {
-        "model": {"hf_path": str(model_dir),
-                  "lora": {"rank": 4, "alpha": 8.0,
-                           "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}},
-        "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")],
-                 "eval": [str(repo_root / "megagrpo/assets/demo_eval.jsonl")]},
+        "model": {
+            "hf_path": str(model_dir),
+            "lora": {
+                "rank": 4,
+                "alpha": 8.0,
+                "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+            },
+        },
+        "data": {
+            "train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")],
+            "eval": [str(repo_root / "megagrpo/assets/demo_eval.jsonl")],
+        },
         "rewards": {"functions": [{"name": "toy_first_token"}]},
         "rollout": {"engine": "vllm", "group_size": 8, "max_tokens": 6, "max_model_len": 256},
         "dynamic": {"max_resample": 1, "policy": "carry"},
-        "trainer": {"name": name, "output_dir": str(out_dir), "max_steps": STEPS,
-                    "batch_groups": 4, "micro_batch_size": 8, "lr": 2e-2,
-                    "save_every": SAVE_EVERY, "eval_every": 8, "eval_max_problems": 4,
-                    **trainer},
+        "trainer": {
+            "name": name,
+            "output_dir": str(out_dir),
+            "max_steps": STEPS,
+            "batch_groups": 4,
+            "micro_batch_size": 8,
+            "lr": 2e-2,
+            "save_every": SAVE_EVERY,
+            "eval_every": 8,
+            "eval_max_problems": 4,
+            **trainer,
+        },
         "metrics": {"wandb_mode": "offline", "progress_bar": False},
     }
     for section, values in (extra or {}).items():
@@ -64,8 +86,9 @@ def run_env() -> dict:
 
 
 def run_train(config: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_cmd(config, *extra), env=run_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        train_cmd(config, *extra), env=run_env(), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -92,8 +115,15 @@ def test_every_design_metric_on_every_row(full_run):
     for r in rows:
         assert not missing_metrics(r, ["toy_first_token"]), r["step"]
     first = rows[0]
-    for name in ("reward/mean", "collapse/acr_raw", "dynamic/gen_batches", "loss/entropy",
-                 "perf/tokens_per_s", "perf/sync_bytes", "length/mean"):
+    for name in (
+        "reward/mean",
+        "collapse/acr_raw",
+        "dynamic/gen_batches",
+        "loss/entropy",
+        "perf/tokens_per_s",
+        "perf/sync_bytes",
+        "length/mean",
+    ):
         assert first[name] is not None, name
     assert first["perf/sync_bytes"] > 100_000  # merged weights reached the engine, verified
     assert rows[7]["eval/accuracy"] is not None  # eval every 8 steps, official scoring
@@ -116,8 +146,9 @@ def test_run_dir_contents(full_run):
 def test_resume_after_kill_matches_uninterrupted(full_run, tiny_moe_dir, repo_root):
     out = full_run.parent
     cfg = write_config(out / "killed.yaml", tiny_moe_dir, out, "killed", repo_root)
-    proc = subprocess.Popen(train_cmd(cfg), env=run_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_cmd(cfg), env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     marker = out / "killed" / "checkpoints" / f"step_{SAVE_EVERY:06d}" / "meta.json"
     deadline = time.time() + 600
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -129,9 +160,18 @@ def test_resume_after_kill_matches_uninterrupted(full_run, tiny_moe_dir, repo_ro
     full = read_metrics(full_run / "metrics.jsonl")
     resumed = read_metrics(out / "killed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    keys = ["reward/mean", "reward/mean_raw", "collapse/acr_raw", "dynamic/gen_batches",
-            "dynamic/valid_groups_carried", "length/mean", "loss/policy", "train/grad_norm",
-            "curriculum/level_hist/L1", "eval/accuracy"]
+    keys = [
+        "reward/mean",
+        "reward/mean_raw",
+        "collapse/acr_raw",
+        "dynamic/gen_batches",
+        "dynamic/valid_groups_carried",
+        "length/mean",
+        "loss/policy",
+        "train/grad_norm",
+        "curriculum/level_hist/L1",
+        "eval/accuracy",
+    ]
     for a, b in zip(full[SAVE_EVERY:], resumed[SAVE_EVERY:]):
         for k in keys:
             if a.get(k) is None:
@@ -145,8 +185,18 @@ def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, 
     old log-probs recomputed by the trainer. At step 1 the LoRA B factors are zero, so the
     first epoch is exactly on the reference (KL 0); the second epoch's KL is > 0."""
     extra = {"rollout": {"engine": "hf"}, "loss": {"kl_coef": 0.05}}
-    cfg = write_config(tmp_path / "kl.yaml", tiny_moe_dir, tmp_path, "kl", repo_root, extra,
-                       max_steps=2, ppo_epochs=2, eval_every=0, save_every=0)
+    cfg = write_config(
+        tmp_path / "kl.yaml",
+        tiny_moe_dir,
+        tmp_path,
+        "kl",
+        repo_root,
+        extra,
+        max_steps=2,
+        ppo_epochs=2,
+        eval_every=0,
+        save_every=0,
+    )
     run_train(cfg)
     rows = read_metrics(tmp_path / "kl" / "metrics.jsonl")
     assert rows[0]["train/old_logprobs_recompute"] == 1
@@ -157,12 +207,25 @@ def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, 
 def test_adapter_only_weight_sync(tiny_dense_dir, tmp_path, repo_root):
     """trainer.weight_sync=adapter: the PEFT adapter (KBs, not the model) reaches vLLM's LoRA
     path and the engine's probe log-probs match the trainer's (verified every step)."""
-    extra = {"rollout": {"enable_lora": True},
-             "model": {"hf_path": str(tiny_dense_dir),
-                       "lora": {"rank": 4, "alpha": 8.0,
-                                "targets": ["linear_qkv", "linear_proj"]}}}
-    cfg = write_config(tmp_path / "ad.yaml", tiny_dense_dir, tmp_path, "ad", repo_root, extra,
-                       max_steps=2, eval_every=0, save_every=0, weight_sync="adapter")
+    extra = {
+        "rollout": {"enable_lora": True},
+        "model": {
+            "hf_path": str(tiny_dense_dir),
+            "lora": {"rank": 4, "alpha": 8.0, "targets": ["linear_qkv", "linear_proj"]},
+        },
+    }
+    cfg = write_config(
+        tmp_path / "ad.yaml",
+        tiny_dense_dir,
+        tmp_path,
+        "ad",
+        repo_root,
+        extra,
+        max_steps=2,
+        eval_every=0,
+        save_every=0,
+        weight_sync="adapter",
+    )
     run_train(cfg)
     rows = read_metrics(tmp_path / "ad" / "metrics.jsonl")
     full_bytes = sum(p.stat().st_size for p in Path(tiny_dense_dir).glob("*.safetensors"))

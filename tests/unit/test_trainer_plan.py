@@ -26,8 +26,15 @@ def _cfg(repo_root, *overrides):
 
 def test_unsharded_weights_equal_the_parameter_count(repo_root, hf235):
     """1 GPU, no parallelism: base weights = every parameter in bf16 (closed form count)."""
-    cfg = _cfg(repo_root, "trainer.num_nodes=1", "trainer.gpus_per_node=1", "parallel.tp=1",
-               "parallel.ep=1", "parallel.pp=1", "parallel.sequence_parallel=false")
+    cfg = _cfg(
+        repo_root,
+        "trainer.num_nodes=1",
+        "trainer.gpus_per_node=1",
+        "parallel.tp=1",
+        "parallel.ep=1",
+        "parallel.pp=1",
+        "parallel.sequence_parallel=false",
+    )
     total = param_counts(arch_from_hf(hf235))["total"]
     assert 230e9 < total < 240e9
     got = plan(cfg, hf235)["breakdown_gib"]["base_weights"] * GIB
@@ -47,23 +54,51 @@ def test_shipped_layout_fits_h100_and_sharding_scales(repo_root, hf235):
 
 def test_cli_json_and_error(repo_root, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "megagrpo.cli", "plan-memory",
-                          str(repo_root / "configs/qwen3_235b_a22b.yaml"), "--hf-config",
-                          str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"), "--json"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megagrpo.cli",
+            "plan-memory",
+            str(repo_root / "configs/qwen3_235b_a22b.yaml"),
+            "--hf-config",
+            str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert {"fits", "num_gpus", "per_gpu_gib"} <= set(data)
-    out = subprocess.run([sys.executable, "-m", "megagrpo.cli", "plan-memory",
-                          str(repo_root / "configs/qwen3_235b_a22b.yaml")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megagrpo.cli",
+            "plan-memory",
+            str(repo_root / "configs/qwen3_235b_a22b.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--hf-config" in out.stderr
 
 
 def test_slurm_dry_run_prints_per_node_commands_and_plan(repo_root):
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    out = subprocess.run(["bash", str(repo_root / "slurm/grpo_235b.sh"), "trainer.max_steps=5"],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=repo_root)
+    out = subprocess.run(
+        ["bash", str(repo_root / "slurm/grpo_235b.sh"), "trainer.max_steps=5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=repo_root,
+    )
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[h100-node")]
     assert len(lines) == 16

@@ -29,8 +29,10 @@ def test_placement_rules():
         resolve_placement(RolloutConfig(engine="vllm"), 2, on_gpu=False)
     vllm = RolloutConfig(engine="vllm", tensor_parallel_size=8)
     assert resolve_placement(vllm, 128, on_gpu=True) is True
-    assert replica_size(vllm) == 8 and replica_size(RolloutConfig(engine="hf",
-                                                                  tensor_parallel_size=8)) == 1
+    assert (
+        replica_size(vllm) == 8
+        and replica_size(RolloutConfig(engine="hf", tensor_parallel_size=8)) == 1
+    )
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         resolve_placement(vllm, 12, on_gpu=True)
     with pytest.raises(ConfigError, match="rollout.placement"):

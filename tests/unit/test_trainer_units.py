@@ -25,8 +25,15 @@ def _groups(lengths=((3, 5), (1, 4)), prompt_lens=(4, 2), vocab=11, seed=0):
         prompt = torch.randint(0, vocab, (p,), generator=gen).tolist()
         toks = [torch.randint(0, vocab, (L,), generator=gen).tolist() for L in lens]
         lps = [(-torch.rand(L, generator=gen) - 0.5).tolist() for L in lens]
-        out.append(Group(problem=Problem(f"p{n}", [], ["a"]), completions=["x"] * len(lens),
-                         token_ids=toks, logprobs=lps, prompt_ids=prompt))
+        out.append(
+            Group(
+                problem=Problem(f"p{n}", [], ["a"]),
+                completions=["x"] * len(lens),
+                token_ids=toks,
+                logprobs=lps,
+                prompt_ids=prompt,
+            )
+        )
     return out
 
 
@@ -45,11 +52,12 @@ def test_samples_align_targets_mask_and_rollout_logprobs():
         assert mb.input_ids[row, :L].tolist() == full
         assert (mb.input_ids[row, L:] == 99).all()
         # position t predicts token t + 1; the loss covers exactly the completion tokens
-        assert mb.target_ids[row, p - 1:L - 1].tolist() == comp
+        assert mb.target_ids[row, p - 1 : L - 1].tolist() == comp
         assert mb.mask[row].nonzero().flatten().tolist() == list(range(p - 1, L - 1))
-        assert torch.allclose(mb.rollout_logprobs[row, p - 1:L - 1],
-                              torch.tensor(groups[g].logprobs[k]))
-        assert (mb.advantages[row, p - 1:L - 1] == adv[g, k]).all()
+        assert torch.allclose(
+            mb.rollout_logprobs[row, p - 1 : L - 1], torch.tensor(groups[g].logprobs[k])
+        )
+        assert (mb.advantages[row, p - 1 : L - 1] == adv[g, k]).all()
 
 
 def test_micro_batches_bound_size_and_pad_to_multiple():
@@ -77,8 +85,9 @@ def test_gradient_accumulation_equals_whole_batch(variant):
         toks = sum(mb.num_tokens for mb in mbs)
         for mb in mbs:
             logits = emb[mb.input_ids.clamp(max=vocab)]
-            loss, _ = fused_policy_loss(logits, mb.target_ids, mb.rollout_logprobs, mb.advantages,
-                                        mb.mask, cfg)
+            loss, _ = fused_policy_loss(
+                logits, mb.target_ids, mb.rollout_logprobs, mb.advantages, mb.mask, cfg
+            )
             (loss * microbatch_weight(mb, cfg.resolved_loss_agg(), seqs, toks)).backward()
         return emb.grad
 
@@ -89,10 +98,16 @@ def test_gradient_accumulation_equals_whole_batch(variant):
 
 
 def _save(root, step, rank=0, world=1, meta=None, keep=2):
-    return checkpoint.save(root, step, rank=rank, world_size=world,
-                           rank_state={"lora": {"w": torch.full((2,), float(step))}},
-                           trainer_state={"sampler": {"s": step}}, meta=meta or {"tp": 1},
-                           keep=keep)
+    return checkpoint.save(
+        root,
+        step,
+        rank=rank,
+        world_size=world,
+        rank_state={"lora": {"w": torch.full((2,), float(step))}},
+        trainer_state={"sampler": {"s": step}},
+        meta=meta or {"tp": 1},
+        keep=keep,
+    )
 
 
 def test_checkpoint_roundtrip_prune_and_rng(tmp_path):
@@ -103,15 +118,17 @@ def test_checkpoint_roundtrip_prune_and_rng(tmp_path):
         _save(tmp_path, step)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000003"]
     assert checkpoint.latest(tmp_path).name == "step_000003"
-    rank_state, trainer_state = checkpoint.load(tmp_path / "step_000003", rank=0, world_size=1,
-                                                meta={"tp": 1})
+    rank_state, trainer_state = checkpoint.load(
+        tmp_path / "step_000003", rank=0, world_size=1, meta={"tp": 1}
+    )
     assert rank_state["lora"]["w"].tolist() == [3.0, 3.0]
     assert trainer_state == {"step": 3, "sampler": {"s": 3}}
     # RNG restore: reload step 1's state (re-saved here) and draw the same numbers
     torch.manual_seed(123)
     _save(tmp_path / "again", 1)
-    rs, _ = checkpoint.load(tmp_path / "again" / "step_000001", rank=0, world_size=1,
-                            meta={"tp": 1})
+    rs, _ = checkpoint.load(
+        tmp_path / "again" / "step_000001", rank=0, world_size=1, meta={"tp": 1}
+    )
     torch.rand(10)
     checkpoint.set_rng_state(rs["rng"])
     assert torch.equal(torch.rand(3), expected)
