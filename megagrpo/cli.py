@@ -1,6 +1,6 @@
 """`megagrpo` command line: one subcommand per job.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+Each subcommand lives in its own module of :mod:`megagrpo.commands` exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; the registry below maps names to (module, one-line help). Modules are
 imported only when their subcommand runs, so ``megagrpo --help`` is instant.
 """
@@ -17,35 +17,35 @@ from megagrpo.errors import MegagrpoError
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
-        "megagrpo.trainer.cli",
+        "megagrpo.commands.train",
         "run GRPO training from a YAML config (+ key=value overrides); --resume continues",
     ),
     "profile": (
-        "megagrpo.curriculum.cli_profile",
+        "megagrpo.commands.profile",
         "sample k answers per problem and write AlphaMed difficulty levels L1-L6",
     ),
     "plan": (
-        "megagrpo.curriculum.cli_plan",
+        "megagrpo.commands.plan",
         "simulate curriculum + dynamic sampling: predicted collapse before renting a GPU",
     ),
     "plan-memory": (
-        "megagrpo.trainer.plan_memory",
+        "megagrpo.commands.plan_memory",
         "per-GPU memory plan for a config's parallel layout (fits on 80 GB H100?)",
     ),
     "score": (
-        "megagrpo.rewards.cli_score",
+        "megagrpo.commands.score",
         "official IgakuQA scoring of prediction files against gold files",
     ),
     "report": (
-        "megagrpo.metrics.report",
+        "megagrpo.commands.report",
         "draw PNG plots (raw ACR vs post-filter, reward, length, levels, time) from a run",
     ),
     "verify-model": (
-        "megagrpo.model.verify",
+        "megagrpo.commands.verify_model",
         "check the Megatron model's logits against transformers (launches gloo ranks)",
     ),
     "verify-rollout": (
-        "megagrpo.rollout.verify",
+        "megagrpo.commands.verify_rollout",
         "check rollout log-probs vs the trainer's model and that weight sync works",
     ),
 }

@@ -15,3 +15,9 @@ class DataError(MegagrpoError, ValueError):
 
 class CheckpointError(MegagrpoError):
     """A checkpoint is missing, incomplete or does not match the model/layout."""
+
+
+def require(cond: bool, key: str, msg: str) -> None:
+    """Raise ConfigError for ``key`` unless ``cond``: the one-liner config validators use."""
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")

@@ -5,9 +5,9 @@
 #   sbatch --nodes=16 slurm/grpo_235b.sh trainer.max_steps=500   # extra args: overrides
 #   DRY_RUN=1 bash slurm/grpo_235b.sh                # print per-node commands + memory plan
 #
-# Node count, TP/EP/PP and the vLLM layout come from the config (trainer.num_nodes,
+# Node count, TP/EP/PP and the vLLM layout come from the config (cluster.num_nodes,
 # parallel.*, rollout.tensor_parallel_size); the SBATCH --nodes below must match
-# trainer.num_nodes (checked). Preemption / time limit: Slurm sends USR1 five minutes
+# cluster.num_nodes (checked). Preemption / time limit: Slurm sends USR1 five minutes
 # before the end, the job requeues itself, and the next start finds the newest complete
 # checkpoint under {trainer.output_dir}/{trainer.name}/checkpoints and passes --resume.
 #SBATCH --job-name=megagrpo-235b
@@ -35,9 +35,9 @@ OVERRIDES=("$@")
 read -r NUM_NODES GPUS_PER_NODE RUN_DIR < <("$PYTHON" - "$CONFIG" "${OVERRIDES[@]}" <<'PY'
 import sys
 from megagrpo.config.loader import load_config
-from megagrpo.config.schema import RunConfig
+from megagrpo.trainer.config import RunConfig
 c = load_config(RunConfig, [sys.argv[1]], sys.argv[2:])
-print(c.trainer.num_nodes, c.trainer.gpus_per_node, f"{c.trainer.output_dir}/{c.trainer.name}")
+print(c.cluster.num_nodes, c.cluster.gpus_per_node, f"{c.trainer.output_dir}/{c.trainer.name}")
 PY
 )
 
@@ -49,7 +49,7 @@ else
   mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   JOB_ID=$SLURM_JOB_ID
   if [ "${#NODES[@]}" -ne "$NUM_NODES" ]; then
-    echo "grpo_235b.sh: allocation has ${#NODES[@]} nodes, config trainer.num_nodes=$NUM_NODES" >&2
+    echo "grpo_235b.sh: allocation has ${#NODES[@]} nodes, config cluster.num_nodes=$NUM_NODES" >&2
     exit 2
   fi
 fi

@@ -32,13 +32,13 @@ def model_dir(spec: str, tmp: Path) -> Path:
         from megagrpo.testing import build_tiny_model
 
         return build_tiny_model(tmp / spec, spec.removeprefix("tiny-"))
-    from megagrpo.model.resolve import resolve_hf_path
+    from megagrpo.model.pretrained import resolve_model_path
 
-    return resolve_hf_path(spec)
+    return resolve_model_path(spec)
 
 
 def problems(num: int):
-    from megagrpo.rollout.verify import PROMPTS
+    from megagrpo.commands.verify_rollout import PROMPTS
     from megagrpo.types import Problem
 
     return [Problem(f"b{i}", PROMPTS[i % len(PROMPTS)] + [], []) for i in range(num)]

@@ -45,9 +45,9 @@ def bench_megagrpo(steps: int, out_dir: str) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megagrpo.commands.train import shutdown
     from megagrpo.config.loader import load_config
-    from megagrpo.config.schema import RunConfig
-    from megagrpo.trainer.cli import shutdown
+    from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context
 
@@ -87,7 +87,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from megagrpo.data import load_problems
 from megagrpo.rewards import get
-from megagrpo.trainer.pretrained import resolve_model_path
+from megagrpo.model.pretrained import resolve_model_path
 
 steps, out_dir = int(sys.argv[1]), sys.argv[2]
 model = str(resolve_model_path("smollm2-135m"))

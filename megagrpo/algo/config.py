@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.config.loader import require
+from megagrpo.errors import require
 
 VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo")
 LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")

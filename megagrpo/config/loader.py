@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, require  # noqa: F401  (re-export)
 
 T = TypeVar("T")
 
@@ -90,9 +90,3 @@ def save_config(obj: Any, run_dir: str | os.PathLike) -> Path:
     tmp.write_text(to_yaml(obj), encoding="utf-8")
     os.replace(tmp, out)
     return out
-
-
-def require(cond: bool, key: str, msg: str) -> None:
-    """Raise ConfigError for ``key`` unless ``cond``: the one-liner validators use."""
-    if not cond:
-        raise ConfigError(f"config key '{key}': {msg}")

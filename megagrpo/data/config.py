@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megagrpo.config.loader import require
+from megagrpo.errors import require
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.config.loader import require
+from megagrpo.errors import require
 
 WANDB_MODES = ("offline", "online", "disabled")
 

@@ -1,6 +1,6 @@
-"""`megagrpo report RUN_DIR`: PNG plots from runs/<name>/metrics.jsonl.
+"""PNG plots of a run's metrics.jsonl (`megagrpo report RUN_DIR`).
 
-Draws (into RUN_DIR/report/ unless --out):
+:func:`make_report` draws (into RUN_DIR/report/ unless ``out``):
 
 - ``collapse.png``: raw ACR (first generation of each step, pre-filter) against the
   post-filter ``frac_reward_zero_std`` of the trained batch, with the line ACR = 1 - 1/R
@@ -15,7 +15,6 @@ Draws (into RUN_DIR/report/ unless --out):
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -24,42 +23,12 @@ from pathlib import Path
 from megagrpo.errors import DataError
 from megagrpo.metrics.logger import read_metrics
 
-DESCRIPTION = __doc__
 log = logging.getLogger(__name__)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="run directory holding metrics.jsonl (runs/<name>)")
-    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
-    parser.add_argument(
-        "--max-resample",
-        type=int,
-        default=None,
-        help="R for the 1 - 1/R line (default: from RUN_DIR/config.yaml)",
-    )
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     return [p[0] for p in pts], [float(p[1]) for p in pts]
-
-
-def _checked_rounds(run_dir: Path, override: int | None) -> int | None:
-    """Rounds dynamic sampling checks (ms-swift 'original': R; partial/carry: 1 + R)."""
-    policy = "carry"
-    r = override
-    cfg_file = run_dir / "config.yaml"
-    if cfg_file.is_file():
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.load(cfg_file)
-        dyn = cfg.get("dynamic", {}) or {}
-        policy = dyn.get("policy", policy)
-        if r is None:
-            r = dyn.get("max_resample")
-    if r is None:
-        return None
-    return max(int(r), 1) if policy == "original" else 1 + int(r)
 
 
 def _save(fig, path: Path) -> Path:
@@ -190,9 +159,11 @@ def plot_time(rows: list[dict], out: Path) -> Path:
 def make_report(
     run_dir: str | os.PathLike,
     out: str | os.PathLike | None = None,
-    max_resample: int | None = None,
+    checked_rounds: int | None = None,
 ) -> list[Path]:
-    """Draw every plot; returns the PNG paths. DataError when metrics.jsonl is missing/empty."""
+    """Draw every plot; returns the PNG paths. ``checked_rounds``: generation rounds dynamic
+    sampling checks (draws the ACR = 1 - 1/rounds line; None: no line). DataError when
+    metrics.jsonl is missing or empty."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,7 +176,7 @@ def make_report(
         raise DataError(f"{metrics}: no rows")
     out = Path(out) if out else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    rounds = _checked_rounds(run_dir, max_resample)
+    rounds = checked_rounds
     paths = [
         plot_collapse(rows, out, rounds),
         plot_reward(rows, out),
@@ -223,10 +194,3 @@ def make_report(
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return paths
-
-
-def run(args: argparse.Namespace) -> int:
-    paths = make_report(args.run_dir, args.out, args.max_resample)
-    for p in paths:
-        print(p)
-    return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megagrpo.config.loader import require
+from megagrpo.errors import require
 
 LORA_TARGETS = (
     "linear_qkv",
@@ -69,6 +69,9 @@ class ModelConfig:
     """With the TE spec, use TEGroupedMLP experts (else SequentialMLP). Ignored on local."""
     max_seq_len: int = 4096
     """Longest sequence the model is built for (RoPE cache)."""
+    activation_recompute: bool = False
+    """Full activation recomputation (only each layer's input is kept between forward and
+    backward). Read by the memory planner (`megagrpo plan-memory`)."""
 
     def validate(self, path: str = "model") -> None:
         require(

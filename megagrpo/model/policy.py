@@ -276,9 +276,9 @@ def build_policy(
     model_cfg.lora.validate("model.lora")
     if not model_cfg.hf_path:
         raise ConfigError("config key 'model.hf_path': empty")
-    from megagrpo.model.resolve import resolve_hf_path
+    from megagrpo.model.pretrained import resolve_model_path
 
-    hf_dir = resolve_hf_path(model_cfg.hf_path)
+    hf_dir = resolve_model_path(model_cfg.hf_path)
     arch = arch_from_hf(load_hf_config(hf_dir))
     validate_layout(layout_of(groups), arch.raw, groups.world_size)
     model, spec = build_gpt_model(arch, model_cfg, groups)

@@ -6,7 +6,7 @@
     destroy_parallel()
 """
 
-from megagrpo.parallel.config import ParallelConfig
+from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.parallel.state import (
     ParallelGroups,
     destroy_parallel,
@@ -16,6 +16,7 @@ from megagrpo.parallel.state import (
 )
 
 __all__ = [
+    "ClusterConfig",
     "ParallelConfig",
     "ParallelGroups",
     "destroy_parallel",

@@ -1,10 +1,10 @@
-"""Parallel layout config (owner: megagrpo.parallel)."""
+"""Parallel layout and cluster configs (owner: megagrpo.parallel)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.config.loader import require
+from megagrpo.errors import require
 
 
 @dataclass
@@ -35,3 +35,25 @@ class ParallelConfig:
         for key in ("tp", "ep", "etp", "pp"):
             require(getattr(self, key) >= 1, f"{path}.{key}", "must be >= 1")
         require(self.timeout_minutes >= 1, f"{path}.timeout_minutes", "must be >= 1")
+
+
+@dataclass
+class ClusterConfig:
+    """The machines a run is launched on: read by the Slurm launcher (slurm/grpo_235b.sh) and
+    the memory planner (`megagrpo plan-memory`); world size = num_nodes x gpus_per_node."""
+
+    num_nodes: int = 1
+    """Nodes of the launch."""
+    gpus_per_node: int = 8
+    """GPUs per node (H100 nodes: 8)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU (H100 SXM: 80 GiB)."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def validate(self, path: str = "cluster") -> None:
+        require(self.num_nodes >= 1, f"{path}.num_nodes", "must be >= 1")
+        require(self.gpus_per_node >= 1, f"{path}.gpus_per_node", "must be >= 1")
+        require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")

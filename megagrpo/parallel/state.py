@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, require
 from megagrpo.parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -84,62 +84,60 @@ def validate_layout(parallel_cfg: ParallelConfig, hf_config: Any, world_size: in
     p = parallel_cfg
     p.validate("parallel")
 
-    def need(cond: bool, key: str, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"config key '{key}': {msg}")
-
-    need(
+    require(
         world_size % (p.tp * p.pp) == 0,
         "parallel.tp",
         f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}",
     )
-    need(
+    require(
         world_size % (p.ep * p.etp * p.pp) == 0,
         "parallel.ep",
         f"world size {world_size} is not divisible by ep*etp*pp = {p.ep}*{p.etp}*{p.pp}",
     )
     heads = _hf(hf_config, "num_attention_heads")
     groups = _hf(hf_config, "num_key_value_heads", heads)
-    need(
+    require(
         heads % p.tp == 0,
         "parallel.tp",
         f"num_attention_heads={heads} is not divisible by tp={p.tp}",
     )
-    need(
+    require(
         groups % p.tp == 0,
         "parallel.tp",
         f"num_key_value_heads (query groups)={groups} is not divisible by tp={p.tp}",
     )
     vocab = _hf(hf_config, "vocab_size")
-    need(vocab % p.tp == 0, "parallel.tp", f"vocab_size={vocab} is not divisible by tp={p.tp}")
+    require(vocab % p.tp == 0, "parallel.tp", f"vocab_size={vocab} is not divisible by tp={p.tp}")
     layers = _hf(hf_config, "num_hidden_layers")
-    need(
+    require(
         layers % p.pp == 0,
         "parallel.pp",
         f"num_hidden_layers={layers} is not divisible by pp={p.pp}",
     )
     experts = _hf(hf_config, "num_experts", None) or _hf(hf_config, "num_local_experts", 0) or 0
     if experts:
-        need(
+        require(
             experts % p.ep == 0,
             "parallel.ep",
             f"num_experts={experts} is not divisible by ep={p.ep}",
         )
         moe_ffn = _hf(hf_config, "moe_intermediate_size")
-        need(
+        require(
             moe_ffn % p.etp == 0,
             "parallel.etp",
             f"moe_intermediate_size={moe_ffn} is not divisible by etp={p.etp}",
         )
-        need(
+        require(
             p.tp == 1 or p.sequence_parallel,
             "parallel.sequence_parallel",
             f"MoE models with tp={p.tp} > 1 require sequence_parallel=true (Megatron)",
         )
     else:
-        need(p.ep == 1 and p.etp == 1, "parallel.ep", "ep/etp > 1 needs a MoE model")
+        require(p.ep == 1 and p.etp == 1, "parallel.ep", "ep/etp > 1 needs a MoE model")
     ffn = _hf(hf_config, "intermediate_size", 0) or 0
-    need(ffn % p.tp == 0, "parallel.tp", f"intermediate_size={ffn} is not divisible by tp={p.tp}")
+    require(
+        ffn % p.tp == 0, "parallel.tp", f"intermediate_size={ffn} is not divisible by tp={p.tp}"
+    )
 
 
 def _free_port() -> int:

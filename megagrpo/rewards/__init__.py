@@ -8,6 +8,7 @@ from megagrpo.rewards.composite import CompositeReward, build_composite
 from megagrpo.rewards.length import soft_overlong
 from megagrpo.rewards.mcq import answers_match, extract_answer, mcq_accuracy
 from megagrpo.rewards.registry import get, names, register
+from megagrpo.rewards.toy import toy_first_token
 
 __all__ = [
     "CompositeReward",
@@ -19,4 +20,5 @@ __all__ = [
     "names",
     "register",
     "soft_overlong",
+    "toy_first_token",
 ]

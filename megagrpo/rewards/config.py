@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from megagrpo.config.loader import require
+from megagrpo.errors import require
 
 
 @dataclass

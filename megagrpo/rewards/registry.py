@@ -15,6 +15,7 @@ from typing import Any
 from megagrpo.errors import ConfigError
 from megagrpo.rewards.length import soft_overlong
 from megagrpo.rewards.mcq import mcq_accuracy
+from megagrpo.rewards.toy import toy_first_token
 
 RewardFn = Callable[..., list[float]]
 _FACTORIES: dict[str, Callable[..., RewardFn]] = {}
@@ -62,3 +63,4 @@ def get(name: str, **kwargs: Any) -> RewardFn:
 
 register("mcq_accuracy")(mcq_accuracy)
 register("soft_overlong")(soft_overlong)
+register("toy_first_token")(toy_first_token)

@@ -1,10 +1,19 @@
-"""Trainer config (owner: megagrpo.trainer)."""
+"""The run config: ``TrainerConfig`` (owner: megagrpo.trainer) and ``RunConfig``, the root that
+nests every component's config (mirrored by configs/*.yaml)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from megagrpo.config.loader import require
+from megagrpo.algo.config import LossConfig
+from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
+from megagrpo.data.config import DataConfig
+from megagrpo.errors import require
+from megagrpo.metrics.config import MetricsConfig
+from megagrpo.model.config import ModelConfig
+from megagrpo.parallel.config import ClusterConfig, ParallelConfig
+from megagrpo.rewards.config import RewardsConfig
+from megagrpo.rollout.config import RolloutConfig
 
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
 WEIGHT_SYNCS = ("merged", "adapter")
@@ -58,14 +67,6 @@ class TrainerConfig:
     every engine and target); adapter: write the PEFT adapter (a few MB) and let the engine
     serve it on its base weights (needs rollout.enable_lora and vLLM LoRA support for the
     targeted modules). Both are verified against the trainer's probe log-probs."""
-    num_nodes: int = 1
-    """Nodes of the launch (slurm/grpo_235b.sh, `megagrpo plan-memory`); world = nodes x GPUs."""
-    gpus_per_node: int = 8
-    """GPUs per node (H100 nodes: 8)."""
-    gpu_memory_gib: float = 80.0
-    """Memory of one GPU for `megagrpo plan-memory` (H100 SXM: 80 GiB)."""
-    activation_recompute: bool = False
-    """Plan for full activation recomputation (only layer inputs kept) in `plan-memory`."""
 
     def resolved_old_logprobs(self, engine_has_logprobs: bool = True) -> str:
         """The behaviour log-prob source actually used (see ``old_logprobs``)."""
@@ -110,9 +111,20 @@ class TrainerConfig:
         for key in ("save_every", "eval_every", "eval_max_problems"):
             require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0")
         require(self.keep_checkpoints >= 1, f"{path}.keep_checkpoints", "must be >= 1")
-        require(
-            self.num_nodes >= 1 and self.gpus_per_node >= 1,
-            f"{path}.num_nodes",
-            "num_nodes and gpus_per_node must be >= 1",
-        )
-        require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    """Everything a `megagrpo train` run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    dynamic: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

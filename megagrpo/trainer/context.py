@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megagrpo.config.schema import RunConfig
 from megagrpo.metrics.logger import MetricLogger
+from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.dist import Comm
 from megagrpo.types import Problem
 

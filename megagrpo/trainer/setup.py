@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from megagrpo.config.loader import save_config
-from megagrpo.config.schema import RunConfig
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
 from megagrpo.curriculum.levels import (
     histogram,
@@ -35,14 +34,12 @@ from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.metrics.logger import build_logger
+from megagrpo.model.pretrained import resolve_model_path
 from megagrpo.rewards import build_composite
-from megagrpo.trainer import (
-    checkpoint,
-    toy_rewards,  # noqa: F401  (registers toy_first_token)
-)
+from megagrpo.trainer import checkpoint
+from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.dist import Comm
-from megagrpo.trainer.pretrained import resolve_model_path
 from megagrpo.trainer.sharding import replica_size, resolve_placement
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def _cfg(tmp: Path, model_dir: Path, repo_root: Path, placement: str):
     from megagrpo.config.loader import load_config
-    from megagrpo.config.schema import RunConfig
+    from megagrpo.trainer.config import RunConfig
 
     path = tmp / f"cfg_{placement}.yaml"
     path.write_text(
@@ -85,7 +85,6 @@ def _context(cfg, model_dir: Path, sharded: bool):
     from megagrpo.data import load_problems
     from megagrpo.rewards import build_composite
     from megagrpo.rollout.hf_engine import HFEngine
-    from megagrpo.trainer import toy_rewards  # noqa: F401  (registers toy_first_token)
     from megagrpo.trainer.context import TrainContext
     from megagrpo.trainer.dist import Comm
     from megagrpo.trainer.setup import _curriculum

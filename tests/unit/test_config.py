@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from megagrpo.config import load_config, save_config
-from megagrpo.config.schema import RunConfig
 from megagrpo.errors import ConfigError
+from megagrpo.trainer.config import RunConfig
 
 
 def write(tmp_path, data, name="c.yaml"):

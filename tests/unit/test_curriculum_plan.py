@@ -189,9 +189,9 @@ def test_profile_cli_with_injected_engine(tmp_path, monkeypatch, capsys):
         return BernoulliEngine({f"q{i}": float(i % 2) for i in range(6)}, fill_rewards=False)
 
     monkeypatch.setattr(megagrpo.rollout, "build_engine", build_engine)
-    import megagrpo.trainer.pretrained
+    import megagrpo.model.pretrained
 
-    monkeypatch.setattr(megagrpo.trainer.pretrained, "resolve_model_path", lambda p: tmp_path)
+    monkeypatch.setattr(megagrpo.model.pretrained, "resolve_model_path", lambda p: tmp_path)
     import megagrpo.rewards
 
     monkeypatch.setattr(megagrpo.rewards, "get", lambda name, **kw: _exact)

@@ -238,7 +238,7 @@ def test_rewards_package_is_pure():
     import subprocess
 
     code = (
-        "import sys, megagrpo.rewards, megagrpo.rewards.cli_score, megagrpo.rewards.igakuqa, "
+        "import sys, megagrpo.rewards, megagrpo.commands.score, megagrpo.rewards.igakuqa, "
         "megagrpo.rewards.swift_adapter; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'vllm', 'torch')]; "
         "assert not bad, bad"

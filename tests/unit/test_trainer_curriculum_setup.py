@@ -7,7 +7,7 @@ import json
 import logging
 
 from megagrpo.config import load_config
-from megagrpo.config.schema import RunConfig
+from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.setup import _curriculum
 from megagrpo.types import Problem
 

@@ -171,7 +171,6 @@ def test_round_seed_is_deterministic_and_distinct():
 def test_toy_reward_and_bundled_demo_problems(repo_root):
     from megagrpo.data import load_problems
     from megagrpo.rewards import get
-    from megagrpo.trainer import toy_rewards  # noqa: F401
 
     fn = get("toy_first_token", modulus=4, residue=0)
     assert fn(["a", "b", "c"], None, token_ids=[[8, 1], [5], []]) == [1.0, 0.0, 0.0]
@@ -186,7 +185,7 @@ def test_toy_reward_and_bundled_demo_problems(repo_root):
 
 
 def test_unknown_model_path_is_a_config_error(tmp_path):
-    from megagrpo.trainer.pretrained import resolve_model_path
+    from megagrpo.model.pretrained import resolve_model_path
 
     with pytest.raises(ConfigError, match="model.hf_path"):
         resolve_model_path(str(tmp_path / "nope"))

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
+from megagrpo.commands.plan_memory import plan_run as plan
 from megagrpo.config.loader import load_config
-from megagrpo.config.schema import RunConfig
 from megagrpo.model.arch import arch_from_hf, load_hf_config, param_counts
-from megagrpo.trainer.plan_memory import GIB, plan
+from megagrpo.model.plan_memory import GIB
+from megagrpo.trainer.config import RunConfig
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,8 @@ def test_unsharded_weights_equal_the_parameter_count(repo_root, hf235):
     """1 GPU, no parallelism: base weights = every parameter in bf16 (closed form count)."""
     cfg = _cfg(
         repo_root,
-        "trainer.num_nodes=1",
-        "trainer.gpus_per_node=1",
+        "cluster.num_nodes=1",
+        "cluster.gpus_per_node=1",
         "parallel.tp=1",
         "parallel.ep=1",
         "parallel.pp=1",
@@ -45,10 +46,10 @@ def test_unsharded_weights_equal_the_parameter_count(repo_root, hf235):
 def test_shipped_layout_fits_h100_and_sharding_scales(repo_root, hf235):
     p = plan(_cfg(repo_root), hf235)
     assert p["fits"] and p["num_gpus"] == 128 and p["per_gpu_gib"] <= 0.95 * 80
-    half = plan(_cfg(repo_root, "parallel.ep=16", "trainer.num_nodes=8"), hf235)
+    half = plan(_cfg(repo_root, "parallel.ep=16", "cluster.num_nodes=8"), hf235)
     # experts dominate: halving EP nearly doubles the per-GPU base weights
     assert 1.7 < half["breakdown_gib"]["base_weights"] / p["breakdown_gib"]["base_weights"] < 2.0
-    bad = plan(_cfg(repo_root, "trainer.num_nodes=1", "parallel.ep=8"), hf235)
+    bad = plan(_cfg(repo_root, "cluster.num_nodes=1", "parallel.ep=8"), hf235)
     assert not bad["fits"] and bad["advice"]
 
 

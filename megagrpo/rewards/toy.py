@@ -9,8 +9,6 @@ at the end of the prompt to shift, which LoRA on attention does quickly.
 
 from __future__ import annotations
 
-from megagrpo.rewards.registry import names, register
-
 
 def toy_first_token(modulus: int = 4, residue: int = 0):
     """Factory: ``(completions, problem, token_ids) -> [G]`` of 0.0/1.0."""
@@ -23,7 +21,3 @@ def toy_first_token(modulus: int = 4, residue: int = 0):
         return [1.0 if ids and int(ids[0]) % modulus == residue else 0.0 for ids in token_ids]
 
     return reward
-
-
-if "toy_first_token" not in names():
-    register("toy_first_token")(toy_first_token)

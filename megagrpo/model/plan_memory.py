@@ -1,4 +1,4 @@
-"""`megagrpo plan-memory CONFIG [--hf-config FILE] [--json]`: per-GPU memory of a layout.
+"""Per-GPU memory plan of a parallel layout (`megagrpo plan-memory`).
 
 Closed-form estimate for one GPU of the most loaded pipeline stage, in GiB (2^30 bytes):
 
@@ -9,7 +9,7 @@ Closed-form estimate for one GPU of the most loaded pipeline stage, in GiB (2^30
 - activations of one micro-batch (``trainer.micro_batch_size`` x ``rollout.max_model_len``
   tokens), per layer ``34 h + 5 a s`` bytes per token (Korthikanti et al., sequence
   parallel divides by TP) plus the routed tokens' expert activations, times the number of
-  micro-batches in flight under 1F1B (PP); with ``trainer.activation_recompute`` only each
+  micro-batches in flight under 1F1B (PP); with ``model.activation_recompute`` only each
   layer's input is kept (2 h bytes per token) plus one layer's working set;
 - logits: one micro-batch's [tokens, V/TP] in the compute dtype plus its gradient (the
   fused loss never builds an fp32 [T, V] log-softmax);
@@ -20,34 +20,27 @@ Closed-form estimate for one GPU of the most loaded pipeline stage, in GiB (2^30
   the two phases, both on top of the trainer's resident weights and LoRA state;
 - 3 GiB of CUDA context, NCCL buffers and allocator fragmentation.
 
-``fits`` when the peak is at most 95% of ``trainer.gpu_memory_gib``; otherwise it says what
+``fits`` when the peak is at most 95% of ``cluster.gpu_memory_gib``; otherwise it says what
 to change. ``--json`` prints ``fits``, ``num_gpus``, ``per_gpu_gib`` and the breakdown.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-DESCRIPTION = __doc__
+from megagrpo.errors import ConfigError
+from megagrpo.model.arch import load_hf_config
+from megagrpo.model.config import ModelConfig
+from megagrpo.model.pretrained import BUNDLED, resolve_model_path
+from megagrpo.parallel.config import ClusterConfig, ParallelConfig
+from megagrpo.rollout.config import RolloutConfig
+
 GIB = 2**30
 OVERHEAD_GIB = 3.0
 HEADROOM = 0.95
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="run config YAML")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    parser.add_argument(
-        "--hf-config",
-        default=None,
-        help="HF config.json of the model (default: model.hf_path/config.json)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 @dataclass
@@ -102,12 +95,22 @@ def _lora_numel(s: _Shapes, rank: int, targets: list[str]) -> tuple[float, float
     return dense, expert
 
 
-def plan(cfg, hf: dict) -> dict:
-    """The memory plan of ``cfg`` (RunConfig) for the model of HF config ``hf`` (a dict)."""
+def plan(
+    hf: dict,
+    *,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    rollout: RolloutConfig,
+    cluster: ClusterConfig,
+    micro_batch_size: int,
+    batch_groups: int,
+) -> dict:
+    """The memory plan of one run for the model of HF config ``hf`` (a dict): the run's
+    model/parallel/rollout/cluster configs and its micro-batch and batch sizes (groups)."""
     s = _shapes(hf)
-    par, tr, ro = cfg.parallel, cfg.trainer, cfg.rollout
-    num_gpus = tr.num_nodes * tr.gpus_per_node
-    wbytes = DTYPE_BYTES.get(cfg.model.dtype, 2)
+    par, ro = parallel, rollout
+    num_gpus = cluster.num_gpus
+    wbytes = DTYPE_BYTES.get(model.dtype, 2)
     tp, pp, ep, etp = par.tp, par.pp, par.ep, par.etp
     layers = math.ceil(s.layers / pp)
     moe_frac = s.moe_layers / s.layers if s.layers else 0.0
@@ -118,12 +121,12 @@ def plan(cfg, hf: dict) -> dict:
     exp = layers * moe_frac * expert_layer
     emb = s.vocab * s.h * (1 if (s.tied or pp > 1) else 2)
     base = (nonexp / tp + exp / (ep * etp) + emb / tp) * wbytes
-    lora_dense, lora_exp = _lora_numel(s, cfg.model.lora.rank, cfg.model.lora.targets)
+    lora_dense, lora_exp = _lora_numel(s, model.lora.rank, model.lora.targets)
     lora_params = layers * (lora_dense / tp + moe_frac * lora_exp / (ep * etp))
     lora = lora_params * 16  # fp32 param + grad + 2 Adam moments
-    tokens = tr.micro_batch_size * ro.max_model_len
+    tokens = micro_batch_size * ro.max_model_len
     sp = tp if (par.sequence_parallel or tp > 1) else 1
-    if tr.activation_recompute:
+    if model.activation_recompute:
         per_layer_tok = 2 * s.h / sp
         work = tokens * (34 * s.h / sp + 5 * s.heads * ro.max_model_len / tp) * 2
         acts = tokens * per_layer_tok * layers + work
@@ -131,13 +134,13 @@ def plan(cfg, hf: dict) -> dict:
         routed = moe_frac * s.topk * 4 * s.moe_ffn * 2 / etp if s.experts else 0.0
         per_layer_tok = (34 * s.h / sp + 5 * s.heads * ro.max_model_len / tp) * 2 / 2 + routed
         acts = tokens * per_layer_tok * layers
-    acts *= min(pp, max(1, tr.batch_groups * ro.group_size // max(tr.micro_batch_size, 1)))
+    acts *= min(pp, max(1, batch_groups * ro.group_size // max(micro_batch_size, 1)))
     logits = tokens * (s.vocab / tp) * 2 * 2  # bf16 logits + their gradient
     train_peak = base + lora + acts + logits
     resident = base + lora
-    gen_peak = resident + ro.gpu_memory_utilization * tr.gpu_memory_gib * GIB
+    gen_peak = resident + ro.gpu_memory_utilization * cluster.gpu_memory_gib * GIB
     peak = max(train_peak, gen_peak) / GIB + OVERHEAD_GIB
-    fits = peak <= HEADROOM * tr.gpu_memory_gib
+    fits = peak <= HEADROOM * cluster.gpu_memory_gib
     # vLLM: non-expert weights over its TP; experts over TP x DP with expert parallelism
     # (colocated: one replica per rollout.tensor_parallel_size GPUs, EP across all of them).
     vtp = max(ro.tensor_parallel_size, 1)
@@ -149,7 +152,7 @@ def plan(cfg, hf: dict) -> dict:
         "fits": bool(fits),
         "num_gpus": num_gpus,
         "per_gpu_gib": round(peak, 2),
-        "gpu_memory_gib": tr.gpu_memory_gib,
+        "gpu_memory_gib": cluster.gpu_memory_gib,
         "layout": {
             "tp": tp,
             "pp": pp,
@@ -164,7 +167,9 @@ def plan(cfg, hf: dict) -> dict:
             "lora_params_grads_adam": round(lora / GIB, 3),
             "activations": round(acts / GIB, 2),
             "logits": round(logits / GIB, 2),
-            "vllm_budget_while_generating": round(ro.gpu_memory_utilization * tr.gpu_memory_gib, 2),
+            "vllm_budget_while_generating": round(
+                ro.gpu_memory_utilization * cluster.gpu_memory_gib, 2
+            ),
             "vllm_weights_share": round(vllm_weights, 2),
             "overhead": OVERHEAD_GIB,
         },
@@ -173,7 +178,7 @@ def plan(cfg, hf: dict) -> dict:
             "generate": round(gen_peak / GIB + OVERHEAD_GIB, 2),
         },
         "lora_params_per_gpu": int(lora_params),
-        "advice": _advice(fits, train_peak, gen_peak, vllm_weights, cfg),
+        "advice": _advice(fits, train_peak, gen_peak, vllm_weights, rollout, cluster),
     }
     if num_gpus % (tp * pp) or num_gpus % (ep * etp * pp):
         out["fits"] = False
@@ -183,13 +188,20 @@ def plan(cfg, hf: dict) -> dict:
     return out
 
 
-def _advice(fits: bool, train_peak: float, gen_peak: float, vllm_weights: float, cfg) -> list:
+def _advice(
+    fits: bool,
+    train_peak: float,
+    gen_peak: float,
+    vllm_weights: float,
+    rollout: RolloutConfig,
+    cluster: ClusterConfig,
+) -> list:
     tips = []
-    budget = cfg.rollout.gpu_memory_utilization * cfg.trainer.gpu_memory_gib
+    budget = rollout.gpu_memory_utilization * cluster.gpu_memory_gib
     if vllm_weights > 0.8 * budget:
         tips.append(
             f"vLLM's weight share ({vllm_weights:.1f} GiB) leaves little KV cache in "
-            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization}: raise "
+            f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: raise "
             "rollout.tensor_parallel_size (and enable_expert_parallel)"
         )
     if fits:
@@ -202,28 +214,23 @@ def _advice(fits: bool, train_peak: float, gen_peak: float, vllm_weights: float,
     else:
         tips.append(
             "training phase is the peak: lower trainer.micro_batch_size, set "
-            "trainer.activation_recompute=true, or raise parallel.tp / parallel.pp"
+            "model.activation_recompute=true, or raise parallel.tp / parallel.pp"
         )
-    tips.append("or add nodes (trainer.num_nodes) and raise parallel.ep")
+    tips.append("or add nodes (cluster.num_nodes) and raise parallel.ep")
     return tips
 
 
-def _hf_config(cfg, path: str | None) -> dict:
-    from megagrpo.errors import ConfigError
-    from megagrpo.model.arch import load_hf_config
-
+def hf_config_for(hf_path: str, path: str | None = None) -> dict:
+    """The HF config dict to plan for: ``path`` (a config.json) if given, else
+    ``model.hf_path``'s (a directory or a bundled name). ConfigError when neither has one."""
     if path:
         return load_hf_config(path)
-    hf_path = Path(cfg.model.hf_path)
-    if (hf_path / "config.json").is_file():
+    if (Path(hf_path) / "config.json").is_file():
         return load_hf_config(hf_path)
-    if cfg.model.hf_path:
-        from megagrpo.trainer.pretrained import BUNDLED, resolve_model_path
-
-        if cfg.model.hf_path in BUNDLED:
-            return load_hf_config(resolve_model_path(cfg.model.hf_path))
+    if hf_path in BUNDLED:
+        return load_hf_config(resolve_model_path(hf_path))
     raise ConfigError(
-        f"config key 'model.hf_path': {cfg.model.hf_path!r} has no config.json "
+        f"config key 'model.hf_path': {hf_path!r} has no config.json "
         "here; pass --hf-config FILE (e.g. configs/qwen3_235b_a22b.hf_config.json)"
     )
 
@@ -246,13 +253,3 @@ def format_plan(p: dict) -> str:
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]
     return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    from megagrpo.config.loader import load_config
-    from megagrpo.config.schema import RunConfig
-
-    cfg = load_config(RunConfig, [args.config], args.overrides)
-    result = plan(cfg, _hf_config(cfg, args.hf_config))
-    print(json.dumps(result) if args.json else format_plan(result))
-    return 0

@@ -50,7 +50,7 @@ def _env_defaults() -> None:
 def run(args: argparse.Namespace) -> int:
     _env_defaults()
     from megagrpo.config.loader import load_config
-    from megagrpo.config.schema import RunConfig
+    from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context, finish
 

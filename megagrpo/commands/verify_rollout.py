@@ -76,9 +76,9 @@ def _model_dir(spec: str, tmp: Path) -> Path:
     if (path / "config.json").is_file():
         return path
     try:  # bundled names (smollm2-135m), converted once by megagrpo.model
-        from megagrpo.model.resolve import resolve_hf_path
+        from megagrpo.model.pretrained import resolve_model_path
 
-        return resolve_hf_path(spec)
+        return resolve_model_path(spec)
     except (ImportError, ConfigError) as exc:
         raise ConfigError(
             f"--hf {spec}: no config.json there (an HF checkpoint directory, "

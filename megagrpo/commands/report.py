@@ -1,0 +1,59 @@
+"""`megagrpo report RUN_DIR`: PNG plots from runs/<name>/metrics.jsonl.
+
+Draws collapse.png (raw ACR vs post-filter frac_reward_zero_std, with the ACR = 1 - 1/rounds
+line above which dynamic sampling cannot fill a batch), reward.png, length.png, levels.png and
+time.png into RUN_DIR/report/ (or --out); see :mod:`megagrpo.metrics.report`. The number of
+checked rounds comes from the run's saved config.yaml (dynamic.policy, dynamic.max_resample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+from megagrpo.config import load_config
+from megagrpo.curriculum.dynamic import checked_rounds
+from megagrpo.errors import ConfigError
+from megagrpo.metrics.report import make_report
+from megagrpo.trainer.config import RunConfig
+
+DESCRIPTION = __doc__
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory holding metrics.jsonl (runs/<name>)")
+    parser.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    parser.add_argument(
+        "--max-resample",
+        type=int,
+        default=None,
+        help="R for the 1 - 1/rounds line (default: dynamic.max_resample of RUN_DIR/config.yaml)",
+    )
+
+
+def run_rounds(run_dir: Path, max_resample: int | None) -> int | None:
+    """Rounds the run's dynamic sampling checked (None when the run has no readable config
+    and no --max-resample was given)."""
+    saved = run_dir / "config.yaml"
+    try:
+        dynamic = load_config(RunConfig, [saved]).dynamic if saved.is_file() else None
+    except ConfigError as exc:  # e.g. a config written by another version of megagrpo
+        log.warning("%s: %s; the 1 - 1/rounds line needs --max-resample", saved, exc)
+        dynamic = None
+    if dynamic is None:
+        if max_resample is None:
+            return None
+        dynamic = RunConfig().dynamic
+    if max_resample is not None:
+        dynamic = dataclasses.replace(dynamic, max_resample=max_resample)
+    return checked_rounds(dynamic)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    for path in make_report(run_dir, args.out, run_rounds(run_dir, args.max_resample)):
+        print(path)
+    return 0
