@@ -100,7 +100,7 @@ class WandbLogger:
         id_file.write_text(run_id)
         wandb_dir = Path(cfg.wandb_dir or run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             project=cfg.wandb_project,
             entity=cfg.wandb_entity,
             name=name,

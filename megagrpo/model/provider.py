@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[model_cfg.dtype]
-    kw = dict(
+    kw: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,

