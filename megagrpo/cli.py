@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from megagrpo.errors import MegagrpoError
@@ -70,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Parse only the command name here; the command's own parser takes the rest.
     top, rest = parser.parse_known_args(argv)
+    # Under a launcher (torchrun sets RANK) one process speaks for the run; the others warn.
+    quiet = os.environ.get("RANK", "0") != "0" and not top.verbose
     logging.basicConfig(
-        level=logging.DEBUG if top.verbose else logging.INFO,
+        level=logging.DEBUG if top.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if top.command is None:

@@ -46,10 +46,10 @@ def problems(num: int):
 
 def random_adapter(model, rank: int, seed: int):
     """A LoRA adapter on every nn.Linear named in TARGETS (B non-zero so it changes outputs)."""
-    from megagrpo.rollout import LoraAdapter
+    from megagrpo.rollout import PeftAdapter
 
     g = torch.Generator().manual_seed(seed)
-    adapter = LoraAdapter(rank=rank, alpha=2.0 * rank)
+    adapter = PeftAdapter(rank=rank, alpha=2.0 * rank)
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
             out_f, in_f = mod.weight.shape

@@ -49,35 +49,22 @@ def _env_defaults() -> None:
 
 def run(args: argparse.Namespace) -> int:
     _env_defaults()
-    from megagrpo.config.loader import load_config
+    from megagrpo.config import load_config
     from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
-    from megagrpo.trainer.setup import build_context, finish
+    from megagrpo.trainer.setup import build_context, finish, shutdown
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
     ctx = build_context(cfg, resume=args.resume)
-    is_main = ctx.comm.is_main
     try:
         rows = train(ctx)
         finish(ctx)
     finally:
         shutdown(ctx)
-    if is_main and rows:
+    if ctx.comm.is_main and rows:
         last = rows[-1]
         print(
             f"done: {ctx.step} steps, run dir {ctx.run_dir}, last reward/mean="
             f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}"
         )
     return 0
-
-
-def shutdown(ctx) -> None:
-    """Release the engine and the process groups."""
-    if ctx.engine is not None and hasattr(ctx.engine, "close"):
-        ctx.engine.close()
-    try:
-        from megagrpo.parallel import destroy_parallel
-
-        destroy_parallel()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        log.debug("destroy_parallel failed", exc_info=True)

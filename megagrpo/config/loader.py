@@ -2,7 +2,8 @@
 
 Unknown keys and values of the wrong type are errors naming the key (``ConfigError``); each
 config dataclass may define ``validate(self, path)`` to check values, and is called once after
-merging. The resolved config is written to the run directory by :func:`save_config`.
+merging; the root may define ``resolve()`` to fill derived values once, after validation. The
+resolved config is written to the run directory by :func:`save_config`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megagrpo import fileio
 from megagrpo.errors import ConfigError, require  # noqa: F401  (re-export)
 
 T = TypeVar("T")
@@ -33,7 +35,8 @@ def load_config(
 ) -> T:
     """Merge ``paths`` (YAML, in order) then ``overrides`` (``a.b=value``) onto ``schema``.
 
-    Returns a validated instance of the dataclass ``schema``.
+    Returns a validated instance of the dataclass ``schema``, on which ``resolve()`` (when the
+    schema defines it) has filled the derived values.
     Raises ConfigError naming the file or key on any problem.
     """
     cfg = OmegaConf.structured(schema)
@@ -61,7 +64,12 @@ def load_config(
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from exc
+    if not isinstance(obj, schema):
+        raise ConfigError(f"config did not produce a {schema.__name__}")
     validate(obj)
+    resolve = getattr(obj, "resolve", None)
+    if callable(resolve):  # derived values, filled once before anything saves the config
+        resolve()
     return obj
 
 
@@ -83,10 +91,4 @@ def to_yaml(obj: Any) -> str:
 
 def save_config(obj: Any, run_dir: str | os.PathLike) -> Path:
     """Write the resolved config to ``run_dir/config.yaml`` atomically; returns the path."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "config.yaml"
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(to_yaml(obj), encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    return fileio.write_text(Path(run_dir) / "config.yaml", to_yaml(obj))

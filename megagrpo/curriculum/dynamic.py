@@ -20,6 +20,10 @@ post-filter ``frac_reward_zero_std`` is then 0 by construction ("dynamic samplin
 "nothing collapsed") which is why the raw round's statistics are logged too. A step with
 no valid group at all under ``partial``/``carry`` returns an empty batch: the trainer skips
 its optimizer step.
+
+The trainer drives the rounds and this module only decides: :meth:`DynamicSampler.start`
+returns a :class:`Rounds`, which says which problems to generate next (or that the batch is
+decided), takes each scored round, and finishes the batch. Nothing here generates.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,12 +45,10 @@ from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
 
-GenerateFn = Callable[[list[Problem]], list[Group]]
-
 
 class ProblemSource(Protocol):
-    """What fill() needs of a sampler (CurriculumSampler satisfies it). Optional extras,
-    used when present: ``levels_of(groups) -> [N]`` profile levels (0 = none) for
+    """What a :class:`Rounds` needs of a sampler (CurriculumSampler satisfies it). Optional
+    extras, used when present: ``levels_of(groups) -> [N]`` profile levels (0 = none) for
     ``collapse/acr_by_level/*`` and ``k`` (levels are L1..L{k+1})."""
 
     def next_problems(self, n: int, resample: bool = False) -> list[Problem]: ...
@@ -62,67 +64,135 @@ class FilledBatch:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-class _Rounds:
-    """Bookkeeping of one fill(): generated rounds, valid groups and their reward rows."""
+@dataclass(frozen=True)
+class FilterDecision:
+    """Whether a generated group is kept for training, and why (slime's
+    ``DynamicFilterOutput``): ``valid`` (its rewards differ), or collapsed: ``solve_all`` /
+    ``solve_none`` (every correctness reward 1 / 0) or ``zero_std`` (equal rewards otherwise)."""
+
+    keep: bool
+    reason: str
+
+
+def decide(rewards: np.ndarray, correct: np.ndarray | None, tau: float) -> list[FilterDecision]:
+    """The filter: keep a group iff the std of its total rewards ``[N, G]`` is >= ``tau``;
+    ``correct`` ``[N, G]`` (0/1, optional) names why a collapsed group was dropped."""
+    out = []
+    for i, row in enumerate(rewards):
+        if row.std() >= tau:
+            out.append(FilterDecision(True, "valid"))
+        elif correct is not None and correct[i].min() >= 1.0:
+            out.append(FilterDecision(False, "solve_all"))
+        elif correct is not None and correct[i].max() <= 0.0:
+            out.append(FilterDecision(False, "solve_none"))
+        else:
+            out.append(FilterDecision(False, "zero_std"))
+    return out
+
+
+class Rounds:
+    """One step of bounded dynamic sampling, driven by the trainer::
+
+        rounds = dynamic.start(sampler, batch_groups, step)
+        while (problems := rounds.next_problems()) is not None:
+            rounds.add(generate_and_score(problems))
+        batch = rounds.finish()
+
+    :meth:`next_problems` decides whether another round is generated (and draws its
+    problems: the main stream first, then the resample stream); :meth:`add` takes the
+    scored groups of that round, passes them to ``sampler.observe`` and checks them;
+    :meth:`finish` applies the shortfall policy and returns the batch. Pure: no generation,
+    no callbacks.
+    """
 
     def __init__(
         self,
         owner: DynamicSampler,
         sampler: ProblemSource,
-        generate_fn: GenerateFn,
         batch_groups: int,
         step: int,
         carried: list[Group],
+        dropped_stale: int,
     ) -> None:
-        self.owner, self.sampler, self.generate_fn = owner, sampler, generate_fn
+        self.owner, self.sampler = owner, sampler
         self.batch_groups, self.step = batch_groups, step
+        self.carried, self.dropped_stale = carried, dropped_stale
         self.valid: list[Group] = list(carried)
         r, c = group_matrices(carried, owner.correctness_key)
         self._rows_r, self._rows_c = [r] if carried else [], [c] if carried else []
         self.num_generated = self.num_checked = self.num_valid_first = 0
-        self.last: list[Group] = []
+        self.first: list[Group] = []
         self.first_matrices: tuple[np.ndarray, np.ndarray | None] = (np.zeros((0, 0)), None)
+        self.decisions: list[FilterDecision] = []
+        self._done = False
+        self._unchecked_next = False  # ms-swift generates its last round without checking it
 
     @property
     def num_valid(self) -> int:
         return len(self.valid)
 
-    def generate(self, resample: bool) -> list[Group]:
-        groups = self.generate_fn(self.sampler.next_problems(self.batch_groups, resample=resample))
+    def next_problems(self) -> list[Problem] | None:
+        """The problems of the next round to generate, or None when the step's batch is
+        decided (full, or the round budget of the policy is spent)."""
+        if self._done:
+            return None
+        resample = self.num_generated > 0
+        return self.sampler.next_problems(self.batch_groups, resample=resample)
+
+    def add(self, groups: list[Group]) -> list[FilterDecision]:
+        """Take one generated round (groups with ``rewards`` and ``reward_parts`` set, in the
+        order of :meth:`next_problems`); returns the filter's decision per group (empty for a
+        round that is not checked)."""
         self.num_generated += 1
         for g in groups:
             g.meta["step"] = self.step
         self.sampler.observe(groups)
+        matrices = group_matrices(groups, self.owner.correctness_key)
         if self.num_generated == 1:
-            self.first_matrices = group_matrices(groups, self.owner.correctness_key)
-        self.last = groups
-        return groups
+            self.first, self.first_matrices = list(groups), matrices
+        cfg = self.owner.cfg
+        if not cfg.enabled or self._unchecked_next:
+            self._done = True
+            return []
+        decisions = self._check(groups, *matrices)
+        if self.num_valid >= self.batch_groups:
+            self._done = True
+        elif self.num_checked >= checked_rounds(cfg):
+            # ms-swift generates one more round after its last check, then exits
+            self._unchecked_next = cfg.policy == "original" and cfg.max_resample > 0
+            self._done = not self._unchecked_next
+        return decisions
 
-    def check(self, groups: list[Group]) -> None:
+    def _check(
+        self, groups: list[Group], r: np.ndarray, c: np.ndarray | None
+    ) -> list[FilterDecision]:
         """Keep the non-collapsed groups of a generated round (std >= tau)."""
-        r, c = (
-            self.first_matrices
-            if self.num_checked == 0
-            else group_matrices(groups, self.owner.correctness_key)
-        )
         self.num_checked += 1
         if not groups:
-            return
-        keep = r.std(axis=1) >= self.owner.cfg.tau
+            return []
+        decisions = decide(r, c, self.owner.cfg.tau)
+        keep = np.array([d.keep for d in decisions], dtype=bool)
         self.valid.extend(g for g, k in zip(groups, keep.tolist()) if k)
         self._rows_r.append(r[keep])
         self._rows_c.append(None if c is None else c[keep])
         if self.num_checked == 1:
             self.num_valid_first = int(keep.sum())
+        self.decisions.extend(decisions)
+        return decisions
 
     def valid_matrices(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Reward (and correctness) rows ``[n, G]`` of the first ``n`` valid groups."""
         if n == 0 or not self._rows_r:
             return np.zeros((0, 0)), None
         r = np.concatenate(self._rows_r)[:n]
-        if any(c is None for c in self._rows_c):
+        rows_c = [c for c in self._rows_c if c is not None]
+        if len(rows_c) != len(self._rows_c):
             return r, None
-        return r, np.concatenate(self._rows_c)[:n]
+        return r, np.concatenate(rows_c)[:n]
+
+    def finish(self) -> FilledBatch:
+        """Apply the shortfall policy: the batch to train on, with its metrics."""
+        return self.owner.finish(self)
 
 
 def checked_rounds(cfg: DynamicSamplingConfig) -> int:
@@ -165,36 +235,25 @@ class DynamicSampler:
         self.carry = []
         return fresh, dropped
 
-    def fill(
-        self, sampler: ProblemSource, generate_fn: GenerateFn, batch_groups: int, step: int
-    ) -> FilledBatch:
-        """Generate, filter and (per policy) complete one step's batch.
+    def start(self, sampler: ProblemSource, batch_groups: int, step: int) -> Rounds:
+        """Begin one step's batch: the trainer then generates the rounds :class:`Rounds`
+        asks for (see its docstring) and calls :meth:`Rounds.finish`.
 
         Args:
             sampler: problem source; every generated round is passed to ``sampler.observe``.
-            generate_fn: ``problems -> groups`` with ``rewards`` (and ``reward_parts``) set.
             batch_groups: B, groups per batch (one generation round = B problems x G).
             step: the training step (stamped into ``Group.meta['step']``).
         """
-        cfg = self.cfg
-        carried, dropped_stale = self._take_carry(step) if cfg.policy == "carry" else ([], 0)
-        rounds = _Rounds(self, sampler, generate_fn, batch_groups, step, carried)
-        first = rounds.generate(resample=False)
-        max_checks = checked_rounds(cfg)
-        while cfg.enabled:
-            rounds.check(rounds.last)
-            if rounds.num_valid >= batch_groups:
-                break
-            if rounds.num_checked >= max_checks:
-                if cfg.policy == "original" and cfg.max_resample > 0:
-                    rounds.generate(resample=True)  # ms-swift generates it, then exits
-                break
-            rounds.generate(resample=True)
+        carried, dropped = self._take_carry(step) if self.cfg.policy == "carry" else ([], 0)
+        return Rounds(self, sampler, batch_groups, step, carried, dropped)
 
+    def finish(self, rounds: Rounds) -> FilledBatch:
+        """The shortfall policy over a finished :class:`Rounds` (see module docstring)."""
+        cfg, batch_groups = self.cfg, rounds.batch_groups
         success = cfg.enabled and rounds.num_valid >= batch_groups
         discarded = 0
         if not cfg.enabled or (not success and cfg.policy == "original"):
-            trained, post = list(first), rounds.first_matrices
+            trained, post = list(rounds.first), rounds.first_matrices
             discarded = rounds.num_valid - rounds.num_valid_first if cfg.enabled else 0
         else:
             take = min(batch_groups, rounds.num_valid)
@@ -203,18 +262,18 @@ class DynamicSampler:
             if cfg.policy == "carry":
                 self.carry = surplus[: cfg.carry_max_groups or batch_groups]
             discarded = len(surplus) - len(self.carry)
-        stats = self._stats(rounds, first, post, success)
-        carried_ids = {id(g) for g in carried}
+        stats = self._stats(rounds, post, success)
+        carried_ids = {id(g) for g in rounds.carried}
         stats["dynamic/valid_groups_carried"] = float(
             sum(1 for g in trained if id(g) in carried_ids)
         )
         stats["dynamic/valid_groups_discarded"] = float(discarded)
         stats["dynamic/carry_buffer"] = float(len(self.carry))
-        stats["dynamic/carry_dropped_stale"] = float(dropped_stale)
+        stats["dynamic/carry_dropped_stale"] = float(rounds.dropped_stale)
         if not success and cfg.enabled:
             log.debug(
                 "step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
-                step,
+                rounds.step,
                 rounds.num_valid,
                 batch_groups,
                 rounds.num_checked,
@@ -223,14 +282,10 @@ class DynamicSampler:
         return FilledBatch(trained, stats)
 
     def _stats(
-        self,
-        rounds: _Rounds,
-        first: list[Group],
-        post: tuple[np.ndarray, np.ndarray | None],
-        success: bool,
+        self, rounds: Rounds, post: tuple[np.ndarray, np.ndarray | None], success: bool
     ) -> dict[str, float]:
         levels_of = getattr(rounds.sampler, "levels_of", None)
-        levels = levels_of(first) if levels_of is not None else None
+        levels = levels_of(rounds.first) if levels_of is not None else None
         if levels is not None and not levels.any():
             levels = None
         raw = collapse_stats(*rounds.first_matrices, levels, tau=self.cfg.tau)

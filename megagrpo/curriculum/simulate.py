@@ -222,11 +222,11 @@ def run_plan(
         ds_success_prob=fill_success_prob(pred.acr, batch_groups, rounds),
     )
 
-    def generate(probs: list[Problem]) -> list[Group]:
-        return engine.generate(probs, group_size)
-
     for step in range(steps):
-        batch = ds.fill(sampler, generate, batch_groups, step)
+        rounds = ds.start(sampler, batch_groups, step)
+        while (problems := rounds.next_problems()) is not None:
+            rounds.add(engine.generate(problems, group_size))
+        batch = rounds.finish()
         if drift > 0:
             for g in batch.groups:
                 i = engine.index[g.problem.id]
@@ -236,24 +236,3 @@ def run_plan(
         result.steps.append(row)
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def compare_policies(
-    hist: Mapping[int, int],
-    k: int,
-    group_size: int,
-    batch_groups: int,
-    steps: int,
-    curriculum: CurriculumConfig,
-    max_resample: int,
-    seed: int = 0,
-    policies: Sequence[str] = ("original", "partial", "carry"),
-) -> dict[str, dict[str, Any]]:
-    """``run_plan`` once per policy on the same population and seed."""
-    out = {}
-    for policy in policies:
-        dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy)
-        out[policy] = run_plan(
-            hist, k, group_size, batch_groups, steps, curriculum, dyn, seed=seed
-        ).to_dict()
-    return out

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from megagrpo import fileio
 from megagrpo.metrics.config import MetricsConfig
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,7 @@ class JsonlLogger:
         self._fh.close()
         rows = read_metrics(self.path) if self.path.exists() else []
         kept = [r for r in rows if r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        fileio.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._fh = open(self.path, "a", encoding="utf-8")
         return len(kept)
 

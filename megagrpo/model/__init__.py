@@ -1,20 +1,89 @@
 """megagrpo.model: Qwen3-MoE / Qwen3 / Llama on Megatron-core with LoRA, HF weights in/out.
 
-from megagrpo.model import build_policy
-policy = build_policy(model_cfg, groups)   # groups from megagrpo.parallel.init_parallel
+    from megagrpo.model import build_policy
+    policy = build_policy(model_cfg, pgs)   # pgs from megagrpo.parallel.init_parallel
+
+:class:`Policy` is what the trainer needs of a policy; :class:`MegatronPolicy` (imported
+lazily: megatron is heavy) implements it.
 """
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
 
 from megagrpo.model.config import LoraConfig, ModelConfig
 
+if TYPE_CHECKING:
+    from megagrpo.model.policy import MegatronPolicy
+    from megagrpo.parallel.state import ParallelGroups
 
-def build_policy(model_cfg, groups):
+
+class Policy(Protocol):
+    """The trained model as the GRPO loop sees it (every method is called on every rank;
+    the ones marked collective must be)."""
+
+    def forward_logits(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective)."""
+        ...
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters, in a fixed order."""
+        ...
+
+    def grad_norm_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """``(dense, expert)`` trainable parameters with every distinct element counted once
+        per model replica (TP-replicated factors only on TP rank 0), for the global grad norm."""
+        ...
+
+    def finish_grad_sync(self) -> None:
+        """All-reduce gradients over the parallel groups after backward (collective)."""
+        ...
+
+    def adapters_disabled(self) -> AbstractContextManager[None]:
+        """Inside the block the policy is the frozen base model (the KL reference)."""
+        ...
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's trainable tensors (copies), for checkpoints."""
+        ...
+
+    def load_lora_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load :meth:`lora_state_dict` of the same layout (CheckpointError otherwise)."""
+        ...
+
+    def export_hf_weights(
+        self,
+        merge_lora: bool = True,
+        bucket_bytes: int = 256 << 20,
+        dtype: torch.dtype | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Merged HF-named tensors in buckets, yielded on every rank (collective)."""
+        ...
+
+    def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
+        """Write a PEFT adapter directory (collective; rank 0 writes and gets the path)."""
+        ...
+
+
+def build_policy(model_cfg: ModelConfig, pgs: ParallelGroups) -> MegatronPolicy:
     """See :func:`megagrpo.model.policy.build_policy` (imported lazily: megatron is heavy)."""
     from megagrpo.model.policy import build_policy as _build
 
-    return _build(model_cfg, groups)
+    return _build(model_cfg, pgs)
 
 
-def __getattr__(name):
+def __getattr__(name: str):
     if name == "MegatronPolicy":
         from megagrpo.model.policy import MegatronPolicy
 
@@ -22,4 +91,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LoraConfig", "ModelConfig", "MegatronPolicy", "build_policy"]
+__all__ = ["LoraConfig", "MegatronPolicy", "ModelConfig", "Policy", "build_policy"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import asdict
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megagrpo import fileio
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
@@ -146,10 +146,9 @@ def save_policy_checkpoint(
     ``base_ckpt`` (a checkpoint from ``import`` with the same layout) or the HF directory
     ``policy.cfg.hf_path`` supplies the base on export. Atomic (temp dir, then rename)."""
     out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = fileio.tmp_sibling(out)
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        fileio.fresh_tmp_dir(out)
         copy_hf_metadata(Path(policy.cfg.hf_path), tmp / "hf")
     dist.barrier()
     if with_base:
@@ -176,9 +175,7 @@ def save_policy_checkpoint(
             has_lora=True,
             base=None if with_base else str(base_ckpt or policy.cfg.hf_path),
         )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        fileio.replace_dir(tmp, out)
     dist.barrier()
     return out
 
@@ -337,13 +334,8 @@ def atomic_dir(out: Path) -> Path:
     """A fresh temp sibling of ``out`` (rename it with :func:`commit_dir`)."""
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output directory {out} exists and is not empty")
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return fileio.fresh_tmp_dir(out, unique=True)
 
 
 def commit_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+    fileio.replace_dir(tmp, out)

@@ -14,14 +14,13 @@ fused B, so the HF adapter gets, per projection, the same A and its rows of B (e
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megagrpo import fileio
 from megagrpo.model.hf_mapping import hf_weight_shapes
 
 _TARGET = [
@@ -177,12 +176,7 @@ def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused
     if params:
         config["target_parameters"] = params
     out = Path(out_dir)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with fileio.atomic_dir(out, unique=True) as tmp:
+        save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return out

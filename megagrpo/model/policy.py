@@ -11,6 +11,7 @@ Only LoRA parameters are trainable; base weights are frozen in ``model_cfg.dtype
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Iterator
@@ -211,6 +212,37 @@ class MegatronPolicy(nn.Module):
                         f"LoRA tensor '{n}': shape {tuple(sd[n].shape)}, model has {tuple(p.shape)}"
                     )
                 p.copy_(sd[n])
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """The frozen base model (the KL reference policy): every LoRA adapter's scaling set
+        to 0 inside the block."""
+        if not self.adapters:
+            raise NotImplementedError("loss.kl_coef > 0 needs a policy with LoRA adapters")
+        saved = [a.scaling for a in self.adapters.values()]
+        try:
+            for a in self.adapters.values():
+                a.scaling = 0.0
+            yield
+        finally:
+            for a, scaling in zip(self.adapters.values(), saved):
+                a.scaling = scaling
+
+    def grad_norm_params(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """``(dense, expert)`` LoRA parameters counted once per model replica for the grad
+        norm: the TP-replicated factor (A of a column-parallel adapter, B of a row-parallel
+        one) only on TP rank 0 (expert-TP rank 0 for experts)."""
+        g = self.groups
+        dense: list[nn.Parameter] = []
+        expert: list[nn.Parameter] = []
+        for a in self.adapters.values():
+            is_expert = bool(getattr(a.lora_A, "lora_expert", False))
+            first = (g.etp_rank if is_expert else g.tp_rank) == 0
+            replicated = a.lora_A if a.kind == "column" else a.lora_B
+            sharded = a.lora_B if a.kind == "column" else a.lora_A
+            picked = [sharded] + ([replicated] if first or a.tp_size == 1 else [])
+            (expert if is_expert else dense).extend(picked)
+        return dense, expert
 
     def finish_grad_sync(self) -> None:
         """All-reduce LoRA grads: SP/ETP partial sums, then mean over DP (expert-DP for

@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from megagrpo import fileio
 from megagrpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = fileio.fresh_tmp_dir(out, unique=True)  # several processes may convert at once
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -64,7 +64,10 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     if model.generation_config is not None:
         model.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    if out.exists():  # another process finished first: keep its copy
+        shutil.rmtree(tmp)
+    else:
+        fileio.replace_dir(tmp, out)
     return out
 
 

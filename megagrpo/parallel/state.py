@@ -13,13 +13,16 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megagrpo.errors import ConfigError, require
 from megagrpo.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +40,14 @@ class ParallelGroups:
 
     world_size: int
     rank: int
-    tp: Any
-    pp: Any
-    dp: Any
-    ep: Any
-    etp: Any
-    expert_dp: Any
-    mp: Any
-    expert_mp: Any
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    etp: dist.ProcessGroup
+    expert_dp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    expert_mp: dist.ProcessGroup
     tp_size: int
     tp_rank: int
     pp_size: int
@@ -59,7 +62,7 @@ class ParallelGroups:
     expert_dp_rank: int
     sequence_parallel: bool
     device: torch.device
-    pg_collection: Any = None
+    pg_collection: ProcessGroupCollection | None = None
     fake: bool = False
     """True for a meta-device layout built on torch's fake backend (no real collectives)."""
 

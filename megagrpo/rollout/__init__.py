@@ -20,11 +20,11 @@ from megagrpo.rollout.base import (
     to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.rollout.lora import LoraAdapter, merged_stream
+from megagrpo.rollout.lora import PeftAdapter, merged_stream
 
 __all__ = [
     "EngineError",
-    "LoraAdapter",
+    "PeftAdapter",
     "RolloutConfig",
     "RolloutEngine",
     "SamplingSpec",
@@ -51,7 +51,7 @@ def build_engine(rollout_cfg: RolloutConfig, model_path: str, seed: int = 0) -> 
 
 def sync_lora(
     engine: RolloutEngine,
-    adapter: LoraAdapter,
+    adapter: PeftAdapter,
     base_named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     expected_probe: Sequence[float] | None = None,
 ) -> SyncReport:
@@ -60,12 +60,11 @@ def sync_lora(
     ``base_named_tensors`` (the frozen base weights, HF names) is needed for the merged path
     only; it is streamed once with the adapter folded in (``W + alpha/r * B @ A``).
     """
-    supports = getattr(engine, "supports_adapter_sync", lambda: False)()
-    if supports:
+    if engine.supports_adapter_sync():
         return engine.update_adapter(adapter, expected_probe=expected_probe)
     if base_named_tensors is None:
         raise EngineError(
-            f"engine {getattr(engine, 'name', '?')} cannot serve LoRA adapters "
+            f"engine {type(engine).__name__} cannot serve LoRA adapters "
             "alone (rollout.enable_lora=false or unsupported modules): pass the "
             "base weights so the adapter is merged"
         )

@@ -18,12 +18,17 @@ import logging
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from megagrpo.errors import MegagrpoError
 from megagrpo.types import Group, Problem
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megagrpo.rollout.lora import PeftAdapter
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +87,14 @@ class SyncReport:
 class RolloutEngine(Protocol):
     """What the GRPO loop needs from an inference engine (vLLM, HF ``generate``)."""
 
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """The HF tokenizer the engine decodes with (the trainer tokenises with the same one)."""
+    probe_token_ids: list[int]
+    """The fixed token sequence ``[probe_len]`` every weight sync is verified on."""
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The exact prompt token ids ``[P]`` (chat template + generation prompt)."""
+        ...
 
     def generate(
         self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
@@ -95,10 +103,14 @@ class RolloutEngine(Protocol):
 
         Fills ``completions``, ``token_ids`` ``[L_i]``, ``logprobs`` ``[L_i]`` (sampled
         tokens, raw model distribution), ``lengths``, ``prompt_ids`` and ``finish_reasons``.
+        ``problems`` may be empty (returns ``[]``; engines whose replicas step together must
+        still take part).
         """
+        ...
 
     def probe_logprobs(self) -> list[float]:
-        """Log-probs ``[probe_len - 1]`` of the fixed probe sequence under current weights."""
+        """Log-probs ``[probe_len - 1]`` of :attr:`probe_token_ids` under current weights."""
+        ...
 
     def update_weights(
         self,
@@ -106,15 +118,31 @@ class RolloutEngine(Protocol):
         expected_probe: Sequence[float] | None = None,
     ) -> SyncReport:
         """Load HF-named full tensors, streamed in buckets; verify; raise WeightSyncError."""
+        ...
+
+    def supports_adapter_sync(self) -> bool:
+        """True when :meth:`update_adapter` can serve a LoRA adapter for the targeted modules
+        on the engine's base weights (else sync merged weights)."""
+        ...
+
+    def update_adapter(
+        self, adapter: PeftAdapter, expected_probe: Sequence[float] | None = None
+    ) -> SyncReport:
+        """Serve ``adapter`` on the base weights (replacing the previous one); verified like
+        :meth:`update_weights`. EngineError when :meth:`supports_adapter_sync` is False."""
+        ...
 
     def sleep(self) -> None:
         """Free the engine's device memory (KV cache, weights) while the trainer runs."""
+        ...
 
     def wake_up(self) -> None:
         """Undo :meth:`sleep` before the next :meth:`generate`."""
+        ...
 
     def close(self) -> None:
         """Release everything; the engine cannot be used afterwards."""
+        ...
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -31,6 +31,7 @@ from megagrpo.rollout.base import (
     resolve_dtype,
 )
 from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.lora import PeftAdapter
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -305,6 +306,15 @@ class HFEngine:
     def supports_adapter_sync(self) -> bool:
         """The HF engine takes merged weights only."""
         return False
+
+    def update_adapter(
+        self, adapter: PeftAdapter, expected_probe: Sequence[float] | None = None
+    ) -> SyncReport:
+        """Not supported: the HF engine takes merged weights (:meth:`update_weights`)."""
+        raise EngineError(
+            "the HF engine cannot serve LoRA adapters alone: set trainer.weight_sync=merged "
+            "(or rollout.engine=vllm with rollout.enable_lora=true)"
+        )
 
     def sleep(self) -> None:
         """GPU: move weights to CPU. CPU: no-op."""

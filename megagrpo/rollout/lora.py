@@ -27,8 +27,9 @@ _PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
-class LoraAdapter:
-    """LoRA weights by module.
+class PeftAdapter:
+    """LoRA weights by HF module, as a PEFT adapter holds them (the engine-side view; the
+    trainer's Megatron-side adapters are :class:`megagrpo.model.lora.LoraAdapter`).
 
     Attributes:
         a: module name -> ``lora_A`` ``[r, in_features]``.
@@ -53,7 +54,7 @@ class LoraAdapter:
     @classmethod
     def from_peft_state_dict(
         cls, state: dict[str, torch.Tensor], rank: int, alpha: float
-    ) -> LoraAdapter:
+    ) -> PeftAdapter:
         """From PEFT names (``base_model.model.<module>.lora_A[.default].weight``)."""
         out = cls(rank=rank, alpha=alpha)
         for key, tensor in state.items():
@@ -71,7 +72,7 @@ class LoraAdapter:
 
 
 def write_peft_adapter(
-    adapter: LoraAdapter, path: str | Path, dtype: torch.dtype = torch.float32
+    adapter: PeftAdapter, path: str | Path, dtype: torch.dtype = torch.float32
 ) -> SyncMeter:
     """Save ``adapter`` as a PEFT directory (safetensors + adapter_config.json).
 
@@ -111,7 +112,7 @@ def write_peft_adapter(
 
 
 def merged_stream(
-    base_named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter
+    base_named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: PeftAdapter
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield base tensors (checkpoint names) with the adapter folded in, one at a time.
 
@@ -128,3 +129,14 @@ def merged_stream(
     missing = set(adapter.a) - seen
     if missing:
         raise ValueError(f"LoRA modules not found in the base weights: {sorted(missing)[:5]}")
+
+
+def read_peft_adapter(path: str | Path) -> PeftAdapter:
+    """Read a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+    as :func:`write_peft_adapter` and megagrpo's policy export write it)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    conf = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    state = load_file(str(path / "adapter_model.safetensors"))
+    return PeftAdapter.from_peft_state_dict(state, int(conf["r"]), float(conf["lora_alpha"]))

@@ -48,7 +48,7 @@ from megagrpo.rollout.base import (
     to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.rollout.lora import LoraAdapter, write_peft_adapter
+from megagrpo.rollout.lora import PeftAdapter, write_peft_adapter
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -391,7 +391,7 @@ class VLLMEngine:
         return self.lora_enabled
 
     def update_adapter(
-        self, adapter: LoraAdapter, expected_probe: Sequence[float] | None = None
+        self, adapter: PeftAdapter, expected_probe: Sequence[float] | None = None
     ) -> SyncReport:
         """Adapter-only sync: serve ``adapter`` (PEFT names) on top of the base weights.
 

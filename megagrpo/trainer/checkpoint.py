@@ -6,15 +6,20 @@ Layout of ``runs/<name>/checkpoints/step_000010/``::
     trainer.pt     rank 0: step, curriculum sampler state, dynamic-sampler carry buffer
     meta.json      written last: step, world size, parallel layout (marks it complete)
 
-Writes are atomic: every rank writes into ``step_000010.tmp/``; after a barrier rank 0 writes
+Writes are atomic: every rank writes into ``.step_000010.tmp/``; after a barrier rank 0 writes
 ``meta.json`` and renames the directory into place, so a kill at any moment leaves either
 the previous checkpoint or the new one, never a half-written one. :func:`latest` ignores
 directories without ``meta.json``. Only the LoRA parameters are saved: the frozen base
 comes from ``model.hf_path`` again on resume.
+
+:func:`save_checkpoint` / :func:`restore_checkpoint` move a :class:`TrainContext` in and
+out of that format: every rank its LoRA shard, optimiser, scheduler and RNGs; the
+curriculum and dynamic samplers (replicated on every rank) from rank 0's ``trainer.pt``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from megagrpo import fileio
 from megagrpo.errors import CheckpointError
+from megagrpo.trainer.config import RunConfig
+from megagrpo.trainer.context import TrainContext
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +106,9 @@ def save(
         keep: newest checkpoints to keep. comm: object with ``barrier()`` (None: 1 process).
     """
     final = step_dir(Path(ckpt_root), step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = fileio.tmp_sibling(final)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        fileio.fresh_tmp_dir(final)
     _barrier(comm)
     torch.save({**rank_state, "rng": rng_state()}, tmp / f"rank{rank:05d}.pt")
     if rank == 0:
@@ -110,9 +117,7 @@ def save(
     if rank == 0:
         info = {"step": step, "world_size": world_size, **meta}
         (tmp / "meta.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        fileio.replace_dir(tmp, final)
         _prune(Path(ckpt_root), keep)
         log.info("checkpoint step %d -> %s", step, final)
     _barrier(comm)
@@ -158,3 +163,57 @@ def load(
     rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
     trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     return rank_state, trainer_state
+
+
+# ----------------------------------------------------------------------------- the run's state
+
+
+def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed (layout, model, LoRA shape)."""
+    return {
+        "parallel": dataclasses.asdict(cfg.parallel),
+        "model": cfg.model.hf_path,
+        "lora": dataclasses.asdict(cfg.model.lora),
+    }
+
+
+def save_checkpoint(ctx: TrainContext, step: int) -> Path:
+    """Adapters, optimiser, scheduler and RNGs of every rank; samplers (collective)."""
+    rank_state = {
+        "lora": ctx.policy.lora_state_dict(),
+        "optimizer": ctx.optimizer.state_dict(),
+        "scheduler": ctx.scheduler.state_dict() if ctx.scheduler else None,
+    }
+    trainer_state = {"sampler": ctx.sampler.state_dict(), "dynamic": ctx.dynamic.state_dict()}
+    return save(
+        ctx.ckpt_root,
+        step,
+        rank=ctx.comm.rank,
+        world_size=ctx.comm.world_size,
+        rank_state=rank_state,
+        trainer_state=trainer_state,
+        meta=checkpoint_meta(ctx.cfg),
+        keep=ctx.cfg.trainer.keep_checkpoints,
+        comm=ctx.comm,
+    )
+
+
+def restore_checkpoint(ctx: TrainContext) -> int:
+    """Load the newest complete checkpoint of the run into ``ctx``; returns its step
+    (CheckpointError when there is none). The engines are re-synced by the caller."""
+    path = latest(ctx.ckpt_root)
+    if path is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {ctx.ckpt_root}")
+    rank_state, trainer_state = load(
+        path, rank=ctx.comm.rank, world_size=ctx.comm.world_size, meta=checkpoint_meta(ctx.cfg)
+    )
+    ctx.policy.load_lora_state_dict(rank_state["lora"])
+    ctx.optimizer.load_state_dict(rank_state["optimizer"])
+    if ctx.scheduler is not None and rank_state.get("scheduler"):
+        ctx.scheduler.load_state_dict(rank_state["scheduler"])
+    ctx.sampler.load_state_dict(trainer_state["sampler"])
+    ctx.dynamic.load_state_dict(trainer_state["dynamic"])
+    set_rng_state(rank_state["rng"])
+    ctx.step = int(trainer_state["step"])
+    log.info("resumed from %s (step %d)", path, ctx.step)
+    return ctx.step

@@ -4,6 +4,7 @@ nests every component's config (mirrored by configs/*.yaml)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megagrpo.algo.config import LossConfig
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
@@ -128,3 +129,28 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def resolve(self) -> None:
+        """Fill the derived values in place, once, before the config is saved (the saved
+        config.yaml is then what runs): the loss aggregation and advantage scaling of the
+        variant (``auto``), the Dr.GRPO normaliser (every micro-batch must share it: the
+        generation budget ``rollout.max_tokens``), and bundled data paths
+        (``megagrpo/assets/...`` found inside the installed package from any directory).
+        Idempotent."""
+        self.loss.loss_agg = self.loss.resolved_loss_agg()
+        self.loss.advantage_scale = self.loss.resolved_advantage_scale()
+        if self.loss.loss_agg == "seq_mean_token_sum_norm" and self.loss.max_tokens == 0:
+            self.loss.max_tokens = self.rollout.max_tokens
+        self.data.train = [bundled_path(p) for p in self.data.train]
+        self.data.eval = [bundled_path(p) for p in self.data.eval]
+
+
+def bundled_path(path: str) -> str:
+    """``path`` as given, or, when it does not exist here, the same relative path inside the
+    installed package's tree (``megagrpo/assets/demo_train.jsonl`` works from any directory)."""
+    if Path(path).exists() or Path(path).is_absolute():
+        return path
+    import megagrpo
+
+    candidate = Path(megagrpo.__file__).resolve().parent.parent / path
+    return str(candidate) if candidate.exists() else path

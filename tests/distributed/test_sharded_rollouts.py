@@ -1,8 +1,8 @@
-"""Sharded colocated rollouts (megagrpo.trainer.sharding) with 2 gloo processes, HF engine.
+"""Sharded colocated rollouts (megagrpo.trainer.rollouts) with 2 gloo processes, HF engine.
 
 1. Function level (torch.multiprocessing spawn, no Megatron): every rank holds a real
-   HFEngine; rank 0 runs the real curriculum + dynamic samplers and the composite reward;
-   :func:`collect_batch` splits each round over the 2 replicas and gathers it. The first
+   HFEngine and the real (replicated) curriculum + dynamic samplers; rank 0 scores with the
+   composite reward; :func:`collect_batch` splits each round over the 2 replicas and gathers it. The first
    step's groups (problem ids, token ids, log-probs, rewards) must equal the ones a
    1-process run (one engine, rank-0 generation) draws with the same seed. Then
    :func:`sync_weights` feeds perturbed weights from a stand-in policy (a transformers model:
@@ -80,61 +80,64 @@ class _HFPolicy:
         return self.model(input_ids=ids, position_ids=pos).logits
 
 
-def _context(cfg, model_dir: Path, sharded: bool):
+def _context(cfg, model_dir: Path):
     from megagrpo.curriculum.dynamic import DynamicSampler
-    from megagrpo.data import load_problems
+    from megagrpo.parallel import init_parallel
     from megagrpo.rewards import build_composite
     from megagrpo.rollout.hf_engine import HFEngine
-    from megagrpo.trainer.context import TrainContext
-    from megagrpo.trainer.dist import Comm
-    from megagrpo.trainer.setup import _curriculum
+    from megagrpo.trainer.context import Comm, TrainContext
+    from megagrpo.trainer.rollouts import build_rollouts
+    from megagrpo.trainer.setup import _curriculum, _problems
 
-    comm = Comm()
+    pgs = init_parallel(cfg.parallel)
+    comm = Comm(pgs.device)
     reward_fn = build_composite(cfg.rewards)
-    ctx = TrainContext(
+    problems, _ = _problems(cfg)
+    sampler, _ = _curriculum(cfg, problems, reward_fn.names[0])
+    rollouts = build_rollouts(
+        cfg.rollout, comm, str(model_dir), cfg.trainer.seed, reward_fn, HFEngine, False
+    )
+    return TrainContext(
         cfg=cfg,
         comm=comm,
+        pgs=pgs,
         run_dir=Path(cfg.trainer.output_dir),
-        policy=None,
-        optimizer=None,
+        policy=None,  # type: ignore[arg-type]  # set per sync below
+        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0),
+        scheduler=None,
+        rollouts=rollouts,
+        sampler=sampler,
+        dynamic=DynamicSampler(cfg.dynamic, correctness_key=reward_fn.names[0]),
         reward_fn=reward_fn,
-        sharded=sharded,
     )
-    if comm.is_main:
-        problems = load_problems(cfg.data.train, prompt=cfg.data.prompt)
-        ctx.sampler, _ = _curriculum(cfg, problems, reward_fn.names[0])
-        ctx.dynamic = DynamicSampler(cfg.dynamic, correctness_key=reward_fn.names[0])
-    if comm.is_main or sharded:
-        ctx.engine = HFEngine(cfg.rollout, str(model_dir), cfg.trainer.seed)
-    return ctx
 
 
 def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_root: str) -> None:
+    from megagrpo.parallel import destroy_parallel
     from megagrpo.rollout.base import WeightSyncError
-    from megagrpo.trainer.rollout_phase import collect_batch
+    from megagrpo.rollout.hf_engine import sequence_logprobs
+    from megagrpo.trainer.loop import collect_batch
     from megagrpo.trainer.sync import sync_weights
 
     torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         cfg = _cfg(Path(tmp), Path(model_dir), Path(repo_root), "sharded" if world > 1 else "auto")
-        ctx = _context(cfg, Path(model_dir), sharded=world > 1)
+        ctx = _context(cfg, Path(model_dir))
+        engine = ctx.rollouts.engine
+        assert engine is not None  # rank 0, or every rank when sharded
         batch, gen = collect_batch(ctx, 1)
-        ctx.policy = _HFPolicy(Path(model_dir), seed=11)
+        ctx.policy = _HFPolicy(Path(model_dir), seed=11)  # type: ignore[assignment]
         sync = sync_weights(ctx)
         # After the sync this rank's engine scores the probe like the stand-in policy.
-        probe = ctx.engine.probe_token_ids
-        from megagrpo.rollout.hf_engine import sequence_logprobs
-
-        ref = sequence_logprobs(ctx.policy.model, probe)
-        engine_diff = max(abs(a - b) for a, b in zip(ctx.engine.probe_logprobs(), ref))
+        ref = sequence_logprobs(ctx.policy.model, engine.probe_token_ids)  # type: ignore[attr-defined]
+        engine_diff = max(abs(a - b) for a, b in zip(engine.probe_logprobs(), ref))
         failed_on_all = None
         if world > 1:  # rank 1's engine drops every tensor: the probe must catch it
-            ctx.policy = _HFPolicy(Path(model_dir), seed=12)
+            ctx.policy = _HFPolicy(Path(model_dir), seed=12)  # type: ignore[assignment]
             if rank == 1:
-                real = ctx.engine.update_weights
-                ctx.engine.update_weights = lambda s, expected_probe: real(
+                real = engine.update_weights
+                engine.update_weights = lambda s, expected_probe: real(  # type: ignore[method-assign]
                     iter([]), expected_probe=expected_probe
                 )
             try:
@@ -152,21 +155,31 @@ def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_roo
                 }
                 for g in batch.groups
             ],
-            "rounds": gen["rounds"],
-            "gen_tokens": gen["gen_tokens"],
+            "rounds": gen.rounds,
+            "gen_tokens": gen.gen_tokens,
             "sync": sync,
             "engine_probe_diff": engine_diff,
             "failed_on_all": failed_on_all,
         }
         Path(tmp, f"w{world}_rank{rank}.json").write_text(json.dumps(out), encoding="utf-8")
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        destroy_parallel()
 
 
 def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _worker(0, 1, "", str(tmp_path), str(tiny_moe_dir), str(repo_root))
+    mp.spawn(
+        _worker,
+        args=(
+            1,
+            f"file://{tmp_path / 'pg_init1'}",
+            str(tmp_path),
+            str(tiny_moe_dir),
+            str(repo_root),
+        ),
+        nprocs=1,
+        join=True,
+    )
     init = f"file://{tmp_path / 'pg_init'}"
     mp.spawn(
         _worker,
@@ -185,9 +198,9 @@ def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
         for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
             assert max((abs(u - v) for u, v in zip(x, y)), default=0.0) < 1e-5
     assert r0["rounds"] == one["rounds"] and r0["gen_tokens"] == one["gen_tokens"]
-    assert r1["groups"] == r0["groups"]  # every rank receives the filled batch
+    assert r1["groups"] == r0["groups"]  # every rank takes the same batch
     # Every rank's engine verified the sync and now matches the reference model.
-    assert r0["sync"]["sync/verified_ranks"] == 2.0
+    assert r0["sync"]["sync/verified_engines"] == 2.0
     for r in (r0, r1):
         assert r["sync"]["sync/probe_max_diff"] < 1e-3
         assert r["engine_probe_diff"] < 1e-4
@@ -225,5 +238,5 @@ def test_train_sharded_two_processes(tmp_path, tiny_moe_dir, repo_root):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-6), key
     assert two[0]["eval/num_problems"] == 5  # 5 held-out problems split over 2 replicas
     for row in two:
-        assert row["sync/verified_ranks"] == 2.0
+        assert row["sync/verified_engines"] == 2.0
         assert row["sync/probe_max_diff"] < 1e-3

@@ -86,11 +86,18 @@ def _round(num_valid):
     return [SPLIT] * num_valid + [ALL_RIGHT if i % 2 else ALL_WRONG for i in range(B - num_valid)]
 
 
+def run_rounds(ds, sampler, generate, batch_groups, step):
+    """The trainer's round loop (megagrpo.trainer.rollouts.collect_batch), minus the engine."""
+    rounds = ds.start(sampler, batch_groups, step)
+    while (problems := rounds.next_problems()) is not None:
+        rounds.add(generate(problems))
+    return rounds.finish()
+
+
 def _fill(policy, rounds, R=3, step=0, ds=None, **kw):
     src = ScriptedSource(rounds)
     ds = ds or DynamicSampler(DynamicSamplingConfig(policy=policy, max_resample=R, **kw), "acc")
-    batch = ds.fill(src, src.generate, B, step)
-    return batch, src, ds
+    return run_rounds(ds, src, src.generate, B, step), src, ds
 
 
 def test_msswift_comparison_it_discards_what_we_keep():
@@ -208,9 +215,41 @@ def test_length_penalty_split_is_reported_on_correctness():
         groups[0].reward_parts = {"acc": [1.0] * 4}
         return groups
 
-    batch = DynamicSampler(DynamicSamplingConfig(enabled=False), "acc").fill(src, gen, B, 0)
+    batch = run_rounds(DynamicSampler(DynamicSamplingConfig(enabled=False), "acc"), src, gen, B, 0)
     assert batch.stats["collapse/acr_raw"] == 0.75
     assert batch.stats["collapse/acr_correctness_raw"] == 1.0
+
+
+def test_filter_decisions_name_why_a_group_is_dropped():
+    src = ScriptedSource([[SPLIT, ALL_RIGHT, ALL_WRONG, [0.5] * 4]])
+
+    def gen(problems):
+        groups = src.generate(problems)
+        groups[3].reward_parts = {"acc": [1.0, 0.0, 1.0, 0.0]}  # equal totals, split correctness
+        return groups
+
+    rounds = DynamicSampler(DynamicSamplingConfig(policy="carry"), "acc").start(src, B, 0)
+    decisions = rounds.add(gen(rounds.next_problems()))
+    assert [(d.keep, d.reason) for d in decisions] == [
+        (True, "valid"),
+        (False, "solve_all"),
+        (False, "solve_none"),
+        (False, "zero_std"),
+    ]
+
+
+def test_rounds_ask_for_no_more_than_the_policy_checks():
+    # nothing ever splits: carry checks 1 + R rounds, original R and generates one more
+    for policy, generated in (("carry", 4), ("partial", 4), ("original", 4)):
+        src = ScriptedSource([[ALL_WRONG] * B] * 5)
+        ds = DynamicSampler(DynamicSamplingConfig(policy=policy, max_resample=3), "acc")
+        batch = run_rounds(ds, src, src.generate, B, 0)
+        assert src.next_round == generated, policy
+        assert batch.stats["dynamic/gen_batches"] == generated
+    src = ScriptedSource([[ALL_WRONG] * B] * 2)
+    ds = DynamicSampler(DynamicSamplingConfig(policy="original", max_resample=1), "acc")
+    run_rounds(ds, src, src.generate, B, 0)
+    assert src.next_round == 2  # checks R=1 round, generates the second and stops
 
 
 def test_checked_rounds_per_policy():
@@ -258,7 +297,7 @@ def test_every_design_metric_is_in_every_row():
 
     for policy in ("original", "partial", "carry"):
         ds = DynamicSampler(DynamicSamplingConfig(policy=policy), "acc")  # no acr_predicted
-        row = {**ds.fill(sampler, generate, B, 0).stats, **sampler.metrics()}
+        row = {**run_rounds(ds, sampler, generate, B, 0).stats, **sampler.metrics()}
         wanted = [
             n for n in CORE_METRICS if n.split("/")[0] in ("collapse", "dynamic", "curriculum")
         ]

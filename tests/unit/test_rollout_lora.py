@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("vllm")
 peft = pytest.importorskip("peft")
 
-from megagrpo.rollout import LoraAdapter, RolloutConfig, WeightSyncError, build_engine, sync_lora  # noqa: E402
+from megagrpo.rollout import PeftAdapter, RolloutConfig, WeightSyncError, build_engine, sync_lora  # noqa: E402
 from megagrpo.rollout.hf_engine import sequence_logprobs  # noqa: E402
 from megagrpo.types import Problem  # noqa: E402
 
@@ -47,7 +47,7 @@ def _peft_policy(model_dir, seed: int):
             if "lora_" in name:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     state = peft.get_peft_model_state_dict(model)
-    return model, LoraAdapter.from_peft_state_dict(state, RANK, ALPHA)
+    return model, PeftAdapter.from_peft_state_dict(state, RANK, ALPHA)
 
 
 def test_adapter_only_sync_matches_peft(engine, tiny_dense_dir):

