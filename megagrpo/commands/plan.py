@@ -1,11 +1,15 @@
-"""`megagrpo plan`: simulate curriculum + dynamic sampling before renting a GPU."""
+"""`megagrpo plan [CONFIG] [key=value ...]`: simulate curriculum + dynamic sampling before
+renting a GPU."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from pathlib import Path
 
-from megagrpo.curriculum.config import POLICIES, CurriculumConfig, DynamicSamplingConfig
+from megagrpo.config import load_config
+from megagrpo.curriculum.config import POLICIES
 from megagrpo.curriculum.dynamic import preflight_check
 from megagrpo.curriculum.levels import (
     histogram,
@@ -17,15 +21,22 @@ from megagrpo.curriculum.levels import (
 )
 from megagrpo.curriculum.simulate import population_from_records, run_plan
 from megagrpo.errors import ConfigError
+from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = """\
 Runs the real CurriculumSampler and DynamicSampler against a simulated rollout engine whose
 rewards are Bernoulli draws from each problem's p (drawn from the beta-binomial posterior of
 its level). No model needed.
 
+The run config (CONFIG, then key=value overrides) gives G (rollout.group_size), B
+(trainer.batch_groups), R (dynamic.max_resample), the shortfall policy and the curriculum
+(keep_levels, level_weights, retire_streak, revisit_prob, seed, levels_file); the flags below
+are shorthands for those keys. The level histogram comes from --levels, --levels-file or
+curriculum.levels_file.
+
 example (the article's specialist exam, all levels, ms-swift behaviour):
-  megagrpo plan --levels L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636 --keep-levels L1-L6 \\
-      --policy original --retire-streak 0
+  megagrpo plan configs/qwen3_235b_a22b.yaml --levels L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636 \\
+      --keep-levels L1-L6 --policy original --retire-streak 0
 """
 
 ARTICLE_LEVELS = "L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636"
@@ -45,37 +56,45 @@ SUMMARY_KEYS = (
     "valid_groups_per_gen_batch",
     "retired_final",
 )
+# flag -> config key it overrides
+SHORTHANDS = {
+    "group_size": "rollout.group_size",
+    "batch_groups": "trainer.batch_groups",
+    "max_resample": "dynamic.max_resample",
+    "retire_streak": "curriculum.retire_streak",
+    "revisit_prob": "curriculum.revisit_prob",
+    "seed": "curriculum.seed",
+    "k": "curriculum.level_k",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=None, help="run config YAML (optional)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     src = parser.add_mutually_exclusive_group()
     src.add_argument(
         "--levels", default=None, help=f"level histogram, e.g. {ARTICLE_LEVELS} (the default)"
     )
-    src.add_argument("--levels-file", default=None, help="levels JSONL from `megagrpo profile`")
-    parser.add_argument("--k", type=int, default=5, help="profile samples per problem (--levels)")
-    parser.add_argument("--keep-levels", default="L2-L5", help="e.g. L2-L5, L1-L6, L2,L3")
-    parser.add_argument(
-        "--level-weights", default="", help="comma-separated mixing weights, one per kept level"
+    src.add_argument(
+        "--levels-file",
+        default=None,
+        help="levels JSONL from `megagrpo profile` (default: curriculum.levels_file)",
     )
-    parser.add_argument("--group-size", type=int, default=8, help="G")
-    parser.add_argument("--batch-groups", type=int, default=96, help="groups per batch (B)")
-    parser.add_argument("--max-resample", type=int, default=3, help="R")
+    parser.add_argument("--k", type=int, help="profile samples per problem (curriculum.level_k)")
+    parser.add_argument("--keep-levels", help="curriculum.keep_levels, e.g. L2-L5, L1-L6, L2,L3")
+    parser.add_argument("--level-weights", help="curriculum.level_weights, e.g. 1,1,2,2")
+    parser.add_argument("--group-size", type=int, help="G (rollout.group_size)")
+    parser.add_argument("--batch-groups", type=int, help="B (trainer.batch_groups)")
+    parser.add_argument("--max-resample", type=int, help="R (dynamic.max_resample)")
     parser.add_argument(
         "--policy",
-        default="carry",
         choices=[*POLICIES, "all"],
-        help="shortfall policy; 'all' compares the three",
+        help="dynamic.policy; 'all' compares the three",
     )
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--retire-streak",
-        type=int,
-        default=CurriculumConfig.retire_streak,
-        help="online retirement (0: off, the article's setting)",
-    )
-    parser.add_argument("--revisit-prob", type=float, default=CurriculumConfig.revisit_prob)
+    parser.add_argument("--steps", type=int, default=200, help="simulated training steps")
+    parser.add_argument("--seed", type=int, help="curriculum.seed (also the simulation's)")
+    parser.add_argument("--retire-streak", type=int, help="curriculum.retire_streak (0: off)")
+    parser.add_argument("--revisit-prob", type=float, help="curriculum.revisit_prob")
     parser.add_argument(
         "--drift",
         type=float,
@@ -85,82 +104,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _inputs(args: argparse.Namespace):
+def plan_config(args: argparse.Namespace) -> RunConfig:
+    """The run config with the flags applied as overrides (each flag is one config key)."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        config, overrides = None, [config, *overrides]  # no CONFIG: only overrides
+    for flag, key in SHORTHANDS.items():
+        if getattr(args, flag) is not None:
+            overrides.append(f"{key}={getattr(args, flag)}")
+    try:
+        if args.keep_levels:
+            overrides.append(f"curriculum.keep_levels={parse_level_set(args.keep_levels)}")
+        if args.level_weights:
+            weights = [float(x) for x in args.level_weights.split(",") if x.strip()]
+            overrides.append(f"curriculum.level_weights={weights}")
+    except ValueError as exc:
+        raise ConfigError(f"--keep-levels/--level-weights: {exc}") from exc
+    if args.policy and args.policy != "all":
+        overrides.append(f"dynamic.policy={args.policy}")
     if args.levels_file:
-        records = read_levels_file(args.levels_file)
+        overrides.append(f"curriculum.levels_file={args.levels_file}")
+    return load_config(RunConfig, [config] if config else [], overrides)
+
+
+def _inputs(args: argparse.Namespace, cfg: RunConfig):
+    k = cfg.curriculum.level_k
+    levels_file = None if args.levels else cfg.curriculum.levels_file
+    if levels_file:
+        records = read_levels_file(levels_file)
         ks = {int(r["k"]) for r in records}
         if len(ks) != 1:
-            raise ConfigError(f"{args.levels_file}: mixed k values {sorted(ks)}")
+            raise ConfigError(f"{levels_file}: mixed k values {sorted(ks)}")
         k = ks.pop()
         hist = histogram((int(r["level"]) for r in records), k + 1)
-        return hist, k, population_from_records(records, k, args.seed)
+        return hist, k, population_from_records(records, k, cfg.curriculum.seed)
     try:
         hist = parse_histogram(args.levels or ARTICLE_LEVELS)
     except ValueError as exc:
         raise ConfigError(f"--levels: {exc}") from exc
-    if max(hist) > args.k + 1:
-        raise ConfigError(f"--levels has L{max(hist)} but --k {args.k} allows L1..L{args.k + 1}")
-    return hist, args.k, None
+    if max(hist) > k + 1:
+        raise ConfigError(f"--levels has L{max(hist)} but k={k} allows L1..L{k + 1}")
+    return hist, k, None
 
 
 def run(args: argparse.Namespace) -> int:
-    hist, k, population = _inputs(args)
-    try:
-        keep = parse_level_set(args.keep_levels) or sorted(hist)
-        weights = [float(x) for x in args.level_weights.split(",") if x.strip()]
-    except ValueError as exc:
-        raise ConfigError(f"--keep-levels/--level-weights: {exc}") from exc
-    cur = CurriculumConfig(
-        keep_levels=keep,
-        level_weights=weights,
-        seed=args.seed,
-        level_k=k,
-        retire_streak=args.retire_streak,
-        revisit_prob=args.revisit_prob,
-    )
-    cur.validate("curriculum")
-    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    cfg = plan_config(args)
+    hist, k, population = _inputs(args, cfg)
+    cur = dataclasses.replace(cfg.curriculum, level_k=k)
+    if not args.keep_levels and not (cfg.curriculum.levels_file or args.config):
+        cur.keep_levels = sorted(hist)  # a bare histogram: plan on all of its levels
+    policies = list(POLICIES) if args.policy == "all" else [cfg.dynamic.policy]
     results = {}
     for policy in policies:
-        dyn = DynamicSamplingConfig(max_resample=args.max_resample, policy=policy, preflight="off")
-        dyn.validate("dynamic")
+        dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")
         results[policy] = run_plan(
             hist,
             k,
-            args.group_size,
-            args.batch_groups,
+            cfg.rollout.group_size,
+            cfg.trainer.batch_groups,
             args.steps,
             cur,
             dyn,
             drift=args.drift,
-            seed=args.seed,
+            seed=cur.seed,
             population=population,
         ).to_dict()
     if args.json:
         print(json.dumps(results[policies[0]] if len(policies) == 1 else results, indent=1))
         return 0
-    _print_report(hist, k, keep, args, results)
+    _print_report(hist, k, cur.keep_levels, cfg, args.steps, results)
     return 0
 
 
-def _print_report(hist, k, keep, args, results) -> None:
-    pred = predict_acr(hist, k, args.group_size, keep)
+def _print_report(hist, k, keep, cfg: RunConfig, steps: int, results) -> None:
+    g, b = cfg.rollout.group_size, cfg.trainer.batch_groups
+    pred = predict_acr(hist, k, g, keep)
     print(
         f"problems {sum(hist.values())}, kept {', '.join(f'L{x}' for x in keep)}: "
-        f"{sum(hist.get(x, 0) for x in keep)}; G={args.group_size}, B={args.batch_groups}, "
-        f"R={args.max_resample}, {args.steps} steps"
+        f"{sum(hist.get(x, 0) for x in keep)}; G={g}, B={b}, "
+        f"R={cfg.dynamic.max_resample}, {steps} steps"
     )
     print(
         f"prior Beta(a={pred.prior.a:.3f}, b={pred.prior.b:.3f}); predicted P(collapse): "
         + ", ".join(f"L{lv} {p:.3f}" for lv, p in pred.by_level.items())
     )
-    alternatives = level_alternatives(hist, k, args.group_size)
+    alternatives = level_alternatives(hist, k, g)
     for policy in results:
-        dyn = DynamicSamplingConfig(max_resample=args.max_resample, policy=policy, preflight="off")
-        print(
-            f"pre-flight [{policy}]: "
-            + preflight_check(dyn, pred.acr, args.batch_groups, alternatives).message
-        )
+        dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")
+        print(f"pre-flight [{policy}]: " + preflight_check(dyn, pred.acr, b, alternatives).message)
     width = max(len(x) for x in SUMMARY_KEYS)
     print(f"\n{'':<{width}}" + "".join(f"{p:>12}" for p in results))
     for key in SUMMARY_KEYS:

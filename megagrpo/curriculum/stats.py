@@ -55,11 +55,6 @@ def group_std(values: Any, ddof: int = 0) -> np.ndarray:
     return arr.std(axis=1, ddof=ddof)
 
 
-def collapsed_mask(values: Any, tau: float = ACR_TAU) -> np.ndarray:
-    """``[N]`` bool: group std < tau."""
-    return group_std(values) < tau
-
-
 def collapse_stats(
     rewards: Any,
     correctness: Any | None = None,

@@ -222,10 +222,9 @@ def test_options_beyond_e_and_numeric_digits():
 
 def test_loader_problems_are_scored_the_same(igakuqa_dir):
     """Problems from megagrpo.data (rendered prompts) extract like the raw ones."""
-    data = pytest.importorskip("megagrpo.data")
-    if not hasattr(data, "load_problems"):
-        pytest.skip("megagrpo.data.load_problems not available yet")
-    probs = data.load_problems([igakuqa_dir / "2019"])
+    from megagrpo.data import load_problems
+
+    probs = load_problems([igakuqa_dir / "2019"])
     reward = get("mcq_accuracy")
     assert len(probs) == 400
     for p in probs:
