@@ -1,17 +1,31 @@
-# One obvious way to run things. Both targets create/refresh .venv first (scripts/setup.sh).
+# One obvious way to run things. Every target creates/refreshes .venv first (scripts/setup.sh).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-fast check lint format
 setup:
 	MEGAGRPO_VENV=$(VENV) bash scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/megagrpo train configs/demo_cpu.yaml
 
+# Everything that runs on CPU (unit, gloo multi-process, slow end-to-end); what CI runs.
 test: setup
 	$(PY) -m pytest -q -ra --durations=15
 
-lint: setup
+# Unit tests without the slow and multi-process ones: the edit-test loop (README: its budget).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not distributed" tests/unit --durations=10
+
+# Format, lint and types: CI runs this before the tests.
+check: setup
+	$(VENV)/bin/ruff format --check megagrpo tools tests
 	$(VENV)/bin/ruff check megagrpo tools tests
+	$(VENV)/bin/basedpyright
+
+lint: check
+
+format: setup
+	$(VENV)/bin/ruff format megagrpo tools tests
+	$(VENV)/bin/ruff check --fix megagrpo tools tests

@@ -1,8 +1,9 @@
 """`megagrpo` command line: one subcommand per job.
 
-Each subcommand lives in its own module of :mod:`megagrpo.commands` exposing ``add_arguments(parser)`` and
-``run(args) -> int``; the registry below maps names to (module, one-line help). Modules are
-imported only when their subcommand runs, so ``megagrpo --help`` is instant.
+Each subcommand lives in its own module of :mod:`megagrpo.commands` exposing
+``add_arguments(parser)`` and ``run(args) -> int``; the registry below maps names to (module,
+one-line help). Modules are imported only when their subcommand runs, so ``megagrpo --help``
+is instant.
 """
 
 from __future__ import annotations

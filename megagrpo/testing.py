@@ -190,3 +190,77 @@ def build_tiny_model(
     gen = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen), encoding="utf-8")
     return out
+
+
+def scaled_tol(expected, ulps: float = 64.0, dtype=None) -> float:
+    """Absolute tolerance for two computations of ``expected`` (a tensor) that may differ only
+    in the order of floating-point reductions (another BLAS blocking, TP/EP splits, padding,
+    another implementation of the same math): ``ulps`` units of ``dtype``'s epsilon (default:
+    ``expected``'s) at the scale of the values, max |expected| (at least 1).
+
+    A reordered sum of K terms moves by about sqrt(K) eps x scale, K eps x scale at worst; the
+    tiny models sum a few hundred to a few thousand terms per output, so 64 ulps of the scale
+    holds on any x86 CPU, while a real defect (a wrong scale, a dropped term, an off-by-one
+    position) shows up orders of magnitude above it.
+    """
+    import torch
+
+    finfo = torch.finfo(dtype or expected.dtype)
+    return float(ulps * finfo.eps * max(1.0, expected.detach().abs().max().item()))
+
+
+def assert_close_scaled(actual, expected, ulps: float = 64.0, what: str = "") -> None:
+    """``max |actual - expected| <= scaled_tol(expected, ulps)`` (see :func:`scaled_tol`)."""
+    tol = scaled_tol(expected, ulps)
+    diff = float((actual.detach().float() - expected.detach().float()).abs().max().item())
+    assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol:.3g} ({ulps} ulps of the scale)"
+
+
+def tiny_run_config(model_dir, out_dir, name: str, **sections) -> dict:
+    """A `megagrpo train` config (as a dict) for a tiny run on the bundled demo problems:
+    the test model ``model_dir`` with LoRA on every linear, the 0/1 ``toy_first_token`` reward,
+    the HF engine, G=4, 4 groups per step, 3 steps, W&B off. ``sections`` are merged in per
+    key (``rollout={"engine": "vllm"}`` keeps the other rollout keys)."""
+    assets = Path(__file__).resolve().parent / "assets"
+    cfg: dict = {
+        "model": {
+            "hf_path": str(model_dir),
+            "lora": {
+                "rank": 4,
+                "alpha": 8.0,
+                "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+            },
+        },
+        "data": {"train": [str(assets / "demo_train.jsonl")]},
+        "rewards": {"functions": [{"name": "toy_first_token"}]},
+        "rollout": {"engine": "hf", "group_size": 4, "max_tokens": 6, "max_model_len": 256},
+        "dynamic": {"max_resample": 1},
+        "trainer": {
+            "name": name,
+            "output_dir": str(out_dir),
+            "max_steps": 3,
+            "batch_groups": 4,
+            "micro_batch_size": 4,
+            "lr": 1e-2,
+        },
+        "metrics": {"wandb_mode": "disabled", "progress_bar": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(cfg.get(section), dict):
+            cfg[section] = {**cfg[section], **values}
+        else:
+            cfg[section] = values
+    return cfg
+
+
+def write_run_config(path, cfg: dict):
+    """Write a config dict (:func:`tiny_run_config`) as YAML; returns the path."""
+    import yaml
+
+    path = Path(path)
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+DEMO_EVAL = Path(__file__).resolve().parent / "assets" / "demo_eval.jsonl"
+"""The bundled held-out demo problems (for configs that evaluate)."""

