@@ -38,7 +38,8 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    """Tensors of one micro-batch (all [B, T], B <= micro_batch_size)."""
+    """Tensors of one micro-batch (all [B, T], B <= micro_batch_size). A *padding*
+    micro-batch (:func:`padding_micro_batch`) holds one all-masked row and no sample."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -47,15 +48,54 @@ class MicroBatch:
     advantages: torch.Tensor
     rollout_logprobs: torch.Tensor
     indices: list[int]
+    """Positions of its samples in the flattened batch ([] for a padding micro-batch)."""
 
     @property
     def num_seqs(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Samples (completions, an empty one included) in this micro-batch."""
+        return len(self.indices)
+
+    @property
+    def num_nonempty(self) -> int:
+        """Samples with at least one loss token."""
+        return int((self.mask.sum(dim=1) > 0).sum().item())
 
     @property
     def num_tokens(self) -> int:
         """Loss tokens (completion tokens) in this micro-batch."""
         return int(self.mask.sum().item())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (the loss and the model's
+        compute device: the fused kernel takes no host tensor next to CUDA logits)."""
+        return MicroBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.target_ids.to(device),
+            self.mask.to(device),
+            self.advantages.to(device),
+            self.rollout_logprobs.to(device),
+            self.indices,
+        )
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Sums over the whole trained batch (every data-parallel rank), for the micro-batch
+    weights: samples, samples with at least one loss token, loss tokens."""
+
+    seqs: float
+    nonempty: float
+    tokens: float
+
+
+def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
+    """A micro-batch of one all-masked row of ``length`` pad tokens: it runs the model's
+    forward/backward (and its collectives) and contributes exactly zero loss and gradient."""
+    ids = torch.full((1, length), pad_id, dtype=torch.long)
+    zeros = torch.zeros((1, length), dtype=torch.float32)
+    pos = torch.arange(length, dtype=torch.long).unsqueeze(0)
+    return MicroBatch(ids, pos, torch.zeros_like(ids), zeros, zeros.clone(), zeros.clone(), [])
 
 
 def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sample]:
@@ -144,10 +184,15 @@ def has_rollout_logprobs(groups: Sequence[Group]) -> bool:
     )
 
 
-def microbatch_weight(mb: MicroBatch, loss_agg: str, total_seqs: int, total_tokens: int) -> float:
-    """Scale of a micro-batch's (locally normalised) loss so the accumulated gradient equals
-    the gradient of the loss over the whole batch: by tokens for ``token_mean``, by
-    sequences for the per-sequence aggregations."""
+def microbatch_weight(mb: MicroBatch, loss_agg: str, totals: BatchTotals) -> float:
+    """Scale of a micro-batch's (locally normalised) loss so that the accumulated loss and
+    gradient equal the whole batch's: each aggregation's per-micro-batch denominator over
+    the whole batch's (:func:`megagrpo.algo.losses.token_weights`): loss tokens for
+    ``token_mean``, non-empty sequences for ``seq_mean_token_mean`` (an empty completion
+    has no token mean), sequences for ``seq_mean_token_sum_norm`` (with the fixed
+    ``loss.max_tokens`` normaliser, set by ``RunConfig.resolve``). 0 for padding."""
     if loss_agg == "token_mean":
-        return mb.num_tokens / max(total_tokens, 1)
-    return mb.num_seqs / max(total_seqs, 1)
+        return mb.num_tokens / max(totals.tokens, 1.0)
+    if loss_agg == "seq_mean_token_mean":
+        return mb.num_nonempty / max(totals.nonempty, 1.0)
+    return mb.num_seqs / max(totals.seqs, 1.0)

@@ -100,6 +100,14 @@ class Comm:
         dist.all_reduce(t, group=group)
         return {k: float(v) / size for k, v in zip(keys, t.tolist())}
 
+    def max_over(self, value: float, group: dist.ProcessGroup | None = None) -> float:
+        """Max of a scalar over ``group`` (None: the world)."""
+        if not _on():
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
     def sum_over(self, value: float, group: dist.ProcessGroup | None = None) -> float:
         """Sum of a scalar over ``group`` (None: the world)."""
         if not _on():

@@ -28,13 +28,15 @@ from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.trainer.batch import (
+    BatchTotals,
     MicroBatch,
     build_samples,
     has_rollout_logprobs,
     micro_batches,
     microbatch_weight,
+    padding_micro_batch,
 )
-from megagrpo.trainer.context import TrainContext
+from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -56,12 +58,27 @@ def build_micro_batches(
     adv: torch.Tensor,
     micro_batch_size: int,
     pad_id: int,
+    device: torch.device,
     pad_to_multiple: int = 1,
 ) -> list[MicroBatch]:
-    """Padded micro-batches of ``groups`` (advantage rows ``adv`` [N, G]); ``pad_to_multiple``:
-    sequence parallelism needs T % TP == 0."""
+    """Padded micro-batches of ``groups`` (advantage rows ``adv`` [N, G]) on ``device``;
+    ``pad_to_multiple``: sequence parallelism needs T % TP == 0."""
     samples = build_samples(groups, adv)
-    return list(micro_batches(samples, micro_batch_size, pad_id, pad_to_multiple=pad_to_multiple))
+    mbs = micro_batches(samples, micro_batch_size, pad_id, pad_to_multiple=pad_to_multiple)
+    return [mb.to(device) for mb in mbs]
+
+
+def equalize_micro_batches(
+    mbs: list[MicroBatch], comm: Comm, pgs: ParallelGroups, pad_id: int
+) -> list[MicroBatch]:
+    """Every data-parallel rank runs the same number of micro-batches: expert-parallel
+    all-to-alls span DP ranks, so a rank that stops early (a short dynamic-sampling batch
+    split unevenly, or no share at all) would leave the others waiting forever. The missing
+    ones are padding micro-batches: a forward/backward that contributes exactly zero."""
+    target = int(comm.max_over(float(len(mbs)), pgs.dp))
+    length = pgs.tp_size if pgs.sequence_parallel else 1
+    pads = [padding_micro_batch(length, pad_id).to(pgs.device) for _ in range(target - len(mbs))]
+    return mbs + pads
 
 
 @torch.no_grad()
@@ -89,11 +106,11 @@ def policy_logprobs(
     return out
 
 
-def _param_sq(params: list[nn.Parameter]) -> torch.Tensor:
-    sq = torch.zeros((), dtype=torch.float64)
+def _param_sq(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq += p.grad.detach().double().pow(2).sum().to(device)
     return sq
 
 
@@ -108,11 +125,13 @@ def clip_grad_norm(
     replica (:meth:`megagrpo.model.Policy.grad_norm_params`); every gradient of ``params`` is
     clipped by it when ``max_norm`` > 0."""
     dense, expert = norm_params
-    sq = torch.stack([_param_sq(dense), _param_sq(expert)])
-    if pgs.world_size > 1:
+    sq = torch.stack([_param_sq(dense, pgs.device), _param_sq(expert, pgs.device)])
+    if pgs.world_size > 1:  # on the compute device: NCCL reduces no host tensor
         dist.all_reduce(sq)
         sq = sq / torch.tensor(
-            [float(pgs.dp_size), float(max(pgs.expert_dp_size, 1))], dtype=torch.float64
+            [float(pgs.dp_size), float(max(pgs.expert_dp_size, 1))],
+            dtype=torch.float64,
+            device=pgs.device,
         )
     norm = float(sq.sum().sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
@@ -128,7 +147,7 @@ def _backward_pass(
     mbs: list[MicroBatch],
     old: list | None,
     ref: list | None,
-    totals: tuple[int, int],
+    totals: BatchTotals,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, accumulating gradients; weighted loss metrics."""
     cfg = ctx.cfg.loss
@@ -147,7 +166,7 @@ def _backward_pass(
             tp_group=ctx.tp_group,
             rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None,
         )
-        weight = microbatch_weight(mb, agg, *totals)
+        weight = microbatch_weight(mb, agg, totals)
         (loss * weight).backward()
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + weight * float(v)
@@ -166,12 +185,14 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     tcfg, pgs = ctx.cfg.trainer, ctx.pgs
     mine, my_adv = local_share(groups, adv, pgs.dp_rank, pgs.dp_size)
     pad_to = pgs.tp_size if pgs.sequence_parallel else 1
-    mbs = (
-        build_micro_batches(mine, my_adv, tcfg.micro_batch_size, ctx.pad_id, pad_to) if mine else []
-    )
+    mbs = build_micro_batches(mine, my_adv, tcfg.micro_batch_size, ctx.pad_id, pgs.device, pad_to)
+    mbs = equalize_micro_batches(mbs, ctx.comm, pgs, ctx.pad_id)
     # Totals over the whole batch (all DP ranks): DP grad sync averages, so scale by dp_size.
-    seqs = ctx.comm.sum_over(sum(mb.num_seqs for mb in mbs), pgs.dp) / pgs.dp_size
-    toks = ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size
+    totals = BatchTotals(
+        seqs=ctx.comm.sum_over(sum(mb.num_seqs for mb in mbs), pgs.dp) / pgs.dp_size,
+        nonempty=ctx.comm.sum_over(sum(mb.num_nonempty for mb in mbs), pgs.dp) / pgs.dp_size,
+        tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
+    )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
     old = None
     if source == "recompute":
@@ -183,7 +204,6 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         ref = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True)
     sums: dict[str, float] = {}
     grad_norm = 0.0
-    totals = (max(int(round(seqs)), 1), max(int(round(toks)), 1))
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
         sums = _backward_pass(ctx, mbs, old, ref, totals)
@@ -198,6 +218,6 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     metrics = ctx.comm.mean_over(metrics, pgs.dp)
     metrics["train/grad_norm"] = grad_norm
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
-    metrics["train/micro_batches"] = float(len(mbs))
+    metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
     metrics["train/old_logprobs_" + source] = 1.0
     return metrics

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def trainer_probe(ctx: TrainContext, probe_ids: list[int]) -> list[float]:
     """The trainer's log-probs ``[L - 1]`` of ``probe_ids[1:]`` (collective over TP)."""
-    ids = torch.tensor([probe_ids], dtype=torch.long)
-    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    ids = torch.tensor([probe_ids], dtype=torch.long, device=ctx.pgs.device)
+    pos = torch.arange(ids.shape[1], device=ctx.pgs.device).unsqueeze(0)
     logits = ctx.policy.forward_logits(ids, pos)
     logp, *_ = token_stats(
         logits[0, :-1].contiguous(),

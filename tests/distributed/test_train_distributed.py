@@ -44,7 +44,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(config: Path, nproc: int) -> None:
+def _run(config: Path, nproc: int, timeout: float = 300) -> None:
     launcher = (
         [
             sys.executable,
@@ -69,7 +69,7 @@ def _run(config: Path, nproc: int) -> None:
         start_new_session=True,
     )
     try:
-        _, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -104,3 +104,25 @@ def test_two_process_run_matches_single_process_first_step(runs, layout):
     assert b["loss/entropy"] == pytest.approx(a["loss/entropy"], rel=1e-4)
     assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
     assert a["train/grad_norm"] > 0
+
+
+def test_uneven_data_parallel_shares_run_the_same_micro_batches(tiny_moe_dir, tmp_path):
+    """EP=2 over 2 DP ranks, 3 groups of 4: round-robin gives rank 0 two groups (3 micro-batches
+    of at most 3) and rank 1 one group (2 micro-batches). The expert all-to-all spans both
+    ranks, so unless rank 1 runs a padding micro-batch the step deadlocks (killed at the
+    timeout). Padding contributes nothing: the loss equals the single-process run's."""
+    out = tmp_path
+    for name, nproc, parallel in (("one", 1, {}), ("ep2", 2, {"ep": 2})):
+        cfg = tiny_run_config(
+            tiny_moe_dir,
+            out,
+            name,
+            parallel=parallel,
+            rollout={"max_tokens": 5},
+            dynamic={"enabled": False},
+            trainer={"max_steps": 1, "batch_groups": 3, "micro_batch_size": 3, "grad_clip": 0.0},
+        )
+        _run(write_run_config(out / f"{name}.yaml", cfg), nproc, timeout=240)
+    one, two = (read_metrics(out / n / "metrics.jsonl")[0] for n in ("one", "ep2"))
+    assert two["loss/policy"] == pytest.approx(one["loss/policy"], rel=1e-4, abs=1e-6)
+    assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-4)

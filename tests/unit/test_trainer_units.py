@@ -12,7 +12,13 @@ from megagrpo.algo.config import LossConfig
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.kernels import fused_policy_loss
 from megagrpo.trainer import checkpoint
-from megagrpo.trainer.batch import build_samples, micro_batches, microbatch_weight
+from megagrpo.trainer.batch import (
+    BatchTotals,
+    build_samples,
+    micro_batches,
+    microbatch_weight,
+    padding_micro_batch,
+)
 from megagrpo.trainer.config import TrainerConfig
 from megagrpo.trainer.rollouts import round_seed
 from megagrpo.types import Group, Problem
@@ -69,32 +75,61 @@ def test_micro_batches_bound_size_and_pad_to_multiple():
 
 
 @pytest.mark.parametrize("variant", ["grpo", "dapo", "dr_grpo", "gspo"])
-def test_gradient_accumulation_equals_whole_batch(variant):
-    """Micro-batches of 1 sequence, weighted, give the gradient of the whole-batch loss."""
+@pytest.mark.parametrize(
+    "agg", ["auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
+def test_micro_batched_loss_equals_whole_batch(variant, agg):
+    """Micro-batches of 1 sequence (an empty completion and a padding micro-batch among them),
+    weighted, give the whole-batch loss and its gradient, for every variant and aggregation
+    (the Dr.GRPO normaliser is the fixed generation budget, as RunConfig.resolve sets it)."""
     vocab = 11
-    groups = _groups(lengths=((3, 5, 2), (1, 4, 6)), prompt_lens=(4, 2), vocab=vocab)
+    groups = _groups(lengths=((3, 5, 0), (1, 4, 6)), prompt_lens=(4, 2), vocab=vocab)
     adv = torch.tensor([[1.0, -0.3, -0.7], [0.5, 0.2, -0.7]])
-    cfg = LossConfig(variant=variant, backend="torch", max_tokens=6 if variant == "dr_grpo" else 0)
+    cfg = LossConfig(variant=variant, loss_agg=agg, backend="torch")
+    if cfg.resolved_loss_agg() == "seq_mean_token_sum_norm":
+        cfg.max_tokens = 6
     samples = build_samples(groups, adv)
     torch.manual_seed(0)
     table = torch.randn(vocab + 1, vocab, dtype=torch.float64)
 
-    def grad_of(mbs):
+    def loss_and_grad(mbs):
         emb = table.clone().requires_grad_(True)
-        seqs = sum(mb.num_seqs for mb in mbs)
-        toks = sum(mb.num_tokens for mb in mbs)
+        totals = BatchTotals(
+            seqs=sum(mb.num_seqs for mb in mbs),
+            nonempty=sum(mb.num_nonempty for mb in mbs),
+            tokens=sum(mb.num_tokens for mb in mbs),
+        )
+        total = 0.0
         for mb in mbs:
             logits = emb[mb.input_ids.clamp(max=vocab)]
             loss, _ = fused_policy_loss(
                 logits, mb.target_ids, mb.rollout_logprobs, mb.advantages, mb.mask, cfg
             )
-            (loss * microbatch_weight(mb, cfg.resolved_loss_agg(), seqs, toks)).backward()
-        return emb.grad
+            weighted = loss * microbatch_weight(mb, cfg.resolved_loss_agg(), totals)
+            weighted.backward()
+            total += float(weighted.detach())
+        assert emb.grad is not None
+        return total, emb.grad
 
-    whole = grad_of(list(micro_batches(samples, 64, pad_id=vocab)))
-    accumulated = grad_of(list(micro_batches(samples, 1, pad_id=vocab)))
+    whole_loss, whole = loss_and_grad(list(micro_batches(samples, 64, pad_id=vocab)))
+    one_by_one = list(micro_batches(samples, 1, pad_id=vocab)) + [padding_micro_batch(3, vocab)]
+    acc_loss, accumulated = loss_and_grad(one_by_one)
     assert whole.abs().max() > 1e-3
-    torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)  # fp32 inside the loss
+    # fp32 inside the loss on O(1) values: a few ulps of float32 per term
+    assert acc_loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_micro_batch_contributes_exactly_zero():
+    cfg = LossConfig(variant="gspo", backend="torch")
+    mb = padding_micro_batch(4, pad_id=0)
+    emb = torch.randn(3, 5).requires_grad_(True)
+    loss, _ = fused_policy_loss(
+        emb[mb.input_ids], mb.target_ids, mb.rollout_logprobs, mb.advantages, mb.mask, cfg
+    )
+    loss.backward()
+    assert float(loss) == 0.0 and emb.grad is not None and not emb.grad.any()
+    assert mb.num_seqs == mb.num_nonempty == mb.num_tokens == 0
 
 
 def _save(root, step, rank=0, world=1, meta=None, keep=2):
