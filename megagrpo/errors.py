@@ -1,6 +1,8 @@
 """Project error types: user errors name the offending key, file or line."""
 
 import math
+import os
+from pathlib import Path
 
 
 class MegagrpoError(Exception):
@@ -17,6 +19,25 @@ class DataError(MegagrpoError, ValueError):
 
 class CheckpointError(MegagrpoError):
     """A checkpoint is missing, incomplete or does not match the model/layout."""
+
+
+def not_utf8(path: str | os.PathLike) -> DataError:
+    """DataError naming the first byte of ``path`` that is not UTF-8 (file:line, column).
+
+    Text-mode reads raise ``UnicodeDecodeError`` with an offset into an internal chunk and no
+    file name; this re-reads the raw bytes to say where the problem is.
+    """
+    raw = Path(path).read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        return DataError(
+            f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {col}); "
+            "save the file as UTF-8"
+        )
+    return DataError(f"{path}: not UTF-8")  # pragma: no cover - the caller saw a decode error
 
 
 def require(cond: bool, key: str, msg: str) -> None:
