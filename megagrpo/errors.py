@@ -1,5 +1,9 @@
 """Project error types: user errors name the offending key, file or line."""
 
+import math
+import os
+from pathlib import Path
+
 
 class MegagrpoError(Exception):
     """Base class for errors caused by user input (configs, data, checkpoints)."""
@@ -17,7 +21,39 @@ class CheckpointError(MegagrpoError):
     """A checkpoint is missing, incomplete or does not match the model/layout."""
 
 
+def not_utf8(path: str | os.PathLike) -> DataError:
+    """DataError naming the first byte of ``path`` that is not UTF-8 (file:line, column).
+
+    Text-mode reads raise ``UnicodeDecodeError`` with an offset into an internal chunk and no
+    file name; this re-reads the raw bytes to say where the problem is.
+    """
+    raw = Path(path).read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        return DataError(
+            f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {col}); "
+            "save the file as UTF-8"
+        )
+    return DataError(f"{path}: not UTF-8")  # pragma: no cover - the caller saw a decode error
+
+
 def require(cond: bool, key: str, msg: str) -> None:
     """Raise ConfigError for ``key`` unless ``cond``: the one-liner config validators use."""
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
+
+
+def require_finite(value: object, key: str) -> None:
+    """Raise ConfigError for ``key`` unless ``value`` is a finite real number.
+
+    Range checks (``> 0``, ``in [0, 1)``) compare as False for NaN but True for ``inf``, so
+    every float key is checked with this first: ``trainer.lr=inf`` or ``loss.entropy_coef=nan``
+    would otherwise reach the weights and fail far away, blaming something else.
+    """
+    finite = (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    )
+    require(finite, key, f"must be a finite number, got {value!r}")

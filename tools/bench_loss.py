@@ -289,7 +289,7 @@ def spawn(method: str, a: argparse.Namespace, tmp: Path) -> dict | None:
     if proc.returncode != 0:
         print(f"[{method}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None
-    return torch.load(out, weights_only=False)
+    return torch.load(out, weights_only=True)  # tensors and plain types only
 
 
 # ----------------------------------------------------------------------------- report

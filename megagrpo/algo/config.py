@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 
 VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo")
 LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -67,6 +67,8 @@ class LossConfig:
 
     def validate(self, path: str = "loss") -> None:
         """Check values; raises ConfigError naming the key."""
+        for key in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "tis_cap"):
+            require_finite(getattr(self, key), f"{path}.{key}")
         require(self.variant in VARIANTS, f"{path}.variant", f"must be one of {VARIANTS}")
         require(0.0 <= self.eps_low < 1.0, f"{path}.eps_low", "must be in [0, 1)")
         require(self.eps_high >= 0.0, f"{path}.eps_high", "must be >= 0")

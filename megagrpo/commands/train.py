@@ -44,6 +44,9 @@ def _env_defaults() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("WANDB_SILENT", "true")
+    # W&B's own telemetry posts to the W&B host at exit, even offline: 10 s per exit on a
+    # cluster without network. Set WANDB_ERROR_REPORTING=true to send it anyway.
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

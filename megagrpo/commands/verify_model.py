@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.model.pretrained import resolve_model_path
     from megagrpo.parallel import ParallelConfig, validate_layout
 
-    args.hf = str(resolve_model_path(args.hf))  # a directory, or a bundled name (smollm2-135m)
+    # a directory, or a bundled name (smollm2-135m); parity needs the weights only
+    args.hf = str(resolve_model_path(args.hf, need_tokenizer=False))
     arch = arch_from_hf(load_hf_config(args.hf))
     layout, world = _layout(args, arch.is_moe), _world(args)
     validate_layout(ParallelConfig(**layout), arch.raw, world)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 
 POLICIES = ("original", "partial", "carry")
 PREFLIGHT_MODES = ("warn", "fail", "off")
@@ -38,6 +38,11 @@ class CurriculumConfig:
     splits)."""
 
     def validate(self, path: str) -> None:
+        """Check values; raises ConfigError naming the key."""
+        for i, w in enumerate(self.level_weights):
+            require_finite(w, f"{path}.level_weights.{i}")
+        require_finite(self.online_decay, f"{path}.online_decay")
+        require_finite(self.revisit_prob, f"{path}.revisit_prob")
         require(
             all(isinstance(x, int) and 1 <= x for x in self.keep_levels),
             f"{path}.keep_levels",
@@ -82,6 +87,8 @@ class DynamicSamplingConfig:
     """warn | fail | off: start-up check that (1 - predicted ACR) * rounds >= 1."""
 
     def validate(self, path: str) -> None:
+        """Check values; raises ConfigError naming the key."""
+        require_finite(self.tau, f"{path}.tau")
         require(self.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}")
         require(self.max_resample >= 0, f"{path}.max_resample", "must be >= 0")
         require(self.tau > 0, f"{path}.tau", "must be > 0")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megagrpo.errors import DataError
+from megagrpo.errors import DataError, not_utf8
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,10 @@ def read_levels_file(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"levels file not found: {path}")
     records: list[dict] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue

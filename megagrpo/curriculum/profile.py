@@ -19,7 +19,7 @@ from typing import Any
 
 from megagrpo.curriculum.levels import BetaPrior, histogram, level_from_counts, predict_acr
 from megagrpo.curriculum.stats import SOLVED_THRESHOLD
-from megagrpo.errors import DataError
+from megagrpo.errors import DataError, not_utf8
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,10 @@ def _finished(path: Path, k: int) -> dict[str, dict]:
         return {}
     done: dict[str, dict] = {}
     good_lines: list[str] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue

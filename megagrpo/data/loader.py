@@ -25,7 +25,7 @@ from pathlib import Path
 
 from megagrpo.data.config import PromptConfig
 from megagrpo.data.prompts import render_messages
-from megagrpo.errors import DataError
+from megagrpo.errors import DataError, not_utf8
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -65,18 +65,57 @@ def iter_jsonl_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> Iterable[tuple[int, dict]]:
-    """Yield ``(line_number, record)``; a malformed line raises DataError naming file:line."""
+    """Yield ``(line_number, record)``; a malformed line (bad JSON, not UTF-8, not an object)
+    raises DataError naming file:line."""
     with open(path, encoding="utf-8") as fh:
-        for num, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{num}: malformed JSON ({exc.msg})") from exc
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{num}: expected a JSON object, got {type(rec).__name__}")
-            yield num, rec
+        try:
+            for num, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{num}: malformed JSON ({exc.msg})") from exc
+                if not isinstance(rec, dict):
+                    raise DataError(
+                        f"{path}:{num}: expected a JSON object, got {type(rec).__name__}"
+                    )
+                yield num, rec
+        except UnicodeDecodeError:
+            raise not_utf8(path) from None
+
+
+# Fields whose JSON type a format relies on: key -> (allowed types, what the error says).
+_FieldTypes = dict[str, tuple[tuple[type, ...], str]]
+_IGAKUQA_TYPES: _FieldTypes = {
+    "answer": ((list, str, type(None)), "a list of option letters"),
+    "choices": ((list, type(None)), "a list of option texts"),
+}
+_SOLUTION = ((list, str, int, float, type(None)), 'a string like "c" or "c,d" (or a list)')
+_SWIFT_TYPES: _FieldTypes = {
+    "messages": ((list,), "a list of {role, content} objects"),
+    "solution": _SOLUTION,
+    "answer": _SOLUTION,
+}
+_INT_TEXT = re.compile(r"\s*[+-]?\d*\s*")
+
+
+def _check_field_types(rec: dict, where: str) -> None:
+    """DataError naming file:line and the key when a known field has the wrong JSON type."""
+    igakuqa = "problem_text" in rec and "problem_id" in rec  # the dispatch of load_problems
+    for key, (types, what) in (_IGAKUQA_TYPES if igakuqa else _SWIFT_TYPES).items():
+        value = rec.get(key)
+        if key in rec and (not isinstance(value, types) or isinstance(value, bool)):
+            raise DataError(
+                f"{where}: '{key}' must be {what}, got {type(value).__name__} {value!r:.60}"
+            )
+    points = rec.get("points")
+    if points is not None and (
+        isinstance(points, bool)
+        or not isinstance(points, (int, str))
+        or (isinstance(points, str) and not _INT_TEXT.fullmatch(points))
+    ):
+        raise DataError(f"{where}: 'points' must be an integer, got {points!r:.60}")
 
 
 def _normalise_answer(items: Iterable[str]) -> list[str]:
@@ -87,7 +126,19 @@ def _load_metadata(data_file: Path) -> dict[str, dict]:
     meta_file = data_file.with_name(data_file.stem + "_metadata.jsonl")
     if not meta_file.is_file():
         return {}
-    return {rec["problem_id"]: rec for _, rec in read_jsonl(meta_file) if "problem_id" in rec}
+    out = {}
+    for num, rec in read_jsonl(meta_file):
+        acc = rec.get("human_accuracy")
+        if acc not in (None, ""):
+            try:
+                float(acc)
+            except (TypeError, ValueError):
+                raise DataError(
+                    f"{meta_file}:{num}: 'human_accuracy' must be a number, got {acc!r:.60}"
+                ) from None
+        if "problem_id" in rec:
+            out[rec["problem_id"]] = rec
+    return out
 
 
 def _year_of(path: Path, exam: str) -> int | None:
@@ -178,6 +229,7 @@ def load_problems(
         meta = _load_metadata(path)
         for num, rec in read_jsonl(path):
             where = f"{path}:{num}"
+            _check_field_types(rec, where)
             if "problem_text" in rec and "problem_id" in rec:
                 prob = _igakuqa_problem(rec, where, path, meta, prompt)
             elif "messages" in rec:

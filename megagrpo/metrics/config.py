@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -21,6 +21,10 @@ class MetricsConfig:
     """W&B entity (team/user); None: the account default."""
     wandb_dir: str | None = None
     """Where W&B writes its files; None: the run directory."""
+    wandb_init_timeout_s: float = 30.0
+    """Seconds ``wandb.init`` may take (W&B's own default is 90, tried twice). When an online
+    init fails or times out (no network, server down), the run logs W&B offline instead, with
+    a warning; upload it later with ``wandb sync``."""
     progress_bar: bool = True
     """Console tqdm bar with step, reward, raw ACR and tokens/s (rank 0 only)."""
     log_every: int = 1
@@ -32,3 +36,5 @@ class MetricsConfig:
             self.wandb_mode in WANDB_MODES, f"{path}.wandb_mode", f"must be one of {WANDB_MODES}"
         )
         require(self.log_every >= 1, f"{path}.log_every", "must be >= 1")
+        require_finite(self.wandb_init_timeout_s, f"{path}.wandb_init_timeout_s")
+        require(self.wandb_init_timeout_s > 0, f"{path}.wandb_init_timeout_s", "must be > 0")

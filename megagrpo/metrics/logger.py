@@ -88,6 +88,10 @@ class WandbLogger:
     """Real ``wandb`` run; ``mode`` offline (default, no key), online or disabled.
 
     The run id is kept in ``run_dir/wandb_id`` so a resumed training continues the same run.
+    Logging never costs the training run: ``wandb.init`` is bounded by
+    ``metrics.wandb_init_timeout_s``; a failed online init falls back to offline (same id), a
+    failed init of that id to a new id in the same group, and when W&B cannot start at all it
+    is skipped with a warning (metrics.jsonl holds every row regardless).
     """
 
     def __init__(self, cfg: MetricsConfig, run_dir: Path, name: str, config: dict | None = None):
@@ -107,26 +111,72 @@ class WandbLogger:
             dir=str(wandb_dir),
             mode=cfg.wandb_mode,
             config=config or {},
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            settings=wandb.Settings(
+                silent=True,
+                console="off",
+                x_disable_stats=True,
+                init_timeout=float(cfg.wandb_init_timeout_s),
+            ),
         )
-        try:
-            self._run = wandb.init(id=run_id, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - e.g. "run ID in use" after a SIGKILL
-            # The killed process's W&B service may still hold the id: continue in a new run
-            # (same name and group), never lose the training run over its logging.
-            new_id = f"{run_id.split('-r')[0]}-r{secrets.token_hex(2)}"
-            log.warning(
-                "W&B run %s could not be resumed (%s); logging to new run %s", run_id, exc, new_id
-            )
-            id_file.write_text(new_id)
-            self._run = wandb.init(id=new_id, group=run_id.split("-r")[0], **kwargs)
+        self._run = _start_run(wandb, run_id, id_file, kwargs)
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        if self._run is None:
+            return
         row = {k: v for k, v in ((k, _clean(v)) for k, v in metrics.items()) if v is not None}
         self._run.log(row, step=int(step))
 
     def close(self) -> None:
-        self._run.finish()
+        if self._run is not None:
+            self._run.finish()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _start_run(wandb: Any, run_id: str, id_file: Path, kwargs: dict[str, Any]) -> Any:
+    """``wandb.init`` with the fallbacks of :class:`WandbLogger`; None when W&B cannot start."""
+    try:
+        return wandb.init(id=run_id, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - W&B raises many types; logging must not kill
+        error = exc
+    wandb.teardown()  # the failed attempt's W&B service still holds the run id
+    if kwargs["mode"] == "online":
+        log.warning(
+            "W&B online init failed within %.0f s (%s); logging W&B offline to %s instead "
+            "(upload later with `wandb sync`)",
+            kwargs["settings"].init_timeout,
+            _first_line(error),
+            kwargs["dir"],
+        )
+        kwargs = {**kwargs, "mode": "offline"}
+        try:
+            return wandb.init(id=run_id, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        wandb.teardown()
+    # e.g. "run ID in use" after a SIGKILL: continue in a new run of the same name and group.
+    group = run_id.split("-r")[0]
+    new_id = f"{group}-r{secrets.token_hex(2)}"
+    log.warning(
+        "W&B run %s could not be resumed (%s); logging to new run %s",
+        run_id,
+        _first_line(error),
+        new_id,
+    )
+    try:
+        run = wandb.init(id=new_id, group=group, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        wandb.teardown()
+        log.warning(
+            "W&B could not start (%s): no W&B logging for this run; metrics.jsonl holds every row",
+            _first_line(exc),
+        )
+        return None
+    id_file.write_text(new_id)
+    return run
 
 
 class ConsoleLogger:

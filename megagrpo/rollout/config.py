@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 
 ENGINES = ("vllm", "hf")
 PLACEMENTS = ("auto", "rank0", "sharded")
@@ -67,7 +67,21 @@ class RolloutConfig:
             f"{path}.engine",
             f"must be one of {ENGINES}, got {self.engine!r}",
         )
-        require(self.group_size >= 1, f"{path}.group_size", "must be >= 1")
+        require(
+            self.group_size >= 2,
+            f"{path}.group_size",
+            f"must be >= 2, got {self.group_size}: GRPO learns from differences within a "
+            "group, and a group of one answer never has any",
+        )
+        for key in (
+            "temperature",
+            "top_p",
+            "gpu_memory_utilization",
+            "sync_bucket_mb",
+            "verify_tol",
+            "verify_min_change",
+        ):
+            require_finite(getattr(self, key), f"{path}.{key}")
         require(self.temperature > 0, f"{path}.temperature", "must be > 0")
         require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
         require(self.max_tokens >= 1, f"{path}.max_tokens", "must be >= 1")
@@ -95,4 +109,5 @@ class RolloutConfig:
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
         require(self.verify_tol > 0, f"{path}.verify_tol", "must be > 0")
+        require(self.verify_min_change >= 0, f"{path}.verify_min_change", "must be >= 0")
         require(self.probe_len >= 2, f"{path}.probe_len", "must be >= 2")

@@ -96,7 +96,12 @@ class TrainerConfig:
             f"{path}.old_logprobs",
             "ppo_epochs > 1 needs 'recompute' (or 'auto')",
         )
+        from megagrpo.errors import require_finite  # noqa: PLC0415 (this body only)
+
+        for key in ("lr", "weight_decay", "grad_clip"):
+            require_finite(getattr(self, key), f"{path}.{key}")
         require(self.lr > 0, f"{path}.lr", "must be > 0")
+        require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0")
         require(
             self.weight_sync in WEIGHT_SYNCS,
             f"{path}.weight_sync",
@@ -107,6 +112,9 @@ class TrainerConfig:
             f"{path}.adam_betas",
             "must be [beta1, beta2]",
         )
+        for i, beta in enumerate(self.adam_betas or []):
+            require_finite(beta, f"{path}.adam_betas.{i}")
+            require(0.0 <= beta < 1.0, f"{path}.adam_betas.{i}", f"must be in [0, 1), got {beta}")
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
         require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
         for key in ("save_every", "eval_every", "eval_max_problems"):
