@@ -17,15 +17,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megagrpo import fileio
+from megagrpo.config.merge import apply_override, describe, merge_file
 from megagrpo.errors import ConfigError, require  # noqa: F401  (re-export)
 
 T = TypeVar("T")
-
-
-def _describe(exc: OmegaConfBaseException) -> str:
-    key = getattr(exc, "full_key", None)
-    msg = getattr(exc, "msg", None) or str(exc).splitlines()[0]
-    return f"config key '{key}': {msg}" if key else msg
 
 
 def load_config(
@@ -49,21 +44,13 @@ def load_config(
             loaded = OmegaConf.load(p)
         except Exception as exc:  # yaml errors come in many types
             raise ConfigError(f"{p}: cannot parse YAML: {exc}") from exc
-        try:
-            cfg = OmegaConf.merge(cfg, loaded)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"{p}: {_describe(exc)}") from exc
+        cfg = merge_file(cfg, loaded, p)
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form key=value")
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"override '{item}': {_describe(exc)}") from exc
+        cfg = apply_override(cfg, item)
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_describe(exc)) from exc
+        raise ConfigError(describe(exc)) from exc
     if not isinstance(obj, schema):
         raise ConfigError(f"config did not produce a {schema.__name__}")
     validate(obj)

@@ -9,7 +9,7 @@ from pathlib import Path
 from megagrpo.algo.config import LossConfig
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
-from megagrpo.errors import require
+from megagrpo.errors import require, require_finite
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
@@ -96,7 +96,6 @@ class TrainerConfig:
             f"{path}.old_logprobs",
             "ppo_epochs > 1 needs 'recompute' (or 'auto')",
         )
-        from megagrpo.errors import require_finite  # noqa: PLC0415 (this body only)
 
         for key in ("lr", "weight_decay", "grad_clip"):
             require_finite(getattr(self, key), f"{path}.{key}")

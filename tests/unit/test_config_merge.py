@@ -116,21 +116,14 @@ def test_yaml_with_the_wrong_container_names_file_and_key(tmp_path, yaml_text, m
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value)
 
 
-# Through load_config: these need megagrpo/config/loader.py to call merge_file/apply_override
-# (the change is in /work/notes/reliability.md; the loader is being redesigned). strict: once
-# the loader is wired they pass, and this marker must go.
-_WIRED = pytest.mark.xfail(
-    strict=True, raises=TypeError, reason="loader does not call megagrpo.config.merge yet"
-)
+# Through load_config (the loader calls merge_file / apply_override).
 
 
-@_WIRED
 def test_load_config_list_index_override(tmp_path):
     cfg = load_config(RunConfig, [], ["rewards.functions.0.weight=2"])
     assert cfg.rewards.functions[0].weight == 2.0
 
 
-@_WIRED
 def test_load_config_top_level_list_names_the_file(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- trainer\n", encoding="utf-8")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -161,9 +162,9 @@ class BigramEngine:
 
 
 @pytest.fixture
-def model_dir(tmp_path) -> Path:
+def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
     path = tmp_path / "bigram"
-    path.mkdir()
+    shutil.copytree(tiny_tokenizer_dir, path)  # a real tokenizer: the run checks for one
     (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
     return path
 
