@@ -350,6 +350,12 @@ def mcq_accuracy() -> Callable[[list[str], Problem], list[float]]:
     """Factory of the exact-set reward: ``(completions [G], problem) -> [G]`` of 0.0/1.0."""
 
     def reward(completions: list[str], problem: Problem) -> list[float]:
+        if not problem.answer:  # a free-text gold (megagrpo.data.parse_gold): never silent
+            raise ValueError(
+                f"problem {problem.id} has no option-letter or numeric gold "
+                f"(solution {str(problem.meta.get('solution', ''))[:60]!r}); mcq_accuracy "
+                "cannot score it: use a reward that reads 'solution'"
+            )
         return [
             1.0 if answers_match(extract_answer(c, problem), problem.answer) else 0.0
             for c in completions
