@@ -5,9 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from megagrpo.errors import require
 
 TRUNCATION = ("delete", "left", "error")
+
+
+def pairs(entries: list[str], key: str) -> list[tuple[str, str]]:
+    """``["a=b", ...]`` -> ``[("a", "b"), ...]``; ConfigError naming ``key`` for an entry
+    without ``=`` or with an empty name."""
+    out = []
+    for i, entry in enumerate(entries):
+        name, eq, value = str(entry).partition("=")
+        require(bool(eq) and bool(name.strip()), f"{key}.{i}", f"{entry!r} is not 'name=value'")
+        out.append((name.strip(), value.strip()))
+    return out
 
 
 @dataclass
@@ -23,27 +36,34 @@ class PromptConfig:
     """Chat-template switch of hybrid-thinking models (Qwen3): false renders the empty
     '<think></think>' block so the model answers without reasoning. None: the template's
     default. Shorthand for chat_template_kwargs.enable_thinking."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: list[str] = field(default_factory=list)
     """Extra keyword arguments for the tokenizer's apply_chat_template (ms-swift/vLLM
-    chat_template_kwargs)."""
+    chat_template_kwargs) as "name=value" entries, the value read as YAML (a list, not a
+    mapping, so a later file or override replaces it whole)."""
 
-    def template_kwargs(self) -> dict[str, Any]:
+    def template_kwargs(self, path: str = "data.prompt") -> dict[str, Any]:
         """The keyword arguments the chat template is rendered with."""
-        out = dict(self.chat_template_kwargs)
+        out = {
+            k: yaml.safe_load(v)
+            for k, v in pairs(self.chat_template_kwargs, f"{path}.chat_template_kwargs")
+        }
         if self.enable_thinking is not None:
             out["enable_thinking"] = self.enable_thinking
         return out
 
     def validate(self, path: str = "data.prompt") -> None:
+        given = {
+            k: yaml.safe_load(v)
+            for k, v in pairs(self.chat_template_kwargs, f"{path}.chat_template_kwargs")
+        }
         reserved = {"tokenize", "add_generation_prompt", "conversation", "messages"}
-        bad = sorted(reserved & set(self.chat_template_kwargs))
+        bad = sorted(reserved & set(given))
         require(not bad, f"{path}.chat_template_kwargs", f"{bad} are set by megagrpo itself")
         require(
             self.enable_thinking is None
-            or self.chat_template_kwargs.get("enable_thinking", self.enable_thinking)
-            == self.enable_thinking,
+            or given.get("enable_thinking", self.enable_thinking) == self.enable_thinking,
             f"{path}.enable_thinking",
-            "contradicts chat_template_kwargs.enable_thinking",
+            "contradicts chat_template_kwargs enable_thinking",
         )
 
 
@@ -58,9 +78,9 @@ class DataConfig:
     """Held-out problem files or directories for periodic evaluation."""
     exclude_images: bool = True
     """Skip IgakuQA questions with text_only: false (counted and reported, never silent)."""
-    columns: dict[str, str] = field(default_factory=dict)
-    """Rename record keys before the format is detected, {source: target} (ms-swift
-    --columns), e.g. {answer: solution} or {question: query}."""
+    columns: list[str] = field(default_factory=list)
+    """Rename record keys before the format is detected, "source=target" entries (ms-swift
+    --columns '{"answer": "solution"}' is ["answer=solution"])."""
     max_prompt_tokens: int = 0
     """Longest prompt in tokens (chat template included); 0: rollout.max_model_len minus
     rollout.max_tokens, so every prompt keeps the full completion budget (ms-swift
@@ -83,9 +103,13 @@ class DataConfig:
             f"{path}.truncation",
             f"must be one of {TRUNCATION}, got {self.truncation!r}",
         )
-        targets = list(self.columns.values())
+        targets = list(self.column_map(path).values())
         require(
             len(set(targets)) == len(targets),
             f"{path}.columns",
             f"two columns renamed to the same name: {targets}",
         )
+
+    def column_map(self, path: str = "data") -> dict[str, str]:
+        """``columns`` as ``{source: target}``."""
+        return dict(pairs(self.columns, f"{path}.columns"))

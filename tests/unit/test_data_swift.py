@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from megagrpo.config import load_config
 from megagrpo.data import (
     apply_prompt_policy,
     load_problems,
@@ -125,7 +126,11 @@ def test_free_text_gold_is_counted_and_bad_rows_named(tmp_path):
     with pytest.raises(DataError, match="bad.jsonl:1: unknown sharegpt speaker 'robot'"):
         load_problems([bad])
     with pytest.raises(ConfigError, match="data.columns"):
-        DataConfig(columns={"a": "solution", "b": "solution"}).validate("data")
+        DataConfig(columns=["a=solution", "b=solution"]).validate("data")
+    with pytest.raises(ConfigError, match=r"data.columns.0"):
+        DataConfig(columns=["answer"]).validate("data")
+    cfg = load_config(DataConfig, [], ["columns=[answer=solution]", "columns=[q=query]"])
+    assert cfg.column_map() == {"q": "query"}  # a later override replaces the list
 
 
 def _thinking_tokenizer(tiny_tokenizer_dir):
@@ -154,8 +159,10 @@ def test_enable_thinking_reaches_the_chat_template(tmp_path, tiny_tokenizer_dir)
     assert prompt_ids(tok, off) == tok(text, add_special_tokens=False)["input_ids"]
     with pytest.raises(ConfigError, match="contradicts"):
         PromptConfig(
-            enable_thinking=True, chat_template_kwargs={"enable_thinking": False}
+            enable_thinking=True, chat_template_kwargs=["enable_thinking=false"]
         ).validate()
+    cfg = load_config(PromptConfig, [], ["chat_template_kwargs=[enable_thinking=false,x=1]"])
+    assert cfg.template_kwargs() == {"enable_thinking": False, "x": 1}
 
 
 def test_prompt_policy_on_igakuqa(igakuqa_dir, tiny_tokenizer_dir):
