@@ -1,7 +1,7 @@
 """Metric loggers (metrics.jsonl, W&B offline by default, TensorBoard, console), the completions
 log, ms-swift/TRL metric aliases, and the run report."""
 
-from megagrpo.metrics.completions import CompletionsLog
+from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
 from megagrpo.metrics.logger import (
     ConsoleLogger,
     JsonlLogger,
@@ -33,6 +33,7 @@ __all__ = [
     "NullLogger",
     "WandbLogger",
     "build_logger",
+    "find_wandb_run",
     "missing_metrics",
     "read_metrics",
     "required_metrics",

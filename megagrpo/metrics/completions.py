@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,30 @@ COLUMNS = (
     "finish_reason",
     "gold",
 )
+
+
+Levels = Mapping[str, "int | None"] | Callable[[str], "int | None"] | None
+
+
+def _level(levels: Levels, pid: str, default: Any) -> Any:
+    if levels is None:
+        return default
+    if callable(levels):
+        found = levels(pid)
+        return default if found is None else found
+    return levels.get(pid, default)
+
+
+def find_wandb_run(logger: Any) -> Any:
+    """The wandb run inside a logger built by :func:`megagrpo.metrics.build_logger` (a
+    MultiLogger holding a WandbLogger), or None (W&B disabled, rank != 0)."""
+    if getattr(logger, "run", None) is not None and hasattr(logger, "_run"):
+        return logger.run
+    for inner in getattr(logger, "loggers", []):
+        run = find_wandb_run(inner)
+        if run is not None:
+            return run
+    return None
 
 
 def prompt_tail(group: Group, prompt_texts: Mapping[str, str] | None, chars: int) -> str:
@@ -90,14 +114,14 @@ class CompletionsLog:
         self,
         step: int,
         groups: Sequence[Group],
-        levels: Mapping[str, int | None] | None = None,
+        levels: Levels = None,
         prompt_texts: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """The rows of one step (see module docstring)."""
         out = []
         for gi, g in enumerate(groups):
             pid = g.problem.id
-            level = (levels or {}).get(pid, g.problem.meta.get("level"))
+            level = _level(levels, pid, g.problem.meta.get("level"))
             tail = prompt_tail(g, prompt_texts, self.prompt_chars)
             for si, text in enumerate(g.completions):
                 out.append(
@@ -126,14 +150,15 @@ class CompletionsLog:
         self,
         step: int,
         groups: Sequence[Group],
-        levels: Mapping[str, int | None] | None = None,
+        levels: Levels = None,
         prompt_texts: Mapping[str, str] | None = None,
     ) -> int:
         """Append the step's rows (flushed); the W&B table when due. Returns rows written.
 
         Args:
             step: 1-based optimiser step. groups: the trained groups (rewards filled).
-            levels: problem id -> curriculum level (else ``problem.meta['level']``).
+            levels: problem id -> curriculum level, a mapping or a function such as
+                ``CurriculumSampler.level_of`` (else ``problem.meta['level']``).
             prompt_texts: problem id -> rendered prompt text (else its last message).
         """
         rows = self.rows(step, groups, levels, prompt_texts)

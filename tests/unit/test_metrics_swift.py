@@ -82,15 +82,18 @@ def test_swift_aliases_match_trl_definitions():
 def test_completions_log_rows_resume_and_wandb_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    import wandb
+    from megagrpo.metrics import MultiLogger, NullLogger, WandbLogger, find_wandb_run
+    from megagrpo.metrics.config import MetricsConfig
 
-    run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
+    wb = WandbLogger(MetricsConfig(), tmp_path, "t")
+    run = find_wandb_run(MultiLogger([NullLogger(), wb]))
+    assert run is wb.run and find_wandb_run(NullLogger()) is None
     log = CompletionsLog(
         tmp_path / "completions.jsonl", table_every=2, wandb_run=run, prompt_chars=4
     )
     groups = _groups(np.random.default_rng(1))
     for step in (1, 2, 3):
-        assert log.log(step, groups, levels={"112A0": 5}) == 12
+        assert log.log(step, groups, levels={"112A0": 5}.get) == 12
     log.close()
     rows = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 36 and {r["step"] for r in rows} == {1, 2, 3}
