@@ -38,6 +38,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megagrpo.commands.score",
         "official IgakuQA scoring of prediction files against gold files",
     ),
+    "eval": (
+        "megagrpo.commands.eval",
+        "IgakuQA eval of the model (+ adapter / training step): official score per exam, 禁忌肢",
+    ),
+    "from-swift": (
+        "megagrpo.commands.from_swift",
+        "translate an ms-swift GRPO command line into a megagrpo config, flag by flag",
+    ),
     "report": (
         "megagrpo.commands.report",
         "draw PNG plots (raw ACR vs post-filter, reward, length, levels, time) from a run",

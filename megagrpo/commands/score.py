@@ -6,12 +6,14 @@ import argparse
 import json
 import logging
 
-from megagrpo.rewards.igakuqa import find_files, read_gold, read_predictions, score
+from megagrpo.rewards.igakuqa import ScoreReport, find_files, read_gold, read_predictions, score
 
 DESCRIPTION = """\
 Score predictions with the official IgakuQA rule: exact match of the comma-split prediction
 (no stripping) against the gold answer list; 116A71 is correct for everyone; 112B30 accepts
-'a' or 'd'. Prints accuracy, points score and totals, overall and per year.
+'a' or 'd'. Prints accuracy, points score and totals, overall and per year, and the number of
+questions whose prediction selected a contraindicated choice (禁忌肢, 'kinki' in the exams'
+_metadata.jsonl).
 
 Gold: EXAM-BLOCK.jsonl files or directories (searched recursively; *_metadata/*_translate
 siblings skipped). Predictions: JSONL lines {"problem_id": ..., "prediction": "c,d"} for ONE
@@ -45,6 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def print_table(report: ScoreReport, by: str = "year") -> None:
+    """Correct / total / accuracy / points score / points total / contraindicated choices
+    selected, overall and per year (``by="year"``) or per exam file (``by="exam"``)."""
+    groups = report.by_year if by == "year" else report.by_exam
+    rows = [("all", report.overall)] + sorted(groups.items())
+    print(f"{by:<8}{'correct':>8}{'total':>7}{'accuracy':>10}{'score':>7}{'points':>8}{'kinki':>7}")
+    for name, t in rows:
+        d = t.as_dict()
+        print(
+            f"{name:<8}{d['correct']:>8}{d['total']:>7}{d['accuracy']:>10.4f}"
+            f"{d['score']:>7}{d['points_total']:>8}{d['kinki_selected']:>7}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     gold = read_gold(find_files(args.gold, gold=True))
     pred_files = find_files(args.predictions, gold=False, name_glob=args.predictions_glob)
@@ -64,14 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
         return 0
-    rows = [("all", report.overall)] + sorted(report.by_year.items())
-    print(f"{'year':<8}{'correct':>8}{'total':>7}{'accuracy':>10}{'score':>7}{'points':>8}")
-    for name, t in rows:
-        d = t.as_dict()
-        print(
-            f"{name:<8}{d['correct']:>8}{d['total']:>7}{d['accuracy']:>10.4f}"
-            f"{d['score']:>7}{d['points_total']:>8}"
-        )
+    print_table(report)
     print(
         f"missing predictions: {len(report.missing)}"
         + (

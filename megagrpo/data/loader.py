@@ -7,8 +7,15 @@ Formats (detected per line):
   ``text_only``. ``EXAM-BLOCK_metadata.jsonl`` beside it is joined for ``human_accuracy``
   and ``category``; ``*_translate.jsonl`` siblings and ``baseline_results/`` are ignored
   when a directory is given.
-* ms-swift GRPO JSONL: ``messages`` (system/user; a trailing assistant turn is dropped) and
-  ``solution`` (``"c"`` or ``"c,d"``); optional ``id``, else ``<file stem>:<line>``.
+* ms-swift JSONL, in any of its three row formats: ``messages`` (system/user turns);
+  ``query`` / ``response`` (+ optional ``system``, ``history`` as ``[[query, response], ...]``);
+  sharegpt ``conversations`` (``{from: human|gpt|system, value}``). A trailing assistant turn
+  is dropped from the prompt. The gold is ``solution`` (else ``answer``, else that trailing
+  assistant turn), parsed by :func:`megagrpo.data.gold.parse_gold` (``"c"``, ``"c,d"``,
+  ``"<answer> b </answer>"``, ``"答え: b"`` ...). A gold that is not option letters or numbers
+  is kept as free text in ``meta['solution']`` (for plugin rewards) with an empty ``answer``,
+  and counted in ``ProblemList.free_text_gold``. Optional ``id``, else ``<file stem>:<line>``.
+  ``columns`` renames keys first (ms-swift ``--columns``: ``{"answer": "solution"}``).
 
 Errors name the file and line. Nothing is silently dropped: a deliberate skip (image
 questions with ``exclude_images``) is counted in ``ProblemList.skipped`` and logged.
@@ -24,6 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megagrpo.data.config import PromptConfig
+from megagrpo.data.gold import parse_gold
 from megagrpo.data.prompts import render_messages
 from megagrpo.errors import DataError, not_utf8
 from megagrpo.types import Problem
@@ -39,11 +47,23 @@ _FULLWIDTH = str.maketrans(
 
 
 class ProblemList(list):
-    """A ``list[Problem]`` that also records deliberate skips: ``skipped[reason] = [ids]``."""
+    """A ``list[Problem]`` that also records deliberate skips (``skipped[reason] = [ids]``) and
+    the problems whose gold is free text (``free_text_gold``: ids)."""
 
     def __init__(self, items: Iterable[Problem] = ()):
         super().__init__(items)
         self.skipped: dict[str, list[str]] = {}
+        self.free_text_gold: list[str] = []
+
+
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+_ROW_KEYS = ("messages", "conversations", "query", "response", "system", "history")
 
 
 def iter_jsonl_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -188,21 +208,78 @@ def _igakuqa_problem(
     )
 
 
-def _swift_problem(rec: dict, where: str, path: Path, num: int) -> Problem:
-    messages = [m for m in rec["messages"] if isinstance(m, dict)]
-    if not messages or any("role" not in m or "content" not in m for m in messages):
-        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+def _remap(rec: dict, columns: dict[str, str], where: str) -> dict:
+    """Rename keys ``{source: target}`` (ms-swift ``--columns``)."""
+    if not columns:
+        return rec
+    out = {k: v for k, v in rec.items() if k not in columns}
+    for src, dst in columns.items():
+        if src not in rec:
+            continue
+        if dst in out:
+            raise DataError(f"{where}: data.columns renames '{src}' to '{dst}', which exists")
+        out[dst] = rec[src]
+    return out
+
+
+def _turn(m: object, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise DataError(f"{where}: a turn must be an object, got {type(m).__name__}")
+    if "from" in m and "value" in m:  # sharegpt
+        role = _SHAREGPT_ROLES.get(str(m["from"]))
+        if role is None:
+            raise DataError(f"{where}: unknown sharegpt speaker {m['from']!r}")
+        return {"role": role, "content": m["value"]}
+    if "role" not in m or "content" not in m:
+        raise DataError(f"{where}: turns must be {{role, content}} (or sharegpt {{from, value}})")
+    return m
+
+
+def _row_messages(rec: dict, where: str) -> list[dict]:
+    """Chat turns of an ms-swift row in any of its formats (trailing assistant turn kept)."""
+    if "messages" in rec or "conversations" in rec:
+        raw = rec.get("messages", rec.get("conversations"))
+        if not isinstance(raw, list) or not raw:
+            raise DataError(f"{where}: 'messages'/'conversations' must be a non-empty list")
+        return [_turn(m, where) for m in raw]
+    messages = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+    for pair in rec.get("history") or []:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise DataError(f"{where}: 'history' must be [[query, response], ...]")
+        messages += [
+            {"role": "user", "content": pair[0]},
+            {"role": "assistant", "content": pair[1]},
+        ]
+    messages.append({"role": "user", "content": rec["query"]})
+    if rec.get("response") not in (None, ""):
+        messages.append({"role": "assistant", "content": rec["response"]})
+    return messages
+
+
+def _swift_problem(rec: dict, where: str, path: Path, num: int, prompt: PromptConfig) -> Problem:
+    messages = _row_messages(rec, where)
+    trailing = None
     while messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    solution = rec.get("solution", rec.get("answer"))
-    if solution in (None, "", []):
-        raise DataError(f"{where}: problem {rec.get('id', path.stem)} has no 'solution'")
-    items = solution if isinstance(solution, list) else re.split(r"[,、\s]+", str(solution))
+        trailing = messages.pop()["content"]
+    if not messages:
+        raise DataError(f"{where}: no prompt turns left after dropping the assistant turn")
+    if prompt.system != "default" and prompt.system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": prompt.system})
+    solution = rec.get("solution", rec.get("answer", trailing))
     pid = str(rec.get("id", rec.get("problem_id", f"{path.stem}:{num}")))
-    meta = {k: v for k, v in rec.items() if k not in ("messages", "solution", "answer", "id")}
+    if solution in (None, "", []):
+        raise DataError(f"{where}: problem {pid} has no 'solution' (nor answer/response)")
+    gold = parse_gold(solution)
+    drop = (*_ROW_KEYS, "solution", "answer", "id")
+    meta = {k: v for k, v in rec.items() if k not in drop}
     meta.setdefault("choices", [])
-    meta.update(source=where, points=int(meta.get("points", 1)), solution=solution)
-    return Problem(id=pid, messages=messages, answer=_normalise_answer(items), meta=meta)
+    try:
+        points = int(meta.get("points", 1))
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{where}: problem {pid} has non-integer points") from exc
+    meta.update(source=where, points=points, solution=solution)
+    answer = _normalise_answer(gold) if gold is not None else []
+    return Problem(id=pid, messages=messages, answer=answer, meta=meta)
 
 
 def load_problems(
@@ -210,35 +287,42 @@ def load_problems(
     *,
     exclude_images: bool = False,
     prompt: PromptConfig | None = None,
+    columns: dict[str, str] | None = None,
 ) -> ProblemList:
     """Read problems from files/directories (see module docstring).
 
     Args:
         paths: files or directories (searched recursively for ``*.jsonl``).
         exclude_images: skip IgakuQA questions with ``text_only: false`` (counted).
-        prompt: prompt templates; defaults to the built-in Japanese prompt.
+        prompt: prompt templates and chat-template kwargs; defaults to the built-in
+            Japanese prompt. Non-empty chat-template kwargs are stored in every problem's
+            ``meta['chat_template_kwargs']`` (read by :func:`megagrpo.data.prompts.prompt_ids`).
+        columns: rename record keys first, ``{source: target}`` (``data.columns``).
     Returns:
-        ProblemList in file order; ``.skipped`` maps reason -> problem ids.
+        ProblemList in file order; ``.skipped`` maps reason -> problem ids;
+        ``.free_text_gold`` lists problems whose gold is not letters or numbers.
     Raises:
         DataError: malformed line (file:line), missing answer (problem id), duplicate id.
     """
     prompt = prompt or PromptConfig()
+    template_kwargs = prompt.template_kwargs()
     problems = ProblemList()
     seen: dict[str, str] = {}
     for path in iter_jsonl_files(paths):
         meta = _load_metadata(path)
         for num, rec in read_jsonl(path):
             where = f"{path}:{num}"
+            rec = _remap(rec, columns or {}, where)
             _check_field_types(rec, where)
             if "problem_text" in rec and "problem_id" in rec:
                 prob = _igakuqa_problem(rec, where, path, meta, prompt)
-            elif "messages" in rec:
-                prob = _swift_problem(rec, where, path, num)
+            elif any(k in rec for k in ("messages", "conversations", "query")):
+                prob = _swift_problem(rec, where, path, num, prompt)
             else:
                 raise DataError(
                     f"{where}: unknown record format (keys: {sorted(rec)}); expected "
-                    "IgakuQA (problem_id, problem_text, answer) or ms-swift "
-                    "(messages, solution)"
+                    "IgakuQA (problem_id, problem_text, answer) or ms-swift (messages | "
+                    "query/response | conversations, + solution); rename keys with data.columns"
                 )
             if prob.id in seen:
                 raise DataError(
@@ -248,7 +332,19 @@ def load_problems(
             if exclude_images and not prob.meta.get("text_only", True):
                 problems.skipped.setdefault("image", []).append(prob.id)
                 continue
+            if template_kwargs:
+                prob.meta["chat_template_kwargs"] = dict(template_kwargs)
+            if not prob.answer:
+                problems.free_text_gold.append(prob.id)
             problems.append(prob)
     for reason, ids in problems.skipped.items():
         log.info("skipped %d problems (%s), e.g. %s", len(ids), reason, ids[:3])
+    if problems.free_text_gold:
+        log.warning(
+            "%d problems have a free-text solution (not option letters or numbers), e.g. %s: "
+            "mcq_accuracy counts them as reward errors; score them with a plugin reward that "
+            "reads 'solution'",
+            len(problems.free_text_gold),
+            problems.free_text_gold[:3],
+        )
     return problems

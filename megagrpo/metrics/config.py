@@ -29,6 +29,22 @@ class MetricsConfig:
     """Console tqdm bar with step, reward, raw ACR and tokens/s (rank 0 only)."""
     log_every: int = 1
     """Also write a one-line INFO log every N steps (the bar updates every step)."""
+    swift_names: bool = True
+    """Also log ms-swift/TRL dashboard names (reward, reward_std, frac_reward_zero_std,
+    rewards/<f>/mean, completions/*, kl, entropy, clip_ratio/*) next to megagrpo's own
+    (megagrpo.metrics.names.swift_aliases)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the tensorboard package; ms-swift brings it)."""
+    tensorboard_dir: str | None = None
+    """Where TensorBoard writes; None: RUN_DIR/tensorboard."""
+    log_completions: bool = False
+    """Write RUN_DIR/completions.jsonl every step: problem id, level, prompt tail, completion,
+    reward and its parts (ms-swift --log_completions)."""
+    completions_table_every: int = 10
+    """With log_completions and W&B: a W&B table of the step's completions every N steps
+    (0: never)."""
+    completions_prompt_chars: int = 200
+    """Characters of the prompt's end kept in each completions row."""
 
     def validate(self, path: str = "metrics") -> None:
         """Check values; raises ConfigError naming the key."""
@@ -38,3 +54,9 @@ class MetricsConfig:
         require(self.log_every >= 1, f"{path}.log_every", "must be >= 1")
         require_finite(self.wandb_init_timeout_s, f"{path}.wandb_init_timeout_s")
         require(self.wandb_init_timeout_s > 0, f"{path}.wandb_init_timeout_s", "must be > 0")
+        require(
+            self.completions_table_every >= 0, f"{path}.completions_table_every", "must be >= 0"
+        )
+        require(
+            self.completions_prompt_chars >= 0, f"{path}.completions_prompt_chars", "must be >= 0"
+        )

@@ -1,4 +1,4 @@
-"""Metric loggers: metrics.jsonl, W&B (offline by default), a console progress bar.
+"""Metric loggers: metrics.jsonl, W&B (offline by default), TensorBoard, a console progress bar.
 
 A :class:`MetricLogger` takes one flat ``{name: float}`` dict per step. Rank 0 builds the
 real loggers with :func:`build_logger`; every other rank gets :class:`NullLogger` (the
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megagrpo import fileio
+from megagrpo.errors import ConfigError
 from megagrpo.metrics.config import MetricsConfig
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,11 @@ class WandbLogger:
         )
         self._run = _start_run(wandb, run_id, id_file, kwargs)
 
+    @property
+    def run(self) -> Any:
+        """The wandb run (for tables such as the completions log)."""
+        return self._run
+
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         if self._run is None:
             return
@@ -177,6 +183,37 @@ def _start_run(wandb: Any, run_id: str, id_file: Path, kwargs: dict[str, Any]) -
         return None
     id_file.write_text(new_id)
     return run
+
+
+class TensorBoardLogger:
+    """TensorBoard event files (``torch.utils.tensorboard.SummaryWriter``): one scalar per
+    measured metric per step; names as in metrics.jsonl (``reward/mean`` ...).
+
+    Needs the ``tensorboard`` package (ms-swift depends on it; ``pip install tensorboard``):
+    a ConfigError naming ``metrics.tensorboard`` otherwise.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, purge_step: int | None = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ConfigError(
+                f"config key 'metrics.tensorboard': needs the tensorboard package ({exc}); "
+                "pip install tensorboard, or set metrics.tensorboard=false"
+            ) from exc
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        # purge_step: a resumed run discards events of steps after the checkpoint
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        for name, value in sorted(metrics.items()):
+            clean = _clean(value)
+            if clean is not None:
+                self._writer.add_scalar(name, float(clean), global_step=int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class ConsoleLogger:
@@ -250,7 +287,8 @@ def build_logger(
     start_step: int = 0,
     config: dict | None = None,
 ) -> MetricLogger:
-    """JSONL + W&B + console on rank 0 (rows after ``start_step`` dropped); NullLogger elsewhere."""
+    """JSONL + W&B + TensorBoard (``metrics.tensorboard``) + console on rank 0 (rows after
+    ``start_step`` dropped); NullLogger elsewhere."""
     if rank != 0:
         return NullLogger()
     run_dir = Path(run_dir)
@@ -259,6 +297,9 @@ def build_logger(
     loggers: list[MetricLogger] = [jsonl]
     if cfg.wandb_mode != "disabled":
         loggers.append(WandbLogger(cfg, run_dir, name, config))
+    if cfg.tensorboard:
+        tb_dir = Path(cfg.tensorboard_dir) if cfg.tensorboard_dir else run_dir / "tensorboard"
+        loggers.append(TensorBoardLogger(tb_dir, purge_step=start_step + 1 if start_step else None))
     loggers.append(ConsoleLogger(total_steps, start_step, cfg.log_every, cfg.progress_bar))
     return MultiLogger(loggers)
 

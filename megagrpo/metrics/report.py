@@ -5,12 +5,19 @@
 - ``collapse.png``: raw ACR (first generation of each step, pre-filter) against the
   post-filter ``frac_reward_zero_std`` of the trained batch, with the line ACR = 1 - 1/R
   above which dynamic sampling with R checked rounds cannot fill a batch, and the predicted
-  ACR when levels were given. The article's Figure 1 showed only the post-filter curve
-  (0 = "dynamic sampling succeeded"); the raw curve is what it could not show.
-- ``reward.png``: mean total reward and each reward function's mean (+ eval/accuracy).
-- ``length.png``: mean completion length and the clip ratio.
-- ``levels.png``: the curriculum's level histogram L1..L6 over steps (drift of difficulty).
+  ACR when levels were given. A lower panel shows what dynamic sampling achieved: the groups
+  actually trained (``dynamic/trained_groups``: a short batch under ``carry``/``partial`` is
+  visible here, where the post-filter curve reads 0 by construction) and the steps where it
+  filled the batch (``dynamic/success``). The article's Figure 1 showed only the post-filter
+  curve; the raw curve is what it could not show.
+- ``reward.png``: mean total reward and each reward function's mean (+ eval/accuracy), and
+  the reward errors/timeouts per step (a broken reward plugin shows here).
+- ``length.png``: mean completion length (with min/max when logged) and the clip ratio.
+- ``kl_entropy.png``: ``loss/kl`` and ``loss/entropy`` per step.
+- ``levels.png``: the curriculum's level histogram over steps (levels that occur).
 - ``time.png``: per-step time breakdown (generation, training, weight sync) and tokens/s.
+
+Every x axis has integer step ticks; legends sit outside the plotting area.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from megagrpo.errors import DataError
 from megagrpo.metrics.logger import read_metrics
@@ -31,19 +39,40 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _steps_axis(ax: Any) -> None:
+    """Integer step ticks (short runs showed 1.2, 1.4, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+
+
+def _legend(fig: Any, axes: list[Any]) -> None:
+    """One legend for ``axes``, to the right of the plotting area (never over the data)."""
+    handles, labels = [], []
+    for ax in axes:
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    if handles:
+        fig.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     return path
 
 
-def plot_collapse(rows: list[dict], out: Path, rounds: int | None) -> Path:
+def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
+    """collapse.png: ACR raw vs post-filter (top), trained groups and success (bottom)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, ax_dyn) = plt.subplots(
+        2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+    )
     for key, label, style in (
         ("collapse/acr_raw", "raw ACR (pre-filter, first generation)", "-o"),
         ("collapse/frac_reward_zero_std", "frac_reward_zero_std (post-filter, trained)", "-s"),
@@ -60,78 +89,146 @@ def plot_collapse(rows: list[dict], out: Path, rounds: int | None) -> Path:
             label=f"1 - 1/R = {1 - 1 / rounds:.2f} (R = {rounds} checked rounds)",
         )
     ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("step")
     ax.set_ylabel("fraction of groups collapsed")
     ax.set_title("Advantage collapse: raw vs what dynamic sampling lets through")
-    ax.legend(fontsize=8)
-    return _save(fig, out / "collapse.png")
+    x, y = _series(rows, "dynamic/trained_groups")
+    if x:
+        ax_dyn.bar(
+            x, y, color="tab:green", alpha=0.6, label="groups trained (dynamic/trained_groups)"
+        )
+    x, y = _series(rows, "dynamic/valid_groups")
+    if x:
+        ax_dyn.plot(x, y, "k_", ms=12, label="valid groups found (dynamic/valid_groups)")
+    ax_dyn.set_ylabel("groups")
+    ax_ok = ax_dyn.twinx()
+    x, y = _series(rows, "dynamic/success")
+    if x:
+        ax_ok.plot(x, y, "d", color="tab:purple", ms=5, label="batch filled (dynamic/success)")
+    ax_ok.set_ylim(-0.1, 1.1)
+    ax_ok.set_yticks([0, 1], ["short", "filled"])
+    _steps_axis(ax_dyn)
+    fig.tight_layout()
+    _legend(fig, [ax, ax_dyn, ax_ok])
+    return fig
 
 
-def plot_reward(rows: list[dict], out: Path) -> Path:
+def figure_reward(rows: list[dict]) -> Any:
+    """reward.png: total and per-function means, eval accuracy; errors/timeouts below."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    keys = (
-        ["reward/mean", "reward/mean_raw"]
-        + sorted(
-            {
-                k
-                for r in rows
-                for k in r
-                if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"
-            }
-        )
-        + ["eval/accuracy"]
+    fig, (ax, ax_err) = plt.subplots(
+        2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
     )
-    for key in keys:
+    per_fn = sorted(
+        {
+            k
+            for r in rows
+            for k in r
+            if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"
+        }
+    )
+    styles = [("reward/mean", "-", 3.0), ("reward/mean_raw", ":", 1.5)]
+    styles += [(k, "--", 1.2) for k in per_fn]  # dashed: visible on top of an equal total
+    for key, ls, lw in styles:
         x, y = _series(rows, key)
         if x:
-            ax.plot(x, y, "-o" if key == "eval/accuracy" else "-", ms=3, label=key)
-    ax.set_xlabel("step")
+            ax.plot(x, y, ls=ls, lw=lw, label=key)
+    x, y = _series(rows, "eval/accuracy")
+    if x:
+        ax.plot(x, y, "o", ms=6, color="black", label="eval/accuracy")
     ax.set_ylabel("reward")
-    ax.legend(fontsize=8)
     ax.set_title("Reward")
-    return _save(fig, out / "reward.png")
+    width = 0.4
+    for offset, key, color in (
+        (-0.2, "reward/errors", "tab:red"),
+        (0.2, "reward/timeouts", "tab:orange"),
+    ):
+        x, y = _series(rows, key)
+        if x:
+            ax_err.bar([s + offset for s in x], y, width=width, color=color, label=key)
+    from matplotlib.ticker import MaxNLocator
+
+    ax_err.set_ylabel("failed")
+    ax_err.set_ylim(bottom=0, top=max(1.0, ax_err.get_ylim()[1]))
+    ax_err.yaxis.set_major_locator(MaxNLocator(integer=True))
+    _steps_axis(ax_err)
+    fig.tight_layout()
+    _legend(fig, [ax, ax_err])
+    return fig
 
 
-def plot_length(rows: list[dict], out: Path) -> Path:
+def figure_length(rows: list[dict]) -> Any:
+    """length.png: mean completion length (min-max band when logged) and the clip ratio."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     x, y = _series(rows, "length/mean")
     ax.plot(x, y, label="length/mean (tokens)")
-    ax.set_xlabel("step")
+    lo = dict(zip(*_series(rows, "length/min")))
+    hi = dict(zip(*_series(rows, "length/max")))
+    band = [s for s in x if s in lo and s in hi]
+    if band:
+        ax.fill_between(
+            band, [lo[s] for s in band], [hi[s] for s in band], alpha=0.2, label="min-max"
+        )
+    elif hi:
+        xs, ys = _series(rows, "length/max")
+        ax.plot(xs, ys, ":", label="length/max")
     ax.set_ylabel("tokens")
     ax2 = ax.twinx()
     x, y = _series(rows, "length/clip_ratio")
     ax2.plot(x, y, color="tab:red", ls="--", label="length/clip_ratio")
     ax2.set_ylabel("clip ratio")
     ax2.set_ylim(-0.03, 1.03)
-    fig.legend(fontsize=8, loc="upper right")
     ax.set_title("Completion length")
-    return _save(fig, out / "length.png")
+    _steps_axis(ax)
+    fig.tight_layout()
+    _legend(fig, [ax, ax2])
+    return fig
 
 
-def plot_levels(rows: list[dict], out: Path) -> Path:
+def figure_kl_entropy(rows: list[dict]) -> Any:
+    """kl_entropy.png: KL to the reference (left axis) and policy entropy (right axis)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x, y = _series(rows, "loss/kl")
+    ax.plot(x, y, "-o", ms=3, color="tab:blue", label="loss/kl (k3, to the reference)")
+    ax.set_ylabel("KL")
+    ax2 = ax.twinx()
+    x, y = _series(rows, "loss/entropy")
+    ax2.plot(x, y, "-s", ms=3, color="tab:orange", label="loss/entropy (nats/token)")
+    ax2.set_ylabel("entropy")
+    ax.set_title("KL and entropy")
+    _steps_axis(ax)
+    fig.tight_layout()
+    _legend(fig, [ax, ax2])
+    return fig
+
+
+def figure_levels(rows: list[dict]) -> Any:
+    """levels.png: stacked level histogram, only levels that occur."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     levels = sorted(
-        {k for r in rows for k in r if k.startswith("curriculum/level_hist/L")},
+        {k for r in rows for k, v in r.items() if k.startswith("curriculum/level_hist/L") and v},
         key=lambda k: int(k.rsplit("L", 1)[1]),
     )
     steps = [r["step"] for r in rows]
     stacks = [[float(r.get(k) or 0.0) for r in rows] for k in levels]
     if steps and stacks:
         ax.stackplot(steps, stacks, labels=[k.rsplit("/", 1)[1] for k in levels])
-    ax.set_xlabel("step")
     ax.set_ylabel("problems")
     ax.set_title("Online difficulty levels (L1 = always solved ... L6 = never)")
-    ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, out / "levels.png")
+    _steps_axis(ax)
+    fig.tight_layout()
+    _legend(fig, [ax])
+    return fig
 
 
-def plot_time(rows: list[dict], out: Path) -> Path:
+def figure_time(rows: list[dict]) -> Any:
+    """time.png: stacked step time (generation, training, sync) and tokens/s."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -145,15 +242,16 @@ def plot_time(rows: list[dict], out: Path) -> Path:
         vals = [float(r.get(key) or 0.0) for r in rows]
         ax.bar(steps, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax2 = ax.twinx()
     x, y = _series(rows, "perf/tokens_per_s")
     ax2.plot(x, y, color="black", label="tokens/s")
     ax2.set_ylabel("generated tokens / s")
-    fig.legend(fontsize=8, loc="upper right")
     ax.set_title("Step time breakdown")
-    return _save(fig, out / "time.png")
+    _steps_axis(ax)
+    fig.tight_layout()
+    _legend(fig, [ax, ax2])
+    return fig
 
 
 def make_report(
@@ -176,20 +274,27 @@ def make_report(
         raise DataError(f"{metrics}: no rows")
     out = Path(out) if out else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    rounds = checked_rounds
-    paths = [
-        plot_collapse(rows, out, rounds),
-        plot_reward(rows, out),
-        plot_length(rows, out),
-        plot_levels(rows, out),
-        plot_time(rows, out),
-    ]
+    figures = {
+        "collapse.png": figure_collapse(rows, checked_rounds),
+        "reward.png": figure_reward(rows),
+        "length.png": figure_length(rows),
+        "kl_entropy.png": figure_kl_entropy(rows),
+        "levels.png": figure_levels(rows),
+        "time.png": figure_time(rows),
+    }
+    paths = [_save(fig, out / name) for name, fig in figures.items()]
     summary = {
         "steps": len(rows),
         "plots": [p.name for p in paths],
         "last": {
             k: rows[-1].get(k)
-            for k in ("reward/mean", "collapse/acr_raw", "collapse/frac_reward_zero_std")
+            for k in (
+                "reward/mean",
+                "collapse/acr_raw",
+                "collapse/frac_reward_zero_std",
+                "dynamic/trained_groups",
+                "reward/errors",
+            )
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")

@@ -1,10 +1,20 @@
 """Composite reward: a weighted sum of reward functions, per-function values kept for metrics.
 
-``total[i] = sum_k weight_k * value_k[i]``. Scoring never crashes a step: when a function
-raises (or returns a wrong number of values, or a non-finite value), it is re-run one
-completion at a time; every completion whose scoring still fails is logged with the problem id,
-counted (``reward/errors`` in :meth:`CompositeReward.pop_metrics`), and scores 0 for that
-function. Only wiring mistakes (a length-based reward called without ``lengths``) raise.
+``total[i] = sum_k weight_k * value_k[i]``. What a failing function does depends on
+``rewards.on_error``:
+
+* ``count`` (default): scoring never crashes a step. When a function raises (or returns a
+  wrong number of values, or a non-finite value), it is re-run one completion at a time;
+  every completion whose scoring still fails is logged with the problem id, counted
+  (``reward/errors`` in :meth:`CompositeReward.pop_metrics`), and scores 0 for that function.
+* ``fail`` (ms-swift's behaviour): the first failure raises :class:`RewardError` naming the
+  function, the problem and the completion.
+
+``rewards.timeout_s`` > 0 bounds every call of a function (one call scores one group): a call
+that has not returned by then counts as an error for each of its completions (and in
+``reward/timeouts``), without a per-completion retry. Python cannot stop a thread, so the
+call keeps running in a daemon thread in the background; its result is discarded. Only
+wiring mistakes (a length-based reward called without ``lengths``) raise regardless.
 """
 
 from __future__ import annotations
@@ -12,11 +22,16 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from megagrpo.rewards.config import RewardsConfig
+from megagrpo.errors import MegagrpoError
+from megagrpo.rewards.config import ON_ERROR, RewardsConfig
+from megagrpo.rewards.plugins import ORMS_PREFIX, load_external_plugins
 from megagrpo.rewards.registry import RewardFn, get
+from megagrpo.rewards.swift_adapter import SwiftORMReward, TrainerState, swift_reward
 from megagrpo.types import Problem
 
 logger = logging.getLogger(__name__)
@@ -28,6 +43,39 @@ def _accepts(fn: RewardFn, arg: str) -> bool:
     except (TypeError, ValueError):
         return False
     return arg in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class RewardError(MegagrpoError):
+    """A reward function failed while ``rewards.on_error`` is ``fail``."""
+
+
+class RewardTimeout(Exception):
+    """A reward call did not return within ``rewards.timeout_s``."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """``fn()``, or RewardTimeout when it has not returned after ``timeout_s`` (> 0) seconds;
+    the call is then left running in a daemon thread. ``timeout_s <= 0``: a plain call."""
+    if timeout_s <= 0:
+        return fn()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="megagrpo-reward", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(
+            f"did not return within rewards.timeout_s={timeout_s:g} s (left running)"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @dataclass
@@ -43,15 +91,38 @@ class CompositeReward:
     """``(completions [G], problem, lengths [G]=None, token_ids=None) -> (total [G],
     parts {name: [G]})``. The first term is the correctness reward (used for collapse stats)."""
 
-    def __init__(self, terms: list[tuple[str, float, RewardFn]]) -> None:
+    def __init__(
+        self,
+        terms: list[tuple[str, float, RewardFn]],
+        *,
+        on_error: str = "count",
+        timeout_s: float = 0.0,
+        trainer_state: TrainerState | None = None,
+    ) -> None:
         if not terms:
             raise ValueError("a composite reward needs at least one function")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.terms = [
             _Term(n, float(w), f, _accepts(f, "lengths"), _accepts(f, "token_ids"))
             for n, w, f in terms
         ]
+        self.on_error = on_error
+        self.timeout_s = float(timeout_s)
+        self.trainer_state = trainer_state or TrainerState()
+        for term in self.terms:  # ms-swift ORMs read the step from it
+            if isinstance(term.fn, SwiftORMReward):
+                term.fn.trainer_state = self.trainer_state
         self.num_errors = 0
         self._errors_since_pop = 0
+        self._timeouts_since_pop = 0
+
+    def begin_step(self, step: int, max_steps: int) -> None:
+        """Call before scoring the rollouts of optimiser step ``step`` (1-based): ms-swift
+        ORMs then see ``trainer_state.global_step == step - 1`` (steps completed) and
+        ``trainer_state.max_steps == max_steps``."""
+        self.trainer_state.global_step = int(step) - 1
+        self.trainer_state.max_steps = int(max_steps)
 
     @property
     def names(self) -> list[str]:
@@ -82,7 +153,10 @@ class CompositeReward:
             kwargs["lengths"] = list(lengths)
         if term.takes_token_ids and token_ids is not None:
             kwargs["token_ids"] = list(token_ids)
-        values = [float(v) for v in term.fn(list(completions), problem, **kwargs)]
+        out = call_with_timeout(
+            lambda: term.fn(list(completions), problem, **kwargs), self.timeout_s
+        )
+        values = [float(v) for v in out]
         if len(values) != len(completions):
             raise ValueError(f"returned {len(values)} values for {len(completions)} completions")
         if not all(math.isfinite(v) for v in values):
@@ -92,8 +166,14 @@ class CompositeReward:
     def _score(self, term: _Term, completions, problem, lengths, token_ids) -> list[float]:
         try:
             return self._call(term, completions, problem, lengths, token_ids)
-        except Exception:  # noqa: BLE001 - isolate per completion below
-            pass
+        except RewardTimeout as exc:
+            self._timeouts_since_pop += 1
+            for i in range(len(completions)):
+                self._failed(term, problem, i, exc)
+            return [0.0] * len(completions)
+        except Exception as exc:  # noqa: BLE001 - isolate per completion below
+            if self.on_error == "fail":
+                self._failed(term, problem, None, exc)
         values = []
         for i, text in enumerate(completions):
             one_len = None if lengths is None else [lengths[i]]
@@ -101,30 +181,53 @@ class CompositeReward:
             try:
                 values.append(self._call(term, [text], problem, one_len, one_ids)[0])
             except Exception as exc:  # noqa: BLE001 - a reward must never crash a step
-                self.num_errors += 1
-                self._errors_since_pop += 1
-                logger.warning(
-                    "reward '%s' failed on problem %s, completion %d: %s: %s",
-                    term.name,
-                    problem.id,
-                    i,
-                    type(exc).__name__,
-                    exc,
-                )
+                if isinstance(exc, RewardTimeout):
+                    self._timeouts_since_pop += 1
+                self._failed(term, problem, i, exc)
                 values.append(0.0)
         return values
 
+    def _failed(self, term: _Term, problem: Problem, index: int | None, exc: Exception) -> None:
+        """Count one failed completion (or raise RewardError under on_error=fail)."""
+        where = f"problem {problem.id}" + ("" if index is None else f", completion {index}")
+        if self.on_error == "fail":
+            raise RewardError(
+                f"reward '{term.name}' failed on {where}: {type(exc).__name__}: {exc} "
+                "(rewards.on_error=fail; 'count' scores it 0 and counts it instead)"
+            ) from exc
+        self.num_errors += 1
+        self._errors_since_pop += 1
+        logger.warning(
+            "reward '%s' failed on %s: %s: %s", term.name, where, type(exc).__name__, exc
+        )
+
     def pop_metrics(self) -> dict[str, float]:
-        """``{"reward/errors": completions whose scoring failed since the last pop}``."""
-        out = {"reward/errors": float(self._errors_since_pop)}
+        """``reward/errors`` (completions whose scoring failed) and ``reward/timeouts`` (calls
+        that timed out) since the last pop."""
+        out = {
+            "reward/errors": float(self._errors_since_pop),
+            "reward/timeouts": float(self._timeouts_since_pop),
+        }
         self._errors_since_pop = 0
+        self._timeouts_since_pop = 0
         return out
 
 
-def build_composite(cfg: RewardsConfig) -> CompositeReward:
-    """Build the weighted composite from ``cfg.functions`` (ConfigError on bad entries)."""
-    terms = [
-        (spec.label or spec.name, spec.weight, get(spec.name, **dict(spec.kwargs)))
-        for spec in cfg.functions
-    ]
-    return CompositeReward(terms)
+def build_composite(cfg: RewardsConfig, run_args: dict[str, Any] | None = None) -> CompositeReward:
+    """Build the weighted composite from ``cfg.functions`` (ConfigError on bad entries).
+
+    ``cfg.external_plugins`` are imported first. Names with a ``:`` (``'module:Name'``,
+    ``'orms:<name>'``) go through :func:`~megagrpo.rewards.swift_adapter.swift_reward`, which
+    checks what it may construct; ``run_args`` (e.g. ``{"max_completion_length": ...}``) are
+    offered to ms-swift classes that read settings from ``args``.
+    """
+    load_external_plugins(cfg.external_plugins)
+    terms = []
+    for spec in cfg.functions:
+        kwargs = dict(spec.kwargs)
+        if ":" in spec.name or spec.name.startswith(ORMS_PREFIX):
+            fn = swift_reward(spec.name, run_args, **kwargs)
+        else:
+            fn = get(spec.name, **kwargs)
+        terms.append((spec.label or spec.name, spec.weight, fn))
+    return CompositeReward(terms, on_error=cfg.on_error, timeout_s=cfg.timeout_s)

@@ -11,6 +11,12 @@ prediction count as wrong and are listed in ``missing``.
 Gold files: ``YEAR/EXAM-BLOCK.jsonl`` (``112-A.jsonl``); ``*_metadata``/``*_translate``
 siblings are skipped when searching directories. This module reads them itself so scoring
 does not depend on prompt rendering.
+
+Contraindicated choices (禁忌肢): ``EXAM-BLOCK_metadata.jsonl`` lists, per question, the
+``kinki`` option letters (entries such as ``"c"``, ``"cde"``, full-width ``"ｄ"``). A
+prediction *selects* a contraindicated choice when its letters intersect that set
+(:func:`kinki_selected`); the real exam fails a candidate who selects too many of them
+whatever the score, so they are counted per exam next to the score.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ class GoldItem:
     points: int
     year: str
     source: str
+    kinki: frozenset[str] = frozenset()
+    """Contraindicated option letters (from the exam's _metadata.jsonl; empty if none)."""
+
+    @property
+    def exam(self) -> str:
+        """The exam file's stem (``112-A``), from ``source`` (``.../112-A.jsonl:5``)."""
+        return Path(self.source.rsplit(":", 1)[0]).stem
 
 
 @dataclass
@@ -49,10 +62,12 @@ class Tally:
     total: int = 0
     score: int = 0
     points_total: int = 0
+    kinki_selected: int = 0
 
-    def add(self, ok: bool, points: int) -> None:
+    def add(self, ok: bool, points: int, kinki: bool = False) -> None:
         self.total += 1
         self.points_total += points
+        self.kinki_selected += int(kinki)
         if ok:
             self.correct += 1
             self.score += points
@@ -64,6 +79,7 @@ class Tally:
             "accuracy": self.correct / self.total if self.total else 0.0,
             "score": self.score,
             "points_total": self.points_total,
+            "kinki_selected": self.kinki_selected,
         }
 
 
@@ -73,12 +89,18 @@ class ScoreReport:
 
     overall: Tally = field(default_factory=Tally)
     by_year: dict[str, Tally] = field(default_factory=dict)
+    by_exam: dict[str, Tally] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
+    kinki: list[str] = field(default_factory=list)
+    """Questions whose prediction selected a contraindicated choice (with kinki data)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = self.overall.as_dict()
+        out["kinki_selected"] = len(self.kinki)
+        out["kinki_problems"] = list(self.kinki)
         out["by_year"] = {y: t.as_dict() for y, t in sorted(self.by_year.items())}
+        out["by_exam"] = {e: t.as_dict() for e, t in sorted(self.by_exam.items())}
         out["missing"] = list(self.missing)
         out["num_missing"] = len(self.missing)
         out["extra"] = list(self.extra)
@@ -127,12 +149,40 @@ def _year_of(path: Path, problem_id: str) -> str:
     return str(int(m.group(1)) + 1906) if m else "unknown"  # exam 112 was held in 2018
 
 
-def read_gold(files: Iterable[Path]) -> dict[str, GoldItem]:
-    """problem_id -> GoldItem, in file order. DataError naming file:line on bad records or
-    duplicate ids."""
+_FW = str.maketrans("ａｂｃｄｅｆｇｈＡＢＣＤＥＦＧＨ", "abcdefghabcdefgh")
+
+
+def read_kinki(gold_file: Path) -> dict[str, frozenset[str]]:
+    """problem_id -> contraindicated letters from ``<exam>_metadata.jsonl`` beside
+    ``gold_file`` ({} when there is no metadata file)."""
+    meta = gold_file.with_name(gold_file.stem + "_metadata.jsonl")
+    if not meta.is_file():
+        return {}
+    out: dict[str, frozenset[str]] = {}
+    for num, rec in read_jsonl(meta):
+        raw = rec.get("kinki") or []
+        if not isinstance(raw, list):
+            raise DataError(f"{meta}:{num}: 'kinki' must be a list of option letters")
+        letters = "".join(str(x) for x in raw).translate(_FW).lower()
+        out[str(rec.get("problem_id"))] = frozenset(c for c in letters if "a" <= c <= "h")
+    return out
+
+
+def kinki_selected(prediction: str, kinki: frozenset[str]) -> bool:
+    """The prediction (``"c,d"``) selects at least one contraindicated choice."""
+    return bool(kinki) and bool(set(prediction.split(",")) & kinki)
+
+
+def read_gold(files: Iterable[Path], limit: int = 0) -> dict[str, GoldItem]:
+    """problem_id -> GoldItem, in file order (with the exams' kinki letters). ``limit`` > 0:
+    only the first ``limit`` questions of each file. DataError naming file:line on bad
+    records or duplicate ids."""
     gold: dict[str, GoldItem] = {}
     for path in files:
-        for num, rec in read_jsonl(path):
+        kinki = read_kinki(path)
+        for i, (num, rec) in enumerate(read_jsonl(path)):
+            if limit and i >= limit:
+                break
             where = f"{path}:{num}"
             for key in ("problem_id", "answer", "points"):
                 if key not in rec:
@@ -148,7 +198,9 @@ def read_gold(files: Iterable[Path]) -> dict[str, GoldItem]:
                 raise DataError(
                     f"{where}: duplicate problem_id {pid} (first in {gold[pid].source})"
                 )
-            gold[pid] = GoldItem(pid, answer, points, _year_of(path, pid), where)
+            gold[pid] = GoldItem(
+                pid, answer, points, _year_of(path, pid), where, kinki.get(pid, frozenset())
+            )
     return gold
 
 
@@ -174,7 +226,8 @@ def read_predictions(files: Iterable[Path]) -> dict[str, str]:
 
 
 def score(gold: dict[str, GoldItem], predictions: dict[str, str]) -> ScoreReport:
-    """Official scoring of ``predictions`` against every gold question."""
+    """Official scoring of ``predictions`` against every gold question, per year and per
+    exam file, with the contraindicated choices selected."""
     report = ScoreReport()
     for pid, item in gold.items():
         pred = predictions.get(pid)
@@ -183,7 +236,11 @@ def score(gold: dict[str, GoldItem], predictions: dict[str, str]) -> ScoreReport
         ok = pred is not None and official_correct(pid, pred, item.answer)
         if pred is None and pid == ALWAYS_CORRECT:
             ok = True  # the official rule credits 116A71 whatever was predicted
-        report.overall.add(ok, item.points)
-        report.by_year.setdefault(item.year, Tally()).add(ok, item.points)
+        kinki = pred is not None and kinki_selected(pred, item.kinki)
+        if kinki:
+            report.kinki.append(pid)
+        report.overall.add(ok, item.points, kinki)
+        report.by_year.setdefault(item.year, Tally()).add(ok, item.points, kinki)
+        report.by_exam.setdefault(item.exam, Tally()).add(ok, item.points, kinki)
     report.extra = sorted(set(predictions) - set(gold))
     return report

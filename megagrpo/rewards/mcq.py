@@ -41,7 +41,10 @@ Extraction rules (``extract_answer(text, problem)``), applied in this order:
    slot-wise (``①2 ②6``) or a number (``26 Torr``, ``1,130 kcal``, ``7.2``) that fits the
    template: the fixed digits must match, the integer digit count must equal the
    template's, and decimals beyond the template's must be zeros (``7.2`` fills ``①.②③``
-   as 7.20). The extracted answer is the slot digits (``["720"]``). In an answer span the
+   as 7.20). An integer written with exactly as many digits as the template has slots,
+   under a template with decimal slots or fixed leading digits, is read as the slot digits
+   themselves (``21`` for ``①.②`` is 2.1, ``04`` is 0.4, ``130`` for ``1, ①②③`` is 1130).
+   The extracted answer is the slot digits (``["720"]``). In an answer span the
    first fitting number counts; on the final line the last one. Without a template any
    number is taken as written.
 6. Nothing found, a refusal, or an empty text: ``None`` (reward 0.0).
@@ -241,6 +244,12 @@ def _fit(number: str, template: tuple[str, str] | None) -> str | None:
     if template is None:
         return number
     prefix, core = template
+    num_slots = len(re.findall(r"[①-⑨]", core))
+    if "." not in number and len(number) == num_slots and ("." in core or prefix):
+        # written as the slot digits themselves: "21" for ①.② (2.1), "04" for ①.② (0.4),
+        # "130" for "1, ①②③" (1130). Read as a value these never fit (too many integer
+        # digits, or the fixed digits missing) or fit wrongly ("04" would be 4.0).
+        return number
     int_slots = len(core.split(".")[0].replace(".", ""))
     dec_slots = len(core.split(".")[1]) if "." in core else 0
     if len(frac) > dec_slots:
@@ -341,6 +350,12 @@ def mcq_accuracy() -> Callable[[list[str], Problem], list[float]]:
     """Factory of the exact-set reward: ``(completions [G], problem) -> [G]`` of 0.0/1.0."""
 
     def reward(completions: list[str], problem: Problem) -> list[float]:
+        if not problem.answer:  # a free-text gold (megagrpo.data.parse_gold): never silent
+            raise ValueError(
+                f"problem {problem.id} has no option-letter or numeric gold "
+                f"(solution {str(problem.meta.get('solution', ''))[:60]!r}); mcq_accuracy "
+                "cannot score it: use a reward that reads 'solution'"
+            )
         return [
             1.0 if answers_match(extract_answer(c, problem), problem.answer) else 0.0
             for c in completions

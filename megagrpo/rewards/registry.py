@@ -18,6 +18,17 @@ from megagrpo.rewards.mcq import mcq_accuracy
 from megagrpo.rewards.toy import toy_first_token
 
 RewardFn = Callable[..., list[float]]
+
+SWIFT_BUILTIN_HINTS = {
+    "accuracy": ". ms-swift's 'accuracy' is MathAccuracy (math_verify): it scores 0.0 on every "
+    "multiple-choice letter; use mcq_accuracy for MCQ/numeric exams, or 'orms:accuracy' for "
+    "ms-swift's own (needs math_verify)",
+    "format": ". ms-swift's 'format' is 'orms:format' (<think>...</think><answer>...</answer>)",
+    "cosine": ". ms-swift's 'cosine' is 'orms:cosine' (built on MathAccuracy)",
+    "repetition": ". ms-swift's 'repetition' is 'orms:repetition'",
+    "react_format": ". ms-swift's 'react_format' is 'orms:react_format'",
+}
+"""ms-swift built-in reward names that are not megagrpo registry names, and what to use."""
 _FACTORIES: dict[str, Callable[..., RewardFn]] = {}
 
 
@@ -51,9 +62,11 @@ def get(name: str, **kwargs: Any) -> RewardFn:
 
         return swift_reward(name, **kwargs)
     if name not in _FACTORIES:
+        hint = SWIFT_BUILTIN_HINTS.get(name, "")
         raise ConfigError(
             f"unknown reward '{name}'; known: {', '.join(names())} "
-            "(or 'module.path:ClassName' for an ms-swift ORM plugin)"
+            "(or 'module.path:ClassName' for a plugin, 'orms:<name>' for an ms-swift orms "
+            f"registry name){hint}"
         )
     try:
         return _FACTORIES[name](**kwargs)

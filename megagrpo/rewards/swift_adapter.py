@@ -9,62 +9,69 @@ with the ``swift`` extra: ``pip install 'megagrpo[swift]'``).
 
 Construction: ms-swift 4.x builds reward classes as ``cls(args=trainer_args)`` and reads
 settings from that object (``SoftOverlong`` reads ``args.soft_max_length``). A class whose
-``__init__`` takes ``args`` therefore gets ``args=SimpleNamespace(**spec.kwargs)`` (plus the
+``__init__`` takes ``args`` therefore gets ``args=SimpleNamespace(**run_args, **spec.kwargs)``
+(``run_args``: run settings ms-swift classes read, such as ``max_completion_length``; plus the
 kwargs it names, or all of them if it takes ``**kwargs``); any other class gets
 ``cls(**spec.kwargs)``. Functions are used as they are. ``async`` ORMs are awaited.
 
-Call: like ms-swift's ``compute_rewards_per_func``: ``trainer_state=None`` and per-completion
-columns ``solution`` (``meta['solution']`` for ms-swift JSONL problems, else the gold answers
-joined by ``,``), ``problem_id``, every ``meta`` key, ``messages`` (the prompt plus the
-completion as the last assistant message) and ``response_token_ids`` (the real ids when
-given, else placeholder lists of the right length: enough for length rewards like
-``SoftOverlong``, not for decoding).
+Call: like ms-swift's ``compute_rewards_per_func``: ``trainer_state`` (a :class:`TrainerState`
+shared with the composite, see :meth:`~megagrpo.rewards.composite.CompositeReward.begin_step`)
+and per-completion columns ``solution`` (``meta['solution']`` for ms-swift JSONL problems,
+else the gold answers joined by ``,``), ``problem_id``, every ``meta`` key, ``messages`` (the
+prompt plus the completion as the last assistant message) and ``response_token_ids`` (the
+real ids when given, else placeholder lists of the right length: enough for length rewards
+like ``SoftOverlong``, not for decoding).
+
+What may be named and constructed at all is decided by :mod:`.plugins` (checked before any
+construction).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from megagrpo.errors import ConfigError
+from megagrpo.rewards.plugins import check_reward_object, load_object
 from megagrpo.types import Problem
 
+__all__ = ["SwiftORMReward", "TrainerState", "load_object", "swift_reward"]
 
-def load_object(path: str) -> Any:
-    """Import ``'module.path:Name'``; ConfigError naming the path when it cannot."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"reward '{path}': expected 'module.path:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = (
-            " (install the swift extra: pip install 'megagrpo[swift]')"
-            if "swift" in str(exc)
-            else ""
-        )
-        raise ConfigError(f"reward '{path}': cannot import {module_name}: {exc}{hint}") from exc
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"reward '{path}': {module_name} has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    return obj
+
+@dataclass
+class TrainerState:
+    """The ``trainer_state`` ms-swift passes to ORMs (fields ORM plugins read).
+
+    ``global_step`` counts optimiser steps *completed* before the rewards are computed, as in
+    transformers' and Megatron-SWIFT's TrainerState (0 while scoring step 1's rollouts);
+    ``iteration`` is the Megatron-SWIFT name of the same number.
+    """
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_train_epochs: int = 1
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def iteration(self) -> int:
+        return self.global_step
 
 
 class SwiftORMReward:
     """An ms-swift ORM (``__call__(completions, **kwargs) -> list[float]``) as a megagrpo reward
     ``(completions [G], problem, lengths=None, token_ids=None) -> [G]``."""
 
-    def __init__(self, orm: Any, name: str = "") -> None:
+    def __init__(self, orm: Any, name: str = "", trainer_state: TrainerState | None = None) -> None:
         if not callable(orm):
             raise ConfigError(f"reward '{name}': {orm!r} is not callable")
         self.orm = orm
         self.name = name or type(orm).__name__
+        self.trainer_state = trainer_state if trainer_state is not None else TrainerState()
 
     def __call__(
         self,
@@ -81,12 +88,12 @@ class SwiftORMReward:
         kwargs["messages"] = [
             list(problem.messages) + [{"role": "assistant", "content": c}] for c in completions
         ]
-        kwargs["trainer_state"] = None
+        kwargs["trainer_state"] = self.trainer_state
         if token_ids is not None:
             kwargs["response_token_ids"] = [list(t) for t in token_ids]
         elif lengths is not None:
             kwargs["response_token_ids"] = [[0] * int(length) for length in lengths]
-        out = self.orm(list(completions), **kwargs)
+        out: Any = self.orm(list(completions), **kwargs)
         if inspect.isawaitable(out):
             out = asyncio.run(_await(out))
         values = [float(v) for v in out]
@@ -97,13 +104,21 @@ class SwiftORMReward:
         return values
 
 
-def swift_reward(path: str, **kwargs: Any) -> SwiftORMReward:
-    """Build the adapter for ``'module.path:ClassName'`` (classes get ``**kwargs``)."""
+def swift_reward(
+    path: str, run_args: dict[str, Any] | None = None, **kwargs: Any
+) -> SwiftORMReward:
+    """Build the adapter for ``'module.path:Name'`` or ``'orms:<name>'``.
+
+    The object is checked by :func:`~megagrpo.rewards.plugins.check_reward_object` before it
+    is constructed. Classes get ``**kwargs`` (or ms-swift's ``args`` namespace, holding
+    ``run_args``, e.g. ``max_completion_length``, overridden by ``kwargs``).
+    """
     obj = load_object(path)
+    check_reward_object(obj, path)
     if inspect.isclass(obj):
         try:
-            obj = _construct(obj, kwargs)
-        except (TypeError, AttributeError, AssertionError) as exc:
+            obj = _construct(obj, kwargs, run_args or {})
+        except Exception as exc:  # noqa: BLE001 - a plugin constructor may raise anything
             raise ConfigError(
                 f"reward '{path}': cannot construct with {kwargs}: {type(exc).__name__}: {exc}"
             ) from exc
@@ -112,7 +127,7 @@ def swift_reward(path: str, **kwargs: Any) -> SwiftORMReward:
     return SwiftORMReward(obj, name=path)
 
 
-def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
+def _construct(cls: type, kwargs: dict[str, Any], run_args: dict[str, Any]) -> Any:
     """ms-swift style ``cls(args=namespace)`` when ``__init__`` takes ``args``, else
     ``cls(**kwargs)``."""
     try:
@@ -123,7 +138,7 @@ def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
         return cls(**kwargs)
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
     passed = {k: v for k, v in kwargs.items() if var_kw or k in params}
-    return cls(args=SimpleNamespace(**kwargs), **passed)
+    return cls(args=SimpleNamespace(**{**run_args, **kwargs}), **passed)
 
 
 async def _await(awaitable: Any) -> Any:

@@ -112,6 +112,7 @@ def test_report_draws_every_plot(tmp_path):
     paths = make_report(run)
     assert sorted(p.name for p in paths) == [
         "collapse.png",
+        "kl_entropy.png",
         "length.png",
         "levels.png",
         "reward.png",

@@ -141,8 +141,8 @@ def test_composite_isolates_errors_per_completion(caplog):
     assert total == [1.5, 1.0, 3.5, 0.0]
     assert comp.num_errors == 2
     assert "112A1" in caplog.text and "scorer exploded" in caplog.text
-    assert comp.pop_metrics() == {"reward/errors": 2.0}
-    assert comp.pop_metrics() == {"reward/errors": 0.0}
+    assert comp.pop_metrics() == {"reward/errors": 2.0, "reward/timeouts": 0.0}
+    assert comp.pop_metrics() == {"reward/errors": 0.0, "reward/timeouts": 0.0}
     comp(["abc"], PROBLEM)
     assert comp.num_errors == 2
 

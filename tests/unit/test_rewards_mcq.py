@@ -276,3 +276,32 @@ def test_degenerate_looping_outputs_stay_linear(text):
     extract_answer(text, p)
     extract_answer(text, num)
     assert time.perf_counter() - start < 3.0
+
+
+def test_numeric_answers_written_as_slot_digits(problems):
+    """Issue 12.6, on the real templates of every numeric IgakuQA 2018-2020 question: an
+    answer written as the slot digits (``答え: 12`` for ``①.②``, gold ``1.2``) scores 1, and a
+    leading zero is a slot (``答え: 04`` for ``①.②`` is 0.4, not 4.0). Before the fix the
+    decimal and fixed-prefix templates (112F84, 113F84, 114C75, 114F75) scored 0 and ``04``
+    read as ``40``."""
+    reward = get("mcq_accuracy")
+    numeric = [p for p in problems if not p.meta["choices"]]
+    assert len(numeric) == 7
+    decimal = 0
+    for p in numeric:
+        digits = re.sub(r"\D", "", p.answer[0])
+        wrong = digits[:-1] + str((int(digits[-1]) + 1) % 10)
+        assert reward([f"答え: {digits}", f"答え: {wrong}"], p) == [1.0, 0.0], p.id
+        m = re.search(r"解答：\s*((?:\d[,，]?\s*)*)([①-⑨](?:[.．]?[①-⑨])*)", p.meta["problem_text"])
+        core = m.group(2)
+        if "." not in core:
+            continue
+        decimal += 1
+        lead_zero = "0" + "4" * (len(digits) - 1)  # e.g. 0.4 under ①.②, 04.4 under ①②.③
+        assert extract_answer(f"答え: {lead_zero}", p) == [lead_zero], p.id
+        value = lead_zero[: core.index(".")] + "." + lead_zero[core.index(".") :]
+        zero_gold = Problem(p.id, p.messages, [value], p.meta)
+        assert reward([f"答え: {lead_zero}", f"答え: {value}"], zero_gold) == [1.0, 1.0], p.id
+        as_number = Problem(p.id, p.messages, [lead_zero.lstrip("0") + "0"], p.meta)
+        assert reward([f"答え: {lead_zero}"], as_number) == [0.0], p.id  # not 4.0
+    assert decimal == 3

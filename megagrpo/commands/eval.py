@@ -1,0 +1,292 @@
+"""`megagrpo eval CONFIG --data DIR...`: IgakuQA with the exam's own scoring.
+
+Generates one answer per question with the configured rollout engine (``rollout.*``: engine,
+sampling, lengths; ``--seed`` for the sampling seeds) on ``model.hf_path``, optionally with a
+LoRA adapter (``--adapter PEFT_DIR``, or ``--step N`` for the adapter a training run exported
+at that step), extracts the answer with megagrpo's extractor, writes predictions in IgakuQA's
+``baseline_results`` format (``OUT/YEAR/EXAM-BLOCK_NAME.jsonl``: ``problem_id``,
+``prediction``, ``explanation`` = the raw completion) and prints the official score per exam
+file (points and accuracy, exactly as ``megagrpo score`` computes them on those files) and the
+contraindicated choices (禁忌肢) selected.
+
+The question set is every question of the exam files (``--limit N``: the first N of each).
+Image questions (``data.exclude_images``) and prompts over-long under ``data.truncation`` get
+no prediction and count as wrong, as the official rule counts a missing answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from megagrpo.errors import ConfigError
+
+DESCRIPTION = (
+    (__doc__ or "")
+    + """
+examples:
+  megagrpo eval configs/demo_cpu.yaml --data ../shared/data/igakuqa/2018 --limit 5
+  megagrpo eval run.yaml --data ../shared/data/igakuqa --step 100 --json
+  megagrpo score --gold ../shared/data/igakuqa --predictions runs/NAME/eval/step_000100
+"""
+)
+log = logging.getLogger(__name__)
+BATCH = 32
+"""Questions per engine.generate call (bounds engine memory on long exams)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (model, rollout, data.prompt)")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="IgakuQA exam files or directories (EXAM-BLOCK.jsonl)",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="PEFT adapter directory (adapter_config.json + safetensors)",
+    )
+    which.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the adapter of training step N of the config's run",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="predictions directory (default RUN_DIR/eval/<step|adapter|base>)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only the first N questions of each exam file",
+    )
+    parser.add_argument(
+        "--name",
+        default="megagrpo",
+        help="model name in prediction file names (EXAM-BLOCK_NAME.jsonl)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+# ----------------------------------------------------------------------------- adapters
+
+
+def step_adapter_dir(run_dir: Path, step: int) -> Path:
+    """The PEFT adapter of training step ``step``: ``RUN_DIR/checkpoints/step_N/adapter``.
+    ConfigError naming what exists when there is none."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    adapter = ckpt / "adapter"
+    if (adapter / "adapter_config.json").is_file():
+        return adapter
+    have = (
+        sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.is_dir() else []
+    )
+    if not ckpt.is_dir():
+        raise ConfigError(f"--step {step}: no checkpoint {ckpt} (have: {have or 'none'})")
+    raise ConfigError(
+        f"--step {step}: {ckpt} holds training state (Megatron LoRA shards), not a PEFT "
+        "adapter; runs that export one per checkpoint write it to step_N/adapter. Use "
+        f"--adapter with an exported adapter (the run's final one: {run_dir / 'adapter'})"
+    )
+
+
+def load_adapter(path: str | os.PathLike) -> Any:
+    """A PEFT LoRA directory as a :class:`megagrpo.rollout.LoraAdapter` (per-module A/B)."""
+    from safetensors.torch import load_file
+
+    from megagrpo.rollout import LoraAdapter
+
+    path = Path(path)
+    cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ConfigError(
+            f"--adapter {path}: needs adapter_config.json and adapter_model.safetensors"
+        )
+    conf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    if conf.get("peft_type", "LORA") != "LORA" or conf.get("use_rslora") or conf.get("use_dora"):
+        raise ConfigError(f"--adapter {path}: only plain LoRA adapters are supported")
+    if conf.get("target_parameters"):
+        raise ConfigError(
+            f"--adapter {path}: fused-expert LoRA (target_parameters) cannot be applied to the "
+            "rollout engine yet; export with expert_format='per_expert'"
+        )
+    try:
+        return LoraAdapter.from_peft_state_dict(
+            load_file(str(weights)), int(conf["r"]), float(conf["lora_alpha"])
+        )
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"--adapter {path}: {exc}") from exc
+
+
+def base_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """The HF checkpoint's tensors ``(name, tensor)``, one at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files or not all(f.is_file() for f in files):
+        raise ConfigError(f"model.hf_path: no safetensors weights in {model_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, fh.get_tensor(name)
+
+
+def apply_adapter(engine: Any, adapter_dir: str | os.PathLike, model_dir: Path) -> dict[str, Any]:
+    """Serve ``adapter_dir`` on ``engine``: adapter-only where the engine supports it, else the
+    merged weights ``W + alpha/r * B A`` streamed in; verified by the engine's probe."""
+    from megagrpo.rollout import sync_lora
+
+    adapter = load_adapter(adapter_dir)
+    if all(float(b.abs().max()) == 0.0 for b in adapter.b.values()):
+        log.info("adapter %s is all zero (step 0): the base model is evaluated", adapter_dir)
+        return {"modules": len(adapter.a), "applied": False}
+    report = sync_lora(engine, adapter, base_tensors(model_dir))
+    return {"modules": len(adapter.a), "applied": True, **report.as_dict()}
+
+
+# ----------------------------------------------------------------------------- questions
+
+
+def select_questions(cfg: Any, files: list[Path], limit: int, tokenizer: Any):
+    """(gold items, problems to generate for, {reason: skipped ids}) for ``files``."""
+    from megagrpo.data import apply_prompt_policy, load_problems, prompt_ids
+    from megagrpo.data.truncation import resolve_max_prompt_tokens
+    from megagrpo.rewards.igakuqa import read_gold
+
+    gold = read_gold(files, limit=limit)
+    problems = []
+    for f in files:
+        probs = load_problems([f], prompt=cfg.data.prompt, columns=cfg.data.column_map())
+        problems += [p for p in probs if p.id in gold]
+    skipped: dict[str, list[str]] = {}
+    if cfg.data.exclude_images:
+        skipped["image"] = [p.id for p in problems if not p.meta.get("text_only", True)]
+        problems = [p for p in problems if p.meta.get("text_only", True)]
+    limit_tokens = resolve_max_prompt_tokens(
+        cfg.data, cfg.rollout.max_model_len, cfg.rollout.max_tokens
+    )
+    ids = [prompt_ids(tokenizer, p) for p in problems]
+    policy = apply_prompt_policy(problems, ids, limit_tokens, cfg.data.truncation, where="--data")
+    skipped["prompt_too_long"] = policy.dropped
+    return gold, policy.problems, {k: v for k, v in skipped.items() if v}
+
+
+def generate_predictions(engine: Any, problems: list, seed: int) -> dict[str, tuple[str, str]]:
+    """problem id -> (prediction "c,d" or "", raw completion), in batches of :data:`BATCH`."""
+    from megagrpo.rewards import extract_answer
+    from megagrpo.rollout import SamplingSpec
+
+    out: dict[str, tuple[str, str]] = {}
+    for start in range(0, len(problems), BATCH):
+        chunk = problems[start : start + BATCH]
+        groups = engine.generate(chunk, 1, SamplingSpec(seed=seed, problem_offset=start))
+        for g in groups:
+            letters = extract_answer(g.completions[0], g.problem)
+            out[g.problem.id] = (",".join(letters) if letters else "", g.completions[0])
+        log.info("eval: %d / %d questions", min(start + BATCH, len(problems)), len(problems))
+    return out
+
+
+def write_predictions(
+    out_dir: Path, gold: dict, preds: dict[str, tuple[str, str]], name: str
+) -> list[Path]:
+    """``OUT/YEAR/EXAM-BLOCK_NAME.jsonl`` per exam file, questions in gold order (atomic)."""
+    by_file: dict[tuple[str, str], list[str]] = {}
+    for pid, item in gold.items():
+        if pid in preds:
+            by_file.setdefault((item.year, item.exam), []).append(pid)
+    written = []
+    for (year, exam), pids in sorted(by_file.items()):
+        path = out_dir / year / f"{exam}_{name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [
+            {"problem_id": pid, "prediction": preds[pid][0], "explanation": preds[pid][1]}
+            for pid in pids
+        ]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
+        os.replace(tmp, path)
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:
+    if args.out:
+        return Path(args.out)
+    tag = (
+        f"step_{args.step:06d}"
+        if args.step is not None
+        else (Path(args.adapter).name if args.adapter else "base")
+    )
+    return run_dir / "eval" / tag
+
+
+def run(args: argparse.Namespace) -> int:
+    from megagrpo.commands.score import print_table
+    from megagrpo.config import load_config
+    from megagrpo.model.pretrained import resolve_model_path
+    from megagrpo.rewards.igakuqa import find_files, score
+    from megagrpo.rollout import build_engine
+    from megagrpo.trainer.config import RunConfig
+
+    if args.limit < 0:
+        raise ConfigError("--limit must be >= 0")
+    cfg = load_config(RunConfig, [args.config], args.overrides)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
+    adapter = step_adapter_dir(run_dir, args.step) if args.step is not None else args.adapter
+    files = find_files(args.data, gold=True)
+    model_dir = resolve_model_path(cfg.model.hf_path)
+    engine = build_engine(cfg.rollout, str(model_dir), args.seed)
+    try:
+        sync = apply_adapter(engine, adapter, model_dir) if adapter else None
+        gold, problems, skipped = select_questions(cfg, files, args.limit, engine.tokenizer)
+        preds = generate_predictions(engine, problems, args.seed)
+    finally:
+        engine.close()
+    out_dir = _out_dir(args, run_dir)
+    written = write_predictions(out_dir, gold, preds, args.name)
+    report = score(gold, {pid: p for pid, (p, _) in preds.items()})
+    result = {
+        **report.as_dict(),
+        "predictions": str(out_dir),
+        "files": [str(p) for p in written],
+        "adapter": str(adapter) if adapter else None,
+        "sync": sync,
+        "skipped": skipped,
+    }
+    (out_dir / "score.json").write_text(json.dumps(result, ensure_ascii=False, indent=1), "utf-8")
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    print_table(report, by="exam")
+    for reason, ids in skipped.items():
+        print(f"no prediction ({reason}, counted wrong): {len(ids)}")
+    print(f"contraindicated choices selected: {len(report.kinki)} {report.kinki[:10]}")
+    print(f"predictions: {out_dir}")
+    return 0

@@ -1,0 +1,264 @@
+"""`megagrpo from-swift [--out CONFIG.yaml] -- <ms-swift arguments>`: migrate an ms-swift run.
+
+Translates an ms-swift GRPO command line (``swift rlhf --rlhf_type grpo ...`` or ``megatron
+rlhf --rlhf_type grpo ...``; leading ``VAR=value`` environment assignments are read for
+``NPROC_PER_NODE``/``NNODES``), an ms-swift YAML config (the flat ``flag: value`` file that
+``swift rlhf config.yaml`` takes) or a shell script holding such a command, into a complete
+megagrpo config: YAML on stdout, or written to ``--out``. The config is loaded through
+megagrpo's own schema and validation before it is written.
+
+On stderr it reports, flag by flag, what maps exactly (``=``), what maps with a different
+meaning or default (``~``), and what has no equivalent (``x``), including the ms-swift
+defaults that differ from megagrpo's and were applied although the flag was not given (beta,
+temperature, lora_alpha, epsilon_high, dynamic_sample, LR schedule, ...). The rules are in
+:mod:`megagrpo.commands.swift_flags`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megagrpo.commands.swift_flags import (
+    DIFFERS,
+    EXACT,
+    MISSING,
+    NO_EQUIVALENT,
+    Translation,
+    translate_algorithm,
+    translate_lengths,
+    translate_model,
+    translate_rollout,
+)
+from megagrpo.commands.swift_flags_run import translate_data_rewards, translate_optim
+from megagrpo.errors import ConfigError
+
+DESCRIPTION = __doc__
+log = logging.getLogger(__name__)
+MARKS = {EXACT: "=", DIFFERS: "~", MISSING: "x"}
+HEADINGS = {
+    EXACT: "maps exactly",
+    DIFFERS: "maps with a different meaning or default",
+    MISSING: "no equivalent in megagrpo (not yet supported or out of scope)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", default=None, metavar="CONFIG.yaml", help="write the config here (default: stdout)"
+    )
+    parser.add_argument(
+        "--flavor",
+        choices=("swift", "megatron"),
+        default=None,
+        help="ms-swift front end whose defaults apply (default: from the command)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes of the ms-swift run (swift rlhf batch size; default "
+        "NPROC_PER_NODE x NNODES from the command, else 1)",
+    )
+    parser.add_argument(
+        "--keep-swift-accuracy",
+        action="store_true",
+        help="map 'accuracy' to ms-swift's MathAccuracy, not mcq_accuracy",
+    )
+    parser.add_argument(
+        "swift_args",
+        nargs=argparse.REMAINDER,
+        help="-- then the ms-swift command line, a YAML config, or a .sh script",
+    )
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _scalar(text: str) -> Any:
+    """``true`` -> True, ``8`` -> 8, ``1e-6`` -> 1e-6, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[str, str]]:
+    """``(flags, flavor, env)`` from a tokenised command: leading ``VAR=value`` assignments,
+    ``swift``/``megatron`` + ``rlhf``, then ``--flag value...`` / ``--flag=value`` / ``--flag``."""
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(tokens) and "=" in tokens[i] and not tokens[i].startswith("-"):
+        key, _, value = tokens[i].partition("=")
+        env[key] = value
+        i += 1
+    flavor = None
+    while i < len(tokens) and not tokens[i].startswith("--"):
+        word = Path(tokens[i]).name
+        if word in ("swift", "megatron"):
+            flavor = word
+        elif word not in ("rlhf", "python", "python3", "-m", "swift.cli.rlhf"):
+            raise ConfigError(f"unexpected word {tokens[i]!r} before the first --flag")
+        i += 1
+    flags: dict[str, Any] = {}
+    name = None
+    for tok in tokens[i:]:
+        if tok.startswith("--"):
+            name, eq, value = tok[2:].partition("=")
+            name = name.replace("-", "_")
+            if name in flags:
+                raise ConfigError(f"--{name} given twice")
+            flags[name] = _scalar(value) if eq else True
+            name = None if eq else name
+        elif name is None:
+            raise ConfigError(f"value {tok!r} without a --flag")
+        else:
+            v = _scalar(tok)
+            prev = flags[name]
+            flags[name] = v if prev is True else (prev if isinstance(prev, list) else [prev]) + [v]
+    return flags, flavor, env
+
+
+def read_swift_args(args: list[str]) -> tuple[dict[str, Any], str | None, dict[str, str]]:
+    """Flags from a command line, an ms-swift YAML config, or a shell script (one command)."""
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        raise ConfigError("give the ms-swift command after --, or a YAML config / .sh script")
+    if len(args) == 1 and args[0].endswith((".yaml", ".yml", ".json")):
+        path = Path(args[0])
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: cannot read an ms-swift YAML config: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: an ms-swift config is a mapping of flag: value")
+        env = {str(k): str(v) for k, v in (data.pop("ENV", None) or {}).items()}
+        return {str(k).replace("-", "_"): v for k, v in data.items()}, None, env
+    if len(args) == 1 and args[0].endswith(".sh"):
+        return parse_tokens(command_from_script(Path(args[0]).read_text(encoding="utf-8")))
+    return parse_tokens(list(args))
+
+
+def command_from_script(text: str) -> list[str]:
+    """The tokens of the ``swift rlhf`` / ``megatron rlhf`` command in a shell script: line
+    continuations joined, ``VAR=value`` lines before it substituted for ``$VAR``/``${VAR}``."""
+    variables: dict[str, str] = {}
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        try:  # no shlex comments: a '#' inside a word (dataset#1000) is not one
+            tokens = shlex.split(line)
+        except ValueError as exc:
+            raise ConfigError(f"cannot parse the script line {line[:60]!r}: {exc}") from exc
+        if not tokens:
+            continue
+        if "rlhf" in tokens:
+            return [_expand(tok, variables) for tok in tokens]
+        if all("=" in tok and not tok.startswith("-") for tok in tokens):
+            for tok in tokens:
+                key, _, value = tok.partition("=")
+                variables[key] = _expand(value, variables)
+    raise ConfigError("no 'swift rlhf' or 'megatron rlhf' command in the script")
+
+
+def _expand(token: str, variables: dict[str, str]) -> str:
+    for key, value in variables.items():
+        token = token.replace("${" + key + "}", value).replace("$" + key, value)
+    return token
+
+
+# ----------------------------------------------------------------------------- translate
+
+
+def translate(
+    flags: dict[str, Any],
+    flavor: str = "swift",
+    world_size: int = 1,
+    keep_swift_accuracy: bool = False,
+) -> Translation:
+    """Every rule of :mod:`~megagrpo.commands.swift_flags`, then the flags no rule took."""
+    t = Translation(flags, flavor, world_size)
+    translate_algorithm(t)
+    translate_model(t)
+    translate_lengths(t)
+    translate_rollout(t)
+    translate_optim(t)
+    translate_data_rewards(t, keep_swift_accuracy)
+    for flag in flags:
+        if flag in t.done:
+            continue
+        why = NO_EQUIVALENT.get(flag, "unknown to megagrpo from-swift: no equivalent")
+        t.add(flag, MISSING, {}, why)
+    return t
+
+
+def to_config(t: Translation) -> Any:
+    """The megagrpo RunConfig the overrides describe, loaded and validated by megagrpo."""
+    from omegaconf import OmegaConf
+
+    from megagrpo.config import load_config
+    from megagrpo.trainer.config import RunConfig
+
+    nested = OmegaConf.create({})
+    for key, value in t.overrides.items():
+        OmegaConf.update(nested, key, value, force_add=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "translated.yaml"
+        path.write_text(OmegaConf.to_yaml(nested), encoding="utf-8")
+        return load_config(RunConfig, [path])
+
+
+def report_lines(t: Translation) -> list[str]:
+    """The flag-by-flag report (what stderr shows)."""
+    lines = [f"ms-swift ({t.flavor} rlhf, {len(t.flags)} flags) -> megagrpo"]
+    for status in (EXACT, DIFFERS, MISSING):
+        entries = [e for e in t.entries if e.status == status]
+        if not entries:
+            continue
+        lines.append(f"{HEADINGS[status]}:")
+        for e in entries:
+            shown = f"--{e.flag} {e.value}" if e.given else f"(--{e.flag} not given)"
+            keys = ", ".join(f"{k}={v}" for k, v in e.keys.items()) or "-"
+            if len(keys) > 90:
+                keys = keys[:87] + "..."
+            lines.append(f"  {MARKS[status]} {shown:<44} -> {keys}")
+            if e.note:
+                lines.append(f"      {e.note}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from megagrpo.config import to_yaml
+
+    flags, flavor, env = read_swift_args(list(args.swift_args))
+    flavor = args.flavor or flavor or "swift"
+    world = args.world_size or int(env.get("NPROC_PER_NODE", 1)) * int(env.get("NNODES", 1))
+    t = translate(flags, flavor, world, args.keep_swift_accuracy)
+    cfg = to_config(t)
+    print("\n".join(report_lines(t)), file=sys.stderr)
+    source = " ".join(f"--{k} {v}" for k, v in flags.items())
+    text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n" + to_yaml(cfg)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+        print(f"wrote {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,534 @@
+"""ms-swift GRPO flags -> megagrpo config keys, flag by flag (used by `megagrpo from-swift`).
+
+Each ms-swift flag the user gave is translated by one rule and reported with a status:
+
+* ``exact``: the megagrpo key means the same thing;
+* ``differs``: mapped, but the meaning or a default differs (the note says how);
+* ``missing``: megagrpo has no equivalent yet (not yet supported, or out of scope).
+
+Flags the user did *not* give matter too: where ms-swift's default differs from megagrpo's
+(``beta`` 0.04 vs 0, ``temperature`` 0.9 vs 1.0, ``lora_alpha`` 32 vs 16, ...), the
+ms-swift default is written into the config, so the translated run behaves like the
+ms-swift one, and reported as such. Defaults are ms-swift 4.6's
+(``swift/megatron/arguments/megatron_args.py`` for ``megatron rlhf``,
+``swift/arguments/rlhf_args.py`` + ``swift/rlhf_trainers/args_mixin.py`` +
+``swift/trainers/arguments.py`` for ``swift rlhf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megagrpo.errors import ConfigError
+
+EXACT, DIFFERS, MISSING = "exact", "differs", "missing"
+
+# ms-swift 4.6 defaults that matter for GRPO (both front ends unless flavor-specific)
+SWIFT_DEFAULTS: dict[str, Any] = {
+    "beta": 0.04,
+    "temperature": 0.9,
+    "lora_alpha": 32.0,
+    "lora_dropout": 0.05,
+    "lora_rank": 8,
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "dynamic_sample": False,
+    "max_resample_times": 3,
+    "num_generations": 8,
+    "max_completion_length": 512,
+    "lr_schedule": "cosine",
+    "target_modules": ["all-linear"],
+    "truncation_strategy": "left",
+}
+# both front ends: weight_decay 0.1, adam_beta2 0.95, seed 42 (megagrpo: 0.0, 0.999, 0)
+OPTIM_DEFAULTS = {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "seed": 42}
+MEGATRON_DEFAULTS = {"global_batch_size": 16}
+SWIFT_RLHF_DEFAULTS = {"per_device_train_batch_size": 1}
+
+MATH_VERIFY_NOTE = (
+    "ms-swift's 'accuracy' is MathAccuracy (math_verify): it scores 0.0 on every "
+    "multiple-choice letter (measured), so an MCQ run with it trained on a constant reward; "
+    "mapped to mcq_accuracy (exact-set letters/numbers). Use --keep-swift-accuracy for "
+    "'orms:accuracy' (ms-swift's own, needs math_verify)"
+)
+HF_TARGETS = {
+    "q_proj": "linear_qkv",
+    "k_proj": "linear_qkv",
+    "v_proj": "linear_qkv",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1",
+    "up_proj": "linear_fc1",
+    "down_proj": "linear_fc2",
+}
+ALL_LINEAR = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+# flags with no megagrpo equivalent, and why (GPU performance knobs, launcher details ...)
+NO_EQUIVALENT: dict[str, str] = {
+    "offload_model": "Megatron weights stay on the GPU during generation",
+    "offload_optimizer": "no optimizer offload (LoRA optimizer state is small)",
+    "offload_bridge": "no bridge offload",
+    "overlong_filter": "truncated completions are trained on (length/clip_ratio is logged)",
+    "steps_per_generation": (
+        "one optimizer step per generated batch (ppo_epochs reuses the same batch)"
+    ),
+    "generation_batch_size": "one optimizer step per generated batch",
+    "context_parallel_size": "no context parallelism",
+    "router_replay_mode": "no engine exposes per-token expert choices",
+    "num_train_epochs": "megagrpo counts optimizer steps (trainer.max_steps)",
+    "min_lr": "no LR decay yet (constant after warm-up)",
+    "swanlab_project": "no SwanLab backend",
+    "vllm_max_num_seqs": "not configurable",
+    "vllm_engine_kwargs": "not configurable",
+    "vllm_enable_prefix_caching": "not configurable",
+    "move_model_batches": "no offload",
+    "async_generate": "no asynchronous generation",
+    "dataset_num_proc": "local JSONL only; no preprocessing workers",
+    "dataloader_num_workers": "no data loader workers",
+    "padding_free": "GPU performance knob",
+    "attention_backend": "GPU performance knob (model.spec te/local)",
+    "moe_permute_fusion": "GPU performance knob",
+    "moe_grouped_gemm": "model.moe_grouped_gemm (TE spec only)",
+    "deepspeed": "Megatron parallelism instead (parallel.*)",
+    "finetune": "always fine-tuning from model.hf_path",
+    "no_save_optim": "checkpoints always hold the optimizer (needed for --resume)",
+    "no_save_rng": "checkpoints always hold the RNG states (bit-exact --resume)",
+    "merge_lora": "tools/convert_ckpt.py export --merge-lora",
+    "save_safetensors": "the final adapter is PEFT safetensors; checkpoints are not",
+    "load_from_cache_file": "no dataset cache",
+    "save_strategy": "trainer.save_every",
+    "eval_strategy": "trainer.eval_every",
+    "recompute_method": "no activation recompute in the trainer",
+    "recompute_modules": "no activation recompute in the trainer",
+    "torch_dtype": "model.dtype / rollout.dtype",
+    "max_pixels": "text only",
+    "log_entropy": "entropy is always logged (loss/entropy)",
+    "vllm_server_host": "no vLLM server mode",
+    "vllm_server_port": "no vLLM server mode",
+    "vllm_server_base_url": "no vLLM server mode",
+    "multi_turn_scheduler": "single-turn MCQ only",
+    "reward_model": "no reward models, only reward functions",
+    "output_dir": "trainer.output_dir/trainer.name (runs/<name>)",
+    "add_version": "runs/<trainer.name>",
+}
+
+
+@dataclass
+class Entry:
+    """One report line: the ms-swift flag, its value, the status, the keys set, a note."""
+
+    flag: str
+    value: Any
+    status: str
+    keys: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+    given: bool = True
+
+
+class Translation:
+    """Accumulates config overrides and report entries."""
+
+    def __init__(self, flags: dict[str, Any], flavor: str, world_size: int) -> None:
+        self.flags = flags
+        self.flavor = flavor
+        self.world_size = world_size
+        self.entries: list[Entry] = []
+        self.overrides: dict[str, Any] = {}
+        self.done: set[str] = set()
+
+    def get(self, flag: str, default: Any = None) -> Any:
+        return self.flags.get(flag, default)
+
+    def add(
+        self,
+        flag: str,
+        status: str,
+        keys: dict[str, Any] | None = None,
+        note: str = "",
+        *,
+        given: bool | None = None,
+        value: Any = None,
+    ) -> None:
+        keys = keys or {}
+        self.overrides.update(keys)
+        is_given = flag in self.flags if given is None else given
+        shown = self.flags.get(flag) if value is None else value
+        self.entries.append(Entry(flag, shown, status, keys, note, is_given))
+        self.done.add(flag)
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else [v]
+
+
+def _default(
+    t: Translation,
+    flag: str,
+    key: str,
+    swift_value: Any,
+    megagrpo_value: Any,
+    note: str = "",
+    cast: Any = None,
+    semantic: bool = False,
+) -> None:
+    """``flag`` given: map it (``semantic``: the meaning differs, say how). Not given: apply
+    ms-swift's default when it differs from megagrpo's, and report that."""
+    if flag in t.flags:
+        value = cast(t.get(flag)) if cast else t.get(flag)
+        t.add(flag, DIFFERS if semantic else EXACT, {key: value}, note if semantic else "")
+    elif swift_value != megagrpo_value:
+        t.add(
+            flag,
+            DIFFERS,
+            {key: swift_value},
+            f"not given: ms-swift's default {swift_value!r} applied (megagrpo's default is "
+            f"{megagrpo_value!r}){'; ' + note if note else ''}",
+            given=False,
+            value=swift_value,
+        )
+
+
+def translate_algorithm(t: Translation) -> None:
+    """GRPO core: generations, loss, clipping, KL, dynamic sampling, sampling settings."""
+    rlhf = t.get("rlhf_type", "grpo")
+    if rlhf != "grpo":
+        raise ConfigError(f"--rlhf_type {rlhf}: megagrpo trains GRPO only")
+    t.add(
+        "rlhf_type",
+        EXACT,
+        {},
+        "megagrpo train CONFIG runs GRPO",
+        given="rlhf_type" in t.flags,
+        value=rlhf,
+    )
+    g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
+    t.add(
+        "num_generations",
+        EXACT,
+        {"rollout.group_size": g},
+        given="num_generations" in t.flags,
+        value=g,
+    )
+    _default(t, "beta", "loss.kl_coef", SWIFT_DEFAULTS["beta"], 0.0, cast=float)
+    _default(
+        t,
+        "temperature",
+        "rollout.temperature",
+        SWIFT_DEFAULTS["temperature"],
+        1.0,
+        "ms-swift also divides the training logits by the temperature; megagrpo's "
+        "training log-probs are the raw (T=1) model's: identical only at 1.0",
+        cast=float,
+        semantic=True,
+    )
+    eps = float(t.get("epsilon", SWIFT_DEFAULTS["epsilon"]))
+    t.add("epsilon", EXACT, {"loss.eps_low": eps}, given="epsilon" in t.flags, value=eps)
+    if t.get("epsilon_high") is not None:
+        t.add("epsilon_high", EXACT, {"loss.eps_high": float(t.get("epsilon_high"))})
+    else:
+        t.add(
+            "epsilon_high",
+            DIFFERS,
+            {"loss.eps_high": eps},
+            f"not given: ms-swift clips symmetrically (epsilon_high = epsilon = {eps}); "
+            "megagrpo's default is 0.28 (clip-higher)",
+            given=False,
+            value=eps,
+        )
+    dyn = _bool(t.get("dynamic_sample", False))
+    resample = int(t.get("max_resample_times", SWIFT_DEFAULTS["max_resample_times"]))
+    keys: dict[str, Any] = {"dynamic.enabled": dyn}
+    if dyn:
+        keys.update({"dynamic.policy": "original", "dynamic.max_resample": resample})
+    t.add(
+        "dynamic_sample",
+        DIFFERS,
+        keys,
+        (
+            "policy 'original' reproduces ms-swift (checks R of 1+R rounds, trains the first "
+            "batch when short); megagrpo's default 'carry' keeps surplus valid groups"
+        )
+        if dyn
+        else "not given or false: megagrpo's default is true (dynamic sampling on)",
+        given="dynamic_sample" in t.flags,
+        value=dyn,
+    )
+    if "max_resample_times" in t.flags:
+        t.add(
+            "max_resample_times",
+            DIFFERS if dyn else MISSING,
+            {"dynamic.max_resample": resample} if dyn else {},
+            "ms-swift generates 1+R rounds and checks R; megagrpo 'original' does the same"
+            if dyn
+            else "no effect without --dynamic_sample true",
+        )
+    _loss_type(t)
+    level = t.get("importance_sampling_level", "token")
+    if level == "sequence":
+        t.add("importance_sampling_level", EXACT, {"loss.variant": "gspo"}, "GSPO")
+    elif level == "token":
+        if "importance_sampling_level" in t.flags:
+            t.add("importance_sampling_level", EXACT, {})
+    else:
+        t.add("importance_sampling_level", MISSING, {}, f"'{level}' is not implemented")
+    for flag, key in (("top_p", "rollout.top_p"),):
+        if flag in t.flags:
+            t.add(flag, EXACT, {key: float(t.get(flag))})
+    if "top_k" in t.flags:
+        k = int(t.get("top_k"))
+        t.add("top_k", EXACT if k == -1 else MISSING, {}, "" if k == -1 else "no top-k sampling")
+    scale = t.get("scale_rewards")
+    if scale is not None:
+        ok = scale in ("group", "batch", "none")
+        t.add(
+            "scale_rewards",
+            EXACT if ok else MISSING,
+            {"loss.advantage_scale": scale} if ok else {},
+            "" if ok else f"'{scale}' is not implemented",
+        )
+    est = t.get("advantage_estimator", "grpo")
+    if "advantage_estimator" in t.flags:
+        t.add(
+            "advantage_estimator",
+            EXACT if est == "grpo" else MISSING,
+            {},
+            "" if est == "grpo" else f"'{est}' is not implemented",
+        )
+    mode = t.get("rollout_importance_sampling_mode")
+    if mode is not None:
+        cap = float(t.get("rollout_importance_sampling_threshold", 2.0))
+        ok = mode == "token_truncate"
+        t.add(
+            "rollout_importance_sampling_mode",
+            EXACT if ok else MISSING,
+            {"loss.tis_cap": cap} if ok else {},
+            "" if ok else f"'{mode}' is not implemented",
+        )
+        t.done.add("rollout_importance_sampling_threshold")
+    if "num_iterations" in t.flags:
+        t.add("num_iterations", EXACT, {"trainer.ppo_epochs": int(t.get("num_iterations"))})
+
+
+def _loss_type(t: Translation) -> None:
+    loss = t.get("loss_type", "grpo")
+    table = {
+        "grpo": {"loss.variant": "grpo"},
+        "dapo": {"loss.variant": "dapo"},
+        "dr_grpo": {"loss.variant": "dr_grpo"},
+        "bnpo": {"loss.variant": "grpo", "loss.loss_agg": "token_mean"},
+    }
+    if loss in table:
+        t.add("loss_type", EXACT, table[loss], given="loss_type" in t.flags, value=loss)
+    else:
+        t.add("loss_type", MISSING, {}, f"loss_type '{loss}' is not implemented")
+
+
+def translate_model(t: Translation) -> None:
+    """Model path, LoRA, dtype, parallel layout."""
+    if "model" in t.flags:
+        path = str(t.get("model"))
+        local = Path(path).expanduser().is_dir()
+        t.add(
+            "model",
+            EXACT if local else DIFFERS,
+            {"model.hf_path": path},
+            "" if local else "a hub id: megagrpo loads a local HF directory; download it first",
+        )
+    tuner = t.get("tuner_type", t.get("train_type", "lora"))
+    for flag in ("tuner_type", "train_type"):
+        if flag in t.flags:
+            if tuner != "lora":
+                raise ConfigError(f"--{flag} {tuner}: megagrpo trains LoRA adapters only")
+            t.add(flag, EXACT, {}, "LoRA is megagrpo's only mode")
+    _default(t, "lora_rank", "model.lora.rank", 8, 8, cast=int)
+    _default(
+        t,
+        "lora_alpha",
+        "model.lora.alpha",
+        SWIFT_DEFAULTS["lora_alpha"],
+        16.0,
+        "scale alpha/r: 4 with ms-swift's defaults, 2 with megagrpo's",
+        cast=float,
+    )
+    dropout = float(t.get("lora_dropout", SWIFT_DEFAULTS["lora_dropout"]))
+    t.add(
+        "lora_dropout",
+        DIFFERS,
+        {"model.lora.dropout": 0.0},
+        f"{dropout} not carried over: megagrpo trains without LoRA dropout (dropout > 0 "
+        "breaks the weight-sync probe at step 1 until the trainer's no-grad forwards run in "
+        "eval mode; the fused expert PEFT export has no dropout)",
+        given="lora_dropout" in t.flags,
+        value=dropout,
+    )
+    _targets(t)
+    for flag in ("bf16", "torch_dtype"):
+        if flag in t.flags:
+            v = t.get(flag)
+            bf = _bool(v) if flag == "bf16" else str(v) == "bfloat16"
+            if bf:
+                t.add(flag, EXACT, {"model.dtype": "bfloat16", "rollout.dtype": "bfloat16"})
+            else:
+                t.add(flag, DIFFERS, {}, "megagrpo's default model.dtype is float32")
+    for flag, key in (
+        ("tensor_model_parallel_size", "parallel.tp"),
+        ("expert_model_parallel_size", "parallel.ep"),
+        ("expert_tensor_parallel_size", "parallel.etp"),
+    ):
+        if flag in t.flags:
+            t.add(flag, EXACT, {key: int(t.get(flag))})
+    if "pipeline_model_parallel_size" in t.flags:
+        pp = int(t.get("pipeline_model_parallel_size"))
+        t.add(
+            "pipeline_model_parallel_size",
+            EXACT if pp == 1 else MISSING,
+            {"parallel.pp": 1},
+            "" if pp == 1 else f"pp={pp}: the policy forward supports pp=1 only; set to 1",
+        )
+    if "sequence_parallel" in t.flags:
+        t.add(
+            "sequence_parallel",
+            EXACT,
+            {"parallel.sequence_parallel": _bool(t.get("sequence_parallel"))},
+        )
+    if "recompute_granularity" in t.flags:
+        on = t.get("recompute_granularity") in ("full", "selective")
+        t.add(
+            "recompute_granularity",
+            DIFFERS,
+            {"model.activation_recompute": on},
+            "read by plan-memory only; the trainer does not recompute activations yet",
+        )
+
+
+def _targets(t: Translation) -> None:
+    raw = [str(x) for x in _list(t.get("target_modules", SWIFT_DEFAULTS["target_modules"]))]
+    given = "target_modules" in t.flags
+    if raw == ["all-linear"]:
+        t.add(
+            "target_modules",
+            DIFFERS,
+            {"model.lora.targets": ALL_LINEAR},
+            "all-linear = attention qkv/o + MLP fc1/fc2 (dense and experts; router excluded, "
+            "as ms-swift's all-linear on Qwen3-MoE)",
+            given=given,
+            value=raw,
+        )
+        return
+    mapped = sorted({HF_TARGETS[x] for x in raw if x in HF_TARGETS})
+    unknown = [x for x in raw if x not in HF_TARGETS]
+    if unknown or not mapped:
+        t.add(
+            "target_modules",
+            MISSING,
+            {"model.lora.targets": mapped or ALL_LINEAR},
+            f"{unknown} have no megagrpo target (all-router, all-embedding, ...)",
+        )
+    else:
+        t.add(
+            "target_modules",
+            DIFFERS,
+            {"model.lora.targets": mapped},
+            "megagrpo adapts fused Megatron linears: q/k/v share linear_qkv, gate/up share "
+            "linear_fc1",
+        )
+
+
+def translate_lengths(t: Translation) -> None:
+    """Completion and prompt lengths, truncation, engine context."""
+    max_tokens = int(t.get("max_completion_length", SWIFT_DEFAULTS["max_completion_length"]))
+    t.add(
+        "max_completion_length",
+        EXACT,
+        {"rollout.max_tokens": max_tokens},
+        given="max_completion_length" in t.flags,
+        value=max_tokens,
+    )
+    prompt = t.get("max_length")
+    if prompt is not None:
+        t.add(
+            "max_length",
+            EXACT,
+            {"data.max_prompt_tokens": int(prompt)},
+            "in GRPO ms-swift's max_length is the longest prompt",
+        )
+    trunc = t.get("truncation_strategy", SWIFT_DEFAULTS["truncation_strategy"])
+    if trunc not in ("left", "delete"):
+        raise ConfigError(f"--truncation_strategy {trunc}: GRPO takes left or delete")
+    t.add(
+        "truncation_strategy",
+        EXACT if "truncation_strategy" in t.flags else DIFFERS,
+        {"data.truncation": trunc},
+        ""
+        if "truncation_strategy" in t.flags
+        else "not given: ms-swift's GRPO default 'left' applied (megagrpo's default is 'delete')",
+        given="truncation_strategy" in t.flags,
+        value=trunc,
+    )
+    model_len = t.get("vllm_max_model_len")
+    if model_len is None:
+        model_len = (int(prompt) if prompt else 2048) + max_tokens
+        t.add(
+            "vllm_max_model_len",
+            DIFFERS,
+            {"rollout.max_model_len": model_len, "model.max_seq_len": model_len},
+            f"not given: prompt budget ({prompt or 2048}) + max_completion_length",
+            given=False,
+            value=model_len,
+        )
+    else:
+        t.add(
+            "vllm_max_model_len",
+            EXACT,
+            {"rollout.max_model_len": int(model_len), "model.max_seq_len": int(model_len)},
+        )
+
+
+def translate_rollout(t: Translation) -> None:
+    """vLLM engine settings."""
+    if "use_vllm" in t.flags:
+        on = _bool(t.get("use_vllm"))
+        t.add(
+            "use_vllm",
+            EXACT if on else DIFFERS,
+            {"rollout.engine": "vllm" if on else "hf"},
+            "" if on else "the HF engine is exact but slow",
+        )
+    mode = t.get("vllm_mode")
+    if mode is not None:
+        t.add(
+            "vllm_mode",
+            EXACT if mode == "colocate" else MISSING,
+            {"rollout.colocate": True} if mode == "colocate" else {},
+            "" if mode == "colocate" else "no external vLLM server mode",
+        )
+    for flag, key, cast in (
+        ("vllm_tensor_parallel_size", "rollout.tensor_parallel_size", int),
+        ("vllm_gpu_memory_utilization", "rollout.gpu_memory_utilization", float),
+        ("vllm_max_lora_rank", "rollout.max_lora_rank", int),
+        ("vllm_enable_expert_parallel", "rollout.enable_expert_parallel", _bool),
+    ):
+        if flag in t.flags:
+            t.add(flag, EXACT, {key: cast(t.get(flag))})
+    if "sleep_level" in t.flags:
+        level = int(t.get("sleep_level"))
+        t.add(
+            "sleep_level",
+            EXACT if level == 1 else MISSING,
+            {},
+            "megagrpo's colocated vLLM sleeps at level 1 (GPU); "
+            + ("" if level == 1 else f"level {level} cannot be selected"),
+        )
+    if "vllm_enable_lora" in t.flags:
+        on = _bool(t.get("vllm_enable_lora"))
+        keys: dict[str, Any] = {"rollout.enable_lora": on}
+        if on:
+            keys["trainer.weight_sync"] = "adapter"
+        t.add("vllm_enable_lora", EXACT, keys, "adapter-only weight sync" if on else "")

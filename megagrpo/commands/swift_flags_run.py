@@ -1,0 +1,317 @@
+"""ms-swift flags for batching, optimisation, checkpoints, data, rewards and logging ->
+megagrpo keys (the second half of :mod:`megagrpo.commands.swift_flags`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from megagrpo.commands.swift_flags import (
+    DIFFERS,
+    EXACT,
+    MATH_VERIFY_NOTE,
+    MEGATRON_DEFAULTS,
+    MISSING,
+    OPTIM_DEFAULTS,
+    SWIFT_DEFAULTS,
+    Translation,
+    _bool,
+    _default,
+    _list,
+)
+from megagrpo.errors import ConfigError
+
+
+def translate_optim(t: Translation) -> None:
+    """Batch sizes, optimizer, LR schedule, steps, checkpoints, evaluation."""
+    g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
+    mb_flag = "micro_batch_size" if "micro_batch_size" in t.flags else "per_device_train_batch_size"
+    mb = int(t.get(mb_flag, 1))
+    t.add(mb_flag, EXACT, {"trainer.micro_batch_size": mb}, given=mb_flag in t.flags, value=mb)
+    if t.flavor == "megatron" or "global_batch_size" in t.flags:
+        gbs = int(t.get("global_batch_size", MEGATRON_DEFAULTS["global_batch_size"]))
+        flag, completions = "global_batch_size", gbs
+    else:
+        gas = t.get("gradient_accumulation_steps")
+        gas = int(gas) if gas is not None else max(1, math.ceil(16 / mb / t.world_size))
+        flag, completions = "gradient_accumulation_steps", mb * t.world_size * gas
+    if completions % g:
+        raise ConfigError(
+            f"--{flag}: {completions} completions per step is not a multiple of num_generations={g}"
+        )
+    t.add(
+        flag,
+        DIFFERS,
+        {"trainer.batch_groups": completions // g},
+        f"ms-swift counts completions ({completions} per optimizer step); trainer.batch_groups "
+        f"counts problems: {completions} / {g} generations = {completions // g}"
+        + ("" if t.flavor == "megatron" else f" (world size {t.world_size})"),
+        given=flag in t.flags,
+        value=t.get(flag, completions),
+    )
+    for flag in ("lr", "learning_rate"):
+        if flag in t.flags:
+            t.add(flag, EXACT, {"trainer.lr": float(t.get(flag))})
+    style_flag = "lr_decay_style" if t.flavor == "megatron" else "lr_scheduler_type"
+    style = t.get("lr_decay_style", t.get("lr_scheduler_type", SWIFT_DEFAULTS["lr_schedule"]))
+    t.add(
+        style_flag,
+        EXACT if style == "constant" else MISSING,
+        {},
+        ""
+        if style == "constant"
+        else f"'{style}' decay not yet supported: megagrpo warms up then stays constant "
+        "(needs trainer.lr_schedule/min_lr)",
+        given=style_flag in t.flags,
+        value=style,
+    )
+    for flag in ("lr_decay_style", "lr_scheduler_type"):
+        if flag in t.flags and flag != style_flag:
+            t.add(flag, EXACT if t.get(flag) == "constant" else MISSING, {}, "see " + style_flag)
+    _steps_and_warmup(t)
+    _default(
+        t, "weight_decay", "trainer.weight_decay", OPTIM_DEFAULTS["weight_decay"], 0.0, cast=float
+    )
+    b1 = float(t.get("adam_beta1", OPTIM_DEFAULTS["adam_beta1"]))
+    b2 = float(t.get("adam_beta2", OPTIM_DEFAULTS["adam_beta2"]))
+    given = "adam_beta2" in t.flags
+    t.add(
+        "adam_beta2",
+        EXACT if given else DIFFERS,
+        {"trainer.adam_betas": [b1, b2]},
+        ""
+        if given
+        else f"not given: ms-swift's default beta2 {b2} applied (megagrpo's default is 0.999)",
+        given=given,
+        value=b2,
+    )
+    if "adam_beta1" in t.flags:
+        t.add("adam_beta1", EXACT, {"trainer.adam_betas": [b1, b2]})
+    for flag in ("clip_grad", "max_grad_norm"):
+        if flag in t.flags:
+            t.add(flag, EXACT, {"trainer.grad_clip": float(t.get(flag))})
+    _default(t, "seed", "trainer.seed", OPTIM_DEFAULTS["seed"], 0, cast=int)
+    if "save_steps" in t.flags:
+        t.add(
+            "save_steps",
+            DIFFERS,
+            {"trainer.save_every": int(t.get("save_steps"))},
+            "a megagrpo checkpoint is LoRA + optimizer state for --resume, not a PEFT adapter",
+        )
+    if "save_total_limit" in t.flags:
+        t.add(
+            "save_total_limit", EXACT, {"trainer.keep_checkpoints": int(t.get("save_total_limit"))}
+        )
+    if "eval_steps" in t.flags:
+        t.add(
+            "eval_steps",
+            DIFFERS,
+            {"trainer.eval_every": int(t.get("eval_steps"))},
+            "evaluates data.eval with the official IgakuQA rule (also `megagrpo eval`)",
+        )
+
+
+def _steps_and_warmup(t: Translation) -> None:
+    steps = t.get("train_iters", t.get("max_steps"))
+    for flag in ("train_iters", "max_steps"):
+        if flag in t.flags:
+            t.add(flag, EXACT, {"trainer.max_steps": int(t.get(flag))})
+    if "lr_warmup_iters" in t.flags:
+        t.add("lr_warmup_iters", EXACT, {"trainer.warmup_steps": int(t.get("lr_warmup_iters"))})
+    for flag in ("lr_warmup_fraction", "warmup_ratio"):
+        if flag not in t.flags:
+            continue
+        frac = float(t.get(flag))
+        if steps is not None:
+            t.add(
+                flag,
+                DIFFERS,
+                {"trainer.warmup_steps": round(frac * int(steps))},
+                f"{frac} x {steps} steps (megagrpo takes warm-up steps)",
+            )
+        elif frac == 0:
+            t.add(flag, EXACT, {"trainer.warmup_steps": 0})
+        else:
+            t.add(
+                flag,
+                MISSING,
+                {},
+                "a warm-up ratio needs the step count (train_iters/max_steps); "
+                "not yet supported otherwise (needs trainer.warmup_ratio)",
+            )
+
+
+def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
+    """Datasets, prompts, rewards, logging."""
+    for flag, key in (("dataset", "data.train"), ("val_dataset", "data.eval")):
+        if flag not in t.flags:
+            continue
+        local, remote = [], []
+        for d in _list(t.get(flag)):
+            path = str(d).split("#", 1)[0]
+            (
+                local if Path(path).expanduser().exists() or path.endswith(".jsonl") else remote
+            ).append(str(d))
+        note = []
+        if remote:
+            note.append(f"hub datasets {remote}: download and convert to local JSONL first")
+        if any("#" in d for d in local):
+            note.append("'#N' subsampling is not supported")
+        t.add(
+            flag,
+            EXACT if not note else (DIFFERS if local else MISSING),
+            {key: [d.split("#", 1)[0] for d in local]} if local else {},
+            "; ".join(note),
+        )
+    if "columns" in t.flags:
+        cols = t.get("columns")
+        cols = json.loads(cols) if isinstance(cols, str) else cols
+        t.add("columns", EXACT, {"data.columns": [f"{k}={v}" for k, v in dict(cols).items()]})
+    if "system" in t.flags:
+        system = str(t.get("system"))
+        path = Path(system).expanduser()
+        if system.endswith(".txt") and path.is_file():
+            t.add(
+                "system",
+                EXACT,
+                {"data.prompt.system": path.read_text(encoding="utf-8").strip()},
+                f"read from {path}",
+            )
+        elif system.endswith(".txt"):
+            t.add(
+                "system", MISSING, {}, f"{path} not found here: set data.prompt.system to its text"
+            )
+        else:
+            t.add("system", EXACT, {"data.prompt.system": system})
+    if "enable_thinking" in t.flags:
+        t.add(
+            "enable_thinking",
+            EXACT,
+            {"data.prompt.enable_thinking": _bool(t.get("enable_thinking"))},
+        )
+    if "external_plugins" in t.flags:
+        t.add(
+            "external_plugins",
+            EXACT,
+            {"rewards.external_plugins": [str(p) for p in _list(t.get("external_plugins"))]},
+        )
+    _rewards(t, keep_swift_accuracy)
+    _logging(t)
+
+
+def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
+    names = [str(n) for n in _list(t.get("reward_funcs", []))]
+    if not names:
+        t.add(
+            "reward_funcs",
+            DIFFERS,
+            {},
+            "not given: megagrpo's default reward (mcq_accuracy) kept",
+            given=False,
+            value=[],
+        )
+        return
+    weights = [float(w) for w in _list(t.get("reward_weights", [1.0] * len(names)))]
+    if len(weights) != len(names):
+        raise ConfigError(f"--reward_weights: {len(weights)} weights for {len(names)} reward_funcs")
+    max_tokens = int(t.get("max_completion_length", SWIFT_DEFAULTS["max_completion_length"]))
+    specs, notes = [], []
+    for name, w in zip(names, weights):
+        if name == "accuracy" and not keep_swift_accuracy:
+            specs.append({"name": "mcq_accuracy", "weight": w, "label": "accuracy"})
+            notes.append(MATH_VERIFY_NOTE)
+        elif name == "soft_overlong":
+            cache = t.get("soft_cache_length")
+            if cache is None:
+                raise ConfigError(
+                    "--reward_funcs soft_overlong needs --soft_cache_length "
+                    "(ms-swift asserts it too)"
+                )
+            max_len = int(t.get("soft_max_length", max_tokens))
+            specs.append(
+                {
+                    "name": "soft_overlong",
+                    "weight": w,
+                    "kwargs": {"max_len": max_len, "cache_len": int(cache)},
+                }
+            )
+            k = len(specs) - 1
+            t.add("soft_cache_length", EXACT, {}, f"rewards.functions.{k}.kwargs.cache_len")
+            given = "soft_max_length" in t.flags
+            t.add(
+                "soft_max_length",
+                EXACT if given else DIFFERS,
+                {},
+                f"rewards.functions.{k}.kwargs.max_len = {max_len}"
+                + ("" if given else " (not given: max_completion_length, as ms-swift does)"),
+                given=given,
+                value=max_len,
+            )
+        else:
+            kwargs = {k: t.get(k) for k in t.flags if k.startswith(("repetition_", "cosine_"))}
+            specs.append(
+                {
+                    "name": f"orms:{name}",
+                    "weight": w,
+                    "label": name,
+                    **({"kwargs": kwargs} if kwargs and name in ("repetition", "cosine") else {}),
+                }
+            )
+            notes.append(
+                f"'{name}' runs ms-swift's own ORM through the plugin adapter "
+                "(needs the swift extra"
+                + (
+                    ", or its --external_plugins file)"
+                    if name not in ("format", "cosine", "repetition", "react_format", "accuracy")
+                    else ")"
+                )
+            )
+    t.add(
+        "reward_funcs", DIFFERS if notes else EXACT, {"rewards.functions": specs}, "; ".join(notes)
+    )
+    if "reward_weights" in t.flags:
+        t.add("reward_weights", EXACT, {}, "weight of each rewards.functions entry")
+    for flag in ("soft_cache_length", "soft_max_length"):
+        if flag in t.flags and flag not in t.done:
+            t.add(flag, MISSING, {}, "no effect without soft_overlong in reward_funcs")
+
+
+def _logging(t: Translation) -> None:
+    if "report_to" in t.flags:
+        to = [str(x) for x in _list(t.get("report_to"))]
+        keys: dict[str, Any] = {
+            "metrics.wandb_mode": "online" if "wandb" in to else "disabled",
+            "metrics.tensorboard": "tensorboard" in to,
+        }
+        other = [x for x in to if x not in ("wandb", "tensorboard")]
+        t.add(
+            "report_to",
+            DIFFERS if other or "wandb" in to else EXACT,
+            keys,
+            "; ".join(
+                filter(
+                    None,
+                    [
+                        "W&B online (megagrpo's default is offline)" if "wandb" in to else "",
+                        f"{other}: no such backend (metrics.jsonl is always written)"
+                        if other
+                        else "",
+                    ],
+                )
+            ),
+        )
+    for flag, key in (
+        ("wandb_project", "metrics.wandb_project"),
+        ("logging_steps", "metrics.log_every"),
+    ):
+        if flag in t.flags:
+            t.add(flag, EXACT, {key: t.get(flag)})
+    if "log_completions" in t.flags:
+        t.add(
+            "log_completions",
+            EXACT,
+            {"metrics.log_completions": _bool(t.get("log_completions"))},
+            "RUN_DIR/completions.jsonl (+ a W&B table every metrics.completions_table_every)",
+        )

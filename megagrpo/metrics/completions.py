@@ -1,0 +1,184 @@
+"""The completions log (ms-swift/TRL ``--log_completions``): what the model wrote, every step.
+
+``RUN_DIR/completions.jsonl`` gets one JSON row per completion of the trained batch::
+
+    {"step": 3, "problem_id": "112A5", "level": 4, "group": 0, "sample": 2,
+     "prompt_tail": "...e. 肝硬変", "completion": "...答え: c", "reward": 1.2,
+     "reward_parts": {"mcq_accuracy": 1.0, "soft_overlong": 0.0}, "length": 311,
+     "finish_reason": "stop", "gold": ["c"]}
+
+and, every ``table_every`` steps, the same rows go to W&B as a ``wandb.Table`` named
+``completions`` (when a W&B run is given). On resume, rows of steps after the checkpoint are
+dropped (:meth:`CompletionsLog.truncate_after`), as metrics.jsonl does. Rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from megagrpo.types import Group
+
+COLUMNS = (
+    "step",
+    "problem_id",
+    "level",
+    "group",
+    "sample",
+    "prompt_tail",
+    "completion",
+    "reward",
+    "reward_parts",
+    "length",
+    "finish_reason",
+    "gold",
+)
+
+
+Levels = Mapping[str, "int | None"] | Callable[[str], "int | None"] | None
+
+
+def _level(levels: Levels, pid: str, default: Any) -> Any:
+    if levels is None:
+        return default
+    if callable(levels):
+        found = levels(pid)
+        return default if found is None else found
+    return levels.get(pid, default)
+
+
+def find_wandb_run(logger: Any) -> Any:
+    """The wandb run inside a logger built by :func:`megagrpo.metrics.build_logger` (a
+    MultiLogger holding a WandbLogger), or None (W&B disabled, rank != 0)."""
+    if getattr(logger, "run", None) is not None and hasattr(logger, "_run"):
+        return logger.run
+    for inner in getattr(logger, "loggers", []):
+        run = find_wandb_run(inner)
+        if run is not None:
+            return run
+    return None
+
+
+def prompt_tail(group: Group, prompt_texts: Mapping[str, str] | None, chars: int) -> str:
+    """The last ``chars`` characters of the group's prompt (the rendered text when given,
+    else its last message)."""
+    pid = group.problem.id
+    text = (prompt_texts or {}).get(pid)
+    if text is None:
+        msgs = group.problem.messages
+        text = str(msgs[-1].get("content", "")) if msgs else ""
+    return text[-chars:] if chars > 0 else ""
+
+
+class CompletionsLog:
+    """Writes ``completions.jsonl`` (every call) and a W&B table (every ``table_every``)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        table_every: int = 0,
+        wandb_run: Any = None,
+        prompt_chars: int = 200,
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.table_every = int(table_every)
+        self.wandb_run = wandb_run
+        self.prompt_chars = int(prompt_chars)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def truncate_after(self, step: int) -> int:
+        """Drop rows of steps after ``step`` (a resumed run rewrites them); rows kept."""
+        self._fh.close()
+        kept = []
+        if self.path.exists():
+            with open(self.path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a torn last line from a kill mid-write
+                    if row.get("step", 0) <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        return len(kept)
+
+    def rows(
+        self,
+        step: int,
+        groups: Sequence[Group],
+        levels: Levels = None,
+        prompt_texts: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The rows of one step (see module docstring)."""
+        out = []
+        for gi, g in enumerate(groups):
+            pid = g.problem.id
+            level = _level(levels, pid, g.problem.meta.get("level"))
+            tail = prompt_tail(g, prompt_texts, self.prompt_chars)
+            for si, text in enumerate(g.completions):
+                out.append(
+                    {
+                        "step": int(step),
+                        "problem_id": pid,
+                        "level": level,
+                        "group": gi,
+                        "sample": si,
+                        "prompt_tail": tail,
+                        "completion": text,
+                        "reward": float(g.rewards[si]) if si < len(g.rewards) else None,
+                        "reward_parts": {
+                            k: float(v[si]) for k, v in g.reward_parts.items() if si < len(v)
+                        },
+                        "length": int(g.lengths[si]) if si < len(g.lengths) else None,
+                        "finish_reason": (
+                            g.finish_reasons[si] if si < len(g.finish_reasons) else None
+                        ),
+                        "gold": list(g.problem.answer),
+                    }
+                )
+        return out
+
+    def log(
+        self,
+        step: int,
+        groups: Sequence[Group],
+        levels: Levels = None,
+        prompt_texts: Mapping[str, str] | None = None,
+    ) -> int:
+        """Append the step's rows (flushed); the W&B table when due. Returns rows written.
+
+        Args:
+            step: 1-based optimiser step. groups: the trained groups (rewards filled).
+            levels: problem id -> curriculum level, a mapping or a function such as
+                ``CurriculumSampler.level_of`` (else ``problem.meta['level']``).
+            prompt_texts: problem id -> rendered prompt text (else its last message).
+        """
+        rows = self.rows(step, groups, levels, prompt_texts)
+        self._fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        if self.wandb_run is not None and self.table_every > 0 and step % self.table_every == 0:
+            self._log_table(step, rows)
+        return len(rows)
+
+    def _log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        data = [
+            [json.dumps(r[c], ensure_ascii=False) if c == "reward_parts" else r[c] for c in COLUMNS]
+            for r in rows
+        ]
+        self.wandb_run.log(
+            {"completions": wandb.Table(columns=list(COLUMNS), data=data)}, step=step
+        )
+
+    def close(self) -> None:
+        self._fh.close()
