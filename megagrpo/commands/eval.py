@@ -109,10 +109,10 @@ def step_adapter_dir(run_dir: Path, step: int) -> Path:
 
 
 def load_adapter(path: str | os.PathLike) -> Any:
-    """A PEFT LoRA directory as a :class:`megagrpo.rollout.LoraAdapter` (per-module A/B)."""
+    """A PEFT LoRA directory as a :class:`megagrpo.rollout.PeftAdapter` (per-module A/B)."""
     from safetensors.torch import load_file
 
-    from megagrpo.rollout import LoraAdapter
+    from megagrpo.rollout import PeftAdapter
 
     path = Path(path)
     cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -129,7 +129,7 @@ def load_adapter(path: str | os.PathLike) -> Any:
             "rollout engine yet; export with expert_format='per_expert'"
         )
     try:
-        return LoraAdapter.from_peft_state_dict(
+        return PeftAdapter.from_peft_state_dict(
             load_file(str(weights)), int(conf["r"]), float(conf["lora_alpha"])
         )
     except (KeyError, ValueError) as exc:

@@ -128,7 +128,7 @@ def test_padding_micro_batch_contributes_exactly_zero():
         emb[mb.input_ids], mb.target_ids, mb.rollout_logprobs, mb.advantages, mb.mask, cfg
     )
     loss.backward()
-    assert float(loss) == 0.0 and emb.grad is not None and not emb.grad.any()
+    assert float(loss.detach()) == 0.0 and emb.grad is not None and not emb.grad.any()
     assert mb.num_seqs == mb.num_nonempty == mb.num_tokens == 0
 
 
