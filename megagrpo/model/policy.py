@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
-from megagrpo.model.config import ModelConfig
+from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import build_plan
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.provider import DTYPES, build_gpt_model
@@ -50,6 +51,96 @@ def layout_of(groups: ParallelGroups) -> ParallelConfig:
         pp=groups.pp_size,
         sequence_parallel=groups.sequence_parallel,
     )
+
+
+@dataclass
+class AdapterSite:
+    """One targeted Megatron linear and how its adapter is laid out.
+
+    ``is_expert`` comes from the module *path* (``mlp.experts.``), never from the module:
+    megatron-core's Transformer Engine wrappers (``TEGroupedLinear``, TE column/row linears
+    used as experts) do not set ``is_expert`` (0.16.1, 0.19.2), only the local spec does.
+    Experts use the expert-TP group and size, dense layers the TP group; experts carry
+    ``explicit_expert_comm`` exactly when Megatron sets it (``is_expert and (etp > 1 or
+    ep > 1)``: the token dispatcher then owns the communication).
+    """
+
+    name: str
+    module: nn.Module
+    kind: str
+    in_local: int
+    out_local: int
+    keys: list[str]
+    num_experts: int
+    is_expert: bool
+
+    def build(self, lora: LoraConfig, g: ParallelGroups) -> LoraAdapter:
+        """The zero-B adapter for this site under layout ``g``."""
+        weight = _first_weight(self.module)
+        return LoraAdapter(
+            self.kind,
+            self.in_local,
+            self.out_local,
+            lora.rank,
+            lora.alpha,
+            lora.dropout,
+            tp_group=g.etp if self.is_expert else g.tp,
+            tp_size=g.etp_size if self.is_expert else g.tp_size,
+            tp_rank=g.etp_rank if self.is_expert else g.tp_rank,
+            sequence_parallel=g.sequence_parallel and not self.is_expert,
+            explicit_expert_comm=self.is_expert and (g.etp_size > 1 or g.ep_size > 1),
+            is_expert=self.is_expert,
+            global_keys=self.keys,
+            seed=lora.init_seed,
+            num_experts=self.num_experts,
+        ).to(weight.device)
+
+
+def _first_weight(mod: nn.Module) -> torch.Tensor:
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        w = getattr(mod, "weight0", None)  # TE grouped experts: weight0..weight{n-1}
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(mod).__name__} has neither 'weight' nor 'weight0'")
+    return w
+
+
+def adapter_sites(
+    model: nn.Module, arch: Arch, lora: LoraConfig, g: ParallelGroups
+) -> list[AdapterSite]:
+    """The linears of ``model`` (this rank's stage) that ``lora.targets`` adapts, in module
+    order, with layout-independent keys (global layer and expert indices)."""
+    offset = g.pp_rank * (arch.num_layers // g.pp_size)
+    n_local = arch.num_experts // g.ep_size if arch.is_moe else 0
+    sites = []
+    for name, mod in model.named_modules():
+        m = _LAYER.match(name)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)) + offset, m.group(2)
+        em = _EXPERT.match(rest)
+        if em:
+            fc = em.group(2)
+            if fc not in lora.targets and f"expert_{fc}" not in lora.targets:
+                continue
+            kind = "column" if fc == "linear_fc1" else "row"
+            grouped = em.group(1) is None  # TE grouped experts: one module, n_local experts
+            first = g.ep_rank * n_local + (0 if grouped else int(em.group(1)))
+            count = n_local if grouped else 1
+            keys = [f"layers.{layer}.experts.{e}.{fc}" for e in range(first, first + count)]
+            num_experts, is_expert = (n_local if grouped else 0), True
+        elif rest in _KINDS:
+            kind, target = _KINDS[rest]
+            if target not in lora.targets:
+                continue
+            keys, num_experts, is_expert = [f"layers.{layer}.{rest}"], 0, False
+        else:
+            continue
+        out_local, in_local = _first_weight(mod).shape
+        sites.append(
+            AdapterSite(name, mod, kind, in_local, out_local, keys, num_experts, is_expert)
+        )
+    return sites
 
 
 class MegatronPolicy(nn.Module):
@@ -89,55 +180,10 @@ class MegatronPolicy(nn.Module):
 
     def attach_adapters(self) -> None:
         """Wrap every targeted linear with a zero-B LoRA adapter; freeze everything else."""
-        lc, g = self.cfg.lora, self.groups
-        offset = g.pp_rank * (self.arch.num_layers // g.pp_size)
-        n_local = self.arch.num_experts // g.ep_size if self.arch.is_moe else 0
-        for name, mod in list(self.model.named_modules()):
-            m = _LAYER.match(name)
-            if not m:
-                continue
-            layer, rest = int(m.group(1)) + offset, m.group(2)
-            em = _EXPERT.match(rest)
-            if em:
-                fc = em.group(2)
-                if fc not in lc.targets and f"expert_{fc}" not in lc.targets:
-                    continue
-                kind = "column" if fc == "linear_fc1" else "row"
-                grouped = em.group(1) is None  # TE grouped experts: one module, n_local experts
-                first = g.ep_rank * n_local + (0 if grouped else int(em.group(1)))
-                keys = [
-                    f"layers.{layer}.experts.{e}.{fc}"
-                    for e in range(first, first + (n_local if grouped else 1))
-                ]
-                weight, num_experts = (mod.weight0, n_local) if grouped else (mod.weight, 0)
-            elif rest in _KINDS:
-                kind, target = _KINDS[rest]
-                if target not in lc.targets:
-                    continue
-                keys, weight, num_experts = [f"layers.{layer}.{rest}"], mod.weight, 0
-            else:
-                continue
-            out_local, in_local = weight.shape
-            is_expert = bool(getattr(mod, "is_expert", False))
-            adapter = LoraAdapter(
-                kind,
-                in_local,
-                out_local,
-                lc.rank,
-                lc.alpha,
-                lc.dropout,
-                tp_group=getattr(mod, "tp_group", g.tp),
-                tp_size=(g.etp_size if is_expert else g.tp_size),
-                tp_rank=(g.etp_rank if is_expert else g.tp_rank),
-                sequence_parallel=bool(getattr(mod, "sequence_parallel", False)),
-                explicit_expert_comm=bool(getattr(mod, "explicit_expert_comm", False)),
-                is_expert=is_expert,
-                global_keys=keys,
-                seed=lc.init_seed,
-                num_experts=num_experts,
-            ).to(weight.device)
-            attach_lora(mod, adapter)
-            self.adapters[name] = adapter
+        for site in adapter_sites(self.model, self.arch, self.cfg.lora, self.groups):
+            adapter = site.build(self.cfg.lora, self.groups)
+            attach_lora(site.module, adapter)
+            self.adapters[site.name] = adapter
         for pname, p in self.model.named_parameters():
             p.requires_grad_(".adapter.lora_" in pname)
         log.info(
