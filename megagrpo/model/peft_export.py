@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megagrpo.errors import ConfigError
+from megagrpo.model.config import LoraConfig
 from megagrpo.model.hf_mapping import hf_weight_shapes
 
 _TARGET = [
@@ -139,22 +141,30 @@ def peft_tensors(
     return sd, sorted(modules), sorted(params, key=order.get)
 
 
+def check_exportable(lora: LoraConfig, is_moe: bool, expert_format: str = "fused") -> None:
+    """ConfigError naming ``model.lora.dropout`` when the adapter cannot be written in
+    ``expert_format``: peft's fused-expert LoRA (``target_parameters``, peft >= 0.17) refuses
+    ``lora_dropout != 0`` (``ParamWrapper.__init__``), and the trainer exports the adapter
+    for adapter sync and at the end of a run. Called when the policy is built, i.e. before
+    any weight is read, not at the first sync or after the last step."""
+    experts = any(t.endswith(("linear_fc1", "linear_fc2")) for t in lora.targets)
+    if lora.dropout and is_moe and experts and expert_format == "fused":
+        raise ConfigError(
+            f"config key 'model.lora.dropout': {lora.dropout} with expert targets "
+            f"({', '.join(t for t in lora.targets if t.endswith(('fc1', 'fc2')))}) on a MoE "
+            "model: peft's fused-expert LoRA (target_parameters) has no dropout, so the "
+            "adapter could not be exported; set model.lora.dropout=0 or target only "
+            "linear_qkv / linear_proj"
+        )
+
+
 def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (rank 0, atomically:
     temp dir then rename). Collective. Returns the directory on rank 0, else None."""
     from safetensors.torch import save_file
 
     lc = policy.cfg.lora
-    if (
-        lc.dropout
-        and expert_format == "fused"
-        and any(t.endswith("fc1") or t.endswith("fc2") for t in lc.targets)
-        and policy.arch.is_moe
-    ):
-        raise ValueError(
-            "peft's fused-expert LoRA (target_parameters) has no dropout: "
-            "set model.lora.dropout=0 or expert_format='per_expert'"
-        )
+    check_exportable(lc, policy.arch.is_moe, expert_format)
     lora = gather_lora(policy)
     if dist.get_rank() != 0:
         return None

@@ -4,13 +4,17 @@
     policy = build_policy(run.model, groups)
     logits = policy.forward_logits(input_ids)     # [B, T, V/TP], vocab-parallel (groups.tp)
     loss.backward(); policy.finish_grad_sync(); optimizer.step()
+    with policy.scoring():                        # eval mode + no_grad: deterministic
+        old = policy.forward_logits(input_ids)    # probe, old/ref log-probs, evaluation
     for bucket in policy.export_hf_weights(): engine.update_weights(bucket)
+    metrics |= policy.merge_survival(groups.mp)   # how much of the LoRA update the cast kept
 
 Only LoRA parameters are trainable; base weights are frozen in ``model_cfg.dtype``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Iterator
@@ -25,6 +29,7 @@ from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import build_plan
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
+from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
@@ -172,6 +177,8 @@ class MegatronPolicy(nn.Module):
         )
         self.plan = build_plan(arch, groups, spec, self.grouped_experts)
         self.adapters: dict[str, LoraAdapter] = {}
+        self.merge_stats = MergeStats()
+        """Sums of the last merged export (:meth:`merge_survival`)."""
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:
@@ -231,6 +238,27 @@ class MegatronPolicy(nn.Module):
         logits = self.model(ids, pos, mask)
         return logits[:, :t] if pad else logits
 
+    @contextlib.contextmanager
+    def scoring(self) -> Iterator[None]:
+        """Deterministic, gradient-free forwards: eval mode and ``torch.no_grad()`` inside.
+
+        LoRA dropout (``model.lora.dropout`` > 0; ms-swift's default is 0.05) is active in
+        training mode, so two forwards of the same input differ and neither equals the policy
+        the engine serves. Wrap every forward whose result is *compared or reused* rather
+        than trained on: the weight-sync probe, recomputed old log-probs, the KL reference
+        forward and evaluation. Megatron's full recompute is training-only as well, so no
+        recompute happens in here. Each module's training flag is restored on exit, also
+        on error; nesting is fine.
+        """
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
     def lora_parameters(self) -> list[nn.Parameter]:
         """Trainable LoRA parameters of this rank, in a fixed order."""
         return [p for n, p in self.model.named_parameters() if ".adapter.lora_" in n]
@@ -272,12 +300,22 @@ class MegatronPolicy(nn.Module):
         if not merge_lora or adapter is None:
             return p
         delta = adapter.delta_weight()
-        if leaf == "weight":
-            return (p.float() + delta).to(p.dtype)
         m = re.fullmatch(r"weight(\d+)", leaf)
+        if leaf != "weight" and not m:
+            return p
         if m:  # TE grouped experts
-            return (p.float() + delta[int(m.group(1))]).to(p.dtype)
-        return p
+            delta = delta[int(m.group(1))]
+        merged = merge_delta(p, delta)
+        self.merge_stats.add(p, delta, merged)
+        return merged
+
+    def merge_survival(self, group=None) -> dict[str, float]:
+        """Fraction of the LoRA update that survived the cast to the base dtype in the last
+        merged export (:mod:`megagrpo.model.merge_precision`): ``sync/lora_survival`` and
+        ``sync/lora_unchanged_frac``. With ``group`` the sums are all-reduced over it first
+        (a collective: every rank of ``group`` calls it, after consuming the export);
+        ``groups.mp`` plus ``groups.expert_mp`` cover one model copy, the world group all."""
+        return self.merge_stats.reduce(group, self.groups.device).metrics()
 
     def export_hf_weights(
         self,
@@ -290,6 +328,8 @@ class MegatronPolicy(nn.Module):
         in the base dtype unless ``dtype``. Collective: all ranks must consume the iterator.
         LoRA is merged into the base weights (fp32 add, then cast) when ``merge_lora``."""
         cache: dict[str, torch.Tensor] = {}
+        if merge_lora:
+            self.merge_stats = MergeStats()
 
         def get(name: str) -> torch.Tensor:
             if name not in cache:
@@ -327,6 +367,9 @@ def build_policy(
     hf_dir = resolve_model_path(model_cfg.hf_path)
     arch = arch_from_hf(load_hf_config(hf_dir))
     validate_layout(layout_of(groups), arch.raw, groups.world_size)
+    from megagrpo.model.peft_export import check_exportable
+
+    check_exportable(model_cfg.lora, arch.is_moe)
     model, spec = build_gpt_model(arch, model_cfg, groups)
     policy = MegatronPolicy(model, arch, model_cfg, groups, spec)
     if load_weights:
