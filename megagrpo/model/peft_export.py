@@ -51,6 +51,8 @@ def _adapter_for(policy, param: str):
     adapter = policy.adapters[mod]
     j = re.fullmatch(r"weight(\d+)", leaf)
     if adapter.num_experts:
+        if j is None:
+            raise KeyError(f"{param}: a grouped-expert adapter needs a weight<i> parameter")
         k = int(j.group(1))
         return adapter.lora_A[k], adapter.lora_B[k], adapter.lora_A, adapter.lora_B
     return adapter.lora_A, adapter.lora_B, adapter.lora_A, adapter.lora_B
@@ -138,7 +140,7 @@ def peft_tensors(
             if f"mlp.experts.{pname}" not in params:
                 params.append(f"mlp.experts.{pname}")
     order = {"mlp.experts.gate_up_proj": 0, "mlp.experts.down_proj": 1}
-    return sd, sorted(modules), sorted(params, key=order.get)
+    return sd, sorted(modules), sorted(params, key=lambda p: order.get(p, len(order)))
 
 
 def check_exportable(lora: LoraConfig, is_moe: bool, expert_format: str = "fused") -> None:
