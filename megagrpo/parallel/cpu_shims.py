@@ -134,7 +134,10 @@ def _patch_causal_mask() -> None:
     from megatron.core.transformer import utils as tutils
 
     def get_default_causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+        # on "the" device, as Megatron's device="cuda": current_device() is cpu here, the
+        # emulated device under megagrpo.parallel.strict
+        dev = torch.cuda.current_device()
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=dev), diagonal=1)
 
     tutils.get_default_causal_mask = get_default_causal_mask
     fused_softmax.get_default_causal_mask = get_default_causal_mask
