@@ -291,12 +291,25 @@ def _emulated(groups, check_mixing: bool) -> Iterator[torch.device]:
 
 
 @contextlib.contextmanager
+def _host_modules(modules) -> Iterator[None]:
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    try:
+        for t in tensors:
+            setattr(t, _HOST, True)
+        yield
+    finally:
+        for t in tensors:
+            setattr(t, _HOST, False)
+
+
+@contextlib.contextmanager
 def strict_devices(
     groups=None,
     *,
     device: torch.device | str | None = None,
     emulate: bool | None = None,
     check_mixing: bool = True,
+    host_modules: tuple = (),
 ) -> Iterator[torch.device]:
     """Strict device mode for the block; yields the declared compute device.
 
@@ -304,6 +317,9 @@ def strict_devices(
     switched to the emulated ``cuda:0`` for the block when emulating); or ``device``.
     ``emulate``: default True when the declared device is the CPU. ``check_mixing``: with
     emulation, also reject ops mixing host and device tensors (as CUDA does).
+    ``host_modules``: with emulation, modules kept on the host (e.g. an in-process HF rollout
+    engine's model: code that asks for CUDA-only objects, such as ``transformers``'
+    ``generate`` making a generator on ``input.device``, cannot run on an emulated device).
     """
     if strict_active():
         raise RuntimeError("strict_devices is already active")
@@ -314,6 +330,7 @@ def strict_devices(
     with contextlib.ExitStack() as stack:
         if emulate:
             declared = stack.enter_context(_emulated(groups, check_mixing))
+            stack.enter_context(_host_modules(host_modules))
         _STATE.update(declared=declared, emulated=emulate)
         stack.callback(_STATE.update, declared=None, emulated=False)
         stack.enter_context(_patched_collectives())

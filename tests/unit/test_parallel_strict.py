@@ -139,3 +139,16 @@ def test_policy_train_step_and_export_pass_strict_mode(groups, tiny_dense_dir, t
         survival = policy.merge_survival(groups.mp)
     assert loss.item() == pytest.approx(ref, rel=1e-9)
     assert 0.99 < survival["sync/lora_survival"] < 1.01
+
+
+def test_host_modules_stay_on_the_host(groups):
+    """An in-process HF engine's model can be kept on the host (its generate() asks for CUDA
+    generators by device type, which an emulated device cannot give)."""
+    engine, lin = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    with strict_devices(groups, host_modules=(engine,)) as dev:
+        assert engine.weight.device.type == "cpu" and lin.weight.device == dev
+        out = engine(torch.randn(1, 2))  # host in, host out: no mixing
+        assert out.device.type == "cpu"
+        with torch.no_grad():
+            engine.weight.copy_(lin.weight)  # a weight sync into it may cross
+    assert not on_host(engine.weight)
