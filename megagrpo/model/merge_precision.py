@@ -42,15 +42,17 @@ class MergeStats:
 
     def add(self, base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor) -> None:
         """Account one merged tensor: ``merged == merge_delta(base, delta)``."""
-        d = delta.detach().double()
-        moved = merged.detach().double() - base.detach().double()
+        # fp32 work tensors (one transient copy of the tensor, not three fp64 ones: the sync
+        # phase is short of memory); the difference of two bf16 values is exact in fp32
+        d = delta.detach().float().reshape(-1)
+        moved = merged.detach().float().reshape(-1) - base.detach().float().reshape(-1)
         nz = d != 0
         row = torch.stack(
             [
-                (moved * d).sum(),
-                d.pow(2).sum(),
-                (nz & (moved == 0)).sum().double(),
-                nz.sum().double(),
+                torch.dot(moved, d).double(),
+                torch.dot(d, d).double(),
+                torch.count_nonzero(nz & (moved == 0)).double(),
+                torch.count_nonzero(nz).double(),
             ]
         )
         self.sums = row if self.sums is None else self.sums + row.to(self.sums.device)

@@ -340,8 +340,9 @@ def strict_devices(
         yield declared
 
 
-def strict_from_env(groups) -> contextlib.AbstractContextManager:
-    """:func:`strict_devices` when ``MEGAGRPO_STRICT_DEVICES=1``, else a null context."""
+def strict_from_env(groups, host_modules: tuple = ()) -> contextlib.AbstractContextManager:
+    """:func:`strict_devices` (``groups``, ``host_modules``) when ``MEGAGRPO_STRICT_DEVICES=1``,
+    else a null context."""
     if os.environ.get(ENV, "") not in ("", "0"):
-        return strict_devices(groups)
+        return strict_devices(groups, host_modules=host_modules)
     return contextlib.nullcontext()
