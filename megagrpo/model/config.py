@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from megagrpo.errors import require, require_finite
 
+RECOMPUTE = ("none", "full", "selective")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
 LORA_TARGETS = (
     "linear_qkv",
     "linear_proj",
@@ -72,9 +74,21 @@ class ModelConfig:
     """With the TE spec, use TEGroupedMLP experts (else SequentialMLP). Ignored on local."""
     max_seq_len: int = 4096
     """Longest sequence the model is built for (RoPE cache)."""
-    activation_recompute: bool = False
-    """Full activation recomputation (only each layer's input is kept between forward and
-    backward). Read by the memory planner (`megagrpo plan-memory`)."""
+    recompute: str = "none"
+    """Activation recomputation, megatron-core's ``recompute_granularity``: none (keep every
+    activation for backward) | full (keep only the input of each group of
+    ``recompute_num_layers`` layers and recompute the rest, LoRA adapters included, in
+    backward: ~1/3 more compute) | selective (recompute only ``recompute_modules``). The
+    memory planner (`megagrpo plan-memory`) models full; it plans selective as none."""
+    recompute_method: str = "uniform"
+    """With full recompute: uniform (every layer, in groups of recompute_num_layers) | block
+    (only the first recompute_num_layers layers of each pipeline stage)."""
+    recompute_num_layers: int = 1
+    """With full recompute: layers per recomputed group (uniform; must divide the layers of a
+    pipeline stage) or layers recomputed per stage (block)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With selective recompute: the Megatron submodules to recompute: core_attn, mlp, moe,
+    moe_act (TE grouped experts only), layernorm, shared_experts."""
 
     def validate(self, path: str = "model") -> None:
         require(
@@ -88,3 +102,25 @@ class ModelConfig:
             f"{self.spec!r} is not auto | local | te",
         )
         require(self.max_seq_len >= 1, f"{path}.max_seq_len", "must be >= 1")
+        require(
+            self.recompute in RECOMPUTE,
+            f"{path}.recompute",
+            f"{self.recompute!r} is not {' | '.join(RECOMPUTE)}",
+        )
+        require(
+            self.recompute_method in ("uniform", "block"),
+            f"{path}.recompute_method",
+            f"{self.recompute_method!r} is not uniform | block",
+        )
+        require(self.recompute_num_layers >= 1, f"{path}.recompute_num_layers", "must be >= 1")
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        require(
+            not bad,
+            f"{path}.recompute_modules",
+            f"unknown {bad}; choose from {', '.join(RECOMPUTE_MODULES)}",
+        )
+        require(
+            self.recompute != "selective" or bool(self.recompute_modules),
+            f"{path}.recompute_modules",
+            "selective recompute needs at least one module",
+        )

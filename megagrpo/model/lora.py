@@ -16,6 +16,10 @@ the wrapped layer's TP group, ``is_expert`` and sequence-parallel flags:
 
 Adapter parameters carry ``lora_expert`` so gradients are reduced over expert-DP for experts
 and over DP for the rest (:func:`lora_grad_sync`).
+
+Memory: the adapter keeps its input for backward in the *activation* dtype (bf16 on GPU; the
+same storage the base layer already holds unless SP gathers or dropout copies it) and computes
+``x A^T`` in fp32 (:class:`_InputProjection`); only the r-wide ``h`` is kept in fp32.
 """
 
 from __future__ import annotations
@@ -38,6 +42,38 @@ def kaiming_a(rank: int, in_features: int, gen: torch.Generator) -> torch.Tensor
     """PEFT's A init (kaiming-uniform, a=sqrt(5)) for the *global* [r, in] matrix."""
     bound = 1.0 / math.sqrt(in_features)  # = gain*sqrt(3/fan_in) with a=sqrt(5)
     return (torch.rand(rank, in_features, generator=gen) * 2 - 1) * bound
+
+
+def set_flags(obj: torch.Tensor | nn.Module, **flags: bool) -> None:
+    """Set plain attributes (Megatron-style parameter flags, TE module switches) on ``obj``."""
+    for key, value in flags.items():
+        setattr(obj, key, value)
+
+
+class _InputProjection(torch.autograd.Function):
+    """``h = x A^T`` in A's dtype (fp32) that saves ``x`` in its own dtype for backward.
+
+    Plain ``F.linear(x.to(fp32), A)`` would keep an fp32 copy of every adapter input until
+    backward (~34 GB per 5,120-token micro-batch at 235B); here the copy is transient, made
+    again in backward for ``dA``. Same arithmetic as the plain form.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, a)
+        return F.linear(x.to(a.dtype), a)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        (dh,) = grads
+        x, a = ctx.saved_tensors
+        dx = da = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(dh, a).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            flat = x.reshape(-1, x.shape[-1]).to(a.dtype)
+            da = dh.reshape(-1, dh.shape[-1]).t() @ flat
+        return dx, da
 
 
 class LoraAdapter(nn.Module):
@@ -65,14 +101,12 @@ class LoraAdapter(nn.Module):
         global_keys: list[str],
         seed: int,
         num_experts: int = 0,
-        input_gathered: bool = False,
     ):
         super().__init__()
         self.kind, self.rank, self.scaling = kind, rank, alpha / rank
         self.tp_group, self.tp_size = tp_group, tp_size
         self.comm = tp_size > 1 and not explicit_expert_comm
         self.sequence_parallel = sequence_parallel and self.comm
-        self.input_gathered = input_gathered
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         in_global = in_local * (tp_size if kind == "row" else 1)
         n = max(num_experts, 1)
@@ -89,27 +123,27 @@ class LoraAdapter(nn.Module):
         self.lora_A = nn.Parameter(a.contiguous())
         self.lora_B = nn.Parameter(b)
         for p in (self.lora_A, self.lora_B):
-            p.lora_expert = is_expert
+            set_flags(p, lora_expert=is_expert)
         replicated = self.lora_A if kind == "column" else self.lora_B
         if kind == "row" and self.sequence_parallel:
-            self.lora_B.sequence_parallel = True  # partial over sequence chunks: sum over TP
+            set_flags(self.lora_B, sequence_parallel=True)  # partial over sequence chunks
         if explicit_expert_comm and tp_size > 1:
-            replicated.lora_etp_partial = True  # partial over expert-TP: sum over ETP
+            set_flags(replicated, lora_etp_partial=True)  # partial over expert-TP: sum over ETP
 
     def _lowrank(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings as mp
 
         g = self.tp_group
         if self.kind == "column":
-            if self.sequence_parallel and not self.input_gathered:
+            if self.sequence_parallel:
                 x = mp.gather_from_sequence_parallel_region(
                     x, tensor_parallel_output_grad=False, group=g
                 )
-            h = F.linear(x, a)
+            h = _InputProjection.apply(x, a)
             if self.comm:
                 h = mp.copy_to_tensor_model_parallel_region(h, group=g)
         else:
-            h = F.linear(x, a)
+            h = _InputProjection.apply(x, a)
             if self.sequence_parallel:
                 h = mp.reduce_scatter_to_sequence_parallel_region(h, group=g)
             elif self.comm:
@@ -117,11 +151,14 @@ class LoraAdapter(nn.Module):
         return F.linear(h, b) * self.scaling
 
     def forward(self, x: torch.Tensor, m_splits: list[int] | None = None) -> torch.Tensor:
-        """``x`` [..., in_local] (sequence-sharded under SP) → delta [..., out_local]."""
-        x = self.dropout(x).to(self.lora_A.dtype)
+        """``x`` [..., in_local] (sequence-sharded under SP) → delta [..., out_local] in
+        fp32. ``m_splits``: tokens per local expert (grouped experts only)."""
+        x = self.dropout(x)
         if not self.num_experts:
             return self._lowrank(x, self.lora_A, self.lora_B)
-        chunks = torch.split(x, list(m_splits), dim=0)
+        if m_splits is None:
+            raise ValueError("grouped-expert adapter called without m_splits")
+        chunks = torch.split(x, [int(n) for n in m_splits], dim=0)
         outs = [self._lowrank(c, self.lora_A[e], self.lora_B[e]) for e, c in enumerate(chunks)]
         return torch.cat(outs, dim=0)
 
@@ -133,16 +170,21 @@ class LoraAdapter(nn.Module):
 def attach_lora(module: nn.Module, adapter: LoraAdapter) -> None:
     """Register ``adapter`` as ``module.adapter`` and add its output to ``module``'s.
 
-    Handles Megatron's ``(out, bias)`` return, TE's fused-layernorm column linear (asks TE to
-    return the gathered layernorm output and feeds that to the adapter) and TE grouped linears
-    (``forward(x, m_splits)``).
+    Handles Megatron's ``(out, bias)`` return, TE's fused-layernorm column linear and TE
+    grouped linears (``forward(x, m_splits)``).
+
+    TE's ``LayerNormLinear`` is asked to return its layernorm output *not gathered*
+    (``return_layernorm_output_gathered=False``); the adapter does the sequence-parallel
+    gather itself. Since TE commit ce0b46c4d (v2.4 and every later release) the backward adds
+    the gradient of the returned layernorm output to dgrad only when it was not gathered
+    (``layernorm_linear.py``: ``if ctx.return_layernorm_output and not
+    ctx.return_layernorm_output_gathered: dgrad = dgrad + grad_outputs[1]``): with the
+    gathered output, dL/dx through ``B A`` never reached the residual stream.
     """
     module.adapter = adapter
     orig = module.forward
     if hasattr(module, "return_layernorm_output"):  # TELayerNormColumnParallelLinear
-        module.return_layernorm_output = True
-        module.return_layernorm_output_gathered = True
-        adapter.input_gathered = True
+        set_flags(module, return_layernorm_output=True, return_layernorm_output_gathered=False)
 
     def forward(x, *args, **kwargs):
         out, bias = orig(x, *args, **kwargs)
@@ -186,5 +228,5 @@ def lora_grad_sync(params: list[nn.Parameter], groups) -> None:
     reduce([p for p in params if getattr(p, "sequence_parallel", False)], groups.tp)
     reduce([p for p in params if getattr(p, "lora_etp_partial", False)], groups.etp)
     scale = 1.0 / groups.dp_size
-    reduce([p for p in params if not p.lora_expert], groups.dp, scale)
-    reduce([p for p in params if p.lora_expert], groups.expert_dp, scale)
+    reduce([p for p in params if not getattr(p, "lora_expert", False)], groups.dp, scale)
+    reduce([p for p in params if getattr(p, "lora_expert", False)], groups.expert_dp, scale)

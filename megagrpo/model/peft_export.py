@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import fileio
+from megagrpo.errors import ConfigError
+from megagrpo.model.config import LoraConfig
 from megagrpo.model.hf_mapping import hf_weight_shapes
 
 _TARGET = [
@@ -48,6 +50,8 @@ def _adapter_for(policy, param: str):
     adapter = policy.adapters[mod]
     j = re.fullmatch(r"weight(\d+)", leaf)
     if adapter.num_experts:
+        if j is None:
+            raise KeyError(f"{param}: a grouped-expert adapter needs a weight<i> parameter")
         k = int(j.group(1))
         return adapter.lora_A[k], adapter.lora_B[k], adapter.lora_A, adapter.lora_B
     return adapter.lora_A, adapter.lora_B, adapter.lora_A, adapter.lora_B
@@ -135,7 +139,24 @@ def peft_tensors(
             if f"mlp.experts.{pname}" not in params:
                 params.append(f"mlp.experts.{pname}")
     order = {"mlp.experts.gate_up_proj": 0, "mlp.experts.down_proj": 1}
-    return sd, sorted(modules), sorted(params, key=order.get)
+    return sd, sorted(modules), sorted(params, key=lambda p: order.get(p, len(order)))
+
+
+def check_exportable(lora: LoraConfig, is_moe: bool, expert_format: str = "fused") -> None:
+    """ConfigError naming ``model.lora.dropout`` when the adapter cannot be written in
+    ``expert_format``: peft's fused-expert LoRA (``target_parameters``, peft >= 0.17) refuses
+    ``lora_dropout != 0`` (``ParamWrapper.__init__``), and the trainer exports the adapter
+    for adapter sync and at the end of a run. Called when the policy is built, i.e. before
+    any weight is read, not at the first sync or after the last step."""
+    experts = any(t.endswith(("linear_fc1", "linear_fc2")) for t in lora.targets)
+    if lora.dropout and is_moe and experts and expert_format == "fused":
+        raise ConfigError(
+            f"config key 'model.lora.dropout': {lora.dropout} with expert targets "
+            f"({', '.join(t for t in lora.targets if t.endswith(('fc1', 'fc2')))}) on a MoE "
+            "model: peft's fused-expert LoRA (target_parameters) has no dropout, so the "
+            "adapter could not be exported; set model.lora.dropout=0 or target only "
+            "linear_qkv / linear_proj"
+        )
 
 
 def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
@@ -144,16 +165,7 @@ def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused
     from safetensors.torch import save_file
 
     lc = policy.cfg.lora
-    if (
-        lc.dropout
-        and expert_format == "fused"
-        and any(t.endswith("fc1") or t.endswith("fc2") for t in lc.targets)
-        and policy.arch.is_moe
-    ):
-        raise ValueError(
-            "peft's fused-expert LoRA (target_parameters) has no dropout: "
-            "set model.lora.dropout=0 or expert_format='per_expert'"
-        )
+    check_exportable(lc, policy.arch.is_moe, expert_format)
     lora = gather_lora(policy)
     if dist.get_rank() != 0:
         return None

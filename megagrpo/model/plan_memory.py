@@ -9,8 +9,13 @@ Closed-form estimate for one GPU of the most loaded pipeline stage, in GiB (2^30
 - activations of one micro-batch (``trainer.micro_batch_size`` x ``rollout.max_model_len``
   tokens), per layer ``34 h + 5 a s`` bytes per token (Korthikanti et al., sequence
   parallel divides by TP) plus the routed tokens' expert activations, times the number of
-  micro-batches in flight under 1F1B (PP); with ``model.activation_recompute`` only each
-  layer's input is kept (2 h bytes per token) plus one layer's working set;
+  micro-batches in flight under 1F1B (PP); with ``model.recompute=full`` only each
+  layer's input is kept (2 h bytes per token) plus one layer's working set (``selective``
+  is planned as ``none``: an upper bound);
+- LoRA adapter activations (:func:`lora_activation_bytes`): each adapter keeps its input
+  in the activation dtype (gathered over the sequence under SP; the routed token copies for
+  experts), plus a dropout copy and mask when ``model.lora.dropout`` > 0 and its r-wide fp32
+  ``x A^T``; every layer without recompute, one layer's worth with full recompute;
 - logits: one micro-batch's [tokens, V/TP] in the compute dtype plus its gradient (the
   fused loss never builds an fp32 [T, V] log-softmax);
 - the colocated vLLM engine: during generation it may use ``rollout.gpu_memory_utilization``
@@ -95,6 +100,42 @@ def _lora_numel(s: _Shapes, rank: int, targets: list[str]) -> tuple[float, float
     return dense, expert
 
 
+def lora_activation_bytes(
+    s: _Shapes, model: ModelConfig, par: ParallelConfig, tokens: int
+) -> float:
+    """Bytes one layer's LoRA adapters keep for backward for ``tokens`` tokens of a
+    micro-batch on one GPU (averaged over dense and MoE layers).
+
+    Per adapter: its input in the activation dtype (``model.dtype``), counted in full even
+    where the base layer already holds the same storage (an upper bound), times 2 plus a
+    1-byte mask per element with dropout; plus ``x A^T`` (r fp32 values per row). Column
+    inputs are gathered over the sequence under SP (whole ``tokens``); row inputs are
+    sharded over TP. Experts see ``tokens / sp * topk`` routed copies per GPU (all-gathered
+    over ETP: ``* etp``).
+    """
+    abytes = DTYPE_BYTES.get(model.dtype, 2)
+    tp, etp, r = par.tp, par.etp, model.lora.rank
+    sp = tp if (par.sequence_parallel or tp > 1) else 1
+    per_input = abytes * (1 + ((1 + 1 / abytes) if model.lora.dropout > 0 else 0))
+    t = model.lora.targets
+    moe_frac = s.moe_layers / s.layers if s.layers else 0.0
+    width = rows = 0.0  # input elements and x A^T rows per micro-batch token
+    if "linear_qkv" in t:
+        width, rows = width + s.h, rows + 1
+    if "linear_proj" in t:
+        width, rows = width + s.heads * s.hd / tp, rows + 1
+    for fc, (dense_in, expert_in) in (
+        ("linear_fc1", (s.h, s.h)),
+        ("linear_fc2", (s.ffn / tp, s.moe_ffn / etp)),
+    ):
+        if fc in t:  # dense MLP layers
+            width, rows = width + (1 - moe_frac) * dense_in, rows + (1 - moe_frac)
+        if s.experts and (fc in t or f"expert_{fc}" in t):
+            copies = s.topk / sp * etp
+            width, rows = width + moe_frac * copies * expert_in, rows + moe_frac * copies
+    return tokens * (width * per_input + rows * r * 4)
+
+
 def plan(
     hf: dict,
     *,
@@ -126,17 +167,22 @@ def plan(
     lora = lora_params * 16  # fp32 param + grad + 2 Adam moments
     tokens = micro_batch_size * ro.max_model_len
     sp = tp if (par.sequence_parallel or tp > 1) else 1
-    if model.activation_recompute:
+    lora_layer = lora_activation_bytes(s, model, par, tokens)  # one layer's adapters
+    if model.recompute == "full":
         per_layer_tok = 2 * s.h / sp
         work = tokens * (34 * s.h / sp + 5 * s.heads * ro.max_model_len / tp) * 2
         acts = tokens * per_layer_tok * layers + work
+        lora_acts = lora_layer
     else:
         routed = moe_frac * s.topk * 4 * s.moe_ffn * 2 / etp if s.experts else 0.0
         per_layer_tok = (34 * s.h / sp + 5 * s.heads * ro.max_model_len / tp) * 2 / 2 + routed
         acts = tokens * per_layer_tok * layers
-    acts *= min(pp, max(1, batch_groups * ro.group_size // max(micro_batch_size, 1)))
+        lora_acts = lora_layer * layers
+    in_flight = min(pp, max(1, batch_groups * ro.group_size // max(micro_batch_size, 1)))
+    acts *= in_flight
+    lora_acts *= in_flight
     logits = tokens * (s.vocab / tp) * 2 * 2  # bf16 logits + their gradient
-    train_peak = base + lora + acts + logits
+    train_peak = base + lora + acts + lora_acts + logits
     resident = base + lora
     gen_peak = resident + ro.gpu_memory_utilization * cluster.gpu_memory_gib * GIB
     peak = max(train_peak, gen_peak) / GIB + OVERHEAD_GIB
@@ -166,6 +212,7 @@ def plan(
             "base_weights": round(base / GIB, 2),
             "lora_params_grads_adam": round(lora / GIB, 3),
             "activations": round(acts / GIB, 2),
+            "lora_activations": round(lora_acts / GIB, 2),
             "logits": round(logits / GIB, 2),
             "vllm_budget_while_generating": round(
                 ro.gpu_memory_utilization * cluster.gpu_memory_gib, 2
@@ -214,7 +261,7 @@ def _advice(
     else:
         tips.append(
             "training phase is the peak: lower trainer.micro_batch_size, set "
-            "model.activation_recompute=true, or raise parallel.tp / parallel.pp"
+            "model.recompute=full, or raise parallel.tp / parallel.pp"
         )
     tips.append("or add nodes (cluster.num_nodes) and raise parallel.ep")
     return tips

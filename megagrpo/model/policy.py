@@ -4,7 +4,10 @@
     policy = build_policy(run.model, groups)
     logits = policy.forward_logits(input_ids)     # [B, T, V/TP], vocab-parallel (groups.tp)
     loss.backward(); policy.finish_grad_sync(); optimizer.step()
+    with policy.scoring():                        # eval mode + no_grad: deterministic
+        old = policy.forward_logits(input_ids)    # probe, old/ref log-probs, evaluation
     for bucket in policy.export_hf_weights(): engine.update_weights(bucket)
+    metrics |= policy.merge_survival(groups.mp)   # how much of the LoRA update the cast kept
 
 Only LoRA parameters are trainable; base weights are frozen in ``model_cfg.dtype``.
 """
@@ -15,6 +18,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,9 +26,10 @@ from torch import nn
 
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
-from megagrpo.model.config import ModelConfig
+from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import build_plan
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
+from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
@@ -51,6 +56,96 @@ def layout_of(groups: ParallelGroups) -> ParallelConfig:
         pp=groups.pp_size,
         sequence_parallel=groups.sequence_parallel,
     )
+
+
+@dataclass
+class AdapterSite:
+    """One targeted Megatron linear and how its adapter is laid out.
+
+    ``is_expert`` comes from the module *path* (``mlp.experts.``), never from the module:
+    megatron-core's Transformer Engine wrappers (``TEGroupedLinear``, TE column/row linears
+    used as experts) do not set ``is_expert`` (0.16.1, 0.19.2), only the local spec does.
+    Experts use the expert-TP group and size, dense layers the TP group; experts carry
+    ``explicit_expert_comm`` exactly when Megatron sets it (``is_expert and (etp > 1 or
+    ep > 1)``: the token dispatcher then owns the communication).
+    """
+
+    name: str
+    module: nn.Module
+    kind: str
+    in_local: int
+    out_local: int
+    keys: list[str]
+    num_experts: int
+    is_expert: bool
+
+    def build(self, lora: LoraConfig, g: ParallelGroups) -> LoraAdapter:
+        """The zero-B adapter for this site under layout ``g``."""
+        weight = _first_weight(self.module)
+        return LoraAdapter(
+            self.kind,
+            self.in_local,
+            self.out_local,
+            lora.rank,
+            lora.alpha,
+            lora.dropout,
+            tp_group=g.etp if self.is_expert else g.tp,
+            tp_size=g.etp_size if self.is_expert else g.tp_size,
+            tp_rank=g.etp_rank if self.is_expert else g.tp_rank,
+            sequence_parallel=g.sequence_parallel and not self.is_expert,
+            explicit_expert_comm=self.is_expert and (g.etp_size > 1 or g.ep_size > 1),
+            is_expert=self.is_expert,
+            global_keys=self.keys,
+            seed=lora.init_seed,
+            num_experts=self.num_experts,
+        ).to(weight.device)
+
+
+def _first_weight(mod: nn.Module) -> torch.Tensor:
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        w = getattr(mod, "weight0", None)  # TE grouped experts: weight0..weight{n-1}
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(mod).__name__} has neither 'weight' nor 'weight0'")
+    return w
+
+
+def adapter_sites(
+    model: nn.Module, arch: Arch, lora: LoraConfig, g: ParallelGroups
+) -> list[AdapterSite]:
+    """The linears of ``model`` (this rank's stage) that ``lora.targets`` adapts, in module
+    order, with layout-independent keys (global layer and expert indices)."""
+    offset = g.pp_rank * (arch.num_layers // g.pp_size)
+    n_local = arch.num_experts // g.ep_size if arch.is_moe else 0
+    sites = []
+    for name, mod in model.named_modules():
+        m = _LAYER.match(name)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)) + offset, m.group(2)
+        em = _EXPERT.match(rest)
+        if em:
+            fc = em.group(2)
+            if fc not in lora.targets and f"expert_{fc}" not in lora.targets:
+                continue
+            kind = "column" if fc == "linear_fc1" else "row"
+            grouped = em.group(1) is None  # TE grouped experts: one module, n_local experts
+            first = g.ep_rank * n_local + (0 if grouped else int(em.group(1)))
+            count = n_local if grouped else 1
+            keys = [f"layers.{layer}.experts.{e}.{fc}" for e in range(first, first + count)]
+            num_experts, is_expert = (n_local if grouped else 0), True
+        elif rest in _KINDS:
+            kind, target = _KINDS[rest]
+            if target not in lora.targets:
+                continue
+            keys, num_experts, is_expert = [f"layers.{layer}.{rest}"], 0, False
+        else:
+            continue
+        out_local, in_local = _first_weight(mod).shape
+        sites.append(
+            AdapterSite(name, mod, kind, in_local, out_local, keys, num_experts, is_expert)
+        )
+    return sites
 
 
 class MegatronPolicy(nn.Module):
@@ -82,6 +177,8 @@ class MegatronPolicy(nn.Module):
         )
         self.plan = build_plan(arch, groups, spec, self.grouped_experts)
         self.adapters: dict[str, LoraAdapter] = {}
+        self.merge_stats = MergeStats()
+        """Sums of the last merged export (:meth:`merge_survival`)."""
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:
@@ -90,56 +187,10 @@ class MegatronPolicy(nn.Module):
 
     def attach_adapters(self) -> None:
         """Wrap every targeted linear with a zero-B LoRA adapter; freeze everything else."""
-        lc, g = self.cfg.lora, self.groups
-        offset = g.pp_rank * (self.arch.num_layers // g.pp_size)
-        n_local = self.arch.num_experts // g.ep_size if self.arch.is_moe else 0
-        for name, mod in list(self.model.named_modules()):
-            m = _LAYER.match(name)
-            if not m:
-                continue
-            layer, rest = int(m.group(1)) + offset, m.group(2)
-            em = _EXPERT.match(rest)
-            if em:
-                fc = em.group(2)
-                if fc not in lc.targets and f"expert_{fc}" not in lc.targets:
-                    continue
-                kind = "column" if fc == "linear_fc1" else "row"
-                grouped = em.group(1) is None  # TE grouped experts: one module, n_local experts
-                first = g.ep_rank * n_local + (0 if grouped else int(em.group(1)))
-                keys = [
-                    f"layers.{layer}.experts.{e}.{fc}"
-                    for e in range(first, first + (n_local if grouped else 1))
-                ]
-                weight, num_experts = (mod.weight0, n_local) if grouped else (mod.weight, 0)
-            elif rest in _KINDS:
-                kind, target = _KINDS[rest]
-                if target not in lc.targets:
-                    continue
-                keys, weight, num_experts = [f"layers.{layer}.{rest}"], mod.weight, 0
-            else:
-                continue
-            assert isinstance(weight, torch.Tensor)  # a parameter of a Megatron linear
-            out_local, in_local = weight.shape
-            is_expert = bool(getattr(mod, "is_expert", False))
-            adapter = LoraAdapter(
-                kind,
-                in_local,
-                out_local,
-                lc.rank,
-                lc.alpha,
-                lc.dropout,
-                tp_group=getattr(mod, "tp_group", g.tp),
-                tp_size=(g.etp_size if is_expert else g.tp_size),
-                tp_rank=(g.etp_rank if is_expert else g.tp_rank),
-                sequence_parallel=bool(getattr(mod, "sequence_parallel", False)),
-                explicit_expert_comm=bool(getattr(mod, "explicit_expert_comm", False)),
-                is_expert=is_expert,
-                global_keys=keys,
-                seed=lc.init_seed,
-                num_experts=num_experts,
-            ).to(weight.device)
-            attach_lora(mod, adapter)
-            self.adapters[name] = adapter
+        for site in adapter_sites(self.model, self.arch, self.cfg.lora, self.groups):
+            adapter = site.build(self.cfg.lora, self.groups)
+            attach_lora(site.module, adapter)
+            self.adapters[site.name] = adapter
         for pname, p in self.model.named_parameters():
             p.requires_grad_(".adapter.lora_" in pname)
         log.info(
@@ -186,6 +237,27 @@ class MegatronPolicy(nn.Module):
             mask = causal[None, None] | ~keep[:, None, None, :]
         logits = self.model(ids, pos, mask)
         return logits[:, :t] if pad else logits
+
+    @contextlib.contextmanager
+    def scoring(self) -> Iterator[None]:
+        """Deterministic, gradient-free forwards: eval mode and ``torch.no_grad()`` inside.
+
+        LoRA dropout (``model.lora.dropout`` > 0; ms-swift's default is 0.05) is active in
+        training mode, so two forwards of the same input differ and neither equals the policy
+        the engine serves. Wrap every forward whose result is *compared or reused* rather
+        than trained on: the weight-sync probe, recomputed old log-probs, the KL reference
+        forward and evaluation. Megatron's full recompute is training-only as well, so no
+        recompute happens in here. Each module's training flag is restored on exit, also
+        on error; nesting is fine.
+        """
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for m, training in modes:
+                m.training = training
 
     def lora_parameters(self) -> list[nn.Parameter]:
         """Trainable LoRA parameters of this rank, in a fixed order."""
@@ -259,12 +331,22 @@ class MegatronPolicy(nn.Module):
         if not merge_lora or adapter is None:
             return p
         delta = adapter.delta_weight()
-        if leaf == "weight":
-            return (p.float() + delta).to(p.dtype)
         m = re.fullmatch(r"weight(\d+)", leaf)
+        if leaf != "weight" and not m:
+            return p
         if m:  # TE grouped experts
-            return (p.float() + delta[int(m.group(1))]).to(p.dtype)
-        return p
+            delta = delta[int(m.group(1))]
+        merged = merge_delta(p, delta)
+        self.merge_stats.add(p, delta, merged)
+        return merged
+
+    def merge_survival(self, group=None) -> dict[str, float]:
+        """Fraction of the LoRA update that survived the cast to the base dtype in the last
+        merged export (:mod:`megagrpo.model.merge_precision`): ``sync/lora_survival`` and
+        ``sync/lora_unchanged_frac``. With ``group`` the sums are all-reduced over it first
+        (a collective: every rank of ``group`` calls it, after consuming the export);
+        ``groups.mp`` plus ``groups.expert_mp`` cover one model copy, the world group all."""
+        return self.merge_stats.reduce(group, self.groups.device).metrics()
 
     def export_hf_weights(
         self,
@@ -277,6 +359,8 @@ class MegatronPolicy(nn.Module):
         in the base dtype unless ``dtype``. Collective: all ranks must consume the iterator.
         LoRA is merged into the base weights (fp32 add, then cast) when ``merge_lora``."""
         cache: dict[str, torch.Tensor] = {}
+        if merge_lora:
+            self.merge_stats = MergeStats()
 
         def get(name: str) -> torch.Tensor:
             if name not in cache:
@@ -314,6 +398,9 @@ def build_policy(
     hf_dir = resolve_model_path(model_cfg.hf_path, need_tokenizer=False)
     arch = arch_from_hf(load_hf_config(hf_dir))
     validate_layout(layout_of(groups), arch.raw, groups.world_size)
+    from megagrpo.model.peft_export import check_exportable
+
+    check_exportable(model_cfg.lora, arch.is_moe)
     model, spec = build_gpt_model(arch, model_cfg, groups)
     policy = MegatronPolicy(model, arch, model_cfg, groups, spec)
     if load_weights:

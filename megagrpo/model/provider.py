@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,7 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
         use_cpu_initialization=not torch.cuda.is_available() or groups.fake,
         perform_initialization=False,
     )
+    kw.update(recompute_kwargs(arch, model_cfg, groups, spec))
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,
@@ -91,6 +92,50 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
             moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
         )
     return TransformerConfig(**kw)
+
+
+def recompute_kwargs(
+    arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups, spec: str
+) -> dict[str, Any]:
+    """``TransformerConfig`` keys for ``model.recompute`` (empty for none). ConfigError names
+    the key when the layout cannot take it (Megatron would assert or index out of range)."""
+    if model_cfg.recompute == "none":
+        return {}
+    if model_cfg.recompute == "selective":
+        mods = list(model_cfg.recompute_modules)
+        if "moe_act" in mods and not (spec == "te" and model_cfg.moe_grouped_gemm):
+            raise ConfigError(
+                "config key 'model.recompute_modules': moe_act needs TE grouped experts "
+                "(model.spec=te, model.moe_grouped_gemm=true)"
+            )
+        return dict(recompute_granularity="selective", recompute_modules=mods)
+    per_stage = arch.num_layers // groups.pp_size
+    k = model_cfg.recompute_num_layers
+    if model_cfg.recompute_method == "uniform" and per_stage % k:
+        raise ConfigError(
+            f"config key 'model.recompute_num_layers': {k} does not divide the {per_stage} "
+            "layers of a pipeline stage (recompute_method=uniform)"
+        )
+    if model_cfg.recompute_method == "block" and k > per_stage:
+        raise ConfigError(
+            f"config key 'model.recompute_num_layers': {k} > the {per_stage} layers of a "
+            "pipeline stage (recompute_method=block)"
+        )
+    return dict(
+        recompute_granularity="full",
+        recompute_method=model_cfg.recompute_method,
+        recompute_num_layers=k,
+        distribute_saved_activations=False,
+    )
+
+
+def _output_requires_grad(module, args, output):
+    """Forward hook: make a frozen embedding's output require grad. Megatron's checkpoint is
+    re-entrant: a recomputed block whose inputs need no grad returns outputs without a
+    graph, so with frozen base weights the LoRA parameters inside would get no gradient."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        return output.detach().requires_grad_(True)  # same storage, now a graph input
+    return output
 
 
 def build_gpt_model(
@@ -113,7 +158,7 @@ def build_gpt_model(
         kwargs["pg_collection"] = groups.pg_collection
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=block_spec,
+        transformer_layer_spec=cast(Any, block_spec),  # a block spec is accepted too
         vocab_size=arch.vocab_size,
         max_sequence_length=max(model_cfg.max_seq_len, 1),
         pre_process=groups.is_first_stage,
@@ -126,5 +171,7 @@ def build_gpt_model(
     )
     if arch.rope_theta != int(arch.rope_theta):
         raise ConfigError(f"config key 'rope_theta': {arch.rope_theta} is not an integer")
+    if model_cfg.recompute != "none" and groups.is_first_stage:
+        model.embedding.register_forward_hook(_output_requires_grad)
     log.debug("built GPTModel stage %d/%d spec=%s", groups.pp_rank, groups.pp_size, spec)
     return model, spec

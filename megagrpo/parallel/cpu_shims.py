@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import torch
 
@@ -92,7 +93,7 @@ def _patch_rng() -> None:
         tracker = _CpuRNGStatesTracker()
         tp_rank = ps.get_tensor_model_parallel_rank()
         ep_rank = ps.get_expert_model_parallel_rank()
-        etp_rank = ps.get_expert_tensor_parallel_rank()
+        etp_rank = int(ps.get_expert_tensor_parallel_rank() or 0)
         torch.manual_seed(seed)
         tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
         tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
@@ -108,6 +109,24 @@ def _patch_rng() -> None:
     tp_pkg.model_parallel_cuda_manual_seed = _seed
 
 
+def _patch_checkpoint_rng() -> None:
+    # Activation recompute (``tensor_parallel.checkpoint``) saves the CPU generator state, the
+    # CUDA default generator's state and the tracker's states before a block's forward and
+    # restores them before recomputing it, so dropout masks repeat. Without CUDA there is no
+    # CUDA generator: get/set of its state become no-ops. The CPU state (which CPU dropout,
+    # LoRA's included, draws from) and the CPU tracker's states are still saved and restored.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def _set_cuda_rng_state(*args, **kwargs) -> None:
+        return None
+
+    mrandom._get_cuda_rng_state = _get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+
+
 def _patch_causal_mask() -> None:
     # ``transformer.utils.get_default_causal_mask`` builds the causal mask with device="cuda";
     # the local-spec softmax (fused_softmax imports it by name) calls it for every attention.
@@ -115,7 +134,10 @@ def _patch_causal_mask() -> None:
     from megatron.core.transformer import utils as tutils
 
     def get_default_causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+        # on "the" device, as Megatron's device="cuda": current_device() is cpu here, the
+        # emulated device under megagrpo.parallel.strict
+        dev = torch.cuda.current_device()
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=dev), diagonal=1)
 
     tutils.get_default_causal_mask = get_default_causal_mask
     fused_softmax.get_default_causal_mask = get_default_causal_mask
@@ -138,7 +160,8 @@ def _patch_alltoall_dispatcher() -> None:
 
     # The original turns split sizes into numpy only for CUDA tensors (CPU tensors stay
     # tensors, which gloo's all_to_all_single rejects as split sizes): convert here.
-    td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    dispatcher: Any = td.MoEAlltoAllTokenDispatcher  # patched class attributes
+    dispatcher.cuda_dtoh_stream = _NoStream()
 
     def host(t, as_numpy=False):
         t = maybe_move_tensor_to_cpu(t)
@@ -157,7 +180,7 @@ def _patch_alltoall_dispatcher() -> None:
                 )
         return tokens_per_expert
 
-    td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    dispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
 
 
 def _patch_torch_norm() -> None:
@@ -221,6 +244,7 @@ def apply_cpu_shims(force: bool = False) -> bool:
         return False
     _patch_devices()
     _patch_rng()
+    _patch_checkpoint_rng()
     _patch_causal_mask()
     _patch_router_gemm()
     _patch_alltoall_dispatcher()

@@ -108,3 +108,25 @@ def test_slurm_dry_run_prints_per_node_commands_and_plan(repo_root):
         assert "--nproc-per-node=8" in line and "trainer.max_steps=5" in line
         assert "-m megagrpo.cli train configs/qwen3_235b_a22b.yaml" in line
     assert "FITS" in out.stdout and "NCCL_IB_HCA" in out.stdout
+
+
+def test_lora_activations_are_counted(repo_root, hf235):
+    """Issue 11 item 10: adapter inputs are planned, in the activation dtype (bf16), for every
+    layer without recompute and for one layer with ``model.recompute=full``. Closed form for
+    the shipped layout (TP4 + SP, EP32, ETP1, one 5120-token micro-batch, rank 32, targets
+    qkv/proj/fc1/fc2; all 94 layers MoE, top-8): per layer and token, qkv input h (gathered
+    over the sequence), proj input 64*128/4, experts 5120/4*8 routed copies / 5120 tokens
+    = 2 copies of h (fc1) and of 1536 (fc2); 2 bytes each, plus 32 fp32 values per row."""
+    h, tokens = 4096, 5120
+    width = h + 64 * 128 / 4 + 2 * (h + 1536)
+    rows = 1 + 1 + 2 * 2
+    per_layer = tokens * (width * 2 + rows * 32 * 4)
+    full = plan(_cfg(repo_root), hf235)
+    none = plan(_cfg(repo_root, "model.recompute=none"), hf235)
+    assert full["breakdown_gib"]["lora_activations"] == pytest.approx(per_layer / GIB, abs=0.01)
+    assert none["breakdown_gib"]["lora_activations"] == pytest.approx(
+        94 * per_layer / GIB, rel=1e-3
+    )
+    assert none["phase_peak_gib"]["train"] > full["phase_peak_gib"]["train"] + 200
+    drop = plan(_cfg(repo_root, "model.recompute=none", "model.lora.dropout=0.05"), hf235)
+    assert drop["breakdown_gib"]["lora_activations"] > 2 * none["breakdown_gib"]["lora_activations"]

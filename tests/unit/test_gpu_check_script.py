@@ -1,0 +1,73 @@
+"""Control flow of scripts/gpu_check.sh on CPU: one JSON summary, every part recorded, a
+failing part does not stop the others, the time budget skips what would start too late."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+PARTS = [
+    "env",
+    "wheels",
+    "imports",
+    "gpu_tests",
+    "bench_loss",
+    "tiny_model",
+    "train",
+    "train_strict",
+    "recompute",
+]
+
+
+def _run(repo_root, tmp_path, **env):
+    full = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        GPU_CHECK_OUT=str(tmp_path / "out"),
+        PYTHONPATH=str(repo_root),
+        **env,
+    )
+    proc = subprocess.run(
+        ["bash", str(repo_root / "scripts/gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout + proc.stderr  # exactly one JSON summary
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+def test_dry_run_lists_every_part(repo_root, tmp_path):
+    rc, summary, err = _run(repo_root, tmp_path, DRY_RUN="1")
+    assert rc == 0 and summary["ok"] and list(summary["parts"]) == PARTS
+    assert all(p["status"] == "dry" for p in summary["parts"].values())
+    assert "tools/bench_loss.py --device cuda" in err and "rollout.engine=hf" in err
+    assert "MEGAGRPO_STRICT_DEVICES=1" in err and "bench_recompute.py --device cuda" in err
+    saved = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert saved == summary
+
+
+def test_a_failing_part_is_recorded_and_the_rest_runs(repo_root, tmp_path):
+    rc, summary, _ = _run(
+        repo_root,
+        tmp_path,
+        GPU_CHECK_MODE="cpu",
+        GPU_CHECK_ONLY="env,imports,tiny_model",
+        GPU_CHECK_FAIL="imports",
+    )
+    parts = summary["parts"]
+    assert rc == 1 and not summary["ok"] and summary["failed"] == ["imports"]
+    assert list(parts) == ["env", "imports", "tiny_model"]
+    assert parts["env"]["status"] == "ok" and parts["env"]["result"]["cuda_available"] is False
+    assert parts["imports"]["status"] == "failed" and parts["imports"]["rc"] == 1
+    assert parts["tiny_model"]["status"] == "ok"  # ran after the failure
+    assert (tmp_path / "out" / "tiny_model" / "config.json").is_file()
+
+
+def test_time_budget_skips_late_parts(repo_root, tmp_path):
+    rc, summary, _ = _run(repo_root, tmp_path, GPU_CHECK_MODE="cpu", GPU_CHECK_BUDGET_S="5")
+    assert rc == 0 and all(p["status"] == "skipped" for p in summary["parts"].values())
