@@ -53,6 +53,7 @@ def _env_defaults() -> None:
 def run(args: argparse.Namespace) -> int:
     _env_defaults()
     from megagrpo.config import load_config
+    from megagrpo.parallel.strict import strict_from_env
     from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context, finish, shutdown
@@ -60,8 +61,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(RunConfig, [args.config], args.overrides)
     ctx = build_context(cfg, resume=args.resume)
     try:
-        rows = train(ctx)
-        finish(ctx)
+        # MEGAGRPO_STRICT_DEVICES=1: every tensor handed to a collective or to the loss must
+        # be on the declared compute device (emulated on CPU): megagrpo.parallel.strict
+        with strict_from_env(ctx.pgs, host_modules=host_modules(ctx.rollouts.engine)):
+            rows = train(ctx)
+            finish(ctx)
     finally:
         shutdown(ctx)
     if ctx.comm.is_main and rows:
@@ -71,3 +75,11 @@ def run(args: argparse.Namespace) -> int:
             f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}"
         )
     return 0
+
+
+def host_modules(engine: object) -> tuple:
+    """Modules strict device mode keeps on the host: an in-process HF engine's model (its
+    ``generate`` cannot run on an emulated device)."""
+    from megagrpo.rollout.hf_engine import HFEngine
+
+    return (engine.model,) if isinstance(engine, HFEngine) else ()

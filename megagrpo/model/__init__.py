@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megagrpo.model.config import LoraConfig, ModelConfig
@@ -48,6 +49,16 @@ class Policy(Protocol):
 
     def finish_grad_sync(self) -> None:
         """All-reduce gradients over the parallel groups after backward (collective)."""
+        ...
+
+    def scoring(self) -> AbstractContextManager[None]:
+        """Deterministic, gradient-free forwards inside (eval mode: no LoRA dropout): every
+        forward whose result is compared or reused rather than trained on."""
+        ...
+
+    def merge_survival(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """``sync/lora_survival`` etc. of the last merged export: how much of the LoRA update
+        survived the cast to the base dtype (collective over ``group``)."""
         ...
 
     def adapters_disabled(self) -> AbstractContextManager[None]:

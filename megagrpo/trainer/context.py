@@ -39,12 +39,16 @@ def _on() -> bool:
 class Comm:
     """The world as the loop sees it (1 process: every call is a no-op).
 
-    Scalar reductions are built on ``device``, the compute device the process groups declare
-    (NCCL reduces CUDA tensors only; gloo takes either).
+    Scalar reductions are built on the compute device the process groups declare
+    (``pgs.device``; NCCL reduces CUDA tensors only, gloo takes either).
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device or torch.device("cpu")
+    def __init__(self, pgs: ParallelGroups | None = None) -> None:
+        self.pgs = pgs
+
+    @property
+    def device(self) -> torch.device:
+        return self.pgs.device if self.pgs is not None else torch.device("cpu")
 
     @property
     def rank(self) -> int:

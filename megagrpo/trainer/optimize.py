@@ -27,6 +27,7 @@ from megagrpo.algo.config import LossConfig
 from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
 from megagrpo.parallel.state import ParallelGroups
+from megagrpo.parallel.strict import check_on_device
 from megagrpo.trainer.batch import (
     BatchTotals,
     MicroBatch,
@@ -81,7 +82,6 @@ def equalize_micro_batches(
     return mbs + pads
 
 
-@torch.no_grad()
 def policy_logprobs(
     policy: Policy,
     mbs: list[MicroBatch],
@@ -90,11 +90,13 @@ def policy_logprobs(
     base_only: bool = False,
 ) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
-    frozen base with ``base_only``: the reference policy)."""
+    frozen base with ``base_only``: the reference policy), in scoring mode (no dropout)."""
     out = []
-    with policy.adapters_disabled() if base_only else contextlib.nullcontext():
+    base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
+    with policy.scoring(), base:
         for mb in mbs:
             logits = policy.forward_logits(mb.input_ids, mb.position_ids)
+            check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
             logp, *_ = token_stats(
                 logits,
                 mb.target_ids,
@@ -155,6 +157,16 @@ def _backward_pass(
     sums: dict[str, float] = {}
     for i, mb in enumerate(mbs):
         logits = ctx.policy.forward_logits(mb.input_ids, mb.position_ids)
+        check_on_device(
+            "loss",
+            logits=logits,
+            target_ids=mb.target_ids,
+            old_logprobs=None if old is None else old[i],
+            advantages=mb.advantages,
+            mask=mb.mask,
+            ref_logprobs=None if ref is None else ref[i],
+            rollout_logprobs=mb.rollout_logprobs,
+        )
         loss, metrics = fused_policy_loss(
             logits,
             mb.target_ids,

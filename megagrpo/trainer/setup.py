@@ -143,7 +143,7 @@ def build_context(
             (CheckpointError when there is none); the engines are then synced to it.
     """
     pgs = init_parallel(cfg.parallel)
-    comm = Comm(pgs.device)
+    comm = Comm(pgs)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     model_path = comm.broadcast_object(
         str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None

@@ -23,6 +23,7 @@ import torch
 
 from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
+from megagrpo.parallel.strict import check_on_device
 from megagrpo.rollout.lora import read_peft_adapter
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.rollouts import WeightUpdate
@@ -30,12 +31,14 @@ from megagrpo.trainer.rollouts import WeightUpdate
 log = logging.getLogger(__name__)
 
 
-@torch.no_grad()
 def trainer_probe(ctx: TrainContext, probe_ids: list[int]) -> list[float]:
-    """The trainer's log-probs ``[L - 1]`` of ``probe_ids[1:]`` (collective over TP)."""
+    """The trainer's log-probs ``[L - 1]`` of ``probe_ids[1:]`` (collective over TP), in
+    scoring mode (no LoRA dropout: the engine serves the dropout-free policy)."""
     ids = torch.tensor([probe_ids], dtype=torch.long, device=ctx.pgs.device)
     pos = torch.arange(ids.shape[1], device=ctx.pgs.device).unsqueeze(0)
-    logits = ctx.policy.forward_logits(ids, pos)
+    with ctx.policy.scoring():
+        logits = ctx.policy.forward_logits(ids, pos)
+    check_on_device("probe", logits=logits, ids=ids)
     logp, *_ = token_stats(
         logits[0, :-1].contiguous(),
         ids[0, 1:],
@@ -70,4 +73,7 @@ def sync_weights(ctx: TrainContext) -> dict[str, float]:
     ``perf/sync_bytes``, ``sync/*``."""
     expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
     update = weight_update(ctx.policy, ctx.cfg.trainer.weight_sync, ctx.comm)
-    return ctx.rollouts.push(update, expected)
+    metrics = ctx.rollouts.push(update, expected)
+    if update.mode == "merged":  # how much of the LoRA update the base dtype kept (collective)
+        metrics.update(ctx.policy.merge_survival(None))
+    return metrics

@@ -77,7 +77,7 @@ def _context(cfg, model_dir: Path):
     from megagrpo.trainer.setup import _curriculum, _problems
 
     pgs = init_parallel(cfg.parallel)
-    comm = Comm(pgs.device)
+    comm = Comm(pgs)
     reward_fn = build_composite(cfg.rewards)
     problems, _ = _problems(cfg)
     sampler, _ = _curriculum(cfg, problems, reward_fn.names[0])
