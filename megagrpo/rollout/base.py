@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from megagrpo.data.prompts import prompt_ids
 from megagrpo.errors import MegagrpoError
 from megagrpo.types import Group, Problem
 
@@ -148,21 +149,15 @@ class RolloutEngine(Protocol):
 # ----------------------------------------------------------------------------- prompts
 
 
-def chat_prompt_ids(tokenizer, problem: Problem) -> list[int]:
-    """Tokenise ``problem.messages`` with the tokenizer's chat template, generation prompt on.
-
-    The template output is tokenised as rendered text with ``add_special_tokens=False`` so
-    that engines and the trainer see identical ids (no second BOS). Returns ``[P]`` ids.
-    """
-    if not problem.messages:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
+    """The prompt ids ``[P]`` every engine and the trainer see for ``problem``: the prompt the
+    data layer fixed (a truncated one, ``meta['prompt_ids']``), else ``problem.messages``
+    through the tokenizer's chat template (generation prompt on; the problem's
+    ``chat_template_kwargs``, e.g. ``enable_thinking``), tokenised with
+    ``add_special_tokens=False`` (no second BOS): :func:`megagrpo.data.prompts.prompt_ids`."""
+    if not problem.messages and "prompt_ids" not in problem.meta:
         raise EngineError(f"problem {problem.id!r} has no messages")
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            problem.messages, tokenize=False, add_generation_prompt=True
-        )
-    else:  # base models without a template: plain concatenation of the contents
-        text = "\n".join(m["content"] for m in problem.messages)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompt_ids(tokenizer, problem)
 
 
 def request_seed(base: int, problem_index: int, sample_index: int) -> int:

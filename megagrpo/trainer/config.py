@@ -9,11 +9,12 @@ from pathlib import Path
 from megagrpo.algo.config import LossConfig
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
+from megagrpo.data.truncation import resolve_max_prompt_tokens
 from megagrpo.errors import require, require_finite
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
-from megagrpo.rewards.config import RewardsConfig
+from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig
 
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
@@ -142,14 +143,19 @@ class RunConfig:
         config.yaml is then what runs): the loss aggregation and advantage scaling of the
         variant (``auto``), the Dr.GRPO normaliser (every micro-batch must share it: the
         generation budget ``rollout.max_tokens``), and bundled data paths
-        (``megagrpo/assets/...`` found inside the installed package from any directory).
-        Idempotent."""
+        (``megagrpo/assets/...`` found inside the installed package from any directory), the
+        soft overlong reward's ``max_len`` (``rollout.max_tokens`` unless given; a longer one
+        is an error) and the prompt budget (``data.max_prompt_tokens``). Idempotent."""
         self.loss.loss_agg = self.loss.resolved_loss_agg()
         self.loss.advantage_scale = self.loss.resolved_advantage_scale()
         if self.loss.loss_agg == "seq_mean_token_sum_norm" and self.loss.max_tokens == 0:
             self.loss.max_tokens = self.rollout.max_tokens
         self.data.train = [bundled_path(p) for p in self.data.train]
         self.data.eval = [bundled_path(p) for p in self.data.eval]
+        self.rewards = resolve_soft_overlong(self.rewards, self.rollout.max_tokens)
+        self.data.max_prompt_tokens = resolve_max_prompt_tokens(
+            self.data, self.rollout.max_model_len, self.rollout.max_tokens
+        )
 
 
 def bundled_path(path: str) -> str:

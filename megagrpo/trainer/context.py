@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.curriculum.sampler import CurriculumSampler
+from megagrpo.metrics.completions import CompletionsLog
 from megagrpo.metrics.logger import MetricLogger, NullLogger
 from megagrpo.model import Policy
 from megagrpo.parallel.state import ParallelGroups
@@ -141,6 +142,8 @@ class TrainContext:
     reward_fn: CompositeReward
     logger: MetricLogger = field(default_factory=NullLogger)
     """Metrics of the step rows (rank 0; a NullLogger elsewhere)."""
+    completions: CompletionsLog | None = None
+    """completions.jsonl (+ a W&B table) of the trained groups (rank 0, metrics.log_completions)."""
     eval_problems: list[Problem] = field(default_factory=list)
     pad_id: int = 0
     step: int = 0

@@ -26,7 +26,7 @@ import torch
 
 from megagrpo.algo.advantages import group_advantages
 from megagrpo.curriculum.dynamic import FilledBatch
-from megagrpo.metrics.names import required_metrics
+from megagrpo.metrics.names import required_metrics, swift_aliases
 from megagrpo.trainer.checkpoint import save_checkpoint
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import train_on_batch
@@ -88,7 +88,9 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
         for name in ctx.reward_fn.names:
             values = [v for g in groups for v in g.reward_parts.get(name, [])]
             out[f"reward/{name}/mean"] = float(np.mean(values or [0.0]))
+            out[f"reward/{name}/std"] = float(np.std(values or [0.0]))
         out["length/mean"] = float(np.mean([n for g in groups for n in g.lengths]))
+        out["length/min"] = float(min(n for g in groups for n in g.lengths))
         out["length/max"] = float(max(n for g in groups for n in g.lengths))
     out["reward/mean_raw"] = gen.raw_reward_mean  # first generation, before filtering
     out["length/clip_ratio"] = gen.clipped / max(gen.gen_seqs, 1.0)
@@ -100,8 +102,11 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     """Run GRPO step ``step`` (1-based) and return its metrics row."""
     ctx.timings = {}
     t0 = time.perf_counter()
+    ctx.reward_fn.begin_step(step, ctx.cfg.trainer.max_steps)  # trainer_state for ORM plugins
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
         batch, gen = collect_batch(ctx, step)
+    if ctx.completions is not None:  # what was trained on, with rewards (rank 0)
+        ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of)
     adv = compute_advantages(ctx, batch.groups)  # 3
     ctx.rollouts.sleep()  # 4: free the engines' memory for training
     trained = len(batch.groups) > 0
@@ -119,6 +124,9 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if _due(step, ctx.cfg.trainer.eval_every, ctx.cfg.trainer.max_steps):  # 7: evaluation
         metrics.update(evaluate(ctx.rollouts, ctx.eval_problems, ctx.cfg.trainer.seed, step))
     row = complete_row(ctx, metrics)
+    if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
+        num = sum(g.size for g in batch.groups)
+        row.update(swift_aliases(row, ctx.reward_fn.names, num_completions=num))
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
     every_save = ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)
@@ -164,4 +172,6 @@ def train(ctx: TrainContext) -> list[dict[str, float | None]]:
             rows.append(grpo_step(ctx, step))
     finally:
         ctx.logger.close()
+        if ctx.completions is not None:
+            ctx.completions.close()
     return rows

@@ -30,6 +30,7 @@ from megagrpo.curriculum.levels import (
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
 from megagrpo.errors import ConfigError
+from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
 from megagrpo.metrics.logger import build_logger
 from megagrpo.model import ModelConfig, Policy, build_policy
 from megagrpo.model.pretrained import resolve_model_path
@@ -115,13 +116,24 @@ def _pad_id(model_path: Path) -> int:
 def _problems(cfg: RunConfig) -> tuple[list, list]:
     """(training problems, held-out problems) of ``data.train`` / ``data.eval``."""
     data = cfg.data
-    train = load_problems(data.train, exclude_images=data.exclude_images, prompt=data.prompt)
+    columns = data.column_map()
+    train = load_problems(
+        data.train, exclude_images=data.exclude_images, prompt=data.prompt, columns=columns
+    )
     if not train:
         raise ConfigError("config key 'data.train': no training problems found")
+    if cfg.rewards.functions[0].name == "mcq_accuracy" and len(train.free_text_gold) == len(train):
+        raise ConfigError(
+            "config key 'data.train': no problem has a letter or number gold answer, so "
+            "mcq_accuracy scores every completion 0 (map the gold column with data.columns, "
+            "or use a reward for free-text answers)"
+        )
     held_out = []
     if data.eval:
         held_out = list(
-            load_problems(data.eval, exclude_images=data.exclude_images, prompt=data.prompt)
+            load_problems(
+                data.eval, exclude_images=data.exclude_images, prompt=data.prompt, columns=columns
+            )
         )
     if cfg.trainer.eval_max_problems:
         held_out = held_out[: cfg.trainer.eval_max_problems]
@@ -153,7 +165,14 @@ def build_context(
     seed_everything(cfg.trainer.seed + comm.rank)
     policy = policy_factory(dataclasses.replace(cfg.model, hf_path=model_path), pgs)
     optimizer, scheduler = _optimizer(cfg, policy)
-    reward_fn = build_composite(cfg.rewards)
+    reward_fn = build_composite(
+        cfg.rewards,
+        run_args={  # what ms-swift ORM classes read from their `args`
+            "max_completion_length": cfg.rollout.max_tokens,
+            "num_generations": cfg.rollout.group_size,
+            "temperature": cfg.rollout.temperature,
+        },
+    )
     train_problems, eval_problems = _problems(cfg)
     correctness = reward_fn.names[0]
     sampler, acr = _curriculum(cfg, train_problems, correctness)
@@ -199,6 +218,14 @@ def build_context(
         start_step=ctx.step,
         config=json_safe(dataclasses.asdict(cfg)),
     )
+    if cfg.metrics.log_completions and comm.is_main:
+        ctx.completions = CompletionsLog(
+            run_dir / "completions.jsonl",
+            table_every=cfg.metrics.completions_table_every,
+            wandb_run=find_wandb_run(ctx.logger),
+            prompt_chars=cfg.metrics.completions_prompt_chars,
+        )
+        ctx.completions.truncate_after(ctx.step)
     log.info(
         "run dir %s, world %d, starting at step %d of %d",
         run_dir,

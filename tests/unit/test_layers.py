@@ -17,10 +17,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megagrpo"
 
 LAYERS: list[set[str]] = [
     {"errors", "types", "fileio"},  # 0: ground
-    {"config", "algo", "parallel", "data", "metrics", "rollout", "curriculum", "testing"},
-    {"kernels", "model", "rewards"},  # 2: built on one component each
-    {"trainer"},  # 3: the loop
-    {"commands", "cli"},  # 4: the command line
+    {"config", "algo", "parallel", "data", "metrics", "curriculum", "testing"},  # 1: components
+    {"kernels", "rewards", "rollout"},  # 2: built on one component each
+    {"model"},  # 3: the Megatron policy (its memory planner reads the rollout layout)
+    {"trainer"},  # 4: the loop
+    {"commands", "cli"},  # 5: the command line
 ]
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

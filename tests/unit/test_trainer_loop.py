@@ -36,7 +36,7 @@ def _bigram_logits(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 class BigramPolicy:
     """A bigram model ``W [V, V]`` (frozen) plus a LoRA delta ``scale * B @ A``: the Policy
-    contract in 40 lines. Its only HF tensor is ``bigram.weight``."""
+    contract in 50 lines. Its only HF tensor is ``bigram.weight``."""
 
     def __init__(self, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -59,6 +59,14 @@ class BigramPolicy:
 
     def finish_grad_sync(self) -> None:
         pass
+
+    @contextlib.contextmanager
+    def scoring(self):
+        with torch.no_grad():
+            yield
+
+    def merge_survival(self, group=None):
+        return {"sync/lora_survival": 1.0}
 
     @contextlib.contextmanager
     def adapters_disabled(self):
@@ -197,7 +205,9 @@ def _train(ctx):
 
 
 def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
-    ctx = _context(model_dir, tmp_path, "run")
+    ctx = _context(
+        model_dir, tmp_path, "run", metrics={"log_completions": True, "progress_bar": False}
+    )
     engine = ctx.rollouts.engine
     rows = _train(ctx)
     assert [r for r in rows if missing_metrics(r, ["toy_first_token"])] == []
@@ -211,6 +221,11 @@ def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
     assert engine.calls.count("sleep") == len(rows) and engine.calls[-1] == "close"
     saved = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in saved] == [1, 2, 3, 4]
+    for r in saved:  # both naming schemes: megagrpo's and the ms-swift / TRL dashboards'
+        assert r["reward"] == r["reward/mean"] and "frac_reward_zero_std" in r
+        assert "completions/mean_length" in r and "rewards/toy_first_token/mean" in r
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+    assert sorted({row["step"] for row in logged}) == [1, 2, 3, 4]
     assert (tmp_path / "run" / "config.yaml").is_file()
 
 
