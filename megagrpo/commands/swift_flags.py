@@ -77,7 +77,6 @@ NO_EQUIVALENT: dict[str, str] = {
     "context_parallel_size": "no context parallelism",
     "router_replay_mode": "no engine exposes per-token expert choices",
     "num_train_epochs": "megagrpo counts optimizer steps (trainer.max_steps)",
-    "min_lr": "no LR decay yet (constant after warm-up)",
     "swanlab_project": "no SwanLab backend",
     "vllm_max_num_seqs": "not configurable",
     "vllm_engine_kwargs": "not configurable",
@@ -99,8 +98,6 @@ NO_EQUIVALENT: dict[str, str] = {
     "load_from_cache_file": "no dataset cache",
     "save_strategy": "trainer.save_every",
     "eval_strategy": "trainer.eval_every",
-    "recompute_method": "no activation recompute in the trainer",
-    "recompute_modules": "no activation recompute in the trainer",
     "torch_dtype": "model.dtype / rollout.dtype",
     "max_pixels": "text only",
     "log_entropy": "entropy is always logged (loss/entropy)",
@@ -399,12 +396,17 @@ def translate_model(t: Translation) -> None:
             {"parallel.sequence_parallel": _bool(t.get("sequence_parallel"))},
         )
     if "recompute_granularity" in t.flags:
-        on = t.get("recompute_granularity") in ("full", "selective")
+        gran = str(t.get("recompute_granularity"))
+        t.add("recompute_granularity", EXACT, {"model.recompute": gran if gran else "none"})
+    for flag in ("recompute_method", "recompute_num_layers"):
+        if flag in t.flags:
+            value = t.get(flag)
+            t.add(flag, EXACT, {f"model.{flag}": int(value) if flag.endswith("layers") else value})
+    if "recompute_modules" in t.flags:
         t.add(
-            "recompute_granularity",
-            DIFFERS,
-            {"model.activation_recompute": on},
-            "read by plan-memory only; the trainer does not recompute activations yet",
+            "recompute_modules",
+            EXACT,
+            {"model.recompute_modules": _list(t.get("recompute_modules"))},
         )
 
 

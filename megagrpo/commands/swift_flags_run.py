@@ -56,20 +56,26 @@ def translate_optim(t: Translation) -> None:
             t.add(flag, EXACT, {"trainer.lr": float(t.get(flag))})
     style_flag = "lr_decay_style" if t.flavor == "megatron" else "lr_scheduler_type"
     style = t.get("lr_decay_style", t.get("lr_scheduler_type", SWIFT_DEFAULTS["lr_schedule"]))
+    supported, given = style in ("constant", "linear", "cosine"), style_flag in t.flags
+    if not supported:
+        note = f"'{style}' decay is not supported (constant | linear | cosine)"
+    elif not given:
+        note = f"not given: ms-swift's default {style} applied (megagrpo's default is constant)"
+    else:
+        note = ""
     t.add(
         style_flag,
-        EXACT if style == "constant" else MISSING,
-        {},
-        ""
-        if style == "constant"
-        else f"'{style}' decay not yet supported: megagrpo warms up then stays constant "
-        "(needs trainer.lr_schedule/min_lr)",
-        given=style_flag in t.flags,
+        MISSING if not supported else EXACT if given else DIFFERS,
+        {"trainer.lr_schedule": style} if supported else {},
+        note,
+        given=given,
         value=style,
     )
     for flag in ("lr_decay_style", "lr_scheduler_type"):
         if flag in t.flags and flag != style_flag:
-            t.add(flag, EXACT if t.get(flag) == "constant" else MISSING, {}, "see " + style_flag)
+            t.add(flag, EXACT if supported else MISSING, {}, "see " + style_flag)
+    if "min_lr" in t.flags:
+        t.add("min_lr", EXACT, {"trainer.min_lr": float(t.get("min_lr"))})
     _steps_and_warmup(t)
     _default(
         t, "weight_decay", "trainer.weight_decay", OPTIM_DEFAULTS["weight_decay"], 0.0, cast=float
@@ -114,33 +120,14 @@ def translate_optim(t: Translation) -> None:
 
 
 def _steps_and_warmup(t: Translation) -> None:
-    steps = t.get("train_iters", t.get("max_steps"))
     for flag in ("train_iters", "max_steps"):
         if flag in t.flags:
             t.add(flag, EXACT, {"trainer.max_steps": int(t.get(flag))})
     if "lr_warmup_iters" in t.flags:
         t.add("lr_warmup_iters", EXACT, {"trainer.warmup_steps": int(t.get("lr_warmup_iters"))})
     for flag in ("lr_warmup_fraction", "warmup_ratio"):
-        if flag not in t.flags:
-            continue
-        frac = float(t.get(flag))
-        if steps is not None:
-            t.add(
-                flag,
-                DIFFERS,
-                {"trainer.warmup_steps": round(frac * int(steps))},
-                f"{frac} x {steps} steps (megagrpo takes warm-up steps)",
-            )
-        elif frac == 0:
-            t.add(flag, EXACT, {"trainer.warmup_steps": 0})
-        else:
-            t.add(
-                flag,
-                MISSING,
-                {},
-                "a warm-up ratio needs the step count (train_iters/max_steps); "
-                "not yet supported otherwise (needs trainer.warmup_ratio)",
-            )
+        if flag in t.flags:
+            t.add(flag, EXACT, {"trainer.warmup_ratio": float(t.get(flag))})
 
 
 def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:

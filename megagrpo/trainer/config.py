@@ -3,6 +3,7 @@ nests every component's config (mirrored by configs/*.yaml)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig
 
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 WEIGHT_SYNCS = ("merged", "adapter")
 
 
@@ -49,7 +51,16 @@ class TrainerConfig:
     adam_betas: list[float] | None = None
     """AdamW (beta1, beta2); None: (0.9, 0.999)."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up steps (then constant)."""
+    """Linear learning-rate warm-up steps (from 0 to ``lr``)."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a fraction of the optimiser steps (ms-swift's warmup_ratio); the larger of
+    this and ``warmup_steps`` applies."""
+    lr_schedule: str = "constant"
+    """constant | linear | cosine: the learning rate after warm-up, over max_steps x
+    ppo_epochs optimiser steps, from ``lr`` down to ``min_lr`` (transformers' schedulers).
+    ms-swift's default is cosine; constant keeps early and late steps equally weighted."""
+    min_lr: float = 0.0
+    """Floor of the linear / cosine decay (ms-swift / Megatron ``min_lr``)."""
     grad_clip: float = 1.0
     """Global grad-norm clip over the LoRA parameters (0: off)."""
     seed: int = 0
@@ -69,6 +80,12 @@ class TrainerConfig:
     every engine and target); adapter: write the PEFT adapter (a few MB) and let the engine
     serve it on its base weights (needs rollout.enable_lora and vLLM LoRA support for the
     targeted modules). Both are verified against the trainer's probe log-probs."""
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """Warm-up optimiser steps: ``warmup_steps`` or ``warmup_ratio`` of all of them."""
+        total = self.max_steps * self.ppo_epochs
+        return max(self.warmup_steps, math.ceil(self.warmup_ratio * total))
 
     def resolved_old_logprobs(self, engine_has_logprobs: bool = True) -> str:
         """The behaviour log-prob source actually used (see ``old_logprobs``)."""
@@ -116,6 +133,15 @@ class TrainerConfig:
             require_finite(beta, f"{path}.adam_betas.{i}")
             require(0.0 <= beta < 1.0, f"{path}.adam_betas.{i}", f"must be in [0, 1), got {beta}")
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
+        require_finite(self.warmup_ratio, f"{path}.warmup_ratio")
+        require(0.0 <= self.warmup_ratio < 1.0, f"{path}.warmup_ratio", "must be in [0, 1)")
+        require(
+            self.lr_schedule in LR_SCHEDULES,
+            f"{path}.lr_schedule",
+            f"must be one of {LR_SCHEDULES}",
+        )
+        require_finite(self.min_lr, f"{path}.min_lr")
+        require(0.0 <= self.min_lr <= self.lr, f"{path}.min_lr", "must be in [0, lr]")
         require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
         for key in ("save_every", "eval_every", "eval_max_problems"):
             require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0")

@@ -38,7 +38,7 @@ from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.trainer.checkpoint import latest, restore_checkpoint
-from megagrpo.trainer.config import RunConfig
+from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.sync import sync_weights
@@ -96,11 +96,39 @@ def _optimizer(
     opt = torch.optim.AdamW(
         params, lr=cfg.trainer.lr, betas=betas, weight_decay=cfg.trainer.weight_decay
     )
-    sched = None
-    if cfg.trainer.warmup_steps > 0:
-        warm = cfg.trainer.warmup_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    sched = lr_scheduler(opt, cfg.trainer)
     return opt, sched
+
+
+def lr_scheduler(
+    opt: torch.optim.Optimizer, tcfg: TrainerConfig
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """``trainer.lr_schedule`` after ``trainer.num_warmup_steps`` of linear warm-up, with
+    transformers' schedulers (the ones ms-swift and TRL use); None: a constant rate."""
+    from transformers import get_scheduler
+
+    warmup, total = tcfg.num_warmup_steps, tcfg.max_steps * tcfg.ppo_epochs
+    if tcfg.lr_schedule == "constant":
+        return get_scheduler("constant_with_warmup", opt, warmup) if warmup else None
+    if tcfg.lr_schedule == "cosine":
+        return get_scheduler(
+            "cosine_with_min_lr",
+            opt,
+            warmup,
+            total,
+            scheduler_specific_kwargs={"min_lr": tcfg.min_lr},
+        )
+    return get_scheduler(  # linear decay to min_lr (warmup-stable-decay without a plateau)
+        "warmup_stable_decay",
+        opt,
+        warmup,
+        total,
+        scheduler_specific_kwargs={
+            "num_decay_steps": total - warmup,
+            "decay_type": "linear",
+            "min_lr_ratio": tcfg.min_lr / tcfg.lr,
+        },
+    )
 
 
 def _pad_id(model_path: Path) -> int:

@@ -224,3 +224,25 @@ def test_unknown_model_path_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="model.hf_path"):
         resolve_model_path(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_schedule_warms_up_then_decays_to_min_lr(schedule):
+    from megagrpo.trainer.setup import lr_scheduler
+
+    tcfg = TrainerConfig(lr=1.0, max_steps=10, warmup_ratio=0.2, lr_schedule=schedule, min_lr=0.1)
+    assert tcfg.num_warmup_steps == 2
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = lr_scheduler(opt, tcfg)
+    assert sched is not None
+    lrs = []
+    for _ in range(11):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[1] < lrs[2] == pytest.approx(1.0)  # linear warm-up over 2 steps
+    tail = lrs[2:]
+    if schedule == "constant":
+        assert tail == pytest.approx([1.0] * 9)
+    else:  # monotone decay that ends at min_lr after max_steps optimiser steps
+        assert all(a >= b for a, b in zip(tail, tail[1:])) and lrs[10] == pytest.approx(0.1)
