@@ -35,6 +35,7 @@ from megagrpo.curriculum.simulate import (
     run_plan,
     synthetic_population,
 )
+from megagrpo.curriculum.stats import collapse_stats
 from megagrpo.errors import ConfigError
 from megagrpo.types import Group, Problem
 
@@ -117,10 +118,10 @@ class BudgetLoop:
         trained = valid[:b]
         if cfg.policy == "carry":
             self.carry = valid[b : b + (cfg.carry_max_groups or b)]
-        raw = [float(np.std(g.rewards)) < cfg.tau for g in bstep.raw_groups]
+        raw = collapse_stats([g.rewards for g in bstep.raw_groups], tau=cfg.tau)
         stats.update(
             {
-                "collapse/acr_raw": float(np.mean(raw)) if raw else 0.0,
+                "collapse/acr_raw": raw["acr"],
                 "dynamic/success": float(len(valid) >= b),
                 "dynamic/rounds": float(rounds),
                 "dynamic/valid_groups": float(len(trained)),
