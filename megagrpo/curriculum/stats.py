@@ -80,7 +80,7 @@ def _all_any_solved(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
         solved = [r >= SOLVED_THRESHOLD for r in rows]
         return np.array([s.all() for s in solved]), np.array([not s.any() for s in solved])
     solved = rows >= SOLVED_THRESHOLD
-    return solved.all(axis=1), (~solved).all(axis=1)
+    return np.asarray(solved.all(axis=1)), np.asarray((~solved).all(axis=1))
 
 
 def collapse_stats(
