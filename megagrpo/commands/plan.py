@@ -198,6 +198,7 @@ BUDGET_ROWS = (
     ("trained_group_size_mean", "trained group size", "{:.1f}"),
     ("first_request_mean_n", "first request n / problem", "{:.2f}"),
     ("ds_success_rate", "batch filled", "{:.2f}"),
+    ("price_mean", "price (knapsack: best ratio)", "{:.3f}"),
 )
 
 

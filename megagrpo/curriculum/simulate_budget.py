@@ -247,6 +247,7 @@ def uniform_summary(plan: dict[str, Any]) -> dict[str, Any]:
         "effective_completions_per_step": effective,
         "effective_ratio": effective / generated if generated else 0.0,
         "trained_group_size_mean": float(g),
+        "first_request_mean_n": float(g),
     }
 
 
