@@ -29,9 +29,12 @@ finished or dropped (so a 2-completion probe does not count as a collapsed group
 in the retirement streak); decisions inside the step use its posterior plus the step's own
 counts.
 
+A round spends at most its budget, top-ups excepted (they are served whatever the budget:
+the problem already split). A drawn problem is always served (at least ``min_samples``).
+
 Deliberately left out: ms-swift's ``original`` policy (train on the first round,
-collapsed groups included) has no meaning for mixed sizes; a round may exceed its budget by
-less than ``min_samples`` (a drawn problem is always served).
+collapsed groups included) has no meaning for mixed sizes; the last round is not shrunk to
+what the batch still needs (under ``partial`` its surplus is discarded).
 """
 
 from __future__ import annotations
@@ -332,8 +335,11 @@ class BudgetStep:
             problems = self.sampler.next_problems(max(1, budget // chunk_div), resample=resample)
             eff, cost = self._tables(problems)
             counts = priced_choice(eff, cost, self.price, cfg.min_samples, cfg.max_samples)
-            for p, n in zip(problems, counts.tolist()):
-                n = min(int(n), max(budget, cfg.min_samples))
+            for j, (p, n) in enumerate(zip(problems, counts.tolist())):
+                # keep min_samples for each problem still to serve in this chunk: the chunk
+                # holds at most budget // trained_size problems, so every one fits
+                reserve = cfg.min_samples * (len(problems) - j - 1)
+                n = min(int(n), budget - reserve)
                 out.append(Request(p, n))
                 budget -= n
         return out
