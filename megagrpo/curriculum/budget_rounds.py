@@ -140,7 +140,10 @@ class BudgetPlanner:
         return self.batch_groups * self.group_size
 
     def price(self, sampler: PosteriorSource) -> float:
-        """Value per generated completion that allocations are charged (see BudgetConfig)."""
+        """Value per generated completion that allocations are charged (see BudgetConfig).
+
+        Auto: computed on the pool's problems that are not retired, each counted once
+        (``curriculum.level_weights`` do not reweigh it)."""
         cfg, t = self.cfg, self.trained_size
         if cfg.budget == "uniform" or (cfg.budget == "knapsack" and cfg.budget_price >= 0):
             return max(cfg.budget_price, 0.0)

@@ -175,7 +175,13 @@ class BudgetConfig:
         max_samples (ConfigError naming the key)."""
         trained = self.trained_size or group_size
         rounds = self.round_samples or group_size
-        if self.budget != "uniform":
+        if self.budget == "uniform":
+            require(
+                trained <= group_size,
+                f"{path}.trained_size",
+                f"must be <= the group size ({group_size}) with budget uniform",
+            )
+        else:
             require(
                 trained <= self.max_samples,
                 f"{path}.max_samples",

@@ -217,3 +217,5 @@ def test_budget_config_validation():
     assert BudgetConfig(budget="sequential").resolved(8) == (8, 8)
     with pytest.raises(ConfigError, match="max_samples"):
         BudgetConfig(budget="knapsack", max_samples=4).resolved(8)
+    with pytest.raises(ConfigError, match="trained_size"):
+        BudgetConfig(trained_size=16).resolved(8)
