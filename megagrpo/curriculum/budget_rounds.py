@@ -68,6 +68,22 @@ POOL_STD = "budget_pool_std"
 POOL_SIZE = "budget_pool_size"
 
 
+def pool_baselines(groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:
+    """``(mean [N], std [N])`` of every completion generated for each trained group's problem
+    (Reinforce-Ada's baseline; ``flat_group_advantages(baseline_mean=, baseline_std=)``).
+    Groups that did not go through a budgeted step (uniform, carried from before) use their
+    own rewards."""
+    mean, std = np.empty(len(groups)), np.empty(len(groups))
+    for i, g in enumerate(groups):
+        if POOL_MEAN in g.meta:
+            mean[i], std[i] = g.meta[POOL_MEAN], g.meta[POOL_STD]
+        else:
+            r = np.asarray(g.rewards, dtype=np.float64)
+            mean[i] = r.mean() if len(r) else 0.0
+            std[i] = r.std(ddof=1) if len(r) > 1 else 0.0
+    return mean, std
+
+
 class PosteriorSource(Protocol):
     """What budgeted rounds need of a sampler (:class:`CurriculumSampler` satisfies it)."""
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from megagrpo.algo.advantages import flat_group_advantages
-from megagrpo.curriculum.budget_rounds import POOL_MEAN, POOL_STD, BudgetPlanner, Request
+from megagrpo.curriculum.budget_rounds import BudgetPlanner, Request, pool_baselines
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
@@ -80,8 +80,7 @@ def trained_advantages(groups: Sequence[Group], scale: str, baseline: str) -> to
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     sizes = [g.size for g in groups]
     if baseline == "pool":
-        mean = torch.tensor([g.meta[POOL_MEAN] for g in groups], dtype=torch.float64)
-        std = torch.tensor([g.meta[POOL_STD] for g in groups], dtype=torch.float64)
+        mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
         return flat_group_advantages(rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
     return flat_group_advantages(rewards, sizes, scale)
 

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from megagrpo.curriculum.budget import expected_rounds
-from megagrpo.curriculum.budget_rounds import POOL_MEAN, POOL_SIZE, POOL_STD, BudgetPlanner
+from megagrpo.curriculum.budget_rounds import (
+    POOL_MEAN,
+    POOL_SIZE,
+    POOL_STD,
+    BudgetPlanner,
+    pool_baselines,
+)
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.curriculum.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
@@ -95,6 +101,9 @@ def test_sequential_rounds_topup_subsample_and_pool_statistics():
     assert q1.size == 8 and q1.rewards == [1, 0, 0, 0, 0, 0, 0, 0]
     assert q1.meta[POOL_SIZE] == 8 and q1.meta[POOL_MEAN] == pytest.approx(1 / 8)
     assert q1.meta[POOL_STD] == pytest.approx(np.std([1] + [0] * 7, ddof=1))
+    mean, std = pool_baselines([q1, _scripted(probs[2], [1, 0, 0])])
+    assert mean.tolist() == pytest.approx([1 / 8, 1 / 3])  # pool stats, or the group's own
+    assert std.tolist() == pytest.approx([np.std([1] + [0] * 7, ddof=1), np.std([1, 0, 0], ddof=1)])
     stats = step.close()
     assert stats["budget/completions"] == 16 and stats["budget/topups"] == 4
     assert stats["budget/continued"] == 4 and stats["budget/rounds"] == 2
