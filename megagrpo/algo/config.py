@@ -10,6 +10,7 @@ VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo")
 LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGE_SCALES = ("auto", "group", "batch", "none")
 BACKENDS = ("auto", "triton", "torch")
+GROUP_WEIGHTINGS = ("sequence", "group")
 
 # What each variant means when loss_agg / advantage_scale are "auto".
 _DEFAULT_AGG = {
@@ -39,6 +40,11 @@ class LossConfig:
     """auto | token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (auto: by variant)."""
     max_tokens: int = 0
     """Dr.GRPO constant normaliser (the generation budget); 0: the longest sequence in the batch."""
+    group_weighting: str = "sequence"
+    """sequence | group: how groups of different sizes (rollout budgets) weigh in the loss.
+    sequence: every completion alike (a problem with more completions weighs more, as with a
+    fixed G); group: every problem alike (per-sequence weights (S / N) / G_n, passed to the
+    loss as ``seq_weights``). Identical when all groups have the same size."""
     advantage_scale: str = "auto"
     """auto | group | batch | none: divisor of group-centred rewards (auto: none for dr_grpo)."""
     tis_cap: float = 0.0
@@ -75,6 +81,11 @@ class LossConfig:
         require(self.kl_coef >= 0.0, f"{path}.kl_coef", "must be >= 0")
         require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
         require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")
+        require(
+            self.group_weighting in GROUP_WEIGHTINGS,
+            f"{path}.group_weighting",
+            f"must be one of {GROUP_WEIGHTINGS}",
+        )
         require(
             self.advantage_scale in ADVANTAGE_SCALES,
             f"{path}.advantage_scale",

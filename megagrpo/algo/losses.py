@@ -105,27 +105,78 @@ def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Ten
 
 
 def token_weights(
-    mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str, max_tokens: int = 0
+    mask: Tensor,
+    seq_ids: Tensor | None,
+    num_seqs: int,
+    agg: str,
+    max_tokens: int = 0,
+    seq_weights: Tensor | None = None,
 ) -> Tensor:
     """Aggregation weights c_t [T] with loss = sum_t c_t * l_t.
 
     token_mean: m_t / sum(m). seq_mean_token_mean: m_t / (n_seq(t) * #non-empty seqs).
     seq_mean_token_sum_norm (Dr.GRPO): m_t / (num_seqs * L), L = max_tokens or longest n_i.
+    ``seq_weights`` [num_seqs] (e.g. :func:`megagrpo.algo.advantages.sequence_weights`)
+    weighs sequence s by w_s: m_t w_s / sum_t m_t w_s, m_t w_s / (n_s * sum_{s non-empty} w_s)
+    and m_t w_s / (L * sum_s w_s); all ones gives the unweighted forms exactly.
     """
     m = _up(mask.reshape(-1))
+    if seq_weights is not None:
+        if seq_ids is None:
+            raise ValueError("seq_weights need sequences: pass [B, S] inputs or seq_ids [T]")
+        w = _up(seq_weights.reshape(-1)).to(m.dtype)
+        if w.numel() != num_seqs:
+            raise ValueError(f"seq_weights has {w.numel()} entries for {num_seqs} sequences")
+    else:
+        w = None
+    mw = m if w is None else m * w[seq_ids]
     if agg == "token_mean":
-        return m / m.sum().clamp_min(1.0)
+        return mw / mw.sum().clamp_min(1e-12 if w is not None else 1.0)
     if seq_ids is None:
         raise ValueError(
             f"loss aggregation {agg!r} needs sequences: pass [B, S] inputs or seq_ids [T]"
         )
     n = torch.zeros(num_seqs, device=m.device, dtype=m.dtype).index_add_(0, seq_ids, m)
     if agg == "seq_mean_token_mean":
-        num_valid = (n > 0).sum().clamp_min(1).float()
-        return m / (n.clamp_min(1.0)[seq_ids] * num_valid.to(m.dtype))
+        if w is None:
+            num_valid = (n > 0).sum().clamp_min(1).float()
+            return m / (n.clamp_min(1.0)[seq_ids] * num_valid.to(m.dtype))
+        mass = (w * (n > 0)).sum().clamp_min(1e-12)
+        return mw / (n.clamp_min(1.0)[seq_ids] * mass)
     if agg == "seq_mean_token_sum_norm":
         length = float(max_tokens) if max_tokens > 0 else n.max().clamp_min(1.0)
-        return m / (num_seqs * length)
+        if w is None:
+            return m / (num_seqs * length)
+        return mw / (w.sum().clamp_min(1e-12) * length)
+    raise ValueError(f"unknown loss aggregation {agg!r}")
+
+
+def aggregation_mass(
+    mask: Tensor, seq_ids: Tensor | None, num_seqs: int, agg: str, seq_weights: Tensor | None = None
+) -> Tensor:
+    """The normaliser :func:`token_weights` divides by (up to Dr.GRPO's length), 0-d.
+
+    token_mean: sum_t m_t w_s; seq_mean_token_mean: sum of w_s over non-empty sequences;
+    seq_mean_token_sum_norm: sum_s w_s (w = 1 without weights). A batch split into
+    micro-batches has the loss sum_k (mass_k / mass) * loss_k exactly when every micro-batch
+    loss uses the same Dr.GRPO length (set ``max_tokens``): this is the scale a trainer gives
+    each micro-batch's loss.
+    """
+    m = _up(mask.reshape(-1))
+    if seq_ids is None:
+        if agg != "token_mean" or seq_weights is not None:
+            raise ValueError(f"aggregation {agg!r} with weights needs sequences (seq_ids)")
+        return m.sum()
+    w = torch.ones(num_seqs, dtype=m.dtype, device=m.device)
+    if seq_weights is not None:
+        w = _up(seq_weights.reshape(-1)).to(m.dtype)
+    if agg == "token_mean":
+        return (m * w[seq_ids]).sum()
+    n = torch.zeros(num_seqs, device=m.device, dtype=m.dtype).index_add_(0, seq_ids, m)
+    if agg == "seq_mean_token_mean":
+        return (w * (n > 0)).sum()
+    if agg == "seq_mean_token_sum_norm":
+        return w.sum()
     raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
@@ -182,6 +233,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     seq_ids: Tensor | None = None,
+    seq_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The GRPO-family loss from per-token log-probs.
 
@@ -189,18 +241,22 @@ def policy_loss(
         old = logp.detach()), advantages, mask (1 = response token), entropy (optional, needed
         when cfg.entropy_coef > 0), ref_logprobs (needed when cfg.kl_coef > 0),
         rollout_logprobs (needed when cfg.tis_cap > 0). seq_ids [T] for packed flat input.
+        seq_weights [num_seqs]: per-sequence weights of the aggregation (:func:`token_weights`).
 
     Returns (scalar loss, metrics): see :func:`loss_metrics`; ``loss/total`` is the loss.
     """
     shape = logp.shape
     ids, num_seqs = make_seq_ids(shape, seq_ids, logp.device)
-    flat = [
-        None if x is None else x.reshape(-1)
-        for x in (logp, old_logprobs, advantages, mask, entropy, ref_logprobs, rollout_logprobs)
-    ]
-    logp, old, adv, m, ent, ref, rollout = flat
+
+    def flat(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.reshape(-1)
+
+    logp = logp.reshape(-1)
+    old, ent, ref, rollout = (
+        flat(x) for x in (old_logprobs, entropy, ref_logprobs, rollout_logprobs)
+    )
     old = logp.detach() if old is None else old.to(logp.dtype)
-    adv, m = adv.to(logp.dtype), m.to(logp.dtype)
+    adv, m = advantages.reshape(-1).to(logp.dtype), mask.reshape(-1).to(logp.dtype)
     if cfg.variant == "gspo":
         if ids is None:
             raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
@@ -209,7 +265,7 @@ def policy_loss(
         )
     else:
         pg, clipped, ratio = clipped_surrogate(logp, old, adv, cfg.eps_low, cfg.eps_high)
-    c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens)
+    c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens, seq_weights)
     tis_w = None
     if cfg.tis_cap > 0:
         if rollout is None:
@@ -245,6 +301,7 @@ def reference_policy_loss(
     ref_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     seq_ids: Tensor | None = None,
+    seq_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Naive reference: full fp32 log_softmax + gather, then :func:`policy_loss`.
 
@@ -262,4 +319,5 @@ def reference_policy_loss(
         ref_logprobs=ref_logprobs,
         rollout_logprobs=rollout_logprobs,
         seq_ids=seq_ids,
+        seq_weights=seq_weights,
     )

@@ -7,9 +7,11 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
+from megagrpo.commands.plan_budget import add_budget_arguments, run_budget, run_calibrate
 from megagrpo.config import load_config
-from megagrpo.curriculum.config import POLICIES
+from megagrpo.curriculum.config import POLICIES, CurriculumConfig
 from megagrpo.curriculum.dynamic import preflight_check
 from megagrpo.curriculum.levels import (
     histogram,
@@ -37,6 +39,11 @@ curriculum.levels_file.
 example (the article's specialist exam, all levels, ms-swift behaviour):
   megagrpo plan configs/qwen3_235b_a22b.yaml --levels L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636 \\
       --keep-levels L1-L6 --policy original --retire-streak 0
+
+rollout budgets against uniform G (effective ratio at trained group size G):
+  megagrpo plan configs/qwen3_235b_a22b.yaml --keep-levels L1-L6 --retire-streak 0 --budget all
+refit the planner's prior from a run's measured per-level raw ACR (its config.yaml is the config):
+  megagrpo plan --calibrate runs/my_run
 """
 
 ARTICLE_LEVELS = "L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636"
@@ -102,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="p += drift * (1 - p) per trained group (simulated learning)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_budget_arguments(parser)
 
 
 def plan_config(args: argparse.Namespace) -> RunConfig:
@@ -109,6 +117,13 @@ def plan_config(args: argparse.Namespace) -> RunConfig:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]  # no CONFIG: only overrides
+    if args.calibrate:
+        metrics = Path(args.calibrate) / "metrics.jsonl"
+        if not metrics.is_file():
+            raise ConfigError(f"--calibrate: {metrics} not found (is it a run directory?)")
+        saved = Path(args.calibrate) / "config.yaml"
+        if config is None and saved.is_file():
+            config = str(saved)  # plan with the run's own config
     for flag, key in SHORTHANDS.items():
         if getattr(args, flag) is not None:
             overrides.append(f"{key}={getattr(args, flag)}")
@@ -127,8 +142,22 @@ def plan_config(args: argparse.Namespace) -> RunConfig:
     return load_config(RunConfig, [config] if config else [], overrides)
 
 
-def _inputs(args: argparse.Namespace, cfg: RunConfig):
-    k = cfg.curriculum.level_k
+@dataclasses.dataclass
+class PlanInputs:
+    """What a plan simulates: the level histogram, k, the curriculum of the run config (all
+    of a bare histogram's levels unless keep_levels was given), and the problems of a levels
+    file (``records``, ``population``) when there is one."""
+
+    hist: dict[int, int]
+    k: int
+    curriculum: CurriculumConfig
+    records: list[dict] | None = None
+    population: Any = None
+
+
+def plan_inputs(args: argparse.Namespace, cfg: RunConfig) -> PlanInputs:
+    """The histogram from --levels, --levels-file / curriculum.levels_file (or the article's)."""
+    k, records, population = cfg.curriculum.level_k, None, None
     levels_file = None if args.levels else cfg.curriculum.levels_file
     if levels_file:
         records = read_levels_file(levels_file)
@@ -137,46 +166,57 @@ def _inputs(args: argparse.Namespace, cfg: RunConfig):
             raise ConfigError(f"{levels_file}: mixed k values {sorted(ks)}")
         k = ks.pop()
         hist = histogram((int(r["level"]) for r in records), k + 1)
-        return hist, k, population_from_records(records, k, cfg.curriculum.seed)
-    try:
-        hist = parse_histogram(args.levels or ARTICLE_LEVELS)
-    except ValueError as exc:
-        raise ConfigError(f"--levels: {exc}") from exc
-    if max(hist) > k + 1:
-        raise ConfigError(f"--levels has L{max(hist)} but k={k} allows L1..L{k + 1}")
-    return hist, k, None
+        population = population_from_records(records, k, cfg.curriculum.seed)
+    else:
+        try:
+            hist = parse_histogram(args.levels or ARTICLE_LEVELS)
+        except ValueError as exc:
+            raise ConfigError(f"--levels: {exc}") from exc
+        if max(hist) > k + 1:
+            raise ConfigError(f"--levels has L{max(hist)} but k={k} allows L1..L{k + 1}")
+    cur = dataclasses.replace(cfg.curriculum, level_k=k)
+    if not args.keep_levels and not (cfg.curriculum.levels_file or args.config):
+        cur.keep_levels = sorted(hist)  # a bare histogram: plan on all of its levels
+    return PlanInputs(hist, k, cur, records, population)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = plan_config(args)
-    hist, k, population = _inputs(args, cfg)
-    cur = dataclasses.replace(cfg.curriculum, level_k=k)
-    if not args.keep_levels and not (cfg.curriculum.levels_file or args.config):
-        cur.keep_levels = sorted(hist)  # a bare histogram: plan on all of its levels
+    inputs = plan_inputs(args, cfg)
+    if args.calibrate:
+        return run_calibrate(args, cfg, inputs)
+    if args.budget:
+        return run_budget(args, cfg, inputs)
+    return plan_policies(args, cfg, inputs)
+
+
+def plan_policies(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) -> int:
+    """The dynamic-sampling policies (--policy, or the config's) on the inputs."""
     policies = list(POLICIES) if args.policy == "all" else [cfg.dynamic.policy]
     results = {}
     for policy in policies:
         dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")
         results[policy] = run_plan(
-            hist,
-            k,
+            inputs.hist,
+            inputs.k,
             cfg.rollout.group_size,
             cfg.trainer.batch_groups,
             args.steps,
-            cur,
+            inputs.curriculum,
             dyn,
             drift=args.drift,
-            seed=cur.seed,
-            population=population,
+            seed=inputs.curriculum.seed,
+            population=inputs.population,
         ).to_dict()
     if args.json:
         print(json.dumps(results[policies[0]] if len(policies) == 1 else results, indent=1))
         return 0
-    _print_report(hist, k, cur.keep_levels, cfg, args.steps, results)
+    _print_report(inputs, cfg, args.steps, results)
     return 0
 
 
-def _print_report(hist, k, keep, cfg: RunConfig, steps: int, results) -> None:
+def _print_report(inputs: PlanInputs, cfg: RunConfig, steps: int, results) -> None:
+    hist, k, keep = inputs.hist, inputs.k, inputs.curriculum.keep_levels
     g, b = cfg.rollout.group_size, cfg.trainer.batch_groups
     pred = predict_acr(hist, k, g, keep)
     print(

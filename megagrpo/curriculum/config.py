@@ -99,3 +99,104 @@ class DynamicSamplingConfig:
             f"{path}.preflight",
             f"must be one of {PREFLIGHT_MODES}",
         )
+
+
+BUDGETS = ("uniform", "knapsack", "sequential")
+BUDGET_OBJECTIVES = ("completions", "groups")
+ADVANTAGE_BASELINES = ("group", "pool")
+
+
+@dataclass
+class BudgetConfig:
+    """Rollout budget: how many completions each drawn problem gets (megagrpo.curriculum.budget).
+
+    Field names are the ``rollout.*`` keys they are meant to become (``rollout.budget``,
+    ``rollout.min_samples``, ...). Every generation round may spend ``batch_groups * G``
+    completions, as a uniform round does; the round cap and the shortfall policy are
+    dynamic sampling's (``dynamic.max_resample``, ``dynamic.policy`` partial | carry).
+    """
+
+    budget: str = "uniform"
+    """uniform (G per problem, today's behaviour) | knapsack (per-problem counts from the
+    pass-rate posterior, Knapsack RL) | sequential (rounds until both outcomes, Reinforce-Ada)."""
+    min_samples: int = 2
+    """knapsack: fewest completions a newly drawn problem gets in its first round (>= 1)."""
+    max_samples: int = 32
+    """Most completions one problem may get within one step (knapsack and sequential)."""
+    round_samples: int = 0
+    """sequential: completions per round for a problem that has not shown both outcomes yet
+    (0: the group size G)."""
+    trained_size: int = 0
+    """Completions per trained group (0: the group size G). A problem with more is
+    subsampled keeping both outcomes (balanced, as Reinforce-Ada); a split problem with fewer
+    is topped up in the next round."""
+    budget_objective: str = "completions"
+    """knapsack value of giving a problem n completions: completions (expected completions
+    with a non-zero advantage in its trained group) | groups (probability that its group is
+    not collapsed: Knapsack RL's ProbNonZeroGradient)."""
+    budget_price: float = -1.0
+    """knapsack: value charged per generated completion. -1 (auto): the best expected
+    effective ratio any per-problem allocation reaches on the sampler's pool (Dinkelbach);
+    0: Knapsack RL's setting, the whole round budget is spread over batch_groups problems."""
+    sequential_gate: bool = True
+    """sequential: sample another round for a problem still all-correct/all-wrong only while
+    its posterior says the round is worth its price; False: Reinforce-Ada (until both outcomes
+    or max_samples)."""
+    advantage_baseline: str = "group"
+    """group (mean/std of the trained group) | pool (Reinforce-Ada: mean/std of every completion
+    generated for the problem in this step, before subsampling)."""
+
+    def validate(self, path: str) -> None:
+        """Check values; raises ConfigError naming the key."""
+        require(self.budget in BUDGETS, f"{path}.budget", f"must be one of {BUDGETS}")
+        require(self.min_samples >= 1, f"{path}.min_samples", "must be >= 1")
+        require(
+            self.max_samples >= self.min_samples,
+            f"{path}.max_samples",
+            f"must be >= min_samples ({self.min_samples})",
+        )
+        require(self.round_samples >= 0, f"{path}.round_samples", "must be >= 0 (0: G)")
+        require(
+            self.trained_size == 0 or self.trained_size >= 2,
+            f"{path}.trained_size",
+            "must be 0 (G) or >= 2 (a group of one has no advantage)",
+        )
+        require(
+            self.budget_objective in BUDGET_OBJECTIVES,
+            f"{path}.budget_objective",
+            f"must be one of {BUDGET_OBJECTIVES}",
+        )
+        require(
+            self.budget_price == -1.0 or self.budget_price >= 0.0,
+            f"{path}.budget_price",
+            "must be -1 (auto) or >= 0",
+        )
+        require(
+            self.advantage_baseline in ADVANTAGE_BASELINES,
+            f"{path}.advantage_baseline",
+            f"must be one of {ADVANTAGE_BASELINES}",
+        )
+
+    def resolved(self, group_size: int, path: str = "rollout") -> tuple[int, int]:
+        """``(trained_size, round_samples)`` with 0 replaced by G; checks them against G and
+        max_samples (ConfigError naming the key)."""
+        trained = self.trained_size or group_size
+        rounds = self.round_samples or group_size
+        if self.budget == "uniform":
+            require(
+                trained <= group_size,
+                f"{path}.trained_size",
+                f"must be <= the group size ({group_size}) with budget uniform",
+            )
+        else:
+            require(
+                trained <= self.max_samples,
+                f"{path}.max_samples",
+                f"must be >= the trained group size ({trained})",
+            )
+            require(
+                rounds <= self.max_samples,
+                f"{path}.round_samples",
+                f"must be <= max_samples ({self.max_samples})",
+            )
+        return trained, rounds

@@ -233,14 +233,9 @@ class CurriculumSampler:
 
     # ------------------------------------------------------------------ online difficulty
 
-    def _correct_matrix(self, groups: Sequence[Group]) -> np.ndarray:
-        """``[N, G]`` correctness values (the correctness reward part, else the total)."""
-        key = self.correctness_key
-        rows = [g.reward_parts.get(key, g.rewards) if key else g.rewards for g in groups]
-        return np.asarray(rows, dtype=np.float64)
-
     def observe(self, groups: Sequence[Group]) -> None:
-        """Update pass-rate posteriors and retirement streaks from scored groups ``[N]``."""
+        """Update pass-rate posteriors and retirement streaks from scored groups ``[N]`` (their
+        sizes may differ: budgeted rollouts)."""
         if not self.cfg.online or not groups:
             return
         index = self.index
@@ -252,22 +247,31 @@ class CurriculumSampler:
         if not pairs:
             return
         idx = np.fromiter((i for i, _ in pairs), dtype=np.int64, count=len(pairs))
-        try:
-            values = self._correct_matrix([g for _, g in pairs])
-        except ValueError:  # ragged G: one group at a time
-            for i, g in pairs:
-                self._update(np.array([i]), self._correct_matrix([g]))
-            return
+        correct, sizes = self._correct_counts([g for _, g in pairs])
         if len(np.unique(idx)) == len(idx):
-            self._update(idx, values)
+            self._update(idx, correct, sizes)
         else:  # a problem twice in one call: keep the sequential semantics
             for j in range(len(idx)):
-                self._update(idx[j : j + 1], values[j : j + 1])
+                self._update(idx[j : j + 1], correct[j : j + 1], sizes[j : j + 1])
 
-    def _update(self, idx: np.ndarray, values: np.ndarray) -> None:
+    def _correct_counts(self, groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:
+        """``(correct [N], size [N])`` of groups, judged on the correctness values."""
+        key = self.correctness_key
+        rows = [g.reward_parts.get(key, g.rewards) if key else g.rewards for g in groups]
+        sizes = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        if len(set(sizes.tolist())) == 1:
+            values = np.asarray(rows, dtype=np.float64)
+            return (values >= SOLVED_THRESHOLD).sum(axis=1).astype(np.float64), sizes
+        correct = np.fromiter(
+            (sum(1 for v in r if v >= SOLVED_THRESHOLD) for r in rows),
+            dtype=np.float64,
+            count=len(rows),
+        )
+        return correct, sizes
+
+    def _update(self, idx: np.ndarray, correct: np.ndarray, sizes: np.ndarray) -> None:
         decay, streak_max = self.cfg.online_decay, self.cfg.retire_streak
-        correct = (values >= SOLVED_THRESHOLD).sum(axis=1).astype(np.float64)
-        n = values.shape[1]
+        n = sizes.astype(np.float64)
         self.succ[idx] = decay * self.succ[idx] + correct
         self.fail[idx] = decay * self.fail[idx] + (n - correct)
         self.num_observed[idx] += 1
@@ -288,6 +292,23 @@ class CurriculumSampler:
             (self.prior.a + self.succ[i])
             / (self.prior.a + self.prior.b + self.succ[i] + self.fail[i])
         )
+
+    def posterior(self, idx: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Beta posterior ``(a [K], b [K])`` of the pass rates of problems ``idx``: the levels
+        prior (capped, :data:`ONLINE_PRIOR_MAX_STRENGTH`) plus the profile counts and the
+        decayed online evidence (unprofiled problems: the prior alone)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return self.prior.a + self.succ[idx], self.prior.b + self.fail[idx]
+
+    def posterior_of(self, problems: Sequence[Problem]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`posterior` of problems by id (ids must belong to this sampler)."""
+        return self.posterior([self.index[p.id] for p in problems])
+
+    def pool_posterior(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`posterior` of the pool's problems that are not retired (the population the
+        next draws come from; all of the pool when every problem is retired)."""
+        live = self.pool[~self.retired[self.pool]]
+        return self.posterior(live if len(live) else self.pool)
 
     def current_levels(self, idx: np.ndarray | None = None) -> np.ndarray:
         """Online level estimate (L1..L{k+1}; 0 = no evidence yet) of problems ``idx``

@@ -35,9 +35,16 @@ def collapse_prob(p: float | np.ndarray, group_size: int) -> float | np.ndarray:
     return float(out) if out.ndim == 0 else out
 
 
-def _as_matrix(values: Any) -> np.ndarray:
-    """``[N, G]`` float array from array-like (rows must have equal G)."""
-    arr = np.asarray(values, dtype=np.float64)
+Rows = np.ndarray | list[np.ndarray]
+
+
+def _as_matrix(values: Any) -> Rows:
+    """``[N, G]`` float array from array-like, or a list of ``[G_n]`` arrays when the groups
+    have different sizes (rollout budgets)."""
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except ValueError:  # ragged: numpy refuses inhomogeneous rows
+        return [np.asarray(r, dtype=np.float64).reshape(-1) for r in values]
     if arr.size == 0:
         return arr.reshape(0, 0)
     if arr.ndim != 2:
@@ -45,14 +52,30 @@ def _as_matrix(values: Any) -> np.ndarray:
     return arr
 
 
+def _sizes(rows: Rows) -> list[int]:
+    return [len(r) for r in rows] if isinstance(rows, list) else [rows.shape[1]] * rows.shape[0]
+
+
 def group_std(values: Any, ddof: int = 0) -> np.ndarray:
-    """Per-group std ``[N]`` of ``values [N, G]`` (ddof=1: torch.std, as ms-swift)."""
+    """Per-group std ``[N]`` of ``values [N, G]`` or ragged rows (ddof=1: torch.std, as
+    ms-swift; a group of at most ``ddof`` values has std 0)."""
     arr = _as_matrix(values)
+    if isinstance(arr, list):
+        return np.array([r.std(ddof=ddof) if len(r) > ddof else 0.0 for r in arr])
     if arr.shape[0] == 0:
         return np.zeros(0)
     if arr.shape[1] <= ddof:
         return np.zeros(arr.shape[0])
     return arr.std(axis=1, ddof=ddof)
+
+
+def _all_any_solved(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
+    """``(every completion solved [N], none solved [N])``."""
+    if isinstance(rows, list):
+        solved = [r >= SOLVED_THRESHOLD for r in rows]
+        return np.array([s.all() for s in solved]), np.array([not s.any() for s in solved])
+    solved = rows >= SOLVED_THRESHOLD
+    return np.asarray(solved.all(axis=1)), np.asarray((~solved).all(axis=1))
 
 
 def collapse_stats(
@@ -64,18 +87,19 @@ def collapse_stats(
     """Collapse statistics of one batch.
 
     Args:
-        rewards: total rewards ``[N, G]``.
-        correctness: the correctness reward alone ``[N, G]`` (0/1), or None.
+        rewards: total rewards ``[N, G]``, or one row per group when sizes differ.
+        correctness: the correctness reward alone, same shape (0/1), or None.
         levels: difficulty level per group ``[N]`` (None or 0 entries skipped), or None.
         tau: ACR threshold on the group std.
 
     Returns:
         ``num_groups``, ``acr``, ``frac_reward_zero_std``, ``solve_all``, ``solve_none``,
-        ``acr_by_level/L{k}`` (levels given), and with correctness ``acr_correctness`` and
+        ``acr_by_level/L{k}`` and ``groups_by_level/L{k}`` (levels given; the counts weigh
+        the planner's calibration), and with correctness ``acr_correctness`` and
         ``frac_zero_std_correctness``. An empty batch gives 0.0 everywhere.
     """
     r = _as_matrix(rewards)
-    n = r.shape[0]
+    n = len(r)
     out: dict[str, float] = {"num_groups": float(n)}
     if n == 0:
         out.update(acr=0.0, frac_reward_zero_std=0.0, solve_all=0.0, solve_none=0.0)
@@ -88,14 +112,14 @@ def collapse_stats(
     judge = r
     if correctness is not None:
         c = _as_matrix(correctness)
-        if c.shape != r.shape:
-            raise ValueError(f"correctness shape {c.shape} != rewards shape {r.shape}")
+        if _sizes(c) != _sizes(r):
+            raise ValueError(f"correctness group sizes {_sizes(c)} != rewards sizes {_sizes(r)}")
         out["acr_correctness"] = float((group_std(c) < tau).mean())
         out["frac_zero_std_correctness"] = float((group_std(c, ddof=1) <= MSSWIFT_ZERO_STD).mean())
         judge = c
-    solved = judge >= SOLVED_THRESHOLD
-    out["solve_all"] = float(solved.all(axis=1).mean())
-    out["solve_none"] = float((~solved).all(axis=1).mean())
+    solve_all, solve_none = _all_any_solved(judge)
+    out["solve_all"] = float(solve_all.mean())
+    out["solve_none"] = float(solve_none.mean())
     if levels is not None:
         if len(levels) != n:
             raise ValueError(f"levels has {len(levels)} entries for {n} groups")
@@ -105,6 +129,7 @@ def collapse_stats(
             lv = np.array([0 if x is None else int(x) for x in levels], dtype=np.int64)
         for level in np.unique(lv[lv > 0]).tolist():
             out[f"acr_by_level/L{level}"] = float(collapsed[lv == level].mean())
+            out[f"groups_by_level/L{level}"] = float((lv == level).sum())
     return out
 
 
@@ -119,7 +144,8 @@ def collapse_metrics(
     ``collapse/acr_raw``, ``collapse/solve_all_raw``, ``collapse/solve_none_raw``,
     ``collapse/acr_by_level/L{k}`` (raw: per level only the pre-filter value means anything),
     ``collapse/frac_reward_zero_std`` (post-filter, as ms-swift logs it) and
-    ``collapse/acr_predicted``; extras: ``collapse/frac_reward_zero_std_raw``,
+    ``collapse/acr_predicted``, ``collapse/groups_by_level/L{k}`` (raw groups per level, 0 when
+    none); extras: ``collapse/frac_reward_zero_std_raw``,
     ``collapse/acr_correctness_raw``, ``collapse/acr_post``, ``collapse/solve_all`` and
     ``collapse/solve_none`` (post). Every row holds ``acr_by_level/L1..L{num_levels}`` and
     ``acr_predicted``: NaN where there is no value (no group of that level this step, no
@@ -139,8 +165,9 @@ def collapse_metrics(
         out["collapse/acr_correctness_raw"] = raw["acr_correctness"]
     for level in range(1, num_levels + 1):
         out[f"collapse/acr_by_level/L{level}"] = math.nan
+        out[f"collapse/groups_by_level/L{level}"] = 0.0
     for key, value in raw.items():
-        if key.startswith("acr_by_level/"):
+        if key.startswith(("acr_by_level/", "groups_by_level/")):
             out[f"collapse/{key}"] = value
     out["collapse/acr_predicted"] = math.nan if acr_predicted is None else float(acr_predicted)
     return out

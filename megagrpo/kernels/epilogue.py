@@ -90,9 +90,11 @@ def assemble(
     num_seqs: int,
     terms: TokenTerms,
     rollout: Tensor | None,
+    seq_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor | None]:
-    """Loss (0-d), metrics, g [T] = dL/dlogp and h [T] = dL/dH (None when entropy_coef == 0)."""
-    c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens)
+    """Loss (0-d), metrics, g [T] = dL/dlogp and h [T] = dL/dH (None when entropy_coef == 0).
+    ``seq_weights`` [num_seqs]: per-sequence aggregation weights (see ``token_weights``)."""
+    c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens, seq_weights)
     w = None
     cw = c
     if cfg.tis_cap > 0:
@@ -102,13 +104,15 @@ def assemble(
         cw = c * w
     pg_loss = (cw * terms.pg).sum()
     if cfg.variant == "gspo":  # pg_i is shared by all tokens of i: dL/dlogp_t = C_i dpg_i/dlogp_t
+        if ids is None:
+            raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
         big_c = torch.zeros(num_seqs, device=m.device).index_add_(0, ids, cw)
         g = big_c[ids] * terms.dpg
     else:
         g = cw * terms.dpg
     loss = pg_loss
     if cfg.kl_coef > 0:
-        if terms.kl is None:
+        if terms.kl is None or terms.dkl is None:
             raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
         loss = loss + cfg.kl_coef * (c * terms.kl).sum()
         g = g + cfg.kl_coef * c * terms.dkl

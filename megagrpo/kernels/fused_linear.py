@@ -65,6 +65,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             plan.num_seqs,
             terms,
             plan.rollout,
+            plan.seq_weights,
         )
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
@@ -85,9 +86,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                     plan.backend,
                     cb,
                 )
-                if need_h:
+                if grad_h is not None:
                     grad_h[r0:r1] = (logits @ weight).float()
-                if need_w:
+                if grad_w is not None:
                     grad_w.addmm_(logits.T.float(), hidden[r0:r1].float())
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -114,6 +115,7 @@ def fused_linear_policy_loss(
     *,
     rollout_logprobs: Tensor | None = None,
     seq_ids: Tensor | None = None,
+    seq_weights: Tensor | None = None,
     chunk_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO-family loss of logits = hidden @ weight^T without materialising the logits.
@@ -122,6 +124,7 @@ def fused_linear_policy_loss(
         hidden: [T, H] or [B, S, H] final hidden states (bf16/fp32).
         weight: [V_local, H] output projection (this rank's vocab shard with tp_group).
         chunk_tokens: tokens per chunk (default: cfg.chunk_bytes of logits in hidden's dtype).
+        seq_weights: [num_seqs] per-sequence aggregation weights (None: all 1).
         Others: as :func:`megagrpo.kernels.fused_policy_loss`.
 
     Returns:
@@ -143,14 +146,14 @@ def fused_linear_policy_loss(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     ids, num_seqs = make_seq_ids(lead, seq_ids, hidden.device)
 
-    def flat(t):
+    def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.reshape(-1).float()
 
     plan = LossPlan(
         target_ids.reshape(-1),
         flat(old_logprobs),
-        flat(advantages),
-        flat(mask),
+        advantages.reshape(-1).float(),
+        mask.reshape(-1).float(),
         cfg,
         flat(ref_logprobs),
         flat(rollout_logprobs),
@@ -158,6 +161,7 @@ def fused_linear_policy_loss(
         num_seqs,
         tp_group,
         resolve_backend(cfg.backend, hidden.device),
+        flat(seq_weights),
     )
     if chunk_tokens is None:
         chunk_tokens = max(1, cfg.chunk_bytes // (weight.shape[0] * hidden.element_size()))

@@ -111,6 +111,7 @@ class LossPlan:
     num_seqs: int
     tp_group: object
     backend: str
+    seq_weights: Tensor | None = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -144,7 +145,7 @@ def _forward(logits2d: Tensor, p: LossPlan) -> tuple[Tensor, Tensor, Tensor, Ten
     else:
         terms = epilogue.token_terms(logp, old, p.adv, p.cfg, p.ref)
     loss, p.metrics, g, h = epilogue.assemble(
-        logp, ent, old, p.adv, p.mask, p.cfg, p.ids, p.num_seqs, terms, p.rollout
+        logp, ent, old, p.adv, p.mask, p.cfg, p.ids, p.num_seqs, terms, p.rollout, p.seq_weights
     )
     return loss, lse, ex, g, h
 
@@ -211,6 +212,7 @@ def fused_policy_loss(
     *,
     rollout_logprobs: Tensor | None = None,
     seq_ids: Tensor | None = None,
+    seq_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO/DAPO/Dr.GRPO/GSPO loss straight from logits, without a [T, V] fp32 log-softmax.
 
@@ -225,6 +227,8 @@ def fused_policy_loss(
         tp_group: torch.distributed group over which the vocab is sharded (None: unsharded).
         rollout_logprobs: rollout-engine log-probs for truncated IS (cfg.tis_cap > 0).
         seq_ids: [T] sequence index per token for packed flat input (GRPO/Dr.GRPO/GSPO).
+        seq_weights: [num_seqs] per-sequence aggregation weights (groups of different sizes:
+            :func:`megagrpo.algo.advantages.sequence_weights`); None: all 1.
 
     Returns:
         (loss 0-d fp32 tensor, differentiable w.r.t. logits; metrics: detached 0-d tensors
@@ -254,14 +258,14 @@ def fused_policy_loss(
         )
     ids, num_seqs = make_seq_ids(lead, seq_ids, logits.device)
 
-    def flat(t):
+    def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.reshape(-1).float()
 
     plan = LossPlan(
         target_ids.reshape(-1),
         flat(old_logprobs),
-        flat(advantages),
-        flat(mask),
+        advantages.reshape(-1).float(),
+        mask.reshape(-1).float(),
         cfg,
         flat(ref_logprobs),
         flat(rollout_logprobs),
@@ -269,6 +273,7 @@ def fused_policy_loss(
         num_seqs,
         tp_group,
         resolve_backend(cfg.backend, logits.device),
+        flat(seq_weights),
     )
     loss = _FusedPolicyLoss.apply(logits2d, plan)
     return loss, plan.metrics
