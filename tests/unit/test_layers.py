@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megagrpo"
 
 LAYERS: list[set[str]] = [
     {"errors", "types", "fileio"},  # 0: ground
-    {"config", "algo", "parallel", "data", "metrics", "curriculum", "testing"},  # 1: components
-    {"kernels", "rewards", "rollout"},  # 2: built on one component each
+    {"config", "algo", "parallel", "data", "metrics", "testing"},  # 1: components
+    {"kernels", "rewards", "rollout", "curriculum"},  # 2: built on components below
     {"model"},  # 3: the Megatron policy (its memory planner reads the rollout layout)
     {"trainer"},  # 4: the loop
     {"commands", "cli"},  # 5: the command line
