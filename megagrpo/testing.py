@@ -178,8 +178,8 @@ def build_tiny_model(
         tok.save_pretrained(out)
     vocab = (len(tok) + 63) // 64 * 64
     cfg = tiny_config(kind, vocab_size=vocab, **overrides)
-    cfg.eos_token_id = tok.eos_token_id
-    cfg.pad_token_id = tok.pad_token_id
+    setattr(cfg, "eos_token_id", tok.eos_token_id)  # noqa: B010  (typed read-only upstream)
+    setattr(cfg, "pad_token_id", tok.pad_token_id)  # noqa: B010
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # HF inits tiny models with std 0.02: widen so logits are not flat

@@ -61,7 +61,7 @@ def _stats_fwd_kernel(
     owned = (tgt_local >= 0) & (tgt_local < V)
     tgt = tl.load(base + tl.where(owned, tgt_local, 0)).to(tl.float32)
     tgt = tl.where(owned, tgt, 0.0)
-    ex = u / s
+    ex = u / s  # pyright: ignore[reportOperatorIssue]  (Triton tensors)
     sp = stats_ptr + row * 4
     tl.store(sp + 0, m)
     tl.store(sp + 1, s)
@@ -180,8 +180,8 @@ def triton_stats(
     stats = torch.empty(T, NUM_STATS, device=dev, dtype=torch.float32)
     fuse = old_logprobs is not None and advantages is not None
     terms = torch.empty(T, NUM_TERMS, device=dev, dtype=torch.float32) if fuse else stats
-    old = old_logprobs.float().contiguous() if fuse else stats
-    adv = advantages.float().contiguous() if fuse else stats
+    old = old_logprobs.float().contiguous() if old_logprobs is not None and fuse else stats
+    adv = advantages.float().contiguous() if advantages is not None and fuse else stats
     ref = ref_logprobs.float().contiguous() if ref_logprobs is not None else stats
     if T == 0:
         return stats, (terms if fuse else None)
@@ -202,7 +202,7 @@ def triton_stats(
         BLOCK_V=bv,
         FUSE=fuse,
         HAS_REF=ref_logprobs is not None,
-        num_warps=8 if bv >= 2048 else 4,
+        num_warps=8 if bv >= 2048 else 4,  # pyright: ignore[reportCallIssue]  (launch option)
     )
     return stats, (terms if fuse else None)
 
@@ -245,6 +245,6 @@ def triton_logits_grad(
         h.contiguous() if has_h else g,
         BLOCK_V=bv,
         HAS_H=has_h,
-        num_warps=8 if bv >= 2048 else 4,
+        num_warps=8 if bv >= 2048 else 4,  # pyright: ignore[reportCallIssue]  (launch option)
     )
     return out

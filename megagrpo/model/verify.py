@@ -10,6 +10,7 @@ full-size layout on the meta device instead and reports parameter counts and sha
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
         lora = LoraConfig(**job.get("lora", {"rank": 4, "alpha": 8.0}))
         policy = build_policy(ModelConfig(hf_path=job["hf_dir"], lora=lora), groups)
         ids = job["input_ids"]
-        report: dict = {"world_size": groups.world_size, "layout": job["layout"]}
+        report: dict[str, Any] = {"world_size": groups.world_size, "layout": job["layout"]}
         with torch.no_grad():
             logits = gather_vocab(policy.forward_logits(ids), groups)
             scales = {k: a.scaling for k, a in policy.adapters.items()}
@@ -111,7 +112,7 @@ def _train(policy, groups, ids, job) -> dict:
             }
         )
         opt.step()
-    out = {"grads": grads}
+    out: dict[str, Any] = {"grads": grads}
     with torch.no_grad():
         out["trained_logits"] = gather_vocab(policy.forward_logits(ids), groups)
     if job.get("adapter_dir"):
@@ -127,9 +128,9 @@ def run_layout(hf_dir: str, layout: dict, world_size: int, input_ids: torch.Tens
     from megagrpo.parallel.launch import launch
 
     job = dict(job, hf_dir=str(hf_dir), layout=layout, input_ids=input_ids)
-    if world_size == 1:
-        return parity_worker(0, job)
-    return launch(parity_worker, world_size, job)[0]
+    report = parity_worker(0, job) if world_size == 1 else launch(parity_worker, world_size, job)[0]
+    assert isinstance(report, dict), "rank 0 returns its report"
+    return report
 
 
 def run_layouts(jobs: list[dict], world_size: int) -> list[dict]:

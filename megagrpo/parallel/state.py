@@ -233,6 +233,13 @@ def init_fake_parallel(cfg: ParallelConfig, world_size: int, rank: int = 0) -> P
     return init_parallel(cfg, backend="fake")
 
 
+def _group(group: object, name: str) -> dist.ProcessGroup:
+    """A Megatron getter's result as a process group (they are typed loosely upstream)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"megatron-core returned no {name} process group: {group!r}")
+    return group
+
+
 def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -253,14 +260,14 @@ def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
     return ParallelGroups(
         world_size=dist.get_world_size(),
         rank=dist.get_rank(),
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        ep=ep,
-        etp=etp,
-        expert_dp=edp,
-        mp=ps.get_model_parallel_group(),
-        expert_mp=ps.get_expert_tensor_model_pipeline_parallel_group(),
+        tp=_group(tp, "tp"),
+        pp=_group(pp, "pp"),
+        dp=_group(dp, "dp"),
+        ep=_group(ep, "ep"),
+        etp=_group(etp, "etp"),
+        expert_dp=_group(edp, "expert_dp"),
+        mp=_group(ps.get_model_parallel_group(), "mp"),
+        expert_mp=_group(ps.get_expert_tensor_model_pipeline_parallel_group(), "expert_mp"),
         tp_size=ps.get_tensor_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
@@ -269,8 +276,8 @@ def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
         dp_rank=ps.get_data_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
-        etp_size=ps.get_expert_tensor_parallel_world_size(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=int(ps.get_expert_tensor_parallel_world_size() or 1),
+        etp_rank=int(ps.get_expert_tensor_parallel_rank() or 0),
         expert_dp_size=ps.get_expert_data_parallel_world_size(),
         expert_dp_rank=ps.get_expert_data_parallel_rank(),
         sequence_parallel=bool(cfg.sequence_parallel and cfg.tp > 1),
