@@ -71,7 +71,8 @@ class SyncReport:
         change_verified: the change test decided (predicted change above
             ``rollout.verify_change_floor``); False: judged cumulatively at later syncs.
         full_check_tensors: (parameter, expert) units whose checksums were compared (0: the
-            full check did not run); full_check_s: its wall time.
+            full check did not run); full_check_s: wall time of the engine-side checksums
+            (before and after the load) and their comparison.
     """
 
     bytes: int

@@ -296,7 +296,9 @@ class HFEngine:
         full = self.verifier.full_check_due() if full_check is None else full_check
         params = dict(self.model.state_dict(keep_vars=False))
         keys = self._keys(params)
+        t_full = time.perf_counter()
         pre = self._stats(params, keys) if full else None
+        t_full = time.perf_counter() - t_full
         meter = SyncMeter()
         streamed: Stats = {}
         unknown: list[str] = []
@@ -318,16 +320,11 @@ class HFEngine:
             except RuntimeError as exc:
                 raise WeightSyncError(f"HF sync: tensor {name!r}: {exc}") from exc
             add_stats(streamed, (hit[0], hit[1]), tensor_stats(tensor))
-        evidence = WeightEvidence(
-            engine_keys=keys,
-            streamed=streamed,
-            unmapped=unknown,
-            engine_values=self._stats(params, keys) if full else None,
-            engine_before=pre,
-        )
         t1 = time.perf_counter()
+        post = self._stats(params, keys) if full else None
+        evidence = WeightEvidence(keys, streamed, unknown, post, pre)
         checked = check_weights(evidence, self.verifier.predicts_change(expected_probe), "HF sync")
-        t_full = time.perf_counter() - t1
+        t_full += time.perf_counter() - t1 if full else 0.0
         verdict = self.verifier.verify(
             self.probe_logprobs(), expected_probe, expected_before, "HF sync"
         )

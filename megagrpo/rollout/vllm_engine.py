@@ -27,6 +27,7 @@ outputs); :func:`_repack_cpu_moe` redoes that step. Sleep mode is a no-op on CPU
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -66,6 +67,7 @@ from megagrpo.rollout.verify import (
 )
 from megagrpo.rollout.vllm_support import (
     NameMap,
+    agree,
     configure_env,
     describe_model,
     param_stats,
@@ -437,7 +439,9 @@ class VLLMEngine:
         t0 = time.perf_counter()
         full = self.verifier.full_check_due() if full_check is None else full_check
         self._wake_weights()
+        t_stats = time.perf_counter()
         pre = self._param_stats() if full else None
+        t_stats = time.perf_counter() - t_stats
         meter = SyncMeter()
         streamed: Stats = {}
         unmapped: list[str] = []
@@ -448,25 +452,30 @@ class VLLMEngine:
             self.dtype,
             self.device,
         )
+        error: WeightSyncError | None = None
         try:
             self._load_stream(_observed(meter.stream(buckets), observe))
-        except WeightSyncError:
-            raise
+        except WeightSyncError as exc:
+            error = exc
         except Exception as exc:
-            raise WeightSyncError(
+            error = WeightSyncError(
                 f"weight sync ({self.sync_path}) failed after "
                 f"{meter.num_tensors} tensors: {type(exc).__name__}: {exc}"
-            ) from exc
+            )
+            error.__cause__ = exc
+        # the checksums are collective over this engine's ranks: agree first, so a load that
+        # failed on one rank fails on all of them instead of hanging the others
+        if full and not self.llm.apply_model(functools.partial(agree, ok=error is None))[0]:
+            raise error or WeightSyncError("weight sync failed on another rank of this engine")
+        if error is not None:
+            raise error
         self._weights_dropped = False
         self._wake_kv_cache()
-        evidence = WeightEvidence(
-            engine_keys=self.name_map.keys(),
-            streamed=streamed,
-            unmapped=unmapped,
-            engine_values=self._param_stats() if full else None,
-            engine_before=pre,
-        )
-        return self._verify(t0, meter, expected_probe, expected_before, "full", evidence)
+        t1 = time.perf_counter()
+        post = self._param_stats() if full else None
+        t_stats += time.perf_counter() - t1
+        evidence = WeightEvidence(self.name_map.keys(), streamed, unmapped, post, pre)
+        return self._verify(t0, meter, expected_probe, expected_before, "full", evidence, t_stats)
 
     def _param_stats(self) -> Stats:
         return self.llm.apply_model(param_stats)[0]
@@ -479,13 +488,14 @@ class VLLMEngine:
         expected_before,
         mode: str,
         evidence: WeightEvidence | None,
+        t_full: float = 0.0,
     ) -> SyncReport:
         what = f"vLLM {mode} sync"
-        checked, t_full = 0, 0.0
+        checked = 0
         if evidence is not None:
             t1 = time.perf_counter()
             checked = check_weights(evidence, self.verifier.predicts_change(expected_probe), what)
-            t_full = time.perf_counter() - t1
+            t_full += time.perf_counter() - t1 if evidence.engine_values is not None else 0.0
         verdict = self.verifier.verify(self.probe_logprobs(), expected_probe, expected_before, what)
         report = sync_report(verdict, meter, time.perf_counter() - t0, mode, checked, t_full)
         log.info("weight sync verified: %s", report)

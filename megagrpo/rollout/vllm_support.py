@@ -35,6 +35,12 @@ NOISE = (
     re.compile(r"doesn't allow to use `torch\.set_num_threads` after the thread binding"),
 )
 """vLLM messages dropped at the engine boundary (exactly these; everything else passes)."""
+NOISE_SOURCES = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.v1.worker.cpu_worker",
+)
+"""The loggers that emit :data:`NOISE`: filtered at the source too, because vLLM replaces its
+handlers (and so their filters) while an engine starts."""
 
 
 class VllmNoiseFilter(logging.Filter):
@@ -69,8 +75,10 @@ def quiet_vllm_logs(level: str) -> VllmNoiseFilter:
     for handler in handlers:
         if _FILTER not in handler.filters:
             handler.addFilter(_FILTER)
-    if _FILTER not in vlog.filters:
-        vlog.addFilter(_FILTER)  # records logged at "vllm" itself
+    for name in ("vllm", *NOISE_SOURCES):  # logger filters survive vLLM's dictConfig
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
     return _FILTER
 
 
@@ -214,6 +222,19 @@ def _reduce(stats: Stats, keys: list[Key], group) -> None:
     torch.distributed.all_reduce(t, group=group)
     for k, row in zip(keys, t.tolist()):
         stats[k] = (row[0], row[1], int(round(row[2])))
+
+
+def agree(model: torch.nn.Module, ok: bool) -> bool:
+    """Runs in a vLLM worker (``apply_model``): True when ``ok`` holds on every rank of this
+    engine's TP group (and expert group for MoE). A collective, like :func:`param_stats`."""
+    flag = torch.tensor([1.0 if ok else 0.0])
+    groups = [_group("tp")]
+    if any(_is_expert_param(n, p) for n, p in model.named_parameters()):
+        groups.append(_group("ep"))
+    for group in groups:
+        if group is not None:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item() > 0)
 
 
 def param_stats(model: torch.nn.Module) -> Stats:
