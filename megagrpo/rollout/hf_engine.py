@@ -323,11 +323,12 @@ class HFEngine:
         t1 = time.perf_counter()
         post = self._stats(params, keys) if full else None
         evidence = WeightEvidence(keys, streamed, unknown, post, pre)
-        checked = check_weights(evidence, self.verifier.predicts_change(expected_probe), "HF sync")
+        ver = self.verifier
+        predicts = ver.predicts_change(expected_probe)
+        checked = check_weights(evidence, predicts, "HF sync", ver.last_streamed)
         t_full += time.perf_counter() - t1 if full else 0.0
-        verdict = self.verifier.verify(
-            self.probe_logprobs(), expected_probe, expected_before, "HF sync"
-        )
+        verdict = ver.verify(self.probe_logprobs(), expected_probe, expected_before, "HF sync")
+        ver.last_streamed = streamed
         return sync_report(verdict, meter, time.perf_counter() - t0, "full", checked, t_full)
 
     def supports_adapter_sync(self) -> bool:

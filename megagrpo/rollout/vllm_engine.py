@@ -494,9 +494,13 @@ class VLLMEngine:
         checked = 0
         if evidence is not None:
             t1 = time.perf_counter()
-            checked = check_weights(evidence, self.verifier.predicts_change(expected_probe), what)
+            ver = self.verifier
+            predicts = ver.predicts_change(expected_probe)
+            checked = check_weights(evidence, predicts, what, ver.last_streamed)
             t_full += time.perf_counter() - t1 if evidence.engine_values is not None else 0.0
         verdict = self.verifier.verify(self.probe_logprobs(), expected_probe, expected_before, what)
+        if evidence is not None:
+            self.verifier.last_streamed = evidence.streamed
         report = sync_report(verdict, meter, time.perf_counter() - t0, mode, checked, t_full)
         log.info("weight sync verified: %s", report)
         return report

@@ -79,6 +79,9 @@ def test_update_weights_verified_and_failures_raise(engine, hf_model):
     with pytest.raises(WeightSyncError, match="moved by"):  # same weights again: no change
         engine.update_weights(iter(new.items()))
     original = sequence_logprobs(hf_model, engine.probe_token_ids)
+    with pytest.raises(WeightSyncError, match="exactly the tensors of the previous sync"):
+        engine.update_weights(iter(new.items()), expected_probe=original)
+    engine.verifier.last_streamed = None  # the probe alone sees it too
     with pytest.raises(WeightSyncError, match="did not move as the trainer predicts"):
         engine.update_weights(iter(new.items()), expected_probe=original)
     engine.update_weights(iter(hf_model.state_dict().items()), expected_probe=original)

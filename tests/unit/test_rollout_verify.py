@@ -143,6 +143,11 @@ def test_check_weights_coverage_values_and_noop():
     with pytest.raises(WeightSyncError, match="bit-identical"):
         check_weights(same, True, "t")
     assert check_weights(same, False, "t") == 3  # no change predicted: fine
+    opaque = WeightEvidence(keys, dict(landed), [], {("w", -1): a}, {("w", -1): a})
+    assert check_weights(opaque, True, "t") == 1  # unseen parameters may have moved
+    with pytest.raises(WeightSyncError, match="exactly the tensors of the previous sync"):
+        check_weights(opaque, True, "t", previous=dict(landed))
+    assert check_weights(opaque, False, "t", previous=dict(landed)) == 1
 
 
 def test_full_check_schedule():
