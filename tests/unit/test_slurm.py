@@ -110,7 +110,14 @@ def _start(repo_root, env, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its own process group: _stop ends every fake rank
     )
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def _wait_started(tmp_path: Path, ranks: int, proc) -> None:
@@ -129,9 +136,12 @@ def test_usr1_checkpoints_before_requeue(repo_root, fake):
     ranks were killed without a checkpoint (up to save_every steps lost)."""
     tmp_path, env = fake
     proc = _start(repo_root, env, tmp_path)
-    _wait_started(tmp_path, 4, proc)
-    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 delivers
-    out, err = proc.communicate(timeout=60)
+    try:
+        _wait_started(tmp_path, 4, proc)
+        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@300 delivers
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _stop(proc)
     assert proc.returncode == 0, err
     events = _events(tmp_path)
     ckpt = [i for i, e in enumerate(events) if e.startswith("checkpoint ")]
@@ -145,7 +155,10 @@ def test_normal_end_does_not_requeue_and_runs_what_dry_run_prints(repo_root, fak
     tmp_path, env = fake
     (tmp_path / "finish").touch()  # ranks end on their own
     proc = _start(repo_root, env, tmp_path)
-    out, err = proc.communicate(timeout=90)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        _stop(proc)
     assert proc.returncode == 0, err
     events = _events(tmp_path)
     assert not any("requeue" in e for e in events)
