@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # GRPO + LoRA on Qwen3-235B-A22B, multi-node H100 (8 GPUs a node), srun + torchrun.
 #
-#   sbatch slurm/grpo_235b.sh                        # CONFIG=configs/qwen3_235b_a22b.yaml
-#   sbatch --nodes=16 slurm/grpo_235b.sh trainer.max_steps=500   # extra args: overrides
-#   DRY_RUN=1 bash slurm/grpo_235b.sh                # print per-node commands + memory plan
+#   bash slurm/submit.sh                             # mkdir -p logs, then sbatch this script
+#   bash slurm/submit.sh --nodes=16 -- trainer.max_steps=500   # sbatch flags -- overrides
+#   DRY_RUN=1 bash slurm/grpo_235b.sh                # print the commands the real path runs
 #
 # Node count, TP/EP/PP and the vLLM layout come from the config (cluster.num_nodes,
-# parallel.*, rollout.tensor_parallel_size); the SBATCH --nodes below must match
-# cluster.num_nodes (checked). Preemption / time limit: Slurm sends USR1 five minutes
-# before the end, the job requeues itself, and the next start finds the newest complete
-# checkpoint under {trainer.output_dir}/{trainer.name}/checkpoints and passes --resume.
+# cluster.gpus_per_node, parallel.*, rollout.tensor_parallel_size); the SBATCH --nodes below
+# must match cluster.num_nodes (checked). Preemption / time limit: Slurm sends USR1 to this
+# script five minutes before the end; it forwards USR1 to every training rank (through the
+# job step and slurm/launch_node.sh), the ranks write a checkpoint and exit 0, and only then
+# is the job requeued; the next start finds the newest complete checkpoint under
+# {trainer.output_dir}/{trainer.name}/checkpoints and passes --resume. A TERM (scancel,
+# preemption) is forwarded the same way. The log file is appended to across requeues; its
+# folder (logs/) must exist before sbatch: slurm/submit.sh creates it.
 #SBATCH --job-name=megagrpo-235b
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=1
@@ -19,6 +23,7 @@
 #SBATCH --time=24:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 
@@ -63,7 +68,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1      # fail fast instead of hanging on 
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}       # InfiniBand HCAs (site-specific)
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker0}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-1}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}       # NVLS buffers per communicator: OOM (verl, NeMo-RL)
 export NCCL_CROSS_NIC=${NCCL_CROSS_NIC:-0}
 export VLLM_ENABLE_V1_MULTIPROCESSING=0       # colocated engine inside each training rank
 export WANDB_MODE=${WANDB_MODE:-offline}
@@ -75,34 +80,60 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 RESUME=()
 if compgen -G "$RUN_DIR/checkpoints/step_*/meta.json" >/dev/null; then RESUME=(--resume); fi
 
-node_cmd() {  # node_cmd RANK -> the command one node runs
-  echo "torchrun --nnodes=$NUM_NODES --node-rank=$1 --nproc-per-node=$GPUS_PER_NODE" \
-       "--rdzv-id=megagrpo-$JOB_ID --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT" \
-       "-m megagrpo.cli train $CONFIG ${RESUME[*]} ${OVERRIDES[*]}"
-}
+CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-96}
+export SRUN_CPUS_PER_TASK=$CPUS_PER_TASK      # Slurm >= 22.05: srun no longer inherits it
+export GPUS_PER_NODE
+SRUN=(srun --kill-on-bad-exit=1 --nodes="$NUM_NODES" --ntasks-per-node=1
+  --cpus-per-task="$CPUS_PER_TASK" bash slurm/launch_node.sh "$CONFIG" "${RESUME[@]}"
+  "${OVERRIDES[@]}")
+PLAN=("$PYTHON" -m megagrpo.cli plan-memory "$CONFIG" "${OVERRIDES[@]}" --hf-config "$HF_CONFIG")
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# megagrpo GRPO launch (dry run): $NUM_NODES nodes x $GPUS_PER_NODE GPUs, config $CONFIG"
   echo "# run dir $RUN_DIR; resume: ${RESUME[*]:-no checkpoint yet}"
   echo "# env: MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT CUDA_DEVICE_MAX_CONNECTIONS=1" \
-       "NCCL_IB_HCA=$NCCL_IB_HCA NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME WANDB_MODE=$WANDB_MODE"
+       "NCCL_IB_HCA=$NCCL_IB_HCA NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
+       "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK" \
+       "WANDB_MODE=$WANDB_MODE"
+  echo "mkdir -p $RUN_DIR"
+  echo "${PLAN[*]} | tee $RUN_DIR/memory_plan.txt"
+  echo "${SRUN[*]}"
+  echo "# each node's task (slurm/launch_node.sh) runs:"
   for i in "${!NODES[@]}"; do
-    echo "[${NODES[$i]}] srun --nodes=1 --ntasks=1 -w ${NODES[$i]} $(node_cmd "$i")"
+    echo "[${NODES[$i]}] $(SLURM_NODEID=$i SLURM_JOB_NUM_NODES=$NUM_NODES SLURM_JOB_ID=$JOB_ID \
+      DRY_RUN=1 bash slurm/launch_node.sh "$CONFIG" "${RESUME[@]}" "${OVERRIDES[@]}")"
   done
+  echo "# on USR1/TERM: scancel --signal=USR1 $JOB_ID (the step's tasks forward it to the" \
+       "ranks), wait for the step, then scontrol requeue $JOB_ID"
   echo "# memory plan (megagrpo plan-memory):"
-  "$PYTHON" -m megagrpo.cli plan-memory "$CONFIG" "${OVERRIDES[@]}" --hf-config "$HF_CONFIG"
+  "${PLAN[@]}"
   exit 0
 fi
 
-requeue() {  # USR1 before the time limit, or preemption: requeue; the next start resumes
-  echo "grpo_235b.sh: caught signal, requeueing job $SLURM_JOB_ID" >&2
-  scontrol requeue "$SLURM_JOB_ID"
+STOP_SIGNAL=""
+on_signal() {  # USR1 before the time limit, or TERM: checkpoint first, requeue after
+  STOP_SIGNAL=$1
+  echo "grpo_235b.sh: caught SIG$1, asking the training ranks to checkpoint and exit" >&2
+  scancel --signal=USR1 "$SLURM_JOB_ID" || true  # every job step (not this batch shell)
 }
-trap requeue USR1 TERM
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
 
-mkdir -p logs "$RUN_DIR"
-"$PYTHON" -m megagrpo.cli plan-memory "$CONFIG" "${OVERRIDES[@]}" --hf-config "$HF_CONFIG" \
-  | tee "$RUN_DIR/memory_plan.txt"
-srun --kill-on-bad-exit=1 --nodes="$NUM_NODES" --ntasks-per-node=1 \
-  bash slurm/launch_node.sh "$CONFIG" "${RESUME[@]}" "${OVERRIDES[@]}" &
-wait $!
+mkdir -p "$RUN_DIR"
+"${PLAN[@]}" | tee "$RUN_DIR/memory_plan.txt"
+"${SRUN[@]}" &
+STEP=$!
+rc=0
+while :; do
+  wait "$STEP" && rc=0 || rc=$?
+  kill -0 "$STEP" 2>/dev/null || break  # a trapped signal interrupted wait: wait again
+done
+if [ -n "$STOP_SIGNAL" ]; then
+  if [ "$rc" = 0 ]; then
+    echo "grpo_235b.sh: ranks checkpointed and exited; requeueing job $SLURM_JOB_ID" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+  else
+    echo "grpo_235b.sh: training exited with $rc after SIG$STOP_SIGNAL; not requeueing" >&2
+  fi
+fi
+exit "$rc"

@@ -4,9 +4,10 @@ An engine turns problems into :class:`~megagrpo.types.Group` s of G sampled answ
 sampled tokens' log-probs), sleeps while the trainer runs, and takes new weights every step.
 Weight sync is the most dangerous step in RL post-training: an engine that silently keeps
 its old weights trains on stale rollouts forever. So every :meth:`RolloutEngine.update_weights`
-ends with a *probe*: the engine scores a fixed token sequence and the log-probs must equal the
-trainer's (``expected_probe``) within ``rollout.verify_tol``, or at least move when no
-expectation is given. A failed probe raises :class:`WeightSyncError`; it never warns.
+ends with a *probe*: the engine scores a fixed token sequence; its log-probs must have moved as
+the trainer predicts and stay within a dtype-aware distance of the trainer's, and the streamed
+names must cover the engine's parameters (megagrpo.rollout.verify). A failed check raises
+:class:`WeightSyncError`; it never warns.
 
 Nothing here imports vllm; the trainer depends on this module only.
 """
@@ -63,12 +64,21 @@ class SyncReport:
     Attributes:
         bytes: tensor bytes streamed to the engine (in the engine's dtype).
         seconds: wall time of transfer + verification.
-        verified: True when the probe passed (a failed probe raises instead).
+        verified: True when every check passed (a failed check raises instead).
         max_probe_diff: max |engine - expected| probe log-prob when ``expected_probe`` was
             given, else the max |after - before| change of the probe.
         num_tensors: tensors streamed; num_buckets: buckets they were streamed in;
         max_bucket_bytes: the largest bucket (the sync's transient memory).
         mode: "full" (merged weights) or "adapter" (LoRA tensors only).
+        mean_probe_diff: mean |engine - expected| probe log-prob (nan without a trainer probe).
+        predicted_change / observed_change: rms probe change since the reference point, as
+            the trainer predicts it and as the engine shows it; change_error: rms of their
+            difference over the predicted rms (1.0 = nothing moved).
+        change_verified: the change test decided (predicted change above
+            ``rollout.verify_change_floor``); False: judged cumulatively at later syncs.
+        full_check_tensors: (parameter, expert) units whose checksums were compared (0: the
+            full check did not run); full_check_s: wall time of the engine-side checksums
+            (before and after the load) and their comparison.
     """
 
     bytes: int
@@ -79,6 +89,13 @@ class SyncReport:
     num_buckets: int = 0
     max_bucket_bytes: int = 0
     mode: str = "full"
+    mean_probe_diff: float = float("nan")
+    predicted_change: float = float("nan")
+    observed_change: float = float("nan")
+    change_error: float = float("nan")
+    change_verified: bool = False
+    full_check_tensors: int = 0
+    full_check_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,8 +134,16 @@ class RolloutEngine(Protocol):
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         expected_probe: Sequence[float] | None = None,
+        expected_before: Sequence[float] | None = None,
+        full_check: bool | None = None,
     ) -> SyncReport:
-        """Load HF-named full tensors, streamed in buckets; verify; raise WeightSyncError."""
+        """Load HF-named full tensors (streamed in buckets), verify, report; raise
+        WeightSyncError. May be called asleep: the engine wakes in stages (weights, stream,
+        KV cache, probe). ``expected_probe``: the trainer's probe log-probs
+        ``[probe_len - 1]`` under the new weights; ``expected_before``: under the weights the
+        engine holds now (the change test: :mod:`megagrpo.rollout.verify`); ``full_check``:
+        force/skip the per-tensor checksums (None: ``rollout.full_check_every``; every rank
+        passes the same value)."""
         ...
 
     def supports_adapter_sync(self) -> bool:
@@ -127,10 +152,14 @@ class RolloutEngine(Protocol):
         ...
 
     def update_adapter(
-        self, adapter: PeftAdapter, expected_probe: Sequence[float] | None = None
+        self,
+        adapter: PeftAdapter,
+        expected_probe: Sequence[float] | None = None,
+        expected_before: Sequence[float] | None = None,
     ) -> SyncReport:
         """Serve ``adapter`` on the base weights (replacing the previous one); verified like
-        :meth:`update_weights`. EngineError when :meth:`supports_adapter_sync` is False."""
+        :meth:`update_weights` (no checksums). EngineError when :meth:`supports_adapter_sync`
+        is False."""
         ...
 
     def sleep(self) -> None:
@@ -183,47 +212,6 @@ def default_probe_ids(tokenizer, length: int) -> list[int]:
         ids.append((7 + 31 * i) % vocab)
         i += 1
     return ids[:length]
-
-
-def check_probe(
-    before: Sequence[float],
-    after: Sequence[float],
-    expected: Sequence[float] | None,
-    tol: float,
-    min_change: float,
-    what: str,
-) -> float:
-    """Verify a weight sync from probe log-probs; returns the reported max diff.
-
-    With ``expected`` (the trainer's log-probs of the probe under the new weights), the
-    engine's must match within ``tol``. Without, they must move by more than ``min_change``.
-    Raises WeightSyncError otherwise.
-    """
-    after_t = torch.tensor(after, dtype=torch.float64)
-    if expected is not None:
-        exp_t = torch.tensor(list(expected), dtype=torch.float64)
-        if exp_t.shape != after_t.shape:
-            raise WeightSyncError(
-                f"{what}: expected_probe has {exp_t.numel()} values, the "
-                f"probe has {after_t.numel()} (use engine.probe_token_ids)"
-            )
-        diff = float((after_t - exp_t).abs().max())
-        if not diff <= tol:  # also catches NaN
-            raise WeightSyncError(
-                f"{what}: weight sync did not take effect as the trainer predicts: probe "
-                f"log-probs differ by {diff:.3g} > rollout.verify_tol={tol:g} (changed by "
-                f"{float((after_t - torch.tensor(before, dtype=torch.float64)).abs().max()):.3g}"
-                " from before the sync). Tensor names or layout probably did not map."
-            )
-        return diff
-    change = float((after_t - torch.tensor(before, dtype=torch.float64)).abs().max())
-    if not change > min_change:
-        raise WeightSyncError(
-            f"{what}: weight sync did not take effect: probe log-probs moved by {change:.3g} "
-            f"<= rollout.verify_min_change={min_change:g}. Pass expected_probe from the "
-            "trainer for an exact check."
-        )
-    return change
 
 
 # ----------------------------------------------------------------------------- weights

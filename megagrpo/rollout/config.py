@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megagrpo.errors import require, require_finite
 
 ENGINES = ("vllm", "hf")
 PLACEMENTS = ("auto", "rank0", "sharded")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass
@@ -51,10 +52,37 @@ class RolloutConfig:
     """Largest LoRA rank vLLM reserves space for (with enable_lora)."""
     sync_bucket_mb: float = 512.0
     """Weight sync streams tensors in buckets of at most this many MiB (one tensor may exceed)."""
-    verify_tol: float = 1e-3
-    """Weight-sync probe: max |engine - trainer| log-prob allowed (fp32 engines reach ~1e-5)."""
+    verify_tol: float | None = None
+    """Weight-sync probe: max |engine - trainer| log-prob allowed after a sync. None: the
+    engine dtype's default (float32 1e-3, bfloat16 1.5, float16 0.5; megagrpo.rollout.verify)."""
+    verify_mean_tol: float | None = None
+    """Weight-sync probe: mean |engine - trainer| log-prob allowed. None: dtype default
+    (float32 1e-3, bfloat16 0.3, float16 0.1)."""
+    verify_change_floor: float | None = None
+    """Weight-sync probe: smallest RMS predicted probe change the change test decides on (below
+    it the change is judged cumulatively at later syncs). None: dtype default (float32 1e-4,
+    bfloat16 0.5, float16 0.1)."""
+    verify_change_rtol: float = 0.5
+    """Weight-sync probe: largest rms(observed - predicted change) / rms(predicted change);
+    a sync that moved nothing scores 1."""
     verify_min_change: float = 1e-6
     """Weight-sync probe without trainer log-probs: the probe must move by more than this."""
+    full_check_every: int = 10
+    """Per-tensor checksums of the engine's weights against the streamed tensors on the first
+    sync and every this many syncs (0: first sync only). Name coverage runs on every sync."""
+    sleep_level: int = 0
+    """GPU sleep mode between rollouts: 1 (weights backed up to host memory, KV cache freed),
+    2 (both dropped: the next sync re-sends every weight), 0 = auto (1 with enable_lora, for
+    adapter-only sync on the base weights; 2 otherwise, since merged sync re-sends all)."""
+    offload_cudagraph: bool = True
+    """GPU sleep mode: back the CUDA-graph pool up to host memory while asleep (vLLM
+    ``sleep_mode_offload_cudagraph``); else it stays resident through training."""
+    vllm_plugins: list[str] = field(default_factory=list)
+    """vLLM plugins to load (VLLM_PLUGINS allowlist); empty: none (an installed ms-swift
+    registers one that imports torchvision). An explicit VLLM_PLUGINS variable wins."""
+    vllm_log_level: str = "WARNING"
+    """Level of vLLM's own loggers (DEBUG | INFO | WARNING | ERROR | CRITICAL); per-step
+    noise (tied-embedding reload warnings, CPU thread-binding warnings) is dropped anyway."""
     probe_len: int = 16
     """Length of the fixed token sequence whose log-probs verify every weight sync."""
     cache_dir: str = ""
@@ -78,8 +106,8 @@ class RolloutConfig:
             "top_p",
             "gpu_memory_utilization",
             "sync_bucket_mb",
-            "verify_tol",
             "verify_min_change",
+            "verify_change_rtol",
         ):
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.temperature > 0, f"{path}.temperature", "must be > 0")
@@ -108,6 +136,22 @@ class RolloutConfig:
         )
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
-        require(self.verify_tol > 0, f"{path}.verify_tol", "must be > 0")
-        require(self.verify_min_change >= 0, f"{path}.verify_min_change", "must be >= 0")
+        for key in ("verify_tol", "verify_mean_tol", "verify_change_floor"):
+            value = getattr(self, key)
+            if value is not None:
+                require_finite(value, f"{path}.{key}")
+            require(value is None or value > 0, f"{path}.{key}", "must be > 0 (or null)")
+        require(self.verify_change_rtol > 0, f"{path}.verify_change_rtol", "must be > 0")
+        require(self.full_check_every >= 0, f"{path}.full_check_every", "must be >= 0")
+        require(self.sleep_level in (0, 1, 2), f"{path}.sleep_level", "must be 0, 1 or 2")
+        require(
+            self.vllm_log_level.upper() in LOG_LEVELS,
+            f"{path}.vllm_log_level",
+            f"must be one of {LOG_LEVELS}, got {self.vllm_log_level!r}",
+        )
+        require(
+            all(isinstance(p, str) and p and "," not in p for p in self.vllm_plugins),
+            f"{path}.vllm_plugins",
+            "must be a list of plugin names (no commas)",
+        )
         require(self.probe_len >= 2, f"{path}.probe_len", "must be >= 2")

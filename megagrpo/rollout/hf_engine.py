@@ -13,6 +13,7 @@ import logging
 import re
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -23,15 +24,26 @@ from megagrpo.rollout.base import (
     SyncReport,
     WeightSyncError,
     chat_prompt_ids,
-    check_probe,
     decode_completion,
     default_probe_ids,
     iter_buckets,
     request_seed,
     resolve_dtype,
+    to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter
+from megagrpo.rollout.verify import (
+    Key,
+    Stats,
+    SyncVerifier,
+    WeightEvidence,
+    add_stats,
+    check_weights,
+    sync_report,
+    tensor_stats,
+    thresholds_for,
+)
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -84,16 +96,17 @@ class HFEngine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self.model = AutoModelForCausalLM.from_pretrained(
+            model: Any = AutoModelForCausalLM.from_pretrained(
                 self.model_path, dtype=None if cfg.dtype == "auto" else resolve_dtype(cfg.dtype)
             )
-            self.model.to(device).eval()
+            self.model: Any = model.to(device).eval()
         except Exception as exc:
             raise EngineError(
                 f"HF engine start failed: {type(exc).__name__}: {exc}\n"
                 "  -> check model.hf_path and rollout.dtype"
             ) from exc
         self.dtype = next(self.model.parameters()).dtype
+        self._tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         try:
             gen = GenerationConfig.from_pretrained(self.model_path)
             eos = gen.eos_token_id
@@ -110,7 +123,9 @@ class HFEngine:
         self._calls = itertools.count()
         self._asleep = False
         self.probe_token_ids = default_probe_ids(self.tokenizer, cfg.probe_len)
-        self._last_probe = self.probe_logprobs()
+        self.verifier = SyncVerifier(
+            thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
+        )
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The exact prompt ids ``[P]`` (chat template, generation prompt, no extra BOS)."""
@@ -234,81 +249,98 @@ class HFEngine:
         """Log-probs ``[probe_len - 1]`` of :attr:`probe_token_ids`."""
         return self.sequence_logprobs(self.probe_token_ids)
 
-    def _copy_in(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> bool:
-        """Copy one HF-named tensor into the model (fused-expert aware); False if unknown."""
+    def _target(self, params: dict[str, torch.Tensor], name: str):
+        """(parameter name, expert, destination view) of one HF-named tensor, or None."""
         if name in params:
-            params[name].copy_(tensor)
-            return True
+            return name, -1, params[name]
         m = _EXPERT.match(name)
         if m is None:
-            return False
+            return None
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
-        if kind == "down":
-            target = params.get(f"{prefix}.down_proj")
-            if target is None:
-                return False
-            target[e].copy_(tensor)
-            return True
-        target = params.get(f"{prefix}.gate_up_proj")
+        fused = f"{prefix}.down_proj" if kind == "down" else f"{prefix}.gate_up_proj"
+        target = params.get(fused)
         if target is None:
-            return False
+            return None
+        if kind == "down":
+            return fused, e, target[e]
         half = target.shape[1] // 2
-        target[e, :half].copy_(tensor) if kind == "gate" else target[e, half:].copy_(tensor)
-        return True
+        return fused, e, (target[e, :half] if kind == "gate" else target[e, half:])
+
+    def _keys(self, params: dict[str, torch.Tensor]) -> set[Key]:
+        """Every (parameter, expert) a full sync must cover (a tied LM head is optional)."""
+        keys: set[Key] = set()
+        for name, t in params.items():
+            if self._tied and name == "lm_head.weight":
+                continue
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                keys.update((name, e) for e in range(t.shape[0]))
+            else:
+                keys.add((name, -1))
+        return keys
+
+    def _stats(self, params: dict[str, torch.Tensor], keys: set[Key]) -> Stats:
+        return {k: tensor_stats(params[k[0]] if k[1] < 0 else params[k[0]][k[1]]) for k in keys}
 
     @torch.no_grad()
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         expected_probe: Sequence[float] | None = None,
+        expected_before: Sequence[float] | None = None,
+        full_check: bool | None = None,
     ) -> SyncReport:
-        """Copy HF-named tensors (fused or per-expert names) in; verify with the probe."""
-        self._check_awake()
+        """Copy HF-named tensors (fused or per-expert names) in; verify (see
+        VLLMEngine.update_weights for the arguments). May be called asleep."""
+        if self._asleep:
+            self.wake_up()
         t0 = time.perf_counter()
+        full = self.verifier.full_check_due() if full_check is None else full_check
         params = dict(self.model.state_dict(keep_vars=False))
+        keys = self._keys(params)
+        t_full = time.perf_counter()
+        pre = self._stats(params, keys) if full else None
+        t_full = time.perf_counter() - t_full
         meter = SyncMeter()
-        unknown = []
+        streamed: Stats = {}
+        unknown: list[str] = []
         buckets = iter_buckets(
-            named_tensors, int(self.cfg.sync_bucket_mb * 2**20), self.dtype, self.model.device
+            to_checkpoint_format(named_tensors),
+            int(self.cfg.sync_bucket_mb * 2**20),
+            self.dtype,
+            self.model.device,
         )
         for name, tensor in meter.stream(buckets):
+            if name == "lm_head.weight" and self._tied:
+                continue  # the LM head is the embedding (vLLM skips it too)
+            hit = self._target(params, name)
+            if hit is None:
+                unknown.append(name)
+                continue
             try:
-                ok = self._copy_in(params, name, tensor)
+                hit[2].copy_(tensor)
             except RuntimeError as exc:
                 raise WeightSyncError(f"HF sync: tensor {name!r}: {exc}") from exc
-            if not ok:
-                unknown.append(name)
-        if unknown:
-            raise WeightSyncError(
-                f"HF sync: {len(unknown)} tensor names match no parameter (first: {unknown[:3]})"
-            )
-        after = self.probe_logprobs()
-        diff = check_probe(
-            self._last_probe,
-            after,
-            expected_probe,
-            self.cfg.verify_tol,
-            self.cfg.verify_min_change,
-            "HF sync",
-        )
-        self._last_probe = after
-        return SyncReport(
-            bytes=meter.bytes,
-            seconds=time.perf_counter() - t0,
-            verified=True,
-            max_probe_diff=diff,
-            num_tensors=meter.num_tensors,
-            num_buckets=meter.num_buckets,
-            max_bucket_bytes=meter.max_bucket_bytes,
-            mode="full",
-        )
+            add_stats(streamed, (hit[0], hit[1]), tensor_stats(tensor))
+        t1 = time.perf_counter()
+        post = self._stats(params, keys) if full else None
+        evidence = WeightEvidence(keys, streamed, unknown, post, pre)
+        ver = self.verifier
+        predicts = ver.predicts_change(expected_probe)
+        checked = check_weights(evidence, predicts, "HF sync", ver.last_streamed)
+        t_full += time.perf_counter() - t1 if full else 0.0
+        verdict = ver.verify(self.probe_logprobs(), expected_probe, expected_before, "HF sync")
+        ver.last_streamed = streamed
+        return sync_report(verdict, meter, time.perf_counter() - t0, "full", checked, t_full)
 
     def supports_adapter_sync(self) -> bool:
         """The HF engine takes merged weights only."""
         return False
 
     def update_adapter(
-        self, adapter: PeftAdapter, expected_probe: Sequence[float] | None = None
+        self,
+        adapter: PeftAdapter,
+        expected_probe: Sequence[float] | None = None,
+        expected_before: Sequence[float] | None = None,
     ) -> SyncReport:
         """Not supported: the HF engine takes merged weights (:meth:`update_weights`)."""
         raise EngineError(
@@ -318,14 +350,14 @@ class HFEngine:
 
     def sleep(self) -> None:
         """GPU: move weights to CPU. CPU: no-op."""
-        if self.model.device.type == "cuda":
+        if self.model is not None and self.model.device.type == "cuda":
             self.model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = True
 
     def wake_up(self) -> None:
         """Undo :meth:`sleep`."""
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and self.model is not None:
             self.model.to("cuda")
         self._asleep = False
 

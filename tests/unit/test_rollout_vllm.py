@@ -126,7 +126,8 @@ def test_broken_sync_paths_are_detected(engine, hf_model):
     # tensors whose names map to nothing: vLLM keeps its old weights; the probe sees it
     with pytest.raises(WeightSyncError):
         engine.update_weights((f"decoy.{k}", v) for k, v in new.items())
-    # the trainer predicts other weights than the ones streamed
+    # the trainer predicts other weights than the ones streamed (it predicts no change: the
+    # change test cannot decide, the engine/trainer distance fails)
     wrong = sequence_logprobs(hf_model, engine.probe_token_ids)
     with pytest.raises(WeightSyncError, match="verify_tol"):
         engine.update_weights(iter(new.items()), expected_probe=wrong)

