@@ -21,7 +21,8 @@ from torch import nn
 
 from megagrpo.config import load_config
 from megagrpo.metrics import missing_metrics, read_metrics
-from megagrpo.rollout.base import SyncReport, check_probe, request_seed
+from megagrpo.rollout.base import SyncMeter, request_seed
+from megagrpo.rollout.verify import SyncVerifier, sync_report, thresholds_for
 from megagrpo.testing import tiny_run_config, write_run_config
 from megagrpo.trainer.config import RunConfig
 from megagrpo.types import Group
@@ -101,6 +102,8 @@ class BigramEngine:
         self.probe_token_ids = [(3 * i + 1) % VOCAB for i in range(rollout_cfg.probe_len)]
         self.tokenizer = None
         self.calls: list[str] = []
+        th = thresholds_for(rollout_cfg, "float32")
+        self.verifier = SyncVerifier(th, rollout_cfg.full_check_every, self.probe_logprobs())
 
     def prompt_ids(self, problem) -> list[int]:
         return [sum(map(ord, problem.id)) % VOCAB, 1]
@@ -139,24 +142,23 @@ class BigramEngine:
         logp = torch.log_softmax(self.weight[ids[:-1]], -1)
         return logp.gather(1, ids[1:, None])[:, 0].double().tolist()
 
-    def update_weights(self, named_tensors, expected_probe=None):
-        before = self.probe_logprobs()
-        for name, tensor in named_tensors:
+    def update_weights(
+        self, named_tensors, expected_probe=None, expected_before=None, full_check=None
+    ):
+        meter = SyncMeter()
+        for name, tensor in meter.stream([list(named_tensors)]):
             assert name == "bigram.weight"
             self.weight = tensor.detach().clone()
-        after = self.probe_logprobs()
-        diff = check_probe(
-            before, after, expected_probe, self.cfg.verify_tol, self.cfg.verify_min_change, "bigram"
+        verdict = self.verifier.verify(
+            self.probe_logprobs(), expected_probe, expected_before, "bigram"
         )
         self.calls.append("update_weights")
-        return SyncReport(
-            bytes=self.weight.numel() * 4, seconds=0.0, verified=True, max_probe_diff=diff
-        )
+        return sync_report(verdict, meter, 0.0, "full")
 
     def supports_adapter_sync(self):
         return False
 
-    def update_adapter(self, adapter, expected_probe=None):
+    def update_adapter(self, adapter, expected_probe=None, expected_before=None):
         raise AssertionError("not used")
 
     def sleep(self):
@@ -214,11 +216,12 @@ def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
     trained = [r for r in rows if r["train/skipped_empty_batch"] == 0.0]
     assert trained, "no step trained"
     assert all(r["sync/verified_engines"] == 1.0 for r in trained)
+    assert any(r["sync/change_verified"] == 1.0 for r in trained)  # the update was seen
     assert float(ctx.policy.lora_b.detach().abs().max()) > 0  # the update reached the adapters
     torch.testing.assert_close(engine.weight, ctx.policy.weight().detach(), rtol=0, atol=0)
     for r in rows:  # the dynamic sampler asked for at most 1 + R rounds
         assert 1 <= r["dynamic/gen_batches"] <= 2
-    assert engine.calls.count("sleep") == len(rows) and engine.calls[-1] == "close"
+    assert engine.calls.count("sleep") == len(trained) and engine.calls[-1] == "close"
     saved = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in saved] == [1, 2, 3, 4]
     for r in saved:  # both naming schemes: megagrpo's and the ms-swift / TRL dashboards'
