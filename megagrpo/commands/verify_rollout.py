@@ -122,7 +122,7 @@ def verify(model_dir: Path, args: argparse.Namespace) -> dict:
         max_tokens=args.max_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
-        verify_tol=tol,
+        verify_tol=args.tol,  # None: the engine dtype's bound (megagrpo.rollout.verify)
     )
     cfg.validate("rollout")
     problems = [Problem(f"verify-{i}", m, []) for i, m in enumerate(PROMPTS)]
@@ -130,16 +130,23 @@ def verify(model_dir: Path, args: argparse.Namespace) -> dict:
     try:
         groups = engine.generate(problems, n=args.n)
         max_diff, mean_diff, num_tokens = _mismatch(groups, trainer)
+        before = sequence_logprobs(trainer, engine.probe_token_ids)
         _perturb(trainer, args.noise, args.seed + 1)
         expected = sequence_logprobs(trainer, engine.probe_token_ids)
         effective, error = True, ""
         try:
             report = engine.update_weights(
-                iter(trainer.state_dict().items()), expected_probe=expected
+                iter(trainer.state_dict().items()), expected_probe=expected, expected_before=before
             )
-            sync = dict(seconds=report.seconds, bytes=report.bytes, probe=report.max_probe_diff)
+            sync = dict(
+                seconds=report.seconds,
+                bytes=report.bytes,
+                probe=report.max_probe_diff,
+                change_error=report.change_error,
+            )
         except WeightSyncError as exc:
-            effective, error, sync = False, str(exc), dict(seconds=None, bytes=None, probe=None)
+            effective, error = False, str(exc)
+            sync = dict(seconds=None, bytes=None, probe=None, change_error=None)
         after = _mismatch(engine.generate(problems, n=args.n), trainer) if effective else None
     finally:
         engine.close()
@@ -157,6 +164,7 @@ def verify(model_dir: Path, args: argparse.Namespace) -> dict:
         "sync_seconds": sync["seconds"],
         "sync_bytes": sync["bytes"],
         "sync_probe_max_abs_diff": sync["probe"],
+        "sync_change_error": sync["change_error"],
         "post_sync_logprob_max_abs_diff": after[0] if after else None,
         "error": error,
     }
