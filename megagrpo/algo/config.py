@@ -50,6 +50,9 @@ class LossConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling for rollout/trainer mismatch: each token's loss is weighted
     by min(exp(old_logprob - rollout_logprob), tis_cap); 0 disables it."""
+    tis_auto: bool = True
+    """With bf16/fp16 weights on either side and tis_cap 0, use tis_cap 2.0 (engine and
+    trainer log-probs differ by ~0.1 per token in bf16; NeMo-RL corrects it the same way)."""
     backend: str = "auto"
     """auto (Triton on CUDA, chunked torch on CPU) | triton | torch."""
     grad_in_logits: bool = True

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-WEIGHT_SYNCS = ("merged", "adapter")
+WEIGHT_SYNCS = ("auto", "merged", "adapter")
 
 
 @dataclass
@@ -79,11 +79,13 @@ class TrainerConfig:
     """Evaluate on at most this many held-out problems (0: all)."""
     export_adapter: bool = True
     """At the end, also write a PEFT adapter (runs/<name>/adapter) that peft and vLLM load."""
-    weight_sync: str = "merged"
-    """merged: stream base + LoRA merged HF tensors into the engine every step (works for
-    every engine and target); adapter: write the PEFT adapter (a few MB) and let the engine
-    serve it on its base weights (needs rollout.enable_lora and vLLM LoRA support for the
-    targeted modules). Both are verified against the trainer's probe log-probs."""
+    weight_sync: str = "auto"
+    """auto | merged | adapter. merged: stream base + LoRA merged HF tensors into the engine
+    every step (works for every engine and target, but a bf16 base keeps only part of a small
+    update: ``sync/lora_survival``); adapter: write the PEFT adapter (a few MB) and let the
+    engine serve it on its base weights, exactly (needs rollout.enable_lora and vLLM LoRA
+    support for the targeted modules). auto: adapter where the engine serves LoRA, else
+    merged. Both are verified against the trainer's probe log-probs."""
 
     @property
     def num_warmup_steps(self) -> int:
@@ -200,10 +202,11 @@ class RunConfig:
         self.rollout.verify_mean_tol = t.mean_tol
         self.rollout.verify_change_floor = t.change_floor
         low = {"bfloat16", "float16"} & set(dtypes)
-        if low and self.loss.tis_cap == 0:
-            log.warning(
-                "%s weights: engine and trainer log-probs differ by ~0.1 per token; consider "
-                "loss.tis_cap (truncated importance sampling, e.g. 2.0)",
+        if low and self.loss.tis_cap == 0 and self.loss.tis_auto:
+            self.loss.tis_cap = 2.0
+            log.info(
+                "%s weights: engine and trainer log-probs differ by ~0.1 per token: truncated "
+                "importance sampling on (loss.tis_cap=2.0; loss.tis_auto=false turns it off)",
                 "/".join(sorted(low)),
             )
 

@@ -148,6 +148,9 @@ class Rollouts(ABC):
         self.engine, self.comm, self.reward_fn = engine, comm, reward_fn
         probe = engine.probe_token_ids if engine is not None and comm.is_main else None
         self.probe_token_ids: list[int] = comm.broadcast_object(probe)
+        serves = engine.supports_adapter_sync() if engine is not None and comm.is_main else None
+        self.supports_adapter_sync: bool = bool(comm.broadcast_object(serves))
+        """The engines serve LoRA adapters for the targeted modules (adapter-only sync)."""
         self.last_probe: list[float] | None = None
         """The trainer's probe log-probs of the weights the engines hold (the reference of the
         next sync's change test); None: not known (the engines establish their own)."""

@@ -1,6 +1,7 @@
 """Phase 6 of a step: what the engines receive after the update, and the probe that verifies it.
 
-``trainer.weight_sync``: ``merged`` streams the policy's merged (base + LoRA) HF tensors in
+``trainer.weight_sync`` (``auto``: adapter where the engines serve LoRA, else merged):
+``merged`` streams the policy's merged (base + LoRA) HF tensors in
 bounded buckets (``export_hf_weights``, a collective over the model-parallel ranks, so every
 rank iterates it); ``adapter`` writes the PEFT adapter (a few MB; collective, rank 0 writes)
 and the engine serves it on its base weights. Where it goes (rank 0's engine, or every
@@ -68,11 +69,19 @@ def weight_update(policy: Policy, mode: str, comm: Comm) -> WeightUpdate:
     return WeightUpdate("adapter", adapter=adapter)
 
 
+def sync_mode(ctx: TrainContext) -> str:
+    """``trainer.weight_sync``, with auto: adapter where the engines serve LoRA, else merged."""
+    mode = ctx.cfg.trainer.weight_sync
+    if mode == "auto":
+        return "adapter" if ctx.rollouts.supports_adapter_sync else "merged"
+    return mode
+
+
 def sync_weights(ctx: TrainContext) -> dict[str, float]:
     """Wake the engines and push the new weights into them, verified; returns
     ``perf/sync_bytes``, ``sync/*``."""
     expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
-    update = weight_update(ctx.policy, ctx.cfg.trainer.weight_sync, ctx.comm)
+    update = weight_update(ctx.policy, sync_mode(ctx), ctx.comm)
     metrics = ctx.rollouts.push(update, expected)
     if update.mode == "merged":  # how much of the LoRA update the base dtype kept (collective)
         metrics.update(ctx.policy.merge_survival(None))

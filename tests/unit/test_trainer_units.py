@@ -246,3 +246,30 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr(schedule):
         assert tail == pytest.approx([1.0] * 9)
     else:  # monotone decay that ends at min_lr after max_steps optimiser steps
         assert all(a >= b for a, b in zip(tail, tail[1:])) and lrs[10] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("setting", "serves", "mode"),
+    [("auto", True, "adapter"), ("auto", False, "merged"), ("merged", True, "merged")],
+)
+def test_weight_sync_auto_prefers_the_exact_adapter_sync(setting, serves, mode):
+    from types import SimpleNamespace
+
+    from megagrpo.trainer.sync import sync_mode
+
+    ctx = SimpleNamespace(
+        cfg=SimpleNamespace(trainer=TrainerConfig(weight_sync=setting)),
+        rollouts=SimpleNamespace(supports_adapter_sync=serves),
+    )
+    assert sync_mode(ctx) == mode  # type: ignore[arg-type]
+
+
+def test_low_precision_turns_on_truncated_importance_sampling():
+    from megagrpo.config import load_config
+    from megagrpo.trainer.config import RunConfig
+
+    assert load_config(RunConfig).loss.tis_cap == 0.0
+    bf16 = load_config(RunConfig, [], ["model.dtype=bfloat16"])
+    assert bf16.loss.tis_cap == 2.0 and bf16.rollout.verify_tol == 1.5
+    off = load_config(RunConfig, [], ["model.dtype=bfloat16", "loss.tis_auto=false"])
+    assert off.loss.tis_cap == 0.0
