@@ -19,6 +19,10 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megagrpo.trainer.context import TrainContext
 
 DESCRIPTION = __doc__
 
@@ -94,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(ctx, rows: list[dict]) -> None:
+def _report(ctx: TrainContext, rows: list[dict]) -> None:
+    """The run's last line: how it ended and where to continue."""
     skipped = sum(1 for r in rows if r.get("train/skipped_empty_batch"))
     nonfinite = sum(1 for r in rows if r.get("train/skipped_nonfinite"))
     note = f" ({skipped} trained nothing)" if skipped else ""
@@ -102,7 +107,7 @@ def _report(ctx, rows: list[dict]) -> None:
     if ctx.stopped_by:
         print(
             f"stopped by {ctx.stopped_by} after step {ctx.step}: checkpoint "
-            f"{ctx.ckpt_root / f'step_{ctx.step:06d}'} written; continue with --resume"
+            f"{ctx.ckpt_root / f'step_{ctx.step:06d}'}; continue with --resume"
         )
     elif rows:
         last = rows[-1]

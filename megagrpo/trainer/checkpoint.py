@@ -187,12 +187,43 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def _write_file(path: Path, write: Any) -> tuple[dict[str, Any] | None, str | None]:
-    """``({"bytes", "sha256"}, None)`` or ``(None, why)`` for a failed write."""
+    """``({"bytes", "sha256"}, None)`` or ``(None, why)`` for a failed write (every failure:
+    the other ranks must hear of it, or they would wait for this one forever)."""
     try:
         digest = fileio.write_hashed(path, write)
     except OSError as exc:
         return None, fileio.describe_os_error(exc, path)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by save()
+        return None, f"writing {path}: {type(exc).__name__}: {exc}"
     return {"bytes": digest.size, "sha256": digest.sha256}, None
+
+
+def _write_own_files(
+    tmp: Path, rank: int, step: int, rank_state: dict[str, Any], trainer_state: dict | None
+) -> tuple[dict[str, Any], str | None]:
+    """This rank's file (rank 0: also ``trainer.json``) into ``tmp``: ``(digests, error)``."""
+    state = {**rank_state, "rng": rng_state()}
+    info, error = _write_file(tmp / rank_file(rank), lambda fh: torch.save(state, fh))
+    files = {rank_file(rank): info}
+    if rank == 0 and error is None:
+        try:
+            plain = to_plain({"step": step, **(trainer_state or {})}, "trainer_state")
+        except TypeError as exc:
+            return files, str(exc)
+        info, error = _write_file(tmp / TRAINER_FILE, lambda fh: fh.write(_json_bytes(plain)))
+        files[TRAINER_FILE] = info
+    return files, error
+
+
+def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> str | None:
+    """Rank 0: the manifest last, then the fsynced rename; why it failed, or None."""
+    try:
+        fileio.write_text(tmp / MANIFEST, json.dumps(to_plain(manifest, "manifest"), indent=1))
+        fileio.replace_dir(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return fileio.describe_os_error(exc, exc.filename or tmp / MANIFEST)
+    return None
 
 
 def save(
@@ -224,20 +255,18 @@ def save(
     root = Path(ckpt_root)
     final = step_dir(root, step)
     tmp = fileio.tmp_sibling(final)
+    error = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale_tmp(root)
-        fileio.fresh_tmp_dir(final)
-    comm.barrier()
-    state = {**rank_state, "rng": rng_state()}
-    files: dict[str, Any] = {}
-    info, error = _write_file(tmp / rank_file(rank), lambda fh: torch.save(state, fh))
-    files[rank_file(rank)] = info
-    if rank == 0 and error is None:
-        plain = to_plain({"step": step, **(trainer_state or {})}, "trainer_state")
-        info, error = _write_file(tmp / TRAINER_FILE, lambda fh: fh.write(_json_bytes(plain)))
-        files[TRAINER_FILE] = info
-    outcomes = comm.all_gather_object((files, error))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_tmp(root)
+            fileio.fresh_tmp_dir(final)
+        except OSError as exc:
+            error = fileio.describe_os_error(exc, exc.filename or tmp)
+    error = comm.broadcast_object(error)  # also the barrier before the writes
+    if error:
+        raise CheckpointError(f"checkpoint step {step} not written ({error})")
+    outcomes = comm.all_gather_object(_write_own_files(tmp, rank, step, rank_state, trainer_state))
     errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(outcomes) if e]
     if errors:
         if rank == 0:
@@ -256,12 +285,7 @@ def save(
             **(extra or {}),
             "files": {name: d for f, _ in outcomes for name, d in f.items()},
         }
-        try:
-            fileio.write_text(tmp / MANIFEST, json.dumps(to_plain(manifest, "manifest"), indent=1))
-            fileio.replace_dir(tmp, final)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = fileio.describe_os_error(exc, exc.filename or tmp / MANIFEST)
+        error = _commit(tmp, final, manifest)
         if error is None:
             _prune(root, keep)
             log.info("checkpoint step %d -> %s", step, final)

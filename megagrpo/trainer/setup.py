@@ -295,33 +295,41 @@ def build_context(
         sync_weights(ctx)  # the engines start from the base weights: give them the adapters
     else:  # zero LoRA B: the trainer's probe of the base weights the engines loaded
         ctx.rollouts.last_probe = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
+    open_run(ctx)
+    return ctx
+
+
+def open_run(ctx: TrainContext) -> None:
+    """The last of start-up: the metric loggers (rows after the resumed step dropped), the
+    completions log, then config.yaml (a start that failed earlier leaves the previous one
+    in place)."""
+    cfg = ctx.cfg
     ctx.logger = build_logger(
         cfg.metrics,
-        run_dir,
-        rank=comm.rank,
+        ctx.run_dir,
+        rank=ctx.comm.rank,
         name=cfg.trainer.name,
         total_steps=cfg.trainer.max_steps,
         start_step=ctx.step,
         config=json_safe(dataclasses.asdict(cfg)),
     )
-    if cfg.metrics.log_completions and comm.is_main:
+    if cfg.metrics.log_completions and ctx.comm.is_main:
         ctx.completions = CompletionsLog(
-            run_dir / "completions.jsonl",
+            ctx.run_dir / "completions.jsonl",
             table_every=cfg.metrics.completions_table_every,
             wandb_run=find_wandb_run(ctx.logger),
             prompt_chars=cfg.metrics.completions_prompt_chars,
         )
         ctx.completions.truncate_after(ctx.step)
-    if comm.is_main:
-        save_config(cfg, run_dir)  # only now: a failed start leaves the old one
+    if ctx.comm.is_main:
+        save_config(cfg, ctx.run_dir)
     log.info(
         "run dir %s, world %d, starting at step %d of %d",
-        run_dir,
-        comm.world_size,
+        ctx.run_dir,
+        ctx.comm.world_size,
         ctx.step,
         cfg.trainer.max_steps,
     )
-    return ctx
 
 
 def json_safe(obj: Any) -> Any:

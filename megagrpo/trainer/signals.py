@@ -7,7 +7,8 @@ boundary, a MAX all-reduce of the recorded signal over the world, so every rank 
 the same step even when only some ranks were signalled. The current step is finished, not
 abandoned (its generation has already advanced the samplers and RNGs); the grace period a
 launcher gives must therefore cover one step plus one checkpoint. A second SIGINT raises
-KeyboardInterrupt at once (no checkpoint). Handlers can only be installed on the main
+KeyboardInterrupt at once (no checkpoint); other repeats are ignored (torchrun forwards the
+terminal's Ctrl-C as SIGTERM too). Handlers can only be installed on the main
 thread; elsewhere (an embedding application's worker thread) nothing is installed.
 """
 
@@ -31,6 +32,8 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        """The first stop signal received (None: none yet)."""
+        self.interrupts = 0
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
@@ -53,8 +56,10 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.signum is not None:
-            raise KeyboardInterrupt("second interrupt: stopping without a checkpoint")
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt("second interrupt: stopping without a checkpoint")
         if self.signum is None:
             log.warning(
                 "caught %s: finishing the current step, then writing a checkpoint and "

@@ -1,5 +1,6 @@
-"""Reliability decisions taken by every rank together (issue 14.6, 14.7), with 2 gloo
-processes: a stop signal received by one rank only stops both after the same step; a
+"""Reliability decisions taken by every rank together (issue 14.3, 14.6, 14.7), with 2
+gloo processes: a stop signal received by one rank only stops both after the same step; a
+loss that is NaN on one rank makes both skip the optimiser step; a
 checkpoint file damaged on one rank makes both fall back to the same older checkpoint; a
 write that fails on one rank (disk full) fails the save on both, naming that rank's file.
 The last test signals rank 1 of a real `torchrun` training run."""
@@ -57,6 +58,10 @@ def _worker(rank: int, root: str) -> dict:
     if rank == 1:
         stop.signum = signal.SIGUSR1  # only rank 1 was signalled
     out["agreed"] = stop.agreed(comm)
+    from megagrpo.trainer.optimize import finite_everywhere
+
+    out["finite"] = finite_everywhere(comm, 1.0, 2.0)
+    out["nan_on_1"] = finite_everywhere(comm, float("nan") if rank == 1 else 1.0, 2.0)
 
     def save(step: int) -> None:
         checkpoint.save(
@@ -97,6 +102,7 @@ def test_ranks_agree_on_stop_fallback_and_failed_writes(tmp_path):
     results = launch(_worker, 2, str(tmp_path))
     for rank, res in enumerate(results):
         assert res["quiet"] is None and res["agreed"] == "SIGUSR1", rank
+        assert res["finite"] is True and res["nan_on_1"] is False, rank  # both skip the step
         assert res["resume_step"] == 1, rank  # rank 1's step-2 file is damaged
         assert res["w"].tolist() == [10.0 * rank + 1] * 3
         assert res["error"] is not None and "rank 1: writing" in res["error"], rank

@@ -353,6 +353,9 @@ def test_signal_handler_records_and_a_second_ctrl_c_stops_at_once():
         assert stop.agreed(Comm()) is None
         signal.raise_signal(signal.SIGUSR1)
         assert stop.requested and stop.agreed(Comm()) == "SIGUSR1"
+        signal.raise_signal(signal.SIGTERM)  # repeats (torchrun forwarding) are ignored
+        signal.raise_signal(signal.SIGINT)  # the first Ctrl-C only asks to stop
+        assert stop.agreed(Comm()) == "SIGUSR1"
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     finally:
@@ -462,3 +465,70 @@ def test_steps_that_train_nothing_are_visible(model_dir, tmp_path, caplog):
     make_report(tmp_path / "flat")
     summary = json.loads((tmp_path / "flat" / "report" / "summary.json").read_text())
     assert summary["steps_trained_nothing"] == 4 and summary["steps_skipped_nonfinite"] == 0
+
+
+# ----------------------------------------------------------------------------- resume rules
+
+
+def test_resume_rules_classify_each_kind_of_change():
+    from megagrpo.trainer.resume_check import ADAPT, INFO, REFUSE, WARN, compare_configs
+
+    saved = {
+        "parallel": {"tp": 2},
+        "trainer": {"max_steps": 10, "lr": 1e-4, "seed": 0},
+        "loss": {"kl_coef": 0.0},
+        "curriculum": {"levels_file": "a.jsonl", "online": True},
+        "rollout": {"group_size": 4},
+        "new_section": {"x": 1},
+    }
+    new = {
+        "parallel": {"tp": 2},
+        "trainer": {"max_steps": 20, "lr": 5e-4, "seed": 1},
+        "loss": {"kl_coef": 0.05},
+        "curriculum": {"levels_file": "b.jsonl", "online": False},
+        "rollout": {"group_size": 8},
+    }
+    kinds = {c.key: c.kind for c in compare_configs(saved, new, 2, 4)}
+    assert kinds == {
+        "world size": REFUSE,
+        "curriculum.levels_file": REFUSE,
+        "rollout.group_size": ADAPT,
+        "trainer.lr": ADAPT,
+        "loss.kl_coef": WARN,
+        "trainer.seed": WARN,
+        "curriculum.online": WARN,
+        "trainer.max_steps": INFO,
+    }
+
+
+def test_optimizer_settings_follow_the_config_through_the_scheduler():
+    """A changed lr goes through LambdaLR's warm-up as if set from the start; unchanged
+    settings leave the restored values bit for bit (a resumed run stays identical)."""
+    from megagrpo.trainer.config import TrainerConfig
+    from megagrpo.trainer.resume_check import apply_optimizer_settings
+
+    def build(lr):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([p], lr=lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        for _ in range(1):
+            p.grad = torch.ones(3)
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    opt, sched = build(1e-4)
+    state, sched_state = opt.state_dict(), sched.state_dict()
+    fresh, fresh_sched = build(3e-4)  # built from the new config, then restored
+    fresh.load_state_dict(state)
+    fresh_sched.load_state_dict(sched_state)
+    assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # the silent restore
+    apply_optimizer_settings(fresh, fresh_sched, TrainerConfig(lr=3e-4, weight_decay=0.1))
+    assert fresh.param_groups[0]["lr"] == 3e-4 * (2 / 3)  # warm-up step 1 of 3
+    assert fresh.param_groups[0]["weight_decay"] == 0.1
+    fresh_sched.step()
+    assert fresh.param_groups[0]["lr"] == 3e-4  # warm-up done, at the new rate
+    same, same_sched = build(1e-4)
+    before = [dict(g) for g in same.param_groups]
+    apply_optimizer_settings(same, same_sched, TrainerConfig(lr=1e-4, weight_decay=0.01))
+    assert [dict(g) for g in same.param_groups] == before
