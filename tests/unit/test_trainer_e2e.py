@@ -122,7 +122,21 @@ def test_run_dir_contents(full_run):
     assert list((full_run / "wandb").glob("offline-run-*"))
     from megagrpo.metrics.report import make_report
 
-    assert len(make_report(full_run)) == 5
+    names = [p.name for p in make_report(full_run)]
+    assert names == [
+        "collapse.png",
+        "reward.png",
+        "length.png",
+        "kl_entropy.png",
+        "levels.png",
+        "time.png",
+    ]
+    summary = json.loads((full_run / "report" / "summary.json").read_text())
+    rows = read_metrics(full_run / "metrics.jsonl")
+    empty = [r["step"] for r in rows if r["train/skipped_empty_batch"] == 1.0]
+    assert summary["steps_trained_nothing"] == len(empty)
+    for r in rows:  # steps that trained nothing carry no post-filter ratio (null)
+        assert (r["collapse/frac_reward_zero_std"] is None) == (r["step"] in empty), r["step"]
 
 
 def _timing(key: str) -> bool:
