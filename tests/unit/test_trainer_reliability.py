@@ -247,22 +247,22 @@ def test_an_over_long_prompt_is_dropped_counted_and_resume_checks_the_set(model_
 
 def test_left_truncation_reaches_the_engines_or_is_refused(model_dir, tmp_path):
     """``data.truncation=left`` keeps a prompt's last max_prompt_tokens tokens in
-    ``meta['prompt_ids']``; it is only honest once the engines' chat_prompt_ids reads them
-    (the wt-users change to rollout/base.py). Until then it is refused at start-up."""
+    ``meta['prompt_ids']``, which the engines' chat_prompt_ids returns (rollout/base.py
+    delegates to data.prompts.prompt_ids); a build whose engines ignored them would refuse
+    it at start-up rather than crash at step N."""
     from transformers import AutoTokenizer
 
     from megagrpo.rollout.base import chat_prompt_ids
 
     data = {"train": [_data_with_a_long_prompt(tmp_path)], "truncation": "left"}
-    try:
-        ctx = _context(model_dir, tmp_path, "left", data=data)
-    except ConfigError as exc:
-        assert "config key 'data.truncation'" in str(exc)
-        return
+    ctx = _context(model_dir, tmp_path, "left", data=data)
     long1 = next(p for p in ctx.sampler.problems if p.id == "long1")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    assert len(chat_prompt_ids(tok, long1)) == 253
+    full = tok.apply_chat_template(long1.messages, add_generation_prompt=True, tokenize=False)
+    full_ids = tok(full, add_special_tokens=False)["input_ids"]
+    assert chat_prompt_ids(tok, long1) == full_ids[-253:]  # the last 256 - 3 tokens
     assert ctx.data_metrics["data/prompts_truncated"] == 1.0
+    _train(ctx)
 
 
 # ----------------------------------------------------------------------------- non-finite
