@@ -482,6 +482,7 @@ def test_steps_that_train_nothing_are_visible(model_dir, tmp_path, caplog):
     saved = _rows(tmp_path / "flat")
     assert all(r["collapse/frac_reward_zero_std"] is None for r in saved)  # null
     assert all(r["collapse/acr_post"] is None for r in saved)
+    assert all("frac_reward_zero_std" in r and r["frac_reward_zero_std"] is None for r in saved)
     make_report(tmp_path / "flat")
     summary = json.loads((tmp_path / "flat" / "report" / "summary.json").read_text())
     assert summary["steps_trained_nothing"] == 4 and summary["steps_skipped_nonfinite"] == 0
