@@ -166,7 +166,7 @@ def check_problem_set(
     if was - now:
         fit = sorted(was - now)
         parts.append(f"{len(fit)} dropped before are kept now (e.g. {fit[:5]})")
-    keys = [str(c) for c in changes if c.key.startswith(_PROBLEM_KEYS)]
+    keys = [f"{c.key}: {c.old!r} -> {c.new!r}" for c in changes if c.key.startswith(_PROBLEM_KEYS)]
     parts.append("changed settings: " + ("; ".join(keys) if keys else "none (the data files?)"))
     raise CheckpointError(
         "--resume: the training problem set differs from the checkpoint's ("
