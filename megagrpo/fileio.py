@@ -4,17 +4,25 @@ A file is written to a temporary sibling, flushed and fsynced, then renamed over
 and the parent directory is fsynced, so a reader sees the old content or the new one, never a
 mix. A directory is built under a temporary sibling and renamed into place the same way.
 Temporary siblings are named ``.NAME.tmp`` (``.NAME.tmp-PID`` when several processes may race
-for the same target); :func:`is_tmp` recognises both for clean-up.
+for the same target); :func:`is_tmp` recognises both for clean-up (:func:`remove_stale_tmp`).
+
+Large files that must be verified later (checkpoint shards) are written in one pass through
+:func:`write_hashed`, which returns their size and SHA-256 (:func:`file_digest` recomputes
+them). A write that fails for lack of space names the file (:func:`describe_os_error`).
 """
 
 from __future__ import annotations
 
+import errno as errno_codes
+import hashlib
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 _TMP = re.compile(r"^\..+\.tmp(-\d+)?$")
 
@@ -45,8 +53,32 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def describe_os_error(exc: OSError, path: str | os.PathLike) -> str:
+    """``writing PATH: No space left on device (errno 28, ENOSPC); 1.2 MB free on DIR``: what a
+    failed write needs to say (``exc`` raised by ``write`` carries neither path nor space)."""
+    code = exc.errno
+    name = errno_codes.errorcode.get(code, "?") if code is not None else "?"
+    msg = f"writing {path}: {exc.strerror or exc} (errno {code}, {name})"
+    try:
+        free = shutil.disk_usage(Path(path).parent).free
+        msg += f"; {free / 1e6:.1f} MB free on {Path(path).parent}"
+    except OSError:
+        pass
+    return msg
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """``exc`` with ``path`` as its filename (``write`` errors carry none)."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    out = type(exc)(exc.errno, exc.strerror, str(path))
+    out.__cause__ = exc
+    return out
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (tmp + fsync + rename + fsync of the parent)."""
+    """Write ``data`` to ``path`` atomically (tmp + fsync + rename + fsync of the parent).
+    An OSError (disk full) names ``path``; the previous content is kept."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_sibling(path, unique=True)
@@ -56,6 +88,9 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _named(exc, path) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -66,6 +101,108 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` atomically (see :func:`write_bytes`)."""
     return write_bytes(path, text.encode(encoding))
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and SHA-256 (hex) of a file's content."""
+
+    size: int
+    sha256: str
+
+
+class HashingWriter:
+    """A write-only binary stream over ``fh`` that counts and hashes what passes through
+    (``torch.save`` accepts it), so a file's digest costs no second read."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.error: OSError | None = None
+        """The first write error (a writer such as ``torch.save`` may replace it with its
+        own error on the way out)."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data)
+        try:
+            written = self._fh.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self._hash.update(view)
+        self.size += view.nbytes
+        return written if written is not None else view.nbytes
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def digest(self) -> FileDigest:
+        return FileDigest(self.size, self._hash.hexdigest())
+
+
+def write_hashed(path: str | os.PathLike, write: Callable[[HashingWriter], object]) -> FileDigest:
+    """Create ``path`` with what ``write(stream)`` writes, flushed and fsynced; returns its
+    :class:`FileDigest`. Not atomic by itself: meant for files inside a temporary directory
+    that is renamed into place afterwards (:func:`replace_dir`). On an OSError (disk full)
+    the partial file is removed and the error names ``path``."""
+    path = Path(path)
+    stream: HashingWriter | None = None
+    try:
+        with open(path, "wb") as fh:
+            stream = HashingWriter(fh)
+            write(stream)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException as exc:
+        path.unlink(missing_ok=True)
+        cause = exc if isinstance(exc, OSError) else stream.error if stream else None
+        if cause is not None:  # torch.save turns ENOSPC into "unexpected pos 64 vs 0"
+            raise _named(cause, path) from exc
+        raise
+    return stream.digest()
+
+
+def file_digest(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> FileDigest:
+    """:class:`FileDigest` of an existing file (read once, in chunks)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk_bytes):
+            h.update(block)
+            size += len(block)
+    return FileDigest(size, h.hexdigest())
+
+
+def tree_size(path: str | os.PathLike) -> int:
+    """Bytes of the files under ``path`` (a file: its size); 0 when it is gone."""
+    path = Path(path)
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    except OSError:
+        return 0
+
+
+def remove_stale_tmp(directory: str | os.PathLike) -> list[tuple[Path, int]]:
+    """Remove every temporary sibling (:func:`is_tmp`) directly under ``directory``: what
+    interrupted writes left behind. Only for directories with one writer at a time. Returns
+    ``(path, bytes)`` of each removed entry."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for entry in sorted(directory.iterdir()):
+        if not is_tmp(entry):
+            continue
+        size = tree_size(entry)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append((entry, size))
+    return removed
 
 
 def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -1,12 +1,16 @@
-"""`megagrpo train CONFIG [key=value ...] [--resume]`: GRPO training.
+"""`megagrpo train CONFIG [key=value ...] [--resume | --overwrite]`: GRPO training.
 
 Single process:            megagrpo train configs/demo_cpu.yaml trainer.max_steps=3
 Several (gloo/NCCL):       torchrun --nproc-per-node 2 -m megagrpo.cli train CONFIG parallel.tp=2
-Continue a killed run:     megagrpo train CONFIG --resume
+Continue a stopped run:    megagrpo train CONFIG --resume
+Start over in its dir:     megagrpo train CONFIG --overwrite   (the old run is moved aside)
 
 Writes runs/<trainer.name>/: config.yaml (resolved), metrics.jsonl (one row per step, every
 metric of the design), checkpoints/step_*/ (adapters, optimiser, sampler state, RNGs),
 wandb/ (offline unless metrics.wandb_mode=online), adapter/ (PEFT adapter at the end).
+
+SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 finish the current step, write a checkpoint and exit with
+status 0 (every rank stops after the same step); a second Ctrl-C stops at once (status 130).
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megagrpo.trainer.context import TrainContext
 
 DESCRIPTION = __doc__
 
@@ -28,10 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="key=value",
         help="dotted config overrides, e.g. trainer.max_steps=3",
     )
-    parser.add_argument(
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint of the run",
+        help="continue from the newest verified checkpoint of the run",
+    )
+    mode.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh although the run directory holds a run: it is moved aside to "
+        "<name>.old-<time> (never deleted)",
     )
 
 
@@ -57,24 +73,48 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context, finish, shutdown
+    from megagrpo.trainer.signals import StopSignals
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
-    ctx = build_context(cfg, resume=args.resume)
+    stop = StopSignals().install()  # a signal during start-up stops before step 1
     try:
-        # MEGAGRPO_STRICT_DEVICES=1: every tensor handed to a collective or to the loss must
-        # be on the declared compute device (emulated on CPU): megagrpo.parallel.strict
-        with strict_from_env(ctx.pgs, host_modules=host_modules(ctx.rollouts.engine)):
-            rows = train(ctx)
-            finish(ctx)
+        ctx = build_context(cfg, resume=args.resume, overwrite=args.overwrite)
+        try:
+            # MEGAGRPO_STRICT_DEVICES=1: every tensor handed to a collective or to the loss
+            # must be on the declared compute device (emulated on CPU): megagrpo.parallel.strict
+            with strict_from_env(ctx.pgs, host_modules=host_modules(ctx.rollouts.engine)):
+                rows = train(ctx, stop)
+                if ctx.stopped_by is None:
+                    finish(ctx)
+        finally:
+            shutdown(ctx)
+    except KeyboardInterrupt:
+        print("megagrpo train: interrupted: no checkpoint written", file=sys.stderr)
+        return 130
     finally:
-        shutdown(ctx)
-    if ctx.comm.is_main and rows:
+        stop.restore()
+    if ctx.comm.is_main:
+        _report(ctx, rows)
+    return 0
+
+
+def _report(ctx: TrainContext, rows: list[dict]) -> None:
+    """The run's last line: how it ended and where to continue."""
+    skipped = sum(1 for r in rows if r.get("train/skipped_empty_batch"))
+    nonfinite = sum(1 for r in rows if r.get("train/skipped_nonfinite"))
+    note = f" ({skipped} trained nothing)" if skipped else ""
+    note += f" ({nonfinite} skipped: non-finite)" if nonfinite else ""
+    if ctx.stopped_by:
+        print(
+            f"stopped by {ctx.stopped_by} after step {ctx.step}: checkpoint "
+            f"{ctx.ckpt_root / f'step_{ctx.step:06d}'}; continue with --resume"
+        )
+    elif rows:
         last = rows[-1]
         print(
-            f"done: {ctx.step} steps, run dir {ctx.run_dir}, last reward/mean="
+            f"done: {ctx.step} steps{note}, run dir {ctx.run_dir}, last reward/mean="
             f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}"
         )
-    return 0
 
 
 def host_modules(engine: object) -> tuple:

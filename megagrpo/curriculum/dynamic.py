@@ -270,8 +270,17 @@ class DynamicSampler:
         stats["dynamic/valid_groups_discarded"] = float(discarded)
         stats["dynamic/carry_buffer"] = float(len(self.carry))
         stats["dynamic/carry_dropped_stale"] = float(rounds.dropped_stale)
-        if not success and cfg.enabled:
-            log.debug(
+        if not trained:
+            log.warning(
+                "step %d trains nothing: all %d groups of %d round(s) collapsed (equal "
+                "rewards); raise dynamic.max_resample, or filter too easy / too hard "
+                "problems (curriculum.keep_levels)",
+                rounds.step,
+                len(rounds.decisions),
+                rounds.num_checked,
+            )
+        elif not success and cfg.enabled:
+            log.info(
                 "step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
                 rounds.step,
                 rounds.num_valid,

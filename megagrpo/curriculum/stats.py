@@ -149,17 +149,24 @@ def collapse_metrics(
     ``collapse/acr_correctness_raw``, ``collapse/acr_post``, ``collapse/solve_all`` and
     ``collapse/solve_none`` (post). Every row holds ``acr_by_level/L1..L{num_levels}`` and
     ``acr_predicted``: NaN where there is no value (no group of that level this step, no
-    levels file); the loggers write NaN as null.
+    levels file); the loggers write NaN as null. The post-filter ratios are NaN (null) too
+    when nothing was trained (``post["num_groups"] == 0``): a 0.0 there would read as
+    "dynamic sampling filled the batch" for a step that trained nothing.
     """
+    trained = post.get("num_groups", 1.0) > 0
+
+    def post_ratio(key: str) -> float:
+        return post[key] if trained else math.nan
+
     out = {
         "collapse/acr_raw": raw["acr"],
         "collapse/solve_all_raw": raw["solve_all"],
         "collapse/solve_none_raw": raw["solve_none"],
         "collapse/frac_reward_zero_std_raw": raw["frac_reward_zero_std"],
-        "collapse/frac_reward_zero_std": post["frac_reward_zero_std"],
-        "collapse/acr_post": post["acr"],
-        "collapse/solve_all": post["solve_all"],
-        "collapse/solve_none": post["solve_none"],
+        "collapse/frac_reward_zero_std": post_ratio("frac_reward_zero_std"),
+        "collapse/acr_post": post_ratio("acr"),
+        "collapse/solve_all": post_ratio("solve_all"),
+        "collapse/solve_none": post_ratio("solve_none"),
     }
     if "acr_correctness" in raw:
         out["collapse/acr_correctness_raw"] = raw["acr_correctness"]

@@ -285,6 +285,8 @@ def make_report(
     paths = [_save(fig, out / name) for name, fig in figures.items()]
     summary = {
         "steps": len(rows),
+        "steps_trained_nothing": sum(1 for r in rows if r.get("train/skipped_empty_batch")),
+        "steps_skipped_nonfinite": sum(1 for r in rows if r.get("train/skipped_nonfinite")),
         "plots": [p.name for p in paths],
         "last": {
             k: rows[-1].get(k)

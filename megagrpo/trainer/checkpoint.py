@@ -2,30 +2,45 @@
 
 Layout of ``runs/<name>/checkpoints/step_000010/``::
 
-    rank00000.pt   per rank: LoRA shard, optimiser state, RNG states (torch, numpy, random)
-    trainer.pt     rank 0: step, curriculum sampler state, dynamic-sampler carry buffer
-    meta.json      written last: step, world size, parallel layout (marks it complete)
+    rank00000.pt   per rank: LoRA shard, optimiser, scheduler and RNG states (tensors and
+                   plain Python types only: read with ``torch.load(weights_only=True)``)
+    trainer.json   rank 0: step, curriculum sampler state, dynamic-sampler carry buffer,
+                   loop counters (JSON: it cannot carry code)
+    meta.json      the manifest, written last (marks the checkpoint complete): format, step,
+                   world size, parallel layout, the resolved run config, the training problem
+                   set, and the size and SHA-256 of every other file
 
-Writes are atomic: every rank writes into ``.step_000010.tmp/``; after a barrier rank 0 writes
-``meta.json`` and renames the directory into place, so a kill at any moment leaves either
-the previous checkpoint or the new one, never a half-written one. :func:`latest` ignores
-directories without ``meta.json``. Only the LoRA parameters are saved: the frozen base
-comes from ``model.hf_path`` again on resume.
+Writing (:func:`save`, collective): every rank writes its file into ``.step_000010.tmp/``,
+hashing it in the same pass and fsyncing it; the ranks exchange the outcomes, so a failed
+write (disk full) is raised on every rank naming the file, errno and free space, the
+temporary directory is removed and older checkpoints stay untouched. Rank 0 then writes
+``trainer.json`` and the manifest, fsyncs the directory, renames it into place, fsyncs the
+parent and prunes old checkpoints; stale temporary directories of interrupted writes are
+removed first. A kill at any moment leaves the previous checkpoint or the new one.
 
-:func:`save_checkpoint` / :func:`restore_checkpoint` move a :class:`TrainContext` in and
-out of that format: every rank its LoRA shard, optimiser, scheduler and RNGs; the
-curriculum and dynamic samplers (replicated on every rank) from rank 0's ``trainer.pt``.
+Reading (:func:`find_resume_checkpoint`, collective): newest first, each rank checks its own
+file's size and SHA-256 against the manifest (rank 0 also ``trainer.json``); a checkpoint any
+rank finds damaged is skipped with a warning naming the file, and the next older one is
+tried. Nothing is unpickled: a planted pickle payload is refused naming the file. Checkpoints
+of the previous format (``trainer.pt``, no checksums) are still read, also with
+``weights_only=True`` (numpy's RNG array is the one extra type allowed).
+
+:func:`save_checkpoint` / :func:`restore_checkpoint` move a :class:`TrainContext` in and out
+of that format. Only the LoRA parameters are saved: the frozen base comes from
+``model.hf_path`` again on resume.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +50,38 @@ import torch
 from megagrpo import fileio
 from megagrpo.errors import CheckpointError
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.context import TrainContext
+from megagrpo.trainer.context import Comm, TrainContext
 
 log = logging.getLogger(__name__)
 
+FORMAT = "megagrpo-train-ckpt-v2"
+MANIFEST = "meta.json"
+"""Written last; its presence marks a complete checkpoint (the Slurm launcher looks for it)."""
+TRAINER_FILE = "trainer.json"
+LEGACY_TRAINER_FILE = "trainer.pt"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+# ----------------------------------------------------------------------------- plain state
+
+
 def rng_state() -> dict[str, Any]:
-    """Every RNG this process draws from."""
-    state = {
+    """Every RNG this process draws from, as tensors and plain types (numpy's MT19937 key as
+    a list of ints: an ndarray would need unpickling)."""
+    name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "bit_generator": str(name),
+            "key": [int(k) for k in key],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -55,34 +90,140 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore :func:`rng_state` (also the previous format's numpy tuple)."""
+    random.setstate(_as_tuple(state["python"]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        key = np.asarray(npy["key"], dtype=np.uint32)
+        npy = (npy["bit_generator"], key, npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(obj: Any) -> Any:
+    return tuple(_as_tuple(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
+
+
+def to_plain(obj: Any, where: str = "state") -> Any:
+    """``obj`` as JSON types: numpy scalars -> Python numbers, arrays and tuples -> lists.
+    TypeError naming the path for anything else, so a field that cannot be checkpointed
+    fails when saved (in the tests), not when a user resumes."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or type(obj) in (bool, int, float, str):
+        return obj
+    if isinstance(obj, str):  # subclasses: a str enum member
+        return str.__str__(obj)
+    for kind in (bool, int, float):  # subclasses: np.float64 is a float, IntEnum an int
+        if isinstance(obj, kind):
+            return kind(obj)
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: key {k!r} is not a string (not checkpointable)")
+            out[k] = to_plain(v, f"{where}.{k}")
+        return out
+    raise TypeError(
+        f"{where}: {type(obj).__name__} is not checkpointable (tensors go to rank files)"
+    )
+
+
+def _json_bytes(obj: Any) -> bytes:
+    # NaN/inf are legal in the state (e.g. a reward); json writes them as NaN/Infinity
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+# ----------------------------------------------------------------------------- directories
 
 
 def step_dir(ckpt_root: Path, step: int) -> Path:
     return Path(ckpt_root) / f"step_{step:06d}"
 
 
-def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory under ``ckpt_root`` (None if there is none)."""
+def complete_checkpoints(ckpt_root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, dir)`` of every checkpoint with a manifest, oldest first (not verified)."""
     root = Path(ckpt_root)
     if not root.is_dir():
-        return None
-    done = [
+        return []
+    return sorted(
         (int(m.group(1)), p)
         for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()
-    ]
-    return max(done)[1] if done else None
+        if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()
+    )
 
 
-def _barrier(comm) -> None:
-    if comm is not None:
-        comm.barrier()
+def latest(ckpt_root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory under ``ckpt_root`` (None if there is none);
+    :func:`find_resume_checkpoint` also verifies it."""
+    done = complete_checkpoints(ckpt_root)
+    return done[-1][1] if done else None
+
+
+def remove_stale_tmp(ckpt_root: str | os.PathLike) -> None:
+    """Remove the temporary directories interrupted saves left (rank 0, no save running)."""
+    removed = fileio.remove_stale_tmp(ckpt_root)
+    if removed:
+        log.warning(
+            "removed %d unfinished checkpoint write(s) (%.1f MB): %s",
+            len(removed),
+            sum(size for _, size in removed) / 1e6,
+            ", ".join(p.name for p, _ in removed),
+        )
+
+
+def _prune(root: Path, keep: int) -> None:
+    for _, path in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _write_file(path: Path, write: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """``({"bytes", "sha256"}, None)`` or ``(None, why)`` for a failed write (every failure:
+    the other ranks must hear of it, or they would wait for this one forever)."""
+    try:
+        digest = fileio.write_hashed(path, write)
+    except OSError as exc:
+        return None, fileio.describe_os_error(exc, path)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by save()
+        return None, f"writing {path}: {type(exc).__name__}: {exc}"
+    return {"bytes": digest.size, "sha256": digest.sha256}, None
+
+
+def _write_own_files(
+    tmp: Path, rank: int, step: int, rank_state: dict[str, Any], trainer_state: dict | None
+) -> tuple[dict[str, Any], str | None]:
+    """This rank's file (rank 0: also ``trainer.json``) into ``tmp``: ``(digests, error)``."""
+    state = {**rank_state, "rng": rng_state()}
+    info, error = _write_file(tmp / rank_file(rank), lambda fh: torch.save(state, fh))
+    files = {rank_file(rank): info}
+    if rank == 0 and error is None:
+        try:
+            plain = to_plain({"step": step, **(trainer_state or {})}, "trainer_state")
+        except TypeError as exc:
+            return files, str(exc)
+        info, error = _write_file(tmp / TRAINER_FILE, lambda fh: fh.write(_json_bytes(plain)))
+        files[TRAINER_FILE] = info
+    return files, error
+
+
+def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> str | None:
+    """Rank 0: the manifest last, then the fsynced rename; why it failed, or None."""
+    try:
+        fileio.write_text(tmp / MANIFEST, json.dumps(to_plain(manifest, "manifest"), indent=1))
+        fileio.replace_dir(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return fileio.describe_os_error(exc, exc.filename or tmp / MANIFEST)
+    return None
 
 
 def save(
@@ -94,44 +235,189 @@ def save(
     rank_state: dict[str, Any],
     trainer_state: dict[str, Any] | None,
     meta: dict[str, Any],
+    extra: dict[str, Any] | None = None,
     keep: int = 2,
-    comm=None,
+    comm: Comm | None = None,
 ) -> Path:
     """Write one checkpoint atomically (collective: every rank calls it).
 
     Args:
         rank_state: this rank's ``{"lora": ..., "optimizer": ..., ...}`` (RNGs added here).
-        trainer_state: rank 0's sampler / dynamic-sampler / loop state (ignored elsewhere).
-        meta: JSON-able description (layout, model path) checked on load.
-        keep: newest checkpoints to keep. comm: object with ``barrier()`` (None: 1 process).
+        trainer_state: rank 0's sampler / dynamic-sampler / loop state, JSON-able after
+            :func:`to_plain` (ignored elsewhere).
+        meta: layout description checked on load (:func:`load`).
+        extra: more manifest entries (the run config, the problem set), not checked by load.
+        keep: newest checkpoints to keep. comm: the world (None: one process).
+    Raises CheckpointError on every rank when any rank's write failed (disk full: file,
+    errno, free space); the temporary directory is removed, older checkpoints are intact.
     """
-    final = step_dir(Path(ckpt_root), step)
+    comm = comm or Comm()
+    root = Path(ckpt_root)
+    final = step_dir(root, step)
     tmp = fileio.tmp_sibling(final)
+    error = None
     if rank == 0:
-        fileio.fresh_tmp_dir(final)
-    _barrier(comm)
-    torch.save({**rank_state, "rng": rng_state()}, tmp / f"rank{rank:05d}.pt")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_tmp(root)
+            fileio.fresh_tmp_dir(final)
+        except OSError as exc:
+            error = fileio.describe_os_error(exc, exc.filename or tmp)
+    error = comm.broadcast_object(error)  # also the barrier before the writes
+    if error:
+        raise CheckpointError(f"checkpoint step {step} not written ({error})")
+    outcomes = comm.all_gather_object(_write_own_files(tmp, rank, step, rank_state, trainer_state))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(outcomes) if e]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()
+        raise CheckpointError(
+            f"checkpoint step {step} not written ({'; '.join(errors)}); the previous "
+            "checkpoint is intact"
+        )
     if rank == 0:
-        torch.save({"step": step, **(trainer_state or {})}, tmp / "trainer.pt")
-    _barrier(comm)
-    if rank == 0:
-        info = {"step": step, "world_size": world_size, **meta}
-        (tmp / "meta.json").write_text(json.dumps(info, indent=1, default=str), encoding="utf-8")
-        fileio.replace_dir(tmp, final)
-        _prune(Path(ckpt_root), keep)
-        log.info("checkpoint step %d -> %s", step, final)
-    _barrier(comm)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": world_size,
+            **meta,
+            **(extra or {}),
+            "files": {name: d for f, _ in outcomes for name, d in f.items()},
+        }
+        error = _commit(tmp, final, manifest)
+        if error is None:
+            _prune(root, keep)
+            log.info("checkpoint step %d -> %s", step, final)
+    error = comm.broadcast_object(error)
+    if error:
+        raise CheckpointError(f"checkpoint step {step} not written ({error})")
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    done = sorted(
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()
+# ----------------------------------------------------------------------------- reading
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``; CheckpointError naming the file when it is
+    missing, unreadable or not a JSON object."""
+    file = Path(path) / MANIFEST
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _check_file(path: Path, name: str, manifest: dict[str, Any]) -> str | None:
+    """Why ``path/name`` does not match the manifest (None when it does)."""
+    file = path / name
+    if not file.is_file():
+        return f"{name} is missing"
+    expected = (manifest.get("files") or {}).get(name)
+    if manifest.get("format") != FORMAT:  # previous format: no checksums to compare
+        return None if file.stat().st_size > 0 else f"{name} is empty"
+    if not isinstance(expected, dict):
+        return f"{name} is not listed in {MANIFEST}"
+    size = file.stat().st_size
+    if size != expected.get("bytes"):
+        return f"{name}: {size} bytes, {MANIFEST} says {expected.get('bytes')}"
+    if fileio.file_digest(file).sha256 != expected.get("sha256"):
+        return f"{name}: SHA-256 differs from {MANIFEST} (corrupt)"
+    return None
+
+
+def _verify(path: Path, comm: Comm) -> tuple[dict[str, Any] | None, str | None]:
+    """Collective: ``(manifest, None)`` when every rank's files of ``path`` match the
+    manifest, else ``(None, reasons)``. A checkpoint of another world size is returned
+    unverified: the resume check refuses it naming the world size."""
+    manifest, error = None, None
+    if comm.is_main:
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as exc:
+            error = str(exc)
+    manifest, error = comm.broadcast_object((manifest, error))
+    if error or manifest is None:
+        return None, error
+    if manifest.get("world_size") != comm.world_size:
+        return manifest, None
+    names = [rank_file(comm.rank)]
+    if comm.is_main:
+        legacy = manifest.get("format") != FORMAT
+        names.append(LEGACY_TRAINER_FILE if legacy else TRAINER_FILE)
+    mine = [r for r in (_check_file(path, n, manifest) for n in names) if r]
+    reasons = [r for rs in comm.all_gather_object(mine) for r in rs]
+    return (None, "; ".join(reasons)) if reasons else (manifest, None)
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a run resumes from, verified, with its manifest."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+
+def find_resume_checkpoint(ckpt_root: str | os.PathLike, comm: Comm | None = None) -> ResumePoint:
+    """The newest checkpoint under ``ckpt_root`` that every rank verifies (collective).
+
+    A damaged one (truncated or corrupt file, missing file, unreadable manifest) is skipped
+    with a WARNING naming the file; CheckpointError when none is usable (listing why each
+    was rejected) or there is none.
+    """
+    comm = comm or Comm()
+    found = comm.broadcast_object(
+        [(s, str(p)) for s, p in complete_checkpoints(ckpt_root)] if comm.is_main else None
     )
-    for _, path in done[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+    rejected = []
+    for step, path in reversed(found):
+        manifest, why = _verify(Path(path), comm)
+        if manifest is not None:
+            if rejected:
+                log.warning("resuming from %s, the newest usable checkpoint", path)
+            elif manifest.get("format") != FORMAT:
+                log.warning("%s: written by an older megagrpo, without checksums", path)
+            return ResumePoint(Path(path), step, manifest)
+        log.warning("checkpoint %s is unusable (%s); trying the one before", path, why)
+        rejected.append(f"{Path(path).name}: {why}")
+    if rejected:
+        raise CheckpointError(
+            f"--resume: no usable checkpoint under {ckpt_root}: " + "; ".join(rejected)
+        )
+    raise CheckpointError(f"--resume: no complete checkpoint under {ckpt_root}")
+
+
+def _legacy_numpy_types() -> list[Any]:
+    """What the previous format pickled of numpy: the MT19937 key array, scalars in the
+    carry buffer. Only these constructors are allowed, nothing that runs code."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = {type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.bool_)}
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+
+
+def _torch_load(file: Path, legacy: bool) -> Any:
+    """``torch.load(weights_only=True)``; CheckpointError naming ``file`` for anything else
+    (a pickle that would run code is refused before anything runs)."""
+    try:
+        if not legacy:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_legacy_numpy_types()):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every reader error names the file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"{file}: refused or unreadable checkpoint file ({type(exc).__name__}: {first}); "
+            "checkpoints hold tensors and plain data only"
+        ) from exc
 
 
 def load(
@@ -139,29 +425,35 @@ def load(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Read ``(rank_state, trainer_state)`` of a checkpoint written by :func:`save`.
 
-    Raises CheckpointError when it is incomplete or was written for another layout
-    (world size, or any key of ``meta`` that differs, e.g. the parallel degrees).
+    Raises CheckpointError when it is incomplete, unreadable, holds anything but tensors and
+    plain data, or was written for another layout (world size, or any key of ``meta``).
     """
     path = Path(path)
-    meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no meta.json)")
-    saved = json.loads(meta_file.read_text(encoding="utf-8"))
+    saved = read_manifest(path)
     if saved.get("world_size") != world_size:
         raise CheckpointError(
             f"{path}: written by {saved.get('world_size')} processes, "
             f"resumed with {world_size}; use the same launch layout"
         )
     for key, value in meta.items():
-        if json.loads(json.dumps(value, default=str)) != saved.get(key):
+        if to_plain(value) != saved.get(key):
             raise CheckpointError(
                 f"{path}: '{key}' was {saved.get(key)!r} when saved, now {value!r}"
             )
-    rank_file = path / f"rank{rank:05d}.pt"
-    if not rank_file.is_file():
-        raise CheckpointError(f"{path}: missing {rank_file.name}")
-    rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
-    trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    legacy = saved.get("format") != FORMAT
+    file = path / rank_file(rank)
+    if not file.is_file():
+        raise CheckpointError(f"{path}: missing {file.name}")
+    rank_state = _torch_load(file, legacy)
+    if legacy:
+        trainer_state = _torch_load(path / LEGACY_TRAINER_FILE, legacy=True)
+    else:
+        try:
+            trainer_state = json.loads((path / TRAINER_FILE).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path / TRAINER_FILE}: unreadable ({exc})") from exc
+    if not isinstance(rank_state, dict) or not isinstance(trainer_state, dict):
+        raise CheckpointError(f"{path}: checkpoint files hold no state dict")
     return rank_state, trainer_state
 
 
@@ -177,6 +469,13 @@ def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def problem_set(ids: list[str], dropped: list[str], truncated: list[str]) -> dict[str, Any]:
+    """The manifest's record of the training problems (ids in order, as the sampler sees
+    them) and of what the prompt-length policy removed or cut."""
+    digest = hashlib.sha256("\0".join(ids).encode()).hexdigest()
+    return {"count": len(ids), "sha256": digest, "dropped": dropped, "truncated": truncated}
+
+
 def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     """Adapters, optimiser, scheduler and RNGs of every rank; samplers (collective)."""
     rank_state = {
@@ -184,8 +483,12 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         "optimizer": ctx.optimizer.state_dict(),
         "scheduler": ctx.scheduler.state_dict() if ctx.scheduler else None,
     }
-    trainer_state = {"sampler": ctx.sampler.state_dict(), "dynamic": ctx.dynamic.state_dict()}
-    return save(
+    trainer_state = {
+        "sampler": ctx.sampler.state_dict(),
+        "dynamic": ctx.dynamic.state_dict(),
+        "loop": {"nonfinite_streak": ctx.nonfinite_streak},
+    }
+    path = save(
         ctx.ckpt_root,
         step,
         rank=ctx.comm.rank,
@@ -193,27 +496,38 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         rank_state=rank_state,
         trainer_state=trainer_state,
         meta=checkpoint_meta(ctx.cfg),
+        extra={"config": dataclasses.asdict(ctx.cfg), "problems": ctx.problem_set},
         keep=ctx.cfg.trainer.keep_checkpoints,
         comm=ctx.comm,
     )
+    ctx.saved_step = step
+    return path
 
 
-def restore_checkpoint(ctx: TrainContext) -> int:
-    """Load the newest complete checkpoint of the run into ``ctx``; returns its step
-    (CheckpointError when there is none). The engines are re-synced by the caller."""
-    path = latest(ctx.ckpt_root)
-    if path is None:
-        raise CheckpointError(f"--resume: no complete checkpoint under {ctx.ckpt_root}")
+def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
+    """Load ``point`` (from :func:`find_resume_checkpoint`) into ``ctx``; returns its step.
+    Carried groups of another ``rollout.group_size`` are dropped, and a changed
+    ``trainer.lr`` / ``weight_decay`` / ``adam_betas`` is applied to the restored optimiser
+    (its state would silently bring the old values back). The engines are re-synced by the
+    caller."""
+    from megagrpo.trainer.resume_check import apply_optimizer_settings, drop_foreign_carry
+
     rank_state, trainer_state = load(
-        path, rank=ctx.comm.rank, world_size=ctx.comm.world_size, meta=checkpoint_meta(ctx.cfg)
+        point.path,
+        rank=ctx.comm.rank,
+        world_size=ctx.comm.world_size,
+        meta=checkpoint_meta(ctx.cfg),
     )
     ctx.policy.load_lora_state_dict(rank_state["lora"])
     ctx.optimizer.load_state_dict(rank_state["optimizer"])
     if ctx.scheduler is not None and rank_state.get("scheduler"):
         ctx.scheduler.load_state_dict(rank_state["scheduler"])
+    apply_optimizer_settings(ctx.optimizer, ctx.scheduler, ctx.cfg.trainer)
     ctx.sampler.load_state_dict(trainer_state["sampler"])
     ctx.dynamic.load_state_dict(trainer_state["dynamic"])
+    drop_foreign_carry(ctx.dynamic, ctx.cfg.rollout.group_size)
     set_rng_state(rank_state["rng"])
-    ctx.step = int(trainer_state["step"])
-    log.info("resumed from %s (step %d)", path, ctx.step)
+    ctx.step = ctx.saved_step = int(trainer_state["step"])
+    ctx.nonfinite_streak = int((trainer_state.get("loop") or {}).get("nonfinite_streak", 0))
+    log.info("resumed from %s (step %d)", point.path, ctx.step)
     return ctx.step

@@ -72,7 +72,11 @@ class TrainerConfig:
     save_every: int = 0
     """Checkpoint every N steps (0: only at the end); always at the last step."""
     keep_checkpoints: int = 2
-    """Keep the newest N checkpoints (older ones are deleted after a successful save)."""
+    """Keep the newest N checkpoints (older ones are deleted after a successful save). With
+    2 or more, --resume falls back to the previous one when the newest is damaged."""
+    max_nonfinite_steps: int = 3
+    """Stop the run after this many consecutive steps whose loss or gradient norm was
+    non-finite (each such step skips its optimiser update and logs train/skipped_nonfinite)."""
     eval_every: int = 0
     """Evaluate on data.eval every N steps (0: never; also at the end when > 0)."""
     eval_max_problems: int = 0
@@ -152,6 +156,7 @@ class TrainerConfig:
         for key in ("save_every", "eval_every", "eval_max_problems"):
             require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0")
         require(self.keep_checkpoints >= 1, f"{path}.keep_checkpoints", "must be >= 1")
+        require(self.max_nonfinite_steps >= 1, f"{path}.max_nonfinite_steps", "must be >= 1")
 
 
 @dataclass

@@ -149,6 +149,17 @@ class TrainContext:
     step: int = 0
     """Optimiser steps completed."""
     timings: dict[str, float] = field(default_factory=dict)
+    problem_set: dict[str, Any] = field(default_factory=dict)
+    """The training problems as a checkpoint records them (count, digest, ids the
+    prompt-length policy dropped or truncated): compared on resume."""
+    data_metrics: dict[str, float] = field(default_factory=dict)
+    """``data/*`` counts of the prompt-length policy, in every row."""
+    saved_step: int | None = None
+    """Step of the newest checkpoint this run wrote or resumed from."""
+    nonfinite_streak: int = 0
+    """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
+    stopped_by: str | None = None
+    """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
 
     @property
     def ckpt_root(self) -> Path:

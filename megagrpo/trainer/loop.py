@@ -29,8 +29,9 @@ from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.names import required_metrics, swift_aliases
 from megagrpo.trainer.checkpoint import save_checkpoint
 from megagrpo.trainer.context import TrainContext
-from megagrpo.trainer.optimize import train_on_batch
+from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
+from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
 from megagrpo.types import Group
 
@@ -113,8 +114,9 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
         ctx.rollouts.sleep()
     with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + LoRA optimiser step
         losses = train_on_batch(ctx, batch.groups, adv) if trained else {}
+    updated = losses.get("train/optimizer_steps", 0.0) > 0  # none: empty or non-finite
     with ctx.timed("sync"):  # 6: verified weight sync (the engines wake in stages)
-        sync = sync_weights(ctx) if trained else {"perf/sync_bytes": 0.0}
+        sync = sync_weights(ctx) if updated else _no_sync(ctx, slept=trained)
     ctx.step = step
     step_s = time.perf_counter() - t0
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen), **losses, **sync}
@@ -122,6 +124,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     metrics.update(ctx.sampler.metrics())
     metrics.update(ctx.reward_fn.pop_metrics())
     metrics["train/skipped_empty_batch"] = float(not trained)
+    metrics["train/skipped_nonfinite"] = losses.get("train/skipped_nonfinite", 0.0)
+    metrics.update(ctx.data_metrics)
     if _due(step, ctx.cfg.trainer.eval_every, ctx.cfg.trainer.max_steps):  # 7: evaluation
         metrics.update(evaluate(ctx.rollouts, ctx.eval_problems, ctx.cfg.trainer.seed, step))
     row = complete_row(ctx, metrics)
@@ -133,6 +137,14 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)
         save_checkpoint(ctx, step)
     return row
+
+
+def _no_sync(ctx: TrainContext, slept: bool) -> dict[str, float]:
+    """The weights did not change (nothing trained, or a non-finite update was skipped): no
+    sync; engines put to sleep for the skipped update wake up as they were."""
+    if slept:
+        ctx.rollouts.wake_up()
+    return {"perf/sync_bytes": 0.0}
 
 
 def _perf(ctx: TrainContext, gen: GenStats, step_s: float) -> dict[str, float]:
@@ -160,12 +172,26 @@ def complete_row(ctx: TrainContext, metrics: dict[str, float]) -> dict[str, floa
     return row
 
 
-def train(ctx: TrainContext) -> list[dict[str, float | None]]:
-    """Run steps ``ctx.step + 1 .. max_steps``; returns the rows logged by this process."""
+def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, float | None]]:
+    """Run steps ``ctx.step + 1 .. max_steps``; returns the rows logged by this process.
+
+    With ``stop`` (:mod:`megagrpo.trainer.signals`), every step boundary asks whether a rank
+    received SIGTERM / SIGINT / SIGUSR1; if so the last completed step is checkpointed
+    (unless it just was), ``ctx.stopped_by`` names the signal and the loop returns. Stops
+    with NonFiniteError after ``trainer.max_nonfinite_steps`` skipped updates in a row.
+    """
     rows = []
     try:
+        if stop is not None:
+            stop.install()  # again: an engine may have replaced the handlers while it started
         for step in range(ctx.step + 1, ctx.cfg.trainer.max_steps + 1):
+            if stop is not None and (signal_name := stop.agreed(ctx.comm)):
+                ctx.stopped_by = signal_name
+                break
             rows.append(grpo_step(ctx, step))
+            stop_on_nonfinite(ctx, step, rows[-1].get("train/skipped_nonfinite"))
+        if ctx.stopped_by and ctx.saved_step != ctx.step:
+            save_checkpoint(ctx, ctx.step)
     finally:
         ctx.logger.close()
         if ctx.completions is not None:

@@ -8,6 +8,11 @@ engine, from a no-grad trainer forward before the update (``recompute``; require
 ``ppo_epochs > 1``) or not at all (ratio 1). Reference log-probs (k3 KL) come from a no-grad
 forward with the adapters disabled (the frozen base is the reference policy).
 
+A non-finite loss or gradient norm on any rank skips the optimiser step on every rank (the
+weights, optimiser and scheduler state stay exactly as they were): ``train/skipped_nonfinite``
+is 1 in the step's row, and :func:`stop_on_nonfinite` stops the run after
+``trainer.max_nonfinite_steps`` such steps in a row.
+
 Routing replay (reusing the rollout's expert choices in the trainer's forward) is not done
 yet: MoE routing is recomputed by the trainer, which the old-log-prob recompute / TIS
 correction (``loss.tis_cap``) absorbs.
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megagrpo.algo.config import LossConfig
+from megagrpo.errors import MegagrpoError
 from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
 from megagrpo.parallel.state import ParallelGroups
@@ -44,6 +50,10 @@ log = logging.getLogger(__name__)
 
 LOSS_METRICS = ("loss/policy", "loss/kl", "loss/clip_frac", "loss/entropy")
 """Always in the row of a trained step (0.0 when a rank trained no micro-batch)."""
+
+
+class NonFiniteError(MegagrpoError):
+    """Too many consecutive steps had a non-finite loss or gradient (see module docstring)."""
 
 
 def local_share(
@@ -215,7 +225,7 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     if ctx.cfg.loss.kl_coef > 0:
         ref = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True)
     sums: dict[str, float] = {}
-    grad_norm = 0.0
+    grad_norm, steps, skipped = 0.0, 0, False
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
         sums = _backward_pass(ctx, mbs, old, ref, totals)
@@ -223,13 +233,52 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         grad_norm = clip_grad_norm(
             ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
         )
+        skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
+        if skipped:  # nothing of this update may reach the weights or the Adam moments
+            ctx.optimizer.zero_grad(set_to_none=True)
+            break
         ctx.optimizer.step()
         if ctx.scheduler is not None:
             ctx.scheduler.step()
+        steps += 1
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums
     metrics = ctx.comm.mean_over(metrics, pgs.dp)
     metrics["train/grad_norm"] = grad_norm
+    metrics["train/optimizer_steps"] = float(steps)
+    metrics["train/skipped_nonfinite"] = float(skipped)
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
     metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
     metrics["train/old_logprobs_" + source] = 1.0
     return metrics
+
+
+def finite_everywhere(comm: Comm, loss: float, grad_norm: float) -> bool:
+    """Collective: True when the loss and the gradient norm are finite on every rank (one
+    MAX all-reduce, so every rank takes the same decision)."""
+    bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    return comm.max_over(float(bad)) == 0.0
+
+
+def stop_on_nonfinite(ctx: TrainContext, step: int, skipped: float | None) -> None:
+    """Count consecutive steps whose update was skipped for a non-finite loss or gradient
+    (``skipped``: the row's ``train/skipped_nonfinite``); NonFiniteError after
+    ``trainer.max_nonfinite_steps`` in a row. The same on every rank (the skip is agreed)."""
+    if not skipped:
+        ctx.nonfinite_streak = 0
+        return
+    ctx.nonfinite_streak += 1
+    limit = ctx.cfg.trainer.max_nonfinite_steps
+    log.warning(
+        "step %d: non-finite loss or gradient norm, optimiser step skipped (%d in a row, "
+        "the run stops at %d)",
+        step,
+        ctx.nonfinite_streak,
+        limit,
+    )
+    if ctx.nonfinite_streak >= limit:
+        raise NonFiniteError(
+            f"non-finite loss or gradient at step {step}: {ctx.nonfinite_streak} optimiser "
+            f"steps in a row skipped (trainer.max_nonfinite_steps={limit}); the weights are "
+            f"those of the last finite step. Lower trainer.lr, check the rewards and "
+            f"loss.* settings, then --resume from the last checkpoint"
+        )

@@ -1,6 +1,9 @@
 """Build a :class:`TrainContext` from a resolved RunConfig, and release it: parallel state,
-Megatron policy with LoRA, optimiser, the rollout placement and its engine(s), rewards,
-curriculum + dynamic sampler (replicated on every rank), loggers; resume.
+the run directory (:mod:`megagrpo.trainer.rundir`: refuse to start over a run, find and check
+the checkpoint to resume), the data with its prompt lengths checked, Megatron policy with
+LoRA, optimiser, the rollout placement and its engine(s), rewards, curriculum + dynamic
+sampler (replicated on every rank), loggers; resume. What fails on the user's input fails
+before the model is built, and ``config.yaml`` is written only once start-up succeeded.
 
 The policy and engine factories default to the real ones (``megagrpo.model.build_policy``,
 ``megagrpo.rollout.build_engine``); the loop's unit test passes small fakes.
@@ -12,6 +15,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from megagrpo.curriculum.levels import (
 )
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
+from megagrpo.data.truncation import PromptPolicyResult, apply_prompt_policy
 from megagrpo.errors import ConfigError
 from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
 from megagrpo.metrics.logger import build_logger
@@ -37,11 +42,15 @@ from megagrpo.model.pretrained import resolve_model_path
 from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
-from megagrpo.trainer.checkpoint import latest, restore_checkpoint
+from megagrpo.rollout.base import chat_prompt_ids
+from megagrpo.trainer.checkpoint import problem_set, restore_checkpoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
+from megagrpo.trainer.rundir import prepare_run_dir
 from megagrpo.trainer.sync import sync_weights, trainer_probe
+from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
 
@@ -131,18 +140,54 @@ def lr_scheduler(
     )
 
 
-def _pad_id(model_path: Path) -> int:
-    try:
-        from transformers import AutoTokenizer
+def load_tokenizer(model_path: str) -> Any:
+    """The tokenizer the engines load (``AutoTokenizer`` of the model directory)."""
+    from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_path)
-        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
-    except Exception:  # noqa: BLE001 - padding is masked out anyway
-        return 0
+    return AutoTokenizer.from_pretrained(model_path)
 
 
-def _problems(cfg: RunConfig) -> tuple[list, list]:
-    """(training problems, held-out problems) of ``data.train`` / ``data.eval``."""
+def _pad_id(tokenizer: Any) -> int:
+    """Padding id of the trainer's micro-batches (masked out: any valid id works)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
+
+
+@dataclass
+class RunData:
+    """The problems a run uses, after the prompt-length policy."""
+
+    train: list[Problem]
+    eval: list[Problem]
+    problem_set: dict[str, Any]
+    """The training set as checkpoints record it (:func:`checkpoint.problem_set`)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``data/prompts_dropped`` / ``data/prompts_truncated`` of the training set."""
+
+
+def fit_prompts(
+    problems: list[Problem], tokenizer: Any, cfg: RunConfig, where: str
+) -> PromptPolicyResult:
+    """Apply ``data.truncation`` to the prompts longer than ``data.max_prompt_tokens``,
+    counted with the engines' own tokenisation (:func:`chat_prompt_ids`); DataError naming
+    the problems under ``error``."""
+    ids = [chat_prompt_ids(tokenizer, p) for p in problems]
+    limit = cfg.data.max_prompt_tokens or cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    result = apply_prompt_policy(problems, ids, limit, cfg.data.truncation, where=where)
+    truncated = set(result.truncated)
+    cut = [p for p in result.problems if p.id in truncated][:1]
+    if cut and len(chat_prompt_ids(tokenizer, cut[0])) > limit:
+        raise ConfigError(
+            "config key 'data.truncation': 'left' needs engines that take the truncated "
+            "prompt (meta['prompt_ids']); this build's rollout.base.chat_prompt_ids does "
+            "not: use delete or error"
+        )
+    return result
+
+
+def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
+    """``data.train`` / ``data.eval`` loaded, prompt lengths checked (before step 1, before
+    any model is built); ConfigError when no training problem is left."""
     data = cfg.data
     columns = data.column_map()
     train = load_problems(
@@ -156,40 +201,56 @@ def _problems(cfg: RunConfig) -> tuple[list, list]:
             "mcq_accuracy scores every completion 0 (map the gold column with data.columns, "
             "or use a reward for free-text answers)"
         )
-    held_out = []
+    fitted = fit_prompts(list(train), tokenizer, cfg, "data.train")
+    if not fitted.problems:
+        raise ConfigError(
+            f"config key 'data.max_prompt_tokens': all {len(train)} training prompts are "
+            f"longer than {data.max_prompt_tokens} tokens (data.truncation={data.truncation}); "
+            "raise rollout.max_model_len"
+        )
+    held_out: list[Problem] = []
     if data.eval:
         held_out = list(
             load_problems(
                 data.eval, exclude_images=data.exclude_images, prompt=data.prompt, columns=columns
             )
         )
+        held_out = fit_prompts(held_out, tokenizer, cfg, "data.eval").problems
     if cfg.trainer.eval_max_problems:
         held_out = held_out[: cfg.trainer.eval_max_problems]
-    return list(train), held_out
+    record = problem_set([p.id for p in fitted.problems], fitted.dropped, fitted.truncated)
+    return RunData(fitted.problems, held_out, record, fitted.metrics())
 
 
 def build_context(
     cfg: RunConfig,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     policy_factory: PolicyFactory = build_policy,
     engine_factory: EngineFactory = build_engine,
 ) -> TrainContext:
     """Everything a run needs, on every rank (see module docstring); ``cfg`` is resolved
-    (:meth:`RunConfig.resolve`, done by the loader) and saved as the run's config.yaml.
+    (:meth:`RunConfig.resolve`, done by the loader) and saved as the run's config.yaml once
+    start-up has succeeded.
 
     Args:
-        resume: continue from the newest complete checkpoint in the run directory
-            (CheckpointError when there is none); the engines are then synced to it.
+        resume: continue from the newest checkpoint of the run directory that verifies
+            (CheckpointError when there is none, or when a setting changed that the
+            checkpoint cannot continue under); the engines are then synced to it.
+        overwrite: move a run already in the directory aside instead of refusing to start.
     """
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
+    point, changes = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
     model_path = comm.broadcast_object(
         str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
     )
-    if comm.is_main:
-        save_config(cfg, run_dir)
+    tokenizer = load_tokenizer(model_path)
+    data = load_run_data(cfg, tokenizer)
+    if point is not None:
+        check_problem_set(point.manifest.get("problems"), data.problem_set, changes)
     seed_everything(cfg.trainer.seed + comm.rank)
     policy = policy_factory(dataclasses.replace(cfg.model, hf_path=model_path), pgs)
     optimizer, scheduler = _optimizer(cfg, policy)
@@ -201,9 +262,8 @@ def build_context(
             "temperature": cfg.rollout.temperature,
         },
     )
-    train_problems, eval_problems = _problems(cfg)
     correctness = reward_fn.names[0]
-    sampler, acr = _curriculum(cfg, train_problems, correctness)
+    sampler, acr = _curriculum(cfg, data.train, correctness)
     rollouts = build_rollouts(
         cfg.rollout,
         comm,
@@ -225,45 +285,51 @@ def build_context(
         sampler=sampler,
         dynamic=DynamicSampler(cfg.dynamic, correctness_key=correctness, acr_predicted=acr),
         reward_fn=reward_fn,
-        eval_problems=eval_problems,
-        pad_id=_pad_id(Path(model_path)),
+        eval_problems=data.eval,
+        pad_id=_pad_id(tokenizer),
+        problem_set=data.problem_set,
+        data_metrics=data.metrics,
     )
-    if resume:
-        restore_checkpoint(ctx)
+    if point is not None:
+        restore_checkpoint(ctx, point)
         sync_weights(ctx)  # the engines start from the base weights: give them the adapters
     else:  # zero LoRA B: the trainer's probe of the base weights the engines loaded
         ctx.rollouts.last_probe = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
-        if comm.is_main and latest(ctx.ckpt_root) is not None:
-            log.warning(
-                "%s already holds checkpoints: starting again from step 0 (its "
-                "metrics.jsonl is rewritten); pass --resume to continue instead",
-                run_dir,
-            )
+    open_run(ctx)
+    return ctx
+
+
+def open_run(ctx: TrainContext) -> None:
+    """The last of start-up: the metric loggers (rows after the resumed step dropped), the
+    completions log, then config.yaml (a start that failed earlier leaves the previous one
+    in place)."""
+    cfg = ctx.cfg
     ctx.logger = build_logger(
         cfg.metrics,
-        run_dir,
-        rank=comm.rank,
+        ctx.run_dir,
+        rank=ctx.comm.rank,
         name=cfg.trainer.name,
         total_steps=cfg.trainer.max_steps,
         start_step=ctx.step,
         config=json_safe(dataclasses.asdict(cfg)),
     )
-    if cfg.metrics.log_completions and comm.is_main:
+    if cfg.metrics.log_completions and ctx.comm.is_main:
         ctx.completions = CompletionsLog(
-            run_dir / "completions.jsonl",
+            ctx.run_dir / "completions.jsonl",
             table_every=cfg.metrics.completions_table_every,
             wandb_run=find_wandb_run(ctx.logger),
             prompt_chars=cfg.metrics.completions_prompt_chars,
         )
         ctx.completions.truncate_after(ctx.step)
+    if ctx.comm.is_main:
+        save_config(cfg, ctx.run_dir)
     log.info(
         "run dir %s, world %d, starting at step %d of %d",
-        run_dir,
-        comm.world_size,
+        ctx.run_dir,
+        ctx.comm.world_size,
         ctx.step,
         cfg.trainer.max_steps,
     )
-    return ctx
 
 
 def json_safe(obj: Any) -> Any:
