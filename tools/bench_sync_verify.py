@@ -56,7 +56,8 @@ def noise_table(model_dir) -> None:
         f"  base weights: offset max {(e0 - t0).abs().max():.3f} mean {(e0 - t0).abs().mean():.3f}"
     )
     print(
-        f"  {'update s':>9} {'rms pred':>9} {'rms(obs-pred)':>14} {'change err':>11} {'offset max':>11}"
+        f"  {'update s':>9} {'rms pred':>9} {'rms(obs-pred)':>14} {'change err':>11}"
+        f" {'offset max':>11}"
     )
     for s in (1e-4, 1e-3, 1e-2, 3e-2, 8e-2):
         new = _update(base, s, seed=1)
@@ -82,7 +83,8 @@ def cost_table(model_dir, engines: list[str], repeat: int) -> None:
     nparams = sum(v.numel() for k, v in base.items() if k != "lm_head.weight")
     print(f"\nmerged sync of {nparams / 1e6:.0f}M parameters, bf16 engine, median of {repeat}")
     print(
-        f"  {'engine':>6} {'probe only s':>13} {'+ full check s':>15} {'checksums s':>12} {'units':>6}"
+        f"  {'engine':>6} {'probe only s':>13} {'+ full check s':>15} {'checksums s':>12}"
+        f" {'units':>6}"
     )
     for name in engines:
         with tempfile.TemporaryDirectory() as cache:

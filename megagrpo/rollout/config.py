@@ -142,6 +142,7 @@ class RolloutConfig:
                 require_finite(value, f"{path}.{key}")
             require(value is None or value > 0, f"{path}.{key}", "must be > 0 (or null)")
         require(self.verify_change_rtol > 0, f"{path}.verify_change_rtol", "must be > 0")
+        require(self.verify_min_change >= 0, f"{path}.verify_min_change", "must be >= 0")
         require(self.full_check_every >= 0, f"{path}.full_check_every", "must be >= 0")
         require(self.sleep_level in (0, 1, 2), f"{path}.sleep_level", "must be 0, 1 or 2")
         require(
