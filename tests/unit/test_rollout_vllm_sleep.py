@@ -128,13 +128,13 @@ def test_level2_needs_a_sync_before_generating(engine):
 
 
 def test_adapter_sync_refuses_level2(engine):
-    from megagrpo.rollout import LoraAdapter
+    from megagrpo.rollout import PeftAdapter
 
     engine.lora_enabled = True
     try:
         engine.sleep()
         with pytest.raises(EngineError, match="sleep_level=1"):
-            engine.update_adapter(LoraAdapter(rank=1, alpha=1.0))
+            engine.update_adapter(PeftAdapter(rank=1, alpha=1.0))
     finally:
         engine.lora_enabled = False
         engine.wake_up()
