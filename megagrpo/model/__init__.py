@@ -9,16 +9,17 @@ lazily: megatron is heavy) implements it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megagrpo.model.config import LoraConfig, ModelConfig
+from megagrpo.model.model_inputs import LossFn
 
 if TYPE_CHECKING:
     from megagrpo.model.policy import MegatronPolicy
@@ -34,8 +35,24 @@ class Policy(Protocol):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective)."""
+        """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective; one
+        pipeline stage only; ``cu_seqlens``: a packed row, :mod:`megagrpo.model.packing`)."""
+        ...
+
+    def forward_backward(
+        self,
+        batches: Sequence[Any],
+        loss_fn: LossFn,
+        *,
+        forward_only: bool = False,
+        broadcast: bool = True,
+    ) -> list[Any]:
+        """``loss_fn(logits, i) -> (loss, out)`` over micro-batches ``batches`` with backward
+        (unless ``forward_only``); the ``out`` values in order (collective; any pipeline
+        depth: Megatron's schedule when pp > 1, ``out`` on the last stage, broadcast to every
+        stage when ``broadcast``, else ``None`` elsewhere)."""
         ...
 
     def lora_parameters(self) -> list[nn.Parameter]:

@@ -1,32 +1,39 @@
-"""Per-GPU memory plan of a parallel layout (`megagrpo plan-memory`).
+"""Per-GPU memory of every phase of a GRPO step (`megagrpo plan-memory`), in GiB (2^30 B).
 
-Closed-form estimate for one GPU of the most loaded pipeline stage, in GiB (2^30 bytes):
+One GPU of the most loaded pipeline stage, colocated trainer and vLLM engine, four phases
+(each must leave ``Assumptions.headroom`` of the GPU free):
 
-- frozen base weights: non-expert weights / (TP x PP), experts / (EP x ETP x PP), the
-  embedding (first stage) or output layer (last stage) / TP, in ``model.dtype``;
-- LoRA: fp32 parameters + gradients + AdamW's two moments (16 bytes per parameter),
-  sharded like the layers they adapt;
-- activations of one micro-batch (``trainer.micro_batch_size`` x ``rollout.max_model_len``
-  tokens), per layer ``34 h + 5 a s`` bytes per token (Korthikanti et al., sequence
-  parallel divides by TP) plus the routed tokens' expert activations, times the number of
-  micro-batches in flight under 1F1B (PP); with ``model.recompute=full`` only each
-  layer's input is kept (2 h bytes per token) plus one layer's working set (``selective``
-  is planned as ``none``: an upper bound);
-- LoRA adapter activations (:func:`lora_activation_bytes`): each adapter keeps its input
-  in the activation dtype (gathered over the sequence under SP; the routed token copies for
-  experts), plus a dropout copy and mask when ``model.lora.dropout`` > 0 and its r-wide fp32
-  ``x A^T``; every layer without recompute, one layer's worth with full recompute;
-- logits: one micro-batch's [tokens, V/TP] in the compute dtype plus its gradient (the
-  fused loss never builds an fp32 [T, V] log-softmax);
-- the colocated vLLM engine: during generation it may use ``rollout.gpu_memory_utilization``
-  of the GPU (its weights: non-expert ones sharded over ``rollout.tensor_parallel_size``,
-  experts over all GPUs with ``rollout.enable_expert_parallel``; the rest is KV cache);
-  during training it sleeps (weights offloaded, KV cache freed), so the peak is the larger of
-  the two phases, both on top of the trainer's resident weights and LoRA state;
-- 3 GiB of CUDA context, NCCL buffers and allocator fragmentation.
+* **train**: the trainer's frozen base weights (non-expert / (TP x PP), experts / (EP x ETP x
+  PP), embedding or output layer / TP, in ``model.dtype``) + LoRA state (fp32 parameters,
+  gradients and AdamW's two moments: 16 B per parameter, sharded like the layers they adapt) +
+  activations of the micro-batches in flight (1 under no pipeline, up to PP under 1F1B) as
+  ``model.recompute`` configures them: per token and layer Korthikanti et al.'s 34 h bytes
+  (sequence parallel divides by TP; attention scores 5 a s only on the local spec: TE's
+  flash attention keeps none), the MoE MLP replaced by the routed copies (top-k per token,
+  input + fc1 + activation); ``full`` keeps each layer's input (2 h bytes) plus one layer's
+  working set; ``selective`` is planned as ``none`` (an upper bound) + the LoRA adapters' saved
+  inputs (:func:`lora_activation_bytes`; every layer without recompute, one with it) + the
+  logits and their gradient ([tokens, V/TP] in the compute dtype, last stage) + allocator slack
+  + the sleeping engine (its CUDA-graph pool unless ``rollout.offload_cudagraph``; weights
+  backed up to host at sleep level 1 or dropped at 2; KV cache freed).
+* **generate**: the engine's whole budget (``rollout.gpu_memory_utilization`` x GPU: its
+  weights, workspace, LoRA slots and KV cache) + its CUDA graphs + the trainer's resident
+  weights and LoRA state, or nothing of them with ``trainer.offload_during_rollout``.
+* **sync** (every step, staged wake-up: engine weights awake, KV cache not yet): merged sync
+  keeps the trainer's base weights on the GPU (the merge reads them) plus the export's
+  transients (two buckets and the largest full tensor; with ``trainer.sync_transport`` other
+  than ``sliced`` vLLM's layerwise reload also buffers one MoE layer's experts until the
+  layer is complete); adapter sync needs only the LoRA parameters (the rest offloaded with
+  ``trainer.offload_during_rollout``), the engine's LoRA slots and a bf16 copy of this GPU's
+  adapter share.
+* **startup** (once): with ``rollout.load_format=dummy`` the first sync streams the merged
+  base into the engine (like a merged sync, before any LoRA state exists; offloaded trainer
+  weights stream from host memory); with ``auto`` vLLM reads its own checkpoint.
 
-``fits`` when the peak is at most 95% of ``cluster.gpu_memory_gib``; otherwise it says what
-to change. ``--json`` prints ``fits``, ``num_gpus``, ``per_gpu_gib`` and the breakdown.
+Every phase adds the CUDA context and the NCCL communicators in use (trainer and engine).
+The engine's weights: non-expert ones over ``rollout.tensor_parallel_size``; experts over all
+GPUs for lock-stepped replicas with expert parallelism, over one replica's GPUs for
+independent replicas; FP8 rollout weights (``rollout.quantization=fp8``) halve the linears.
 """
 
 from __future__ import annotations
@@ -36,20 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megagrpo.errors import ConfigError
-from megagrpo.model.arch import load_hf_config
-from megagrpo.model.config import ModelConfig
+from megagrpo.model.arch import arch_from_hf, load_hf_config
+from megagrpo.model.plan_scenario import Assumptions, Scenario
 from megagrpo.model.pretrained import BUNDLED, resolve_model_path
-from megagrpo.parallel.config import ClusterConfig, ParallelConfig
-from megagrpo.rollout.config import RolloutConfig
 
 GIB = 2**30
-OVERHEAD_GIB = 3.0
-HEADROOM = 0.95
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PHASES = ("train", "generate", "sync", "startup")
 
 
 @dataclass
-class _Shapes:
+class Shapes:
+    """The model dimensions the plan multiplies."""
+
     h: int
     heads: int
     kv: int
@@ -63,13 +69,26 @@ class _Shapes:
     moe_layers: int
     tied: bool
 
+    @property
+    def moe_frac(self) -> float:
+        return self.moe_layers / self.layers if self.layers else 0.0
 
-def _shapes(hf: dict) -> _Shapes:
-    from megagrpo.model.arch import arch_from_hf
+    @property
+    def attn_params(self) -> int:
+        """Attention parameters of one layer (qkv, output, q/k norms)."""
+        return self.h * self.hd * (self.heads + 2 * self.kv) + self.heads * self.hd * self.h
 
+    @property
+    def expert_layer_params(self) -> int:
+        """All experts of one MoE layer."""
+        return self.experts * 3 * self.h * self.moe_ffn
+
+
+def shapes_of(hf: dict) -> Shapes:
+    """:class:`Shapes` of an HF config dict."""
     a = arch_from_hf(hf)
     moe_layers = sum(1 for m in (a.moe_layers or []) if m) if a.is_moe else 0
-    return _Shapes(
+    return Shapes(
         a.hidden_size,
         a.num_heads,
         a.num_kv_heads,
@@ -85,8 +104,9 @@ def _shapes(hf: dict) -> _Shapes:
     )
 
 
-def _lora_numel(s: _Shapes, rank: int, targets: list[str]) -> tuple[float, float]:
-    """(per-layer non-expert LoRA params, per-layer expert LoRA params over all experts)."""
+def lora_numel(s: Shapes, rank: int, targets: list[str]) -> tuple[float, float]:
+    """(per-layer non-expert LoRA parameters, per-MoE-layer expert LoRA parameters, all
+    experts)."""
     q, kv = s.heads * s.hd, s.kv * s.hd
     dense = 0.0
     if "linear_qkv" in targets:
@@ -95,14 +115,12 @@ def _lora_numel(s: _Shapes, rank: int, targets: list[str]) -> tuple[float, float
         dense += rank * (q + s.h)
     expert = 0.0
     for fc, (i, o) in (("linear_fc1", (s.h, 2 * s.moe_ffn)), ("linear_fc2", (s.moe_ffn, s.h))):
-        if fc in targets:
+        if fc in targets or f"expert_{fc}" in targets:
             expert += s.experts * rank * (i + o)
     return dense, expert
 
 
-def lora_activation_bytes(
-    s: _Shapes, model: ModelConfig, par: ParallelConfig, tokens: int
-) -> float:
+def lora_activation_bytes(s: Shapes, sc: Scenario, tokens: int) -> float:
     """Bytes one layer's LoRA adapters keep for backward for ``tokens`` tokens of a
     micro-batch on one GPU (averaged over dense and MoE layers).
 
@@ -113,12 +131,11 @@ def lora_activation_bytes(
     sharded over TP. Experts see ``tokens / sp * topk`` routed copies per GPU (all-gathered
     over ETP: ``* etp``).
     """
-    abytes = DTYPE_BYTES.get(model.dtype, 2)
-    tp, etp, r = par.tp, par.etp, model.lora.rank
-    sp = tp if (par.sequence_parallel or tp > 1) else 1
-    per_input = abytes * (1 + ((1 + 1 / abytes) if model.lora.dropout > 0 else 0))
-    t = model.lora.targets
-    moe_frac = s.moe_layers / s.layers if s.layers else 0.0
+    abytes = DTYPE_BYTES.get(sc.dtype, 2)
+    tp, etp, r = sc.tp, sc.etp, sc.lora_rank
+    sp = tp if (sc.sequence_parallel or tp > 1) else 1
+    per_input = abytes * (1 + ((1 + 1 / abytes) if sc.lora_dropout > 0 else 0))
+    t = sc.lora_targets
     width = rows = 0.0  # input elements and x A^T rows per micro-batch token
     if "linear_qkv" in t:
         width, rows = width + s.h, rows + 1
@@ -129,141 +146,221 @@ def lora_activation_bytes(
         ("linear_fc2", (s.ffn / tp, s.moe_ffn / etp)),
     ):
         if fc in t:  # dense MLP layers
-            width, rows = width + (1 - moe_frac) * dense_in, rows + (1 - moe_frac)
+            width, rows = width + (1 - s.moe_frac) * dense_in, rows + (1 - s.moe_frac)
         if s.experts and (fc in t or f"expert_{fc}" in t):
             copies = s.topk / sp * etp
-            width, rows = width + moe_frac * copies * expert_in, rows + moe_frac * copies
+            width, rows = width + s.moe_frac * copies * expert_in, rows + s.moe_frac * copies
     return tokens * (width * per_input + rows * r * 4)
 
 
-def plan(
-    hf: dict,
-    *,
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    rollout: RolloutConfig,
-    cluster: ClusterConfig,
-    micro_batch_size: int,
-    batch_groups: int,
-) -> dict:
-    """The memory plan of one run for the model of HF config ``hf`` (a dict): the run's
-    model/parallel/rollout/cluster configs and its micro-batch and batch sizes (groups)."""
-    s = _shapes(hf)
-    par, ro = parallel, rollout
-    num_gpus = cluster.num_gpus
-    wbytes = DTYPE_BYTES.get(model.dtype, 2)
-    tp, pp, ep, etp = par.tp, par.pp, par.ep, par.etp
-    layers = math.ceil(s.layers / pp)
-    moe_frac = s.moe_layers / s.layers if s.layers else 0.0
-    attn = s.h * s.hd * (s.heads + 2 * s.kv) + s.heads * s.hd * s.h + 2 * s.h
-    expert_layer = s.experts * 3 * s.h * s.moe_ffn
-    dense_mlp = 3 * s.h * s.ffn
-    nonexp = layers * (attn + (1 - moe_frac) * dense_mlp + moe_frac * s.experts * s.h)
-    exp = layers * moe_frac * expert_layer
-    emb = s.vocab * s.h * (1 if (s.tied or pp > 1) else 2)
-    base = (nonexp / tp + exp / (ep * etp) + emb / tp) * wbytes
-    lora_dense, lora_exp = _lora_numel(s, model.lora.rank, model.lora.targets)
-    lora_params = layers * (lora_dense / tp + moe_frac * lora_exp / (ep * etp))
-    lora = lora_params * 16  # fp32 param + grad + 2 Adam moments
-    tokens = micro_batch_size * ro.max_model_len
-    sp = tp if (par.sequence_parallel or tp > 1) else 1
-    lora_layer = lora_activation_bytes(s, model, par, tokens)  # one layer's adapters
-    if model.recompute == "full":
-        per_layer_tok = 2 * s.h / sp
-        work = tokens * (34 * s.h / sp + 5 * s.heads * ro.max_model_len / tp) * 2
-        acts = tokens * per_layer_tok * layers + work
-        lora_acts = lora_layer
-    else:
-        routed = moe_frac * s.topk * 4 * s.moe_ffn * 2 / etp if s.experts else 0.0
-        per_layer_tok = (34 * s.h / sp + 5 * s.heads * ro.max_model_len / tp) * 2 / 2 + routed
-        acts = tokens * per_layer_tok * layers
-        lora_acts = lora_layer * layers
-    in_flight = min(pp, max(1, batch_groups * ro.group_size // max(micro_batch_size, 1)))
-    acts *= in_flight
-    lora_acts *= in_flight
-    logits = tokens * (s.vocab / tp) * 2 * 2  # bf16 logits + their gradient
-    train_peak = base + lora + acts + lora_acts + logits
-    resident = base + lora
-    gen_peak = resident + ro.gpu_memory_utilization * cluster.gpu_memory_gib * GIB
-    peak = max(train_peak, gen_peak) / GIB + OVERHEAD_GIB
-    fits = peak <= HEADROOM * cluster.gpu_memory_gib
-    # vLLM: non-expert weights over its TP; experts over TP x DP with expert parallelism
-    # (colocated: one replica per rollout.tensor_parallel_size GPUs, EP across all of them).
-    vtp = max(ro.tensor_parallel_size, 1)
-    vep = num_gpus if ro.enable_expert_parallel else vtp
-    vllm_weights = (
-        ((nonexp * pp + s.vocab * s.h * (1 if s.tied else 2)) / vtp + exp * pp / vep) * wbytes / GIB
-    )
+def _activation_bytes(s: Shapes, sc: Scenario, tokens: int, layers: int) -> tuple[float, float]:
+    """(Megatron activations, LoRA activations) of one micro-batch on one GPU of a stage."""
+    abytes = DTYPE_BYTES.get(sc.dtype, 2)
+    sp = sc.tp if (sc.sequence_parallel or sc.tp > 1) else 1
+    scores = 5 * s.heads * sc.max_model_len / sc.tp if sc.spec == "local" else 0.0
+    dense = (15 * s.h + (1 - s.moe_frac) * 19 * s.h) / sp + scores  # Korthikanti: 11+4+19
+    routed = s.moe_frac * s.topk * (4 * s.h + 8 * s.moe_ffn / sc.etp) / sp if s.experts else 0
+    per_layer = tokens * (dense + routed) * abytes / 2  # the 34 h figure assumes 2-byte acts
+    lora_layer = lora_activation_bytes(s, sc, tokens)
+    if sc.recompute == "full":
+        inputs = tokens * s.h / sp * abytes * layers
+        return inputs + per_layer, lora_layer
+    return per_layer * layers, lora_layer * layers
+
+
+def _nccl_comms(sc: Scenario) -> int:
+    """NCCL communicators this GPU takes part in (trainer groups of size > 1, the world,
+    the model-parallel copies for export; the engine's TP / EP / DP / world)."""
+    dp = sc.num_gpus // (sc.tp * sc.pp)
+    edp = sc.num_gpus // (sc.ep * sc.etp * sc.pp)
+    trainer = sum(n > 1 for n in (sc.tp, sc.pp, dp, sc.ep, sc.etp, edp)) + 3
+    replicas = max(1, sc.num_gpus // sc.vllm_tp)
+    engine = 2 + int(sc.vllm_tp > 1) + int(sc.replicas == "lockstep" and replicas > 1)
+    return trainer + engine
+
+
+def engine_weight_bytes(s: Shapes, sc: Scenario) -> float:
+    """The engine's weights on one GPU (see the module doc)."""
+    lin = 1 if sc.quantization == "fp8" else 2
+    frac = s.moe_frac
+    nonexp = s.layers * (s.attn_params + (1 - frac) * 3 * s.h * s.ffn + frac * s.experts * s.h)
+    emb = s.vocab * s.h * (1 if s.tied else 2)
+    expert_gpus = sc.vllm_tp
+    if sc.enable_expert_parallel and sc.replicas == "lockstep":
+        expert_gpus = sc.num_gpus
+    experts = s.moe_layers * s.expert_layer_params
+    return (nonexp * lin + emb * 2) / sc.vllm_tp + experts * lin / expert_gpus
+
+
+def engine_lora_bytes(s: Shapes, sc: Scenario) -> float:
+    """vLLM's LoRA slots on one GPU (one adapter of ``rollout.max_lora_rank``, bf16)."""
+    if not sc.enable_lora:
+        return 0.0
+    dense, expert = lora_numel(s, sc.max_lora_rank, sc.lora_targets)
+    lockstep_ep = sc.replicas == "lockstep" and sc.enable_expert_parallel
+    expert_gpus = sc.num_gpus if lockstep_ep else sc.vllm_tp
+    return 2 * (s.layers * dense / sc.vllm_tp + s.moe_layers * expert / expert_gpus)
+
+
+def kv_bytes_per_token(s: Shapes, sc: Scenario) -> float:
+    """KV cache bytes per token on one GPU of a replica (KV heads replicated when TP exceeds
+    them), bf16."""
+    heads = max(1.0, s.kv / sc.vllm_tp)
+    return s.layers * 2 * heads * s.hd * 2
+
+
+def memory_plan(sc: Scenario, a: Assumptions) -> dict:
+    """Per-phase memory of :class:`Scenario` ``sc`` (module doc): ``phase_peak_gib``,
+    ``breakdown_gib`` (the lines), ``fits``, ``engine`` (KV capacity), ``advice``."""
+    s = shapes_of(sc.hf)
+    wbytes = DTYPE_BYTES.get(sc.dtype, 2)
+    layers = math.ceil(s.layers / sc.pp)
+    frac = s.moe_frac
+    nonexp = layers * (s.attn_params + (1 - frac) * 3 * s.h * s.ffn + frac * s.experts * s.h)
+    exp = layers * frac * s.expert_layer_params
+    emb = s.vocab * s.h * (1 if (s.tied or sc.pp > 1) else 2)
+    base = (nonexp / sc.tp + exp / (sc.ep * sc.etp) + emb / sc.tp) * wbytes
+    ld, le = lora_numel(s, sc.lora_rank, sc.lora_targets)
+    lora_params = layers * (ld / sc.tp + frac * le / (sc.ep * sc.etp))
+    tokens = sc.tokens_per_micro_batch
+    acts, lora_acts = _activation_bytes(s, sc, tokens, layers)
+    dp = max(1, sc.num_gpus // (sc.tp * sc.pp))
+    n_micro = sc.batch_groups * sc.group_size * sc.max_model_len // (dp * tokens)
+    in_flight = min(sc.pp, max(1, n_micro))  # 1F1B: stage 0 holds up to PP micro-batches
+    acts, lora_acts = acts * in_flight, lora_acts * in_flight
+    logits = tokens * (s.vocab / sc.tp) * wbytes * 2
+    pools = a.cuda_context_gib * GIB + _nccl_comms(sc) * a.nccl_gib_per_comm * GIB
+    graphs = a.cuda_graph_gib * GIB
+    asleep_graphs = 0.0 if sc.offload_cudagraph else graphs
+    lora_state = lora_params * 16
+    frag = a.fragmentation * (acts + lora_acts + logits)
+    train = base + lora_state + acts + lora_acts + logits + frag + asleep_graphs + pools
+
+    budget = sc.gpu_memory_utilization * sc.gpu_memory_gib * GIB
+    eng_w = engine_weight_bytes(s, sc)
+    eng_lora = engine_lora_bytes(s, sc)
+    kv = budget - eng_w - eng_lora - a.vllm_workspace_gib * GIB
+    resident_gen = 0.0 if sc.offload_during_rollout else base + lora_state
+    generate = budget + graphs + resident_gen + pools
+
+    bucket = sc.sync_bucket_mb * 2**20
+    largest = s.vocab * s.h * wbytes
+    reload_buffer = 0.0 if sc.sync_transport == "sliced" else s.expert_layer_params * wbytes
+    merged_transients = 2 * bucket + largest + reload_buffer
+    if sc.weight_sync == "adapter":
+        share = 2 * (s.layers * ld / sc.tp + s.moe_layers * le / (sc.ep * sc.etp))
+        on_gpu = lora_params * 4 + (0.0 if sc.offload_during_rollout else base + lora_params * 8)
+        sync = on_gpu + eng_w + eng_lora + 2 * share + graphs + pools
+    else:  # the merge reads the base weights on the GPU; the optimizer state may go first
+        on_gpu = base + lora_params * 4 + (0.0 if sc.offload_during_rollout else lora_params * 8)
+        sync = on_gpu + eng_w + merged_transients * (1 + a.fragmentation) + graphs + pools
+    # start-up: the engine allocates its budget at init (after the trainer offloaded, with
+    # offload); dummy weights are then replaced by one merged sync of the base
+    trainer_at_start = 0.0 if sc.offload_during_rollout else base
+    startup = trainer_at_start + budget + graphs + pools
+    if sc.load_format == "dummy":
+        first = trainer_at_start + eng_w + merged_transients + graphs + pools
+        startup = max(startup, first)
+
+    peaks = {"train": train, "generate": generate, "sync": sync, "startup": startup}
+    limit = (1 - a.headroom) * sc.gpu_memory_gib * GIB
+    fits = all(v <= limit for v in peaks.values()) and kv > 0
+    kvt = kv_bytes_per_token(s, sc)
     out = {
         "fits": bool(fits),
-        "num_gpus": num_gpus,
-        "per_gpu_gib": round(peak, 2),
-        "gpu_memory_gib": cluster.gpu_memory_gib,
-        "layout": {
-            "tp": tp,
-            "pp": pp,
-            "ep": ep,
-            "etp": etp,
-            "dp": num_gpus // (tp * pp),
-            "sequence_parallel": bool(sp > 1),
-            "vllm_tp": ro.tensor_parallel_size,
-        },
+        "num_gpus": sc.num_gpus,
+        "per_gpu_gib": round(max(peaks.values()) / GIB, 2),
+        "gpu_memory_gib": sc.gpu_memory_gib,
+        "headroom": a.headroom,
+        "layout": _layout(sc),
         "breakdown_gib": {
-            "base_weights": round(base / GIB, 2),
-            "lora_params_grads_adam": round(lora / GIB, 3),
-            "activations": round(acts / GIB, 2),
-            "lora_activations": round(lora_acts / GIB, 2),
-            "logits": round(logits / GIB, 2),
-            "vllm_budget_while_generating": round(
-                ro.gpu_memory_utilization * cluster.gpu_memory_gib, 2
-            ),
-            "vllm_weights_share": round(vllm_weights, 2),
-            "overhead": OVERHEAD_GIB,
+            "base_weights": base / GIB,
+            "lora_params_grads_adam": lora_state / GIB,
+            "activations": acts / GIB,
+            "lora_activations": lora_acts / GIB,
+            "logits": logits / GIB,
+            "allocator_slack": frag / GIB,
+            "cuda_context_and_nccl": pools / GIB,
+            "vllm_budget_while_generating": budget / GIB,
+            "vllm_weights_share": eng_w / GIB,
+            "vllm_lora_slots": eng_lora / GIB,
+            "vllm_kv_cache": kv / GIB,
+            "vllm_cuda_graphs": graphs / GIB,
+            "sync_transients": (merged_transients if sc.weight_sync == "merged" else 0) / GIB,
         },
-        "phase_peak_gib": {
-            "train": round(train_peak / GIB + OVERHEAD_GIB, 2),
-            "generate": round(gen_peak / GIB + OVERHEAD_GIB, 2),
+        "phase_peak_gib": {k: round(v / GIB, 2) for k, v in peaks.items()},
+        "engine": {
+            "kv_bytes_per_token": kvt,
+            "kv_tokens_per_replica": max(kv, 0) / kvt,
+            "replicas": max(1, sc.num_gpus // sc.vllm_tp),
         },
         "lora_params_per_gpu": int(lora_params),
-        "advice": _advice(fits, train_peak, gen_peak, vllm_weights, rollout, cluster),
+        "micro_batch_tokens": tokens,
     }
-    if num_gpus % (tp * pp) or num_gpus % (ep * etp * pp):
+    out["breakdown_gib"] = {k: round(v, 3) for k, v in out["breakdown_gib"].items()}
+    out["advice"] = _advice(sc, peaks, limit, kv, out)
+    if sc.num_gpus % sc.vllm_tp:
         out["fits"] = False
         out["advice"].insert(
-            0, f"{num_gpus} GPUs are not divisible by tp*pp={tp * pp} and ep*etp*pp={ep * etp * pp}"
+            0, f"{sc.num_gpus} GPUs are not divisible by rollout.tensor_parallel_size={sc.vllm_tp}"
+        )
+    if sc.num_gpus % (sc.tp * sc.pp) or sc.num_gpus % (sc.ep * sc.etp * sc.pp):
+        out["fits"] = False
+        out["advice"].insert(
+            0,
+            f"{sc.num_gpus} GPUs are not divisible by tp*pp={sc.tp * sc.pp} and "
+            f"ep*etp*pp={sc.ep * sc.etp * sc.pp}",
         )
     return out
 
 
-def _advice(
-    fits: bool,
-    train_peak: float,
-    gen_peak: float,
-    vllm_weights: float,
-    rollout: RolloutConfig,
-    cluster: ClusterConfig,
-) -> list:
+def _layout(sc: Scenario) -> dict:
+    return {
+        "tp": sc.tp,
+        "pp": sc.pp,
+        "ep": sc.ep,
+        "etp": sc.etp,
+        "dp": sc.num_gpus // (sc.tp * sc.pp),
+        "sequence_parallel": sc.sequence_parallel,
+        "vllm_tp": sc.vllm_tp,
+        "replicas": sc.replicas,
+        "rollout_quantization": sc.quantization,
+        "weight_sync": sc.weight_sync,
+        "sync_transport": sc.sync_transport,
+        "offload_during_rollout": sc.offload_during_rollout,
+        "gpu_memory_utilization": sc.gpu_memory_utilization,
+        "micro_batch_tokens": sc.tokens_per_micro_batch,
+    }
+
+
+def _advice(sc: Scenario, peaks: dict, limit: float, kv: float, out: dict) -> list[str]:
     tips = []
-    budget = rollout.gpu_memory_utilization * cluster.gpu_memory_gib
-    if vllm_weights > 0.8 * budget:
+    if kv <= 0:
         tips.append(
-            f"vLLM's weight share ({vllm_weights:.1f} GiB) leaves little KV cache in "
-            f"rollout.gpu_memory_utilization={rollout.gpu_memory_utilization}: raise "
-            "rollout.tensor_parallel_size (and enable_expert_parallel)"
+            "no KV cache left in rollout.gpu_memory_utilization: raise it (with "
+            "trainer.offload_during_rollout), raise rollout.tensor_parallel_size, use "
+            "lock-stepped replicas with expert parallelism, or rollout.quantization=fp8"
         )
-    if fits:
-        return tips
-    if gen_peak >= train_peak:
+    over = [k for k, v in peaks.items() if v > limit]
+    if "generate" in over:
         tips.append(
-            "generation phase is the peak: lower rollout.gpu_memory_utilization or "
-            "shard the trainer's weights further (parallel.ep / parallel.tp / parallel.pp)"
+            "generate is over: lower rollout.gpu_memory_utilization or set "
+            "trainer.offload_during_rollout=true"
         )
-    else:
+    if "train" in over:
         tips.append(
-            "training phase is the peak: lower trainer.micro_batch_size, set "
-            "model.recompute=full, or raise parallel.tp / parallel.pp"
+            "train is over: model.recompute=full, fewer tokens per micro-batch "
+            "(trainer.micro_batch_size / trainer.pack_tokens), or more TP / PP / EP"
         )
-    tips.append("or add nodes (cluster.num_nodes) and raise parallel.ep")
+    if "sync" in over:
+        tips.append(
+            "sync is over: trainer.weight_sync=adapter with trainer.offload_during_rollout, "
+            "or trainer.sync_transport=sliced (no reload buffering)"
+        )
+    if "startup" in over:
+        tips.append("startup is over: rollout.load_format=dummy with the trainer offloaded")
+    if over:
+        tips.append("or add GPUs (cluster.num_nodes) and spread the experts (parallel.ep)")
     return tips
 
 
@@ -280,23 +377,3 @@ def hf_config_for(hf_path: str, path: str | None = None) -> dict:
         f"config key 'model.hf_path': {hf_path!r} has no config.json "
         "here; pass --hf-config FILE (e.g. configs/qwen3_235b_a22b.hf_config.json)"
     )
-
-
-def format_plan(p: dict) -> str:
-    """Human-readable table of :func:`plan`."""
-    lay = p["layout"]
-    lines = [
-        f"layout: {p['num_gpus']} GPUs, tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} "
-        f"etp={lay['etp']} dp={lay['dp']} sp={lay['sequence_parallel']} "
-        f"vllm_tp={lay['vllm_tp']}"
-    ]
-    for k, v in p["breakdown_gib"].items():
-        lines.append(f"  {k:<30} {v:>9} GiB")
-    lines.append(
-        f"  {'peak (train | generate)':<30} {p['phase_peak_gib']['train']:>9} | "
-        f"{p['phase_peak_gib']['generate']} GiB"
-    )
-    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
-    lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
-    lines += [f"  - {t}" for t in p["advice"]]
-    return "\n".join(lines)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import build_plan
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
+from megagrpo.model.model_inputs import LossFn, ModelInputs, model_inputs
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
@@ -200,43 +202,67 @@ class MegatronPolicy(nn.Module):
         )
 
     # ------------------------------------------------------------------ training API
+    def model_inputs(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> ModelInputs:
+        """What ``self.model`` takes for token ids ``[B, T]`` (see :meth:`forward_logits`):
+        ids padded for sequence parallelism, RoPE positions, the attention mask (local spec)
+        or ``PackedSeqParams`` (TE spec, packed micro-batches)."""
+        return model_inputs(
+            self.groups, self.spec, input_ids, position_ids, attention_mask, cu_seqlens
+        )
+
     def forward_logits(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Vocab-parallel logits of this TP rank: [B, T] token ids → [B, T, V/TP].
 
         Logits are in the base dtype (float32 on CPU; bfloat16 on GPU: upcast in the loss).
         Column ``t`` of TP rank ``r`` is vocab id ``r * V/TP + t``; reduce over ``groups.tp``.
-        ``position_ids``: None or 0..T-1 per row (RoPE positions are 0..T-1; packed or shifted
-        positions are rejected). ``attention_mask`` [B, T] (1 = token, 0 = padding) masks
-        padded keys on top of the causal mask; right padding needs no mask.
+        ``position_ids``: None or 0..T-1 per row (RoPE positions are 0..T-1; shifted positions
+        are rejected). ``attention_mask`` [B, T] (1 = token, 0 = padding) masks padded keys on
+        top of the causal mask; right padding needs no mask. ``cu_seqlens`` [n + 1] (a packed
+        micro-batch, B = 1: :mod:`megagrpo.model.packing`): sample ``i`` is tokens
+        ``cu_seqlens[i]:cu_seqlens[i+1]`` and attends only to itself (position_ids then restart
+        at 0 per sample, or None). With pipeline parallelism use :meth:`forward_backward`.
         """
         if self.groups.pp_size > 1:
             raise NotImplementedError(
-                "forward_logits with pp > 1: use Megatron's pipeline "
-                "schedule (get_forward_backward_func) on self.model"
+                "forward_logits with pp > 1: only the last stage has logits; use "
+                "policy.forward_backward (Megatron's pipeline schedule)"
             )
-        b, t = input_ids.shape
-        dev = self.groups.device
-        pos = torch.arange(t, device=dev).unsqueeze(0).expand(b, t)
-        if position_ids is not None and not torch.equal(position_ids.to(dev), pos):
-            raise ValueError("position_ids must be 0..T-1 per row (RoPE positions are implicit)")
-        pad = (-t) % self.groups.tp_size if self.groups.sequence_parallel else 0
-        ids = input_ids.to(dev)
-        if pad:  # SP splits the sequence over TP; trailing pads do not affect causal logits
-            ids = torch.nn.functional.pad(ids, (0, pad))
-            pos = torch.arange(t + pad, device=dev).unsqueeze(0).expand(b, t + pad)
-        mask = None
-        if attention_mask is not None:
-            keep = torch.nn.functional.pad(attention_mask.to(dev).bool(), (0, pad))
-            n = t + pad
-            causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=dev), diagonal=1)
-            mask = causal[None, None] | ~keep[:, None, None, :]
-        logits = self.model(ids, pos, mask)
-        return logits[:, :t] if pad else logits
+        x = self.model_inputs(input_ids, position_ids, attention_mask, cu_seqlens)
+        logits = self.model(x.input_ids, x.position_ids, x.attention_mask, **x.extra)
+        return logits[:, : x.length] if x.padded else logits
+
+    def forward_backward(
+        self,
+        batches: Sequence[Any],
+        loss_fn: LossFn,
+        *,
+        forward_only: bool = False,
+        broadcast: bool = True,
+    ) -> list[Any]:
+        """Run micro-batches through the policy: ``loss_fn(logits, i) -> (loss, out)`` on the
+        logits of ``batches[i]`` (objects with ``input_ids``/``position_ids`` [B, T] and
+        optionally ``cu_seqlens``), ``loss.backward()`` unless ``forward_only``; returns the
+        ``out`` values in order. pp == 1: today's loop. pp > 1: Megatron's pipeline
+        schedule (1F1B, the loss on the last stage); ``out`` is broadcast from the last stage
+        to every stage when ``broadcast`` (else ``None`` there). Collective over the pipeline.
+        See :func:`megagrpo.model.pipeline.forward_backward`."""
+        from megagrpo.model.pipeline import forward_backward
+
+        return forward_backward(
+            self, batches, loss_fn, forward_only=forward_only, broadcast=broadcast
+        )
 
     @contextlib.contextmanager
     def scoring(self) -> Iterator[None]:

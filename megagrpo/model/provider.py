@@ -77,6 +77,11 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
         perform_initialization=False,
     )
     kw.update(recompute_kwargs(arch, model_cfg, groups, spec))
+    if groups.pp_size > 1:  # megagrpo.model.pipeline: Megatron's schedule drives the stages
+        # micro-batches of different lengths: the schedule sends each activation's shape
+        # first; and the loss arrives weighted by the trainer, so the schedule must not
+        # divide it by the number of micro-batches (Megatron does unless per-token loss)
+        kw.update(variable_seq_lengths=True, calculate_per_token_loss=True)
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,

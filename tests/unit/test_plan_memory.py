@@ -127,6 +127,10 @@ def test_lora_activations_are_counted(repo_root, hf235):
     assert none["breakdown_gib"]["lora_activations"] == pytest.approx(
         94 * per_layer / GIB, rel=1e-3
     )
-    assert none["phase_peak_gib"]["train"] > full["phase_peak_gib"]["train"] + 200
+    # TE's flash attention keeps no [s, s] scores: without recompute every layer's ~70 KB per
+    # token (SP over TP4, 8 routed copies) and adapter inputs stay; the local spec adds 5 a s
+    assert none["phase_peak_gib"]["train"] > full["phase_peak_gib"]["train"] + 40
+    local = plan(_cfg(repo_root, "model.recompute=none", "model.spec=local"), hf235)
+    assert local["phase_peak_gib"]["train"] > full["phase_peak_gib"]["train"] + 200
     drop = plan(_cfg(repo_root, "model.recompute=none", "model.lora.dropout=0.05"), hf235)
     assert drop["breakdown_gib"]["lora_activations"] > 2 * none["breakdown_gib"]["lora_activations"]

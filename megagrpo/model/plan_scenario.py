@@ -1,0 +1,257 @@
+"""What the planner (`megagrpo plan-memory`) reads: one run's layout and workload, the
+hardware, and the assumptions behind every estimate, each a documented field.
+
+:func:`scenario_from_config` builds a :class:`Scenario` from a validated ``RunConfig`` plus
+*planned keys*: options the planner models before the trainer implements them (issue 15
+items 1-4). Once a key exists in the config schema it is read from there; until then the
+planner takes it from the YAML or a ``key=value`` override (:data:`PLANNED_KEYS`) and says so
+in its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megagrpo.errors import ConfigError, require
+
+PLANNED_KEYS: dict[str, tuple[type, Any, tuple]] = {
+    "trainer.offload_during_rollout": (bool, False, (True, False)),
+    "trainer.sync_transport": (str, "allreduce", ("allreduce", "broadcast", "sliced")),
+    "trainer.pack_tokens": (int, 0, ()),
+    "rollout.replicas": (str, "lockstep", ("lockstep", "independent")),
+    "rollout.load_format": (str, "auto", ("auto", "dummy")),
+    "rollout.quantization": (str, "none", ("none", "fp8")),
+}
+"""Planned config key -> (type, default, allowed values; () = any): what the planner models
+ahead of the trainer (issue 15): the trainer's frozen weights and LoRA state on the host while
+the engine generates; how merged weights travel (zero-fill + all-reduce today, broadcast from
+the owner, or only the slices each engine rank holds); packed micro-batches of this many
+tokens (0: padded micro-batches); vLLM replicas stepped together (one engine over all GPUs,
+``data_parallel_size``) or independent engines of ``rollout.tensor_parallel_size`` GPUs;
+dummy engine weights at start-up (the first sync loads them); FP8 rollout weights."""
+
+
+@dataclass
+class Hardware:
+    """Per-GPU hardware figures the step-time estimate divides by (H100 SXM 80 GB defaults;
+    override with ``--hw key=value``)."""
+
+    hbm_gb_s: float = 3350.0
+    """HBM bandwidth, GB/s (H100 SXM: 3.35 TB/s)."""
+    bf16_tflops: float = 989.0
+    """Dense bf16 tensor-core peak, TFLOP/s (H100 SXM, no sparsity)."""
+    nvlink_gb_s: float = 450.0
+    """NVLink bandwidth per GPU and direction, GB/s (NVLink 4: 900 GB/s both ways)."""
+    ib_gb_s: float = 50.0
+    """Inter-node bandwidth per GPU and direction, GB/s (one 400 Gb/s NDR HCA per GPU)."""
+    host_gb_s: float = 25.0
+    """Pinned host <-> GPU copy bandwidth per GPU when all 8 GPUs of a node copy at once,
+    GB/s (PCIe 5 x16 is ~55 GB/s alone; host memory bandwidth is shared)."""
+    nvlink_latency_us: float = 20.0
+    """One small collective inside a node (NCCL, 8 GPUs), microseconds."""
+    ib_latency_us: float = 50.0
+    """One small collective across nodes, microseconds."""
+
+
+@dataclass
+class Assumptions:
+    """Efficiencies, workload figures and memory pools the plan cannot read from a config."""
+
+    mean_completion_tokens: float = 1100.0
+    """Mean completion length (the seed's job: thinking answers to MCQs, soft_overlong from
+    2,048 tokens; tools/bench_packing.py's model has mean ~1,080)."""
+    mean_prompt_tokens: float = 330.0
+    """Mean prompt length (IgakuQA + the built-in prompt; tools/bench_packing.py)."""
+    generation_rounds: float = 1.0
+    """Generated batches per trained batch (dynamic sampling refills: 1 / (1 - ACR))."""
+    train_mfu: float = 0.35
+    """Fraction of bf16 peak the trainer's GEMMs reach (MoE, LoRA; communication separate)."""
+    prefill_mfu: float = 0.4
+    """Fraction of bf16 peak of the engine's prefill."""
+    decode_hbm_eff: float = 0.6
+    """Fraction of HBM bandwidth a decode step reaches reading weights and KV cache."""
+    comm_eff: float = 0.7
+    """Fraction of link bandwidth collectives reach."""
+    loader_s_per_tensor: float = 2e-4
+    """vLLM weight-loader overhead per received tensor (Python, slicing), seconds."""
+    cuda_context_gib: float = 1.0
+    """CUDA context, cuBLAS/cuDNN workspaces, kernels of one process."""
+    nccl_gib_per_comm: float = 0.25
+    """Buffers of one NCCL communicator with NVLS off (NCCL_NVLS_ENABLE=0; NVLS allocates
+    ~1 GiB more per communicator: verl and NeMo-RL turn it off for this model)."""
+    cuda_graph_gib: float = 2.0
+    """vLLM's CUDA-graph pool (decode graphs up to 512 sequences); on the GPU while the engine
+    is awake, and asleep too unless ``rollout.offload_cudagraph``."""
+    vllm_workspace_gib: float = 2.0
+    """vLLM's activation workspace (profiled at its max batched tokens) and sampler buffers."""
+    fragmentation: float = 0.05
+    """Allocator slack on the trainer's transient memory (activations, logits, buckets)."""
+    headroom: float = 0.10
+    """Fraction of GPU memory every phase must leave free."""
+
+
+@dataclass
+class Scenario:
+    """One run as the planner sees it (GPU side: the TE spec, no materialised attention
+    scores unless ``model.spec=local``)."""
+
+    hf: dict
+    num_gpus: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    sequence_parallel: bool
+    dtype: str
+    spec: str
+    recompute: str
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: list[str]
+    lora_dropout: float
+    micro_batch_size: int
+    pack_tokens: int
+    batch_groups: int
+    group_size: int
+    max_tokens: int
+    max_model_len: int
+    vllm_tp: int
+    enable_expert_parallel: bool
+    replicas: str
+    quantization: str
+    gpu_memory_utilization: float
+    enable_lora: bool
+    max_lora_rank: int
+    sleep_level: int
+    offload_cudagraph: bool
+    sync_bucket_mb: float
+    weight_sync: str
+    sync_transport: str
+    offload_during_rollout: bool
+    load_format: str
+    extra_forwards: int
+    """No-grad forwards per trained batch (recomputed old log-probs, the KL reference)."""
+    planned: dict[str, Any] = field(default_factory=dict)
+    """Planned keys taken from the YAML/overrides (not yet in the config schema)."""
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens of one training micro-batch: a packed row, or micro_batch_size padded rows."""
+        return self.pack_tokens or self.micro_batch_size * self.max_model_len
+
+    @property
+    def resolved_sleep_level(self) -> int:
+        """``rollout.sleep_level`` as the engine resolves 0: 1 for adapter sync (the base
+        weights must survive the sleep), 2 when merged weights are re-sent every sync."""
+        if self.sleep_level:
+            return self.sleep_level
+        return 1 if self.weight_sync == "adapter" else 2
+
+    def with_(self, **changes: Any) -> Scenario:
+        """A copy with ``changes`` (layout search)."""
+        return dataclasses.replace(self, **changes)
+
+
+def split_planned(data: dict, schema_has) -> dict[str, Any]:
+    """Remove the planned keys that the schema does not have yet from the nested YAML dict
+    ``data`` (in place); return them as ``{dotted key: value}``. ``schema_has(section, key)``
+    tells whether the schema already defines a key."""
+    found = {}
+    for dotted in PLANNED_KEYS:
+        section, key = dotted.split(".")
+        sec = data.get(section)
+        if isinstance(sec, dict) and key in sec and not schema_has(section, key):
+            found[dotted] = sec.pop(key)
+    return found
+
+
+def planned_value(dotted: str, cfg_section: Any, given: dict[str, Any]) -> Any:
+    """A planned key's value: the config's own field once the schema has it, else ``given``
+    (YAML/overrides), else the default. ConfigError names a wrong type or value."""
+    kind, default, allowed = PLANNED_KEYS[dotted]
+    key = dotted.split(".")[1]
+    if hasattr(cfg_section, key):
+        value = getattr(cfg_section, key)
+    else:
+        value = given.get(dotted, default)
+    if kind is bool and isinstance(value, str):
+        value = {"true": True, "false": False}.get(value.lower(), value)
+    if kind is int and isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"config key '{dotted}': expected {kind.__name__}, got {value!r}")
+    require(not allowed or value in allowed, dotted, f"must be one of {allowed}, got {value!r}")
+    return value
+
+
+def scenario_from_config(cfg: Any, hf: dict, planned: dict[str, Any] | None = None) -> Scenario:
+    """The :class:`Scenario` of a validated ``RunConfig`` ``cfg`` for the model of HF config
+    ``hf``, with ``planned`` keys (see :func:`planned_value`)."""
+    given = dict(planned or {})
+    unknown = sorted(set(given) - set(PLANNED_KEYS))
+    if unknown:
+        raise ConfigError(f"config key '{unknown[0]}': not a planned key of plan-memory")
+    values = {k: planned_value(k, getattr(cfg, k.split(".")[0]), given) for k in PLANNED_KEYS}
+    m, par, ro, tr = cfg.model, cfg.parallel, cfg.rollout, cfg.trainer
+    source = tr.resolved_old_logprobs(True) if hasattr(tr, "resolved_old_logprobs") else "rollout"
+    extra = int(source == "recompute") + int(cfg.loss.kl_coef > 0)
+    return Scenario(
+        hf=hf,
+        num_gpus=cfg.cluster.num_gpus,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        gpu_memory_gib=cfg.cluster.gpu_memory_gib,
+        tp=par.tp,
+        pp=par.pp,
+        ep=par.ep,
+        etp=par.etp,
+        sequence_parallel=bool(par.sequence_parallel and par.tp > 1),
+        dtype=m.dtype,
+        spec="local" if m.spec == "local" else "te",
+        recompute=m.recompute,
+        lora_rank=m.lora.rank,
+        lora_alpha=m.lora.alpha,
+        lora_targets=list(m.lora.targets),
+        lora_dropout=m.lora.dropout,
+        micro_batch_size=tr.micro_batch_size,
+        pack_tokens=values["trainer.pack_tokens"],
+        batch_groups=tr.batch_groups,
+        group_size=ro.group_size,
+        max_tokens=ro.max_tokens,
+        max_model_len=ro.max_model_len,
+        vllm_tp=max(ro.tensor_parallel_size, 1),
+        enable_expert_parallel=ro.enable_expert_parallel,
+        replicas=values["rollout.replicas"],
+        quantization=values["rollout.quantization"],
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enable_lora=ro.enable_lora,
+        max_lora_rank=ro.max_lora_rank,
+        sleep_level=getattr(ro, "sleep_level", 0),
+        offload_cudagraph=getattr(ro, "offload_cudagraph", False),
+        sync_bucket_mb=ro.sync_bucket_mb,
+        weight_sync=tr.weight_sync,
+        sync_transport=values["trainer.sync_transport"],
+        offload_during_rollout=values["trainer.offload_during_rollout"],
+        load_format=values["rollout.load_format"],
+        extra_forwards=extra,
+        planned={k: values[k] for k in given},
+    )
+
+
+def parse_assignments(items: list[str], obj: Any, what: str) -> Any:
+    """``key=value`` strings applied to the dataclass ``obj`` (floats); ConfigError names an
+    unknown key or a bad value."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    changes = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in names:
+            raise ConfigError(f"{what} '{item}': expected key=value with key in {sorted(names)}")
+        try:
+            changes[key] = float(value)
+        except ValueError as exc:
+            raise ConfigError(f"{what} '{item}': {value!r} is not a number") from exc
+    return dataclasses.replace(obj, **changes)

@@ -1,0 +1,155 @@
+"""The all-phase planner (issue 15 item 8): the 2-node config fits every phase with 10% free,
+phase lines add up in closed form, offload / adapter sync / sliced transport move exactly the
+lines they should, the sync bytes of each transport, the layout search, planned keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megagrpo.commands.plan_memory import load_with_planned, plan_run
+from megagrpo.errors import ConfigError
+from megagrpo.model.arch import load_hf_config
+from megagrpo.model.plan_memory import GIB, shapes_of
+from megagrpo.model.plan_scenario import Assumptions, Hardware, scenario_from_config
+from megagrpo.model.plan_search import search
+
+
+@pytest.fixture(scope="module")
+def hf235(repo_root):
+    return load_hf_config(repo_root / "configs/qwen3_235b_a22b.hf_config.json")
+
+
+def _two_node(repo_root, *overrides):
+    return load_with_planned(str(repo_root / "configs/qwen3_235b_a22b_2node.yaml"), list(overrides))
+
+
+def test_two_node_config_fits_every_phase_with_headroom(repo_root, hf235):
+    cfg, planned = _two_node(repo_root)
+    assert cfg.cluster.num_gpus == 16 and cfg.model.dtype == "bfloat16"
+    assert cfg.model.lora.rank == 32 and cfg.rollout.group_size == 8
+    assert cfg.trainer.batch_groups == 96 and cfg.rollout.max_tokens == 4096
+    assert cfg.model.recompute == "full"  # counted as configured
+    p = plan_run(cfg, hf235, planned)
+    assert p["fits"]
+    assert set(p["phase_peak_gib"]) == {"train", "generate", "sync", "startup"}
+    for phase, gib in p["phase_peak_gib"].items():
+        assert gib <= 0.9 * 80, phase
+    assert p["breakdown_gib"]["vllm_kv_cache"] > 10  # room for every sequence of a replica
+    assert p["planned_keys"]["trainer.offload_during_rollout"] is True
+    t = p["time"]
+    assert t["tokens_per_s_per_gpu"] > 58.9  # NeMo-RL's figure for this model
+    assert t["step_s"] == pytest.approx(sum(ph["s"] for ph in t["phases"].values()))
+
+
+def test_phase_lines_add_up(repo_root, hf235):
+    cfg, planned = _two_node(repo_root)
+    p = plan_run(cfg, hf235, planned)
+    b, peak = p["breakdown_gib"], p["phase_peak_gib"]
+    gen = b["vllm_budget_while_generating"] + b["vllm_cuda_graphs"] + b["cuda_context_and_nccl"]
+    assert peak["generate"] == pytest.approx(gen, abs=0.02)  # trainer offloaded: nothing else
+    train = sum(
+        b[k]
+        for k in (
+            "base_weights",
+            "lora_params_grads_adam",
+            "activations",
+            "lora_activations",
+            "logits",
+            "allocator_slack",
+            "cuda_context_and_nccl",
+        )
+    )  # rollout.offload_cudagraph (default true): the sleeping engine keeps nothing
+    assert peak["train"] == pytest.approx(train, abs=0.02)
+    kv = b["vllm_budget_while_generating"] - b["vllm_weights_share"] - b["vllm_lora_slots"] - 2.0
+    assert b["vllm_kv_cache"] == pytest.approx(kv, abs=0.02)
+    # without offload the trainer's resident weights and LoRA state join generation
+    on = plan_run(*_two_node(repo_root, "trainer.offload_during_rollout=false")[:1], hf235, {})
+    extra = on["phase_peak_gib"]["generate"] - peak["generate"]
+    assert extra == pytest.approx(b["base_weights"] + b["lora_params_grads_adam"], abs=0.02)
+    assert not on["fits"] and any("offload" in t for t in on["advice"])
+
+
+def test_engine_weights_closed_form(repo_root, hf235):
+    """Lock-stepped replicas with EP spread the experts over all 16 GPUs; non-expert weights
+    over the replica's TP; FP8 halves the linears (embeddings stay bf16)."""
+    s = shapes_of(hf235)
+    cfg, planned = _two_node(repo_root)
+    p = plan_run(cfg, hf235, planned)
+    nonexp = s.layers * (s.attn_params + s.experts * s.h)
+    emb = 2 * s.vocab * s.h
+    want = (nonexp * 2 + emb * 2) / 4 + s.moe_layers * s.expert_layer_params * 2 / 16
+    assert p["breakdown_gib"]["vllm_weights_share"] == pytest.approx(want / GIB, abs=0.01)
+    planned8 = dict(planned, **{"rollout.quantization": "fp8"})
+    fp8 = plan_run(cfg, hf235, planned8)
+    want8 = (nonexp + emb * 2) / 4 + s.moe_layers * s.expert_layer_params / 16
+    assert fp8["breakdown_gib"]["vllm_weights_share"] == pytest.approx(want8 / GIB, abs=0.01)
+
+
+def test_sync_bytes_per_transport(repo_root, hf235):
+    """Merged all-reduce moves twice a tensor's bytes over each group (ring all-reduce of the
+    zero-filled full tensor), broadcast once, sliced only the engine shard of the GPU."""
+    s = shapes_of(hf235)
+    cfg, planned = _two_node(repo_root, "trainer.weight_sync=merged", "rollout.enable_lora=false")
+    dense = (s.layers * (s.attn_params + s.experts * s.h) + 2 * s.vocab * s.h) * 2
+    experts = s.moe_layers * s.expert_layer_params * 2
+    mp, emp = 1 * 2, 8 * 2  # tp x pp, ep x etp x pp
+    for transport, factor in (("allreduce", 2.0), ("broadcast", 1.0)):
+        p = plan_run(cfg, hf235, dict(planned, **{"trainer.sync_transport": transport}))
+        want = factor * (dense * (mp - 1) / mp + experts * (emp - 1) / emp)
+        assert p["time"]["phases"]["sync"]["bytes_per_gpu"] == pytest.approx(want, rel=1e-9)
+    sliced = plan_run(cfg, hf235, dict(planned, **{"trainer.sync_transport": "sliced"}))
+    shard = sliced["breakdown_gib"]["vllm_weights_share"] * GIB
+    assert sliced["time"]["phases"]["sync"]["bytes_per_gpu"] == pytest.approx(shard, rel=1e-3)
+    allreduce = plan_run(cfg, hf235, dict(planned, **{"trainer.sync_transport": "allreduce"}))
+    assert allreduce["phase_peak_gib"]["sync"] > sliced["phase_peak_gib"]["sync"]  # reload buffer
+
+
+def test_search_finds_the_fastest_fitting_layouts(repo_root, hf235):
+    cfg, planned = _two_node(repo_root)
+    sc = scenario_from_config(cfg, hf235, planned)
+    best = search(sc, Assumptions(), Hardware(), 16, top=3)
+    assert best and all(p["fits"] for p in best)
+    times = [p["time"]["step_s"] for p in best]
+    assert times == sorted(times)
+    assert not search(sc, Assumptions(), Hardware(), 4)  # 470 GB of bf16 base on 4 x 80 GB
+
+
+def test_planned_keys_are_validated(repo_root, hf235):
+    cfg, planned = _two_node(repo_root)
+    with pytest.raises(ConfigError, match="rollout.replicas"):
+        plan_run(cfg, hf235, dict(planned, **{"rollout.replicas": "sometimes"}))
+    with pytest.raises(ConfigError, match="not a planned key"):
+        plan_run(cfg, hf235, {"trainer.warp_drive": True})
+
+
+def test_cli_gpus_search_json(repo_root):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megagrpo.cli",
+            "plan-memory",
+            str(repo_root / "configs/qwen3_235b_a22b_2node.yaml"),
+            "--hf-config",
+            str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
+            "--gpus",
+            "8",
+            "--hw",
+            "ib_gb_s=25",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    best = json.loads(out.stdout)
+    assert best and best[0]["num_gpus"] == 8 and best[0]["hardware"]["ib_gb_s"] == 25.0
+    assert any(o.startswith("rollout.quantization=") for o in best[0]["overrides"])
