@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Padding in training micro-batches: padded (length-sorted, ``micro_batch_size`` samples
-padded to the longest) against packed rows (megagrpo.model.packing), on real batches.
+padded to the longest) against packed rows (megagrpo.trainer.batch), on real batches.
 
 Sources (one table row each):
   * ``--completions FILE`` (the trainer's completions log, e.g. runs/demo_cpu/completions.jsonl):
@@ -30,7 +30,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from megagrpo.model.packing import padding_stats
+from megagrpo.trainer.batch import padding_stats
 
 MICRO = (1, 2, 4, 8)
 ROWS = (5120, 8192, 16384)
@@ -109,7 +109,7 @@ def igakuqa_batches(args) -> list[list[int]]:
 
 
 def summarise(name: str, batches: list[list[int]]) -> dict:
-    """Mean over batches of :func:`megagrpo.model.packing.padding_stats`."""
+    """Mean over batches of :func:`megagrpo.trainer.batch.padding_stats`."""
     longest = max(max(b) for b in batches)
     out: dict = {
         "source": name,

@@ -38,7 +38,7 @@ class Policy(Protocol):
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective; one
-        pipeline stage only; ``cu_seqlens``: a packed row, :mod:`megagrpo.model.packing`)."""
+        pipeline stage only; ``cu_seqlens``: a packed row, :mod:`megagrpo.trainer.batch`)."""
         ...
 
     def forward_backward(

@@ -2,7 +2,7 @@
 positions, the attention mask, and packed (THD) sequences.
 
 Padded micro-batches ``[B, T]`` run with Megatron's causal mask (plus a key mask when an
-``attention_mask`` is given). A packed micro-batch (:mod:`megagrpo.model.packing`) is one row
+``attention_mask`` is given). A packed micro-batch (:mod:`megagrpo.trainer.batch`) is one row
 ``[1, T]`` holding several samples back to back, described by ``cu_seqlens`` ``[n + 1]``
 (sample ``i`` = tokens ``cu_seqlens[i]:cu_seqlens[i + 1]``):
 

@@ -230,7 +230,7 @@ class MegatronPolicy(nn.Module):
         ``position_ids``: None or 0..T-1 per row (RoPE positions are 0..T-1; shifted positions
         are rejected). ``attention_mask`` [B, T] (1 = token, 0 = padding) masks padded keys on
         top of the causal mask; right padding needs no mask. ``cu_seqlens`` [n + 1] (a packed
-        micro-batch, B = 1: :mod:`megagrpo.model.packing`): sample ``i`` is tokens
+        micro-batch, B = 1: :mod:`megagrpo.trainer.batch`): sample ``i`` is tokens
         ``cu_seqlens[i]:cu_seqlens[i+1]`` and attends only to itself (position_ids then restart
         at 0 per sample, or None). With pipeline parallelism use :meth:`forward_backward`.
         """

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megagrpo.model.model_inputs import packed_positions
 from megagrpo.types import Group
 
 
@@ -38,8 +39,10 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    """Tensors of one micro-batch (all [B, T], B <= micro_batch_size). A *padding*
-    micro-batch (:func:`padding_micro_batch`) holds one all-masked row and no sample."""
+    """Tensors of one micro-batch (all [B, T], B <= micro_batch_size). A *packed* micro-batch
+    (:func:`pack_samples`) is one row ``[1, T]`` of several samples with ``cu_seqlens``
+    ``[n + 1]`` and ``seq_ids`` ``[1, T]``; a *padding* micro-batch
+    (:func:`padding_micro_batch`) holds one all-masked row and no sample."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -49,6 +52,10 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor
     indices: list[int]
     """Positions of its samples in the flattened batch ([] for a padding micro-batch)."""
+    cu_seqlens: torch.Tensor | None = None
+    """Packed: [n + 1] int32, sample ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``."""
+    seq_ids: torch.Tensor | None = None
+    """Packed: [1, T] sample index of every token (padding: the last sample's, mask 0)."""
 
     @property
     def num_seqs(self) -> int:
@@ -58,7 +65,11 @@ class MicroBatch:
     @property
     def num_nonempty(self) -> int:
         """Samples with at least one loss token."""
-        return int((self.mask.sum(dim=1) > 0).sum().item())
+        if self.seq_ids is None or self.cu_seqlens is None:
+            return int((self.mask.sum(dim=1) > 0).sum().item())
+        per = torch.zeros(self.cu_seqlens.numel() - 1, dtype=self.mask.dtype)
+        per.index_add_(0, self.seq_ids.reshape(-1).cpu(), self.mask.reshape(-1).cpu())
+        return int((per > 0).sum().item())
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +87,8 @@ class MicroBatch:
             self.advantages.to(device),
             self.rollout_logprobs.to(device),
             self.indices,
+            None if self.cu_seqlens is None else self.cu_seqlens.to(device),
+            None if self.seq_ids is None else self.seq_ids.to(device),
         )
 
 
@@ -196,3 +209,112 @@ def microbatch_weight(mb: MicroBatch, loss_agg: str, totals: BatchTotals) -> flo
     if loss_agg == "seq_mean_token_mean":
         return mb.num_nonempty / max(totals.nonempty, 1.0)
     return mb.num_seqs / max(totals.seqs, 1.0)
+
+
+# ----------------------------------------------------------------------------- packing
+# Padding-free micro-batches: GRPO completions run from a few tokens to rollout.max_tokens, and
+# right-padding a micro-batch to its longest sample computes padding. Packing concatenates
+# samples into rows of at most ``trainer.pack_tokens`` tokens (first-fit over the samples,
+# longest first: deterministic, every row but the last few nearly full), one row per
+# micro-batch; the model keeps the samples apart (megagrpo.model.model_inputs: THD
+# PackedSeqParams with TE, a block-diagonal mask on the local spec) and the fused loss takes
+# the row with ``seq_ids``. Targets and masks follow the padded convention per sample: the
+# last position of a sample has mask 0 (it would predict the next sample's first token).
+
+
+def plan_rows(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` per row: first-fit decreasing into rows of <= ``max_tokens``
+    (ties by index: deterministic). A sample longer than ``max_tokens`` raises."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > max_tokens:
+            raise ValueError(
+                f"sample of {n} tokens does not fit a packed row of {max_tokens} "
+                "(raise the row size to at least rollout.max_model_len)"
+            )
+        for r, room in enumerate(free):
+            if n <= room:
+                rows[r].append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(max_tokens - n)
+    return rows
+
+
+def _packed_row(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int) -> MicroBatch:
+    total = sum(len(s.input_ids) for s in samples)
+    t = total + (-total) % pad_to_multiple
+    ids = torch.full((t,), pad_id, dtype=torch.long)
+    target = torch.zeros(t, dtype=torch.long)
+    mask = torch.zeros(t, dtype=torch.float32)
+    adv = torch.zeros(t, dtype=torch.float32)
+    rollout = torch.zeros(t, dtype=torch.float32)
+    seq = torch.full((t,), len(samples) - 1, dtype=torch.long)
+    cu = [0]
+    for k, s in enumerate(samples):
+        o, n = cu[-1], len(s.input_ids)
+        x = torch.tensor(s.input_ids, dtype=torch.long)
+        ids[o : o + n] = x
+        target[o : o + n - 1] = x[1:]
+        lo, hi = o + s.prompt_len - 1, o + n - 1  # positions predicting completion tokens
+        mask[lo:hi] = 1.0
+        adv[lo:hi] = s.advantage
+        if len(s.rollout_logprobs) == hi - lo:
+            rollout[lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        seq[o : o + n] = k
+        cu.append(o + n)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    pos = packed_positions(cu_t, t)
+    return MicroBatch(
+        ids[None],
+        pos[None],
+        target[None],
+        mask[None],
+        adv[None],
+        rollout[None],
+        [s.index for s in samples],
+        cu_seqlens=cu_t,
+        seq_ids=seq[None],
+    )
+
+
+def pack_samples(
+    samples: Sequence[Sample], max_tokens: int, pad_id: int = 0, pad_to_multiple: int = 1
+) -> list[MicroBatch]:
+    """Packed micro-batches of ``samples``, each row at most ``max_tokens`` tokens before the
+    padding to ``pad_to_multiple`` (sequence parallelism needs T % TP == 0); longest rows
+    first (the order of :func:`plan_rows`)."""
+    rows = plan_rows([len(s.input_ids) for s in samples], max_tokens)
+    return [_packed_row([samples[i] for i in row], pad_id, pad_to_multiple) for row in rows]
+
+
+def padding_stats(lengths: Sequence[int], micro_batch_size: int, max_tokens: int) -> dict:
+    """Token slots computed per batch: padded micro-batches (length-sorted, ``micro_batch_size``
+    samples each, padded to the longest) against packed rows of ``max_tokens``. Returns
+    ``real``, ``padded_slots``, ``padded_waste`` (fraction of padded slots that are padding),
+    ``packed_rows``, ``packed_slots`` (rows x the longest row: what a fixed-shape pipeline
+    would allocate) and ``packed_fill`` (real / sum of row lengths: 1.0 without SP padding)."""
+    real = sum(lengths)
+    order = sorted(lengths)
+    slots = 0
+    for start in range(0, len(order), micro_batch_size):
+        chunk = order[start : start + micro_batch_size]
+        slots += len(chunk) * max(chunk)
+    rows = plan_rows(lengths, max_tokens)
+    row_lens = [sum(lengths[i] for i in r) for r in rows]
+    return {
+        "samples": len(lengths),
+        "real": real,
+        "padded_slots": slots,
+        "padded_waste": 1.0 - real / max(slots, 1),
+        "packed_rows": len(rows),
+        "packed_slots": len(rows) * max(row_lens, default=0),
+        "packed_fill": real / max(sum(row_lens), 1),
+    }

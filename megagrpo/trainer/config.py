@@ -83,6 +83,10 @@ class TrainerConfig:
     """Evaluate on at most this many held-out problems (0: all)."""
     export_adapter: bool = True
     """At the end, also write a PEFT adapter (runs/<name>/adapter) that peft and vLLM load."""
+    pack_tokens: int = 0
+    """Pack samples into rows of at most this many tokens, one row per micro-batch
+    (padding-free; must be >= rollout.max_model_len); 0: padded micro-batches of
+    micro_batch_size samples."""
     weight_sync: str = "auto"
     """auto | merged | adapter. merged: stream base + LoRA merged HF tensors into the engine
     every step (works for every engine and target, but a bf16 base keeps only part of a small
@@ -194,6 +198,12 @@ class RunConfig:
             self.data, self.rollout.max_model_len, self.rollout.max_tokens
         )
         self._resolve_sync_thresholds()
+        require(
+            self.trainer.pack_tokens == 0 or self.trainer.pack_tokens >= self.rollout.max_model_len,
+            "trainer.pack_tokens",
+            f"must be 0 or >= rollout.max_model_len={self.rollout.max_model_len} (a sample "
+            "must fit one packed row)",
+        )
 
     def _resolve_sync_thresholds(self) -> None:
         """Weight-sync verification bounds for the trainer's *and* the engine's dtype (the

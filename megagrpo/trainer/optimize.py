@@ -41,6 +41,7 @@ from megagrpo.trainer.batch import (
     has_rollout_logprobs,
     micro_batches,
     microbatch_weight,
+    pack_samples,
     padding_micro_batch,
 )
 from megagrpo.trainer.context import Comm, TrainContext
@@ -71,11 +72,16 @@ def build_micro_batches(
     pad_id: int,
     device: torch.device,
     pad_to_multiple: int = 1,
+    pack_tokens: int = 0,
 ) -> list[MicroBatch]:
-    """Padded micro-batches of ``groups`` (advantage rows ``adv`` [N, G]) on ``device``;
+    """Micro-batches of ``groups`` (advantage rows ``adv`` [N, G]) on ``device``: padded, of
+    ``micro_batch_size`` samples, or packed rows of at most ``pack_tokens`` tokens;
     ``pad_to_multiple``: sequence parallelism needs T % TP == 0."""
     samples = build_samples(groups, adv)
-    mbs = micro_batches(samples, micro_batch_size, pad_id, pad_to_multiple=pad_to_multiple)
+    if pack_tokens:
+        mbs = pack_samples(samples, pack_tokens, pad_id, pad_to_multiple)
+    else:
+        mbs = micro_batches(samples, micro_batch_size, pad_id, pad_to_multiple=pad_to_multiple)
     return [mb.to(device) for mb in mbs]
 
 
@@ -101,21 +107,22 @@ def policy_logprobs(
 ) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
     frozen base with ``base_only``: the reference policy), in scoring mode (no dropout)."""
-    out = []
     base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
-    with policy.scoring(), base:
-        for mb in mbs:
-            logits = policy.forward_logits(mb.input_ids, mb.position_ids)
-            check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
-            logp, *_ = token_stats(
-                logits,
-                mb.target_ids,
-                tp_group=tp_group,
-                backend=loss_cfg.backend,
-                chunk_bytes=loss_cfg.chunk_bytes,
-            )
-            out.append(logp.reshape(mb.target_ids.shape).float() * mb.mask)
-    return out
+
+    def logp(logits: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
+        mb = mbs[i]
+        check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
+        lp, *_ = token_stats(
+            logits,
+            mb.target_ids,
+            tp_group=tp_group,
+            backend=loss_cfg.backend,
+            chunk_bytes=loss_cfg.chunk_bytes,
+        )
+        return None, lp.reshape(mb.target_ids.shape).float() * mb.mask
+
+    with policy.scoring(), base:  # pipeline: on the last stage only (None elsewhere, unread)
+        return policy.forward_backward(mbs, logp, forward_only=True, broadcast=False)
 
 
 def _param_sq(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -161,12 +168,13 @@ def _backward_pass(
     ref: list | None,
     totals: BatchTotals,
 ) -> dict[str, float]:
-    """Forward/backward every micro-batch, accumulating gradients; weighted loss metrics."""
+    """Forward/backward every micro-batch (through the pipeline when pp > 1, the loss on the
+    last stage), accumulating gradients; the weighted loss metrics, on every stage."""
     cfg = ctx.cfg.loss
     agg = cfg.resolved_loss_agg()
-    sums: dict[str, float] = {}
-    for i, mb in enumerate(mbs):
-        logits = ctx.policy.forward_logits(mb.input_ids, mb.position_ids)
+
+    def loss_fn(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, dict[str, float]]:
+        mb = mbs[i]
         check_on_device(
             "loss",
             logits=logits,
@@ -187,12 +195,15 @@ def _backward_pass(
             ref_logprobs=None if ref is None else ref[i],
             tp_group=ctx.tp_group,
             rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None,
+            seq_ids=mb.seq_ids,
         )
         weight = microbatch_weight(mb, agg, totals)
-        (loss * weight).backward()
+        return loss * weight, {k: weight * float(v) for k, v in metrics.items()}
+
+    sums: dict[str, float] = {}
+    for metrics in ctx.policy.forward_backward(mbs, loss_fn):
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + weight * float(v)
-        del logits, loss
+            sums[k] = sums.get(k, 0.0) + v
     return sums
 
 
@@ -207,7 +218,9 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     tcfg, pgs = ctx.cfg.trainer, ctx.pgs
     mine, my_adv = local_share(groups, adv, pgs.dp_rank, pgs.dp_size)
     pad_to = pgs.tp_size if pgs.sequence_parallel else 1
-    mbs = build_micro_batches(mine, my_adv, tcfg.micro_batch_size, ctx.pad_id, pgs.device, pad_to)
+    mbs = build_micro_batches(
+        mine, my_adv, tcfg.micro_batch_size, ctx.pad_id, pgs.device, pad_to, tcfg.pack_tokens
+    )
     mbs = equalize_micro_batches(mbs, ctx.comm, pgs, ctx.pad_id)
     # Totals over the whole batch (all DP ranks): DP grad sync averages, so scale by dp_size.
     totals = BatchTotals(

@@ -19,6 +19,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -37,16 +38,28 @@ def trainer_probe(ctx: TrainContext, probe_ids: list[int]) -> list[float]:
     scoring mode (no LoRA dropout: the engine serves the dropout-free policy)."""
     ids = torch.tensor([probe_ids], dtype=torch.long, device=ctx.pgs.device)
     pos = torch.arange(ids.shape[1], device=ctx.pgs.device).unsqueeze(0)
-    with ctx.policy.scoring():
-        logits = ctx.policy.forward_logits(ids, pos)
-    check_on_device("probe", logits=logits, ids=ids)
-    logp, *_ = token_stats(
-        logits[0, :-1].contiguous(),
-        ids[0, 1:],
-        tp_group=ctx.tp_group,
-        backend=ctx.cfg.loss.backend,
-    )
-    return logp.double().tolist()
+
+    def logp(logits: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
+        check_on_device("probe", logits=logits, ids=ids)
+        lp, *_ = token_stats(
+            logits[0, :-1].contiguous(),
+            ids[0, 1:],
+            tp_group=ctx.tp_group,
+            backend=ctx.cfg.loss.backend,
+        )
+        return None, lp
+
+    with ctx.policy.scoring():  # pipeline: computed on the last stage, broadcast to all
+        (out,) = ctx.policy.forward_backward([_Probe(ids, pos)], logp, forward_only=True)
+    return out.double().tolist()
+
+
+@dataclass
+class _Probe:
+    """The probe sequence as a one-row micro-batch."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
 
 
 def _merged_stream(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:

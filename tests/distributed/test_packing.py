@@ -50,8 +50,7 @@ def moe4_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def batches():
-    from megagrpo.model.packing import pack_samples
-    from megagrpo.trainer.batch import micro_batches
+    from megagrpo.trainer.batch import micro_batches, pack_samples
 
     samples = _samples()
     padded = list(micro_batches(samples, 3, pad_id=0))

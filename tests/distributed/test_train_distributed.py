@@ -26,14 +26,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS = 3
 
 
-def _config(path: Path, model_dir: Path, out: Path, name: str, **parallel) -> Path:
+def _config(
+    path: Path, model_dir: Path, out: Path, name: str, trainer: dict | None = None, **parallel
+) -> Path:
     cfg = tiny_run_config(
         model_dir,
         out,
         name,
         parallel=parallel,
         rollout={"max_tokens": 5},
-        trainer={"max_steps": STEPS, "micro_batch_size": 3, "grad_clip": 0.0},
+        trainer={"max_steps": STEPS, "micro_batch_size": 3, "grad_clip": 0.0, **(trainer or {})},
     )
     return write_run_config(path, cfg)
 
@@ -84,13 +86,15 @@ def runs(tiny_moe_dir, tmp_path_factory, repo_root):
         "w1": ({}, 1),
         "tp2": ({"tp": 2, "sequence_parallel": True}, 2),
         "ep2": ({"ep": 2}, 2),
+        "pp2": ({"pp": 2}, 2),  # Megatron's pipeline schedule, the loss on the last stage
+        "packed": ({"trainer": {"pack_tokens": 256}}, 1),  # padding-free rows
     }
     for name, (layout, nproc) in layouts.items():
         _run(_config(out / f"{name}.yaml", tiny_moe_dir, out, name, **layout), nproc)
     return {name: read_metrics(out / name / "metrics.jsonl") for name in layouts}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "pp2", "packed"])
 def test_two_process_run_matches_single_process_first_step(runs, layout):
     ref, got = runs["w1"], runs[layout]
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))

@@ -1,4 +1,4 @@
-"""Packed training rows (megagrpo.model.packing, model_inputs): layout against the trainer's
+"""Packed training rows (megagrpo.trainer.batch, model_inputs): layout against the trainer's
 padded micro-batches, the block-diagonal mask against a brute-force loop, padding counts in
 closed form, and bad inputs."""
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from megagrpo.model.model_inputs import block_causal_mask, model_inputs, packed_positions
-from megagrpo.model.packing import pack_samples, padding_stats, plan_rows
-from megagrpo.trainer.batch import Sample, micro_batches
+from megagrpo.trainer.batch import Sample, micro_batches, pack_samples, padding_stats, plan_rows
 
 
 def _samples(lengths: list[tuple[int, int]]) -> list[Sample]:
