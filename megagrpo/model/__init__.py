@@ -22,6 +22,7 @@ from megagrpo.model.config import LoraConfig, ModelConfig
 
 if TYPE_CHECKING:
     from megagrpo.model.policy import MegatronPolicy
+    from megagrpo.model.routing import Routing
     from megagrpo.parallel.state import ParallelGroups
 
 
@@ -34,8 +35,10 @@ class Policy(Protocol):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
-        """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective)."""
+        """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective);
+        ``routing``: MoE experts to replay / measure / record (MoE policies only)."""
         ...
 
     def lora_parameters(self) -> list[nn.Parameter]:

@@ -31,6 +31,7 @@ from megagrpo.model.hf_mapping import build_plan
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.provider import DTYPES, build_gpt_model
+from megagrpo.model.routing import Routing, routed_forward, stage_routers
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
 from megagrpo.parallel.state import ParallelGroups, validate_layout
@@ -179,6 +180,8 @@ class MegatronPolicy(nn.Module):
         self.adapters: dict[str, LoraAdapter] = {}
         self.merge_stats = MergeStats()
         """Sums of the last merged export (:meth:`merge_survival`)."""
+        self.routers = stage_routers(model, arch, groups)
+        """This stage's MoE routers, for routing replay (None for a dense model)."""
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:
@@ -205,6 +208,7 @@ class MegatronPolicy(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """Vocab-parallel logits of this TP rank: [B, T] token ids → [B, T, V/TP].
 
@@ -212,7 +216,10 @@ class MegatronPolicy(nn.Module):
         Column ``t`` of TP rank ``r`` is vocab id ``r * V/TP + t``; reduce over ``groups.tp``.
         ``position_ids``: None or 0..T-1 per row (RoPE positions are 0..T-1; packed or shifted
         positions are rejected). ``attention_mask`` [B, T] (1 = token, 0 = padding) masks
-        padded keys on top of the causal mask; right padding needs no mask.
+        padded keys on top of the causal mask; right padding needs no mask. ``routing``:
+        the MoE expert selection to replay, measure or record in this forward
+        (:class:`megagrpo.model.routing.Routing`, ``[B, T, num_layers, top_k]``); None: the
+        own routers decide.
         """
         if self.groups.pp_size > 1:
             raise NotImplementedError(
@@ -235,7 +242,7 @@ class MegatronPolicy(nn.Module):
             n = t + pad
             causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=dev), diagonal=1)
             mask = causal[None, None] | ~keep[:, None, None, :]
-        logits = self.model(ids, pos, mask)
+        logits = routed_forward(self.model, self.routers, routing, (b, t, pad), ids, pos, mask)
         return logits[:, :t] if pad else logits
 
     @contextlib.contextmanager

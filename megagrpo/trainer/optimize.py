@@ -8,9 +8,11 @@ engine, from a no-grad trainer forward before the update (``recompute``; require
 ``ppo_epochs > 1``) or not at all (ratio 1). Reference log-probs (k3 KL) come from a no-grad
 forward with the adapters disabled (the frozen base is the reference policy).
 
-Routing replay (reusing the rollout's expert choices in the trainer's forward) is not done
-yet: MoE routing is recomputed by the trainer, which the old-log-prob recompute / TIS
-correction (``loss.tis_cap``) absorbs.
+MoE routing replay (``model.routing_replay``, :class:`megagrpo.model.routing.ReplayPlan`):
+r3 replays the engine's expert choices in every forward (old, reference, training), r2 the
+trainer's own first forward's; ``train/routing_agreement`` is measured in any mode when the
+engine returned routing, and ``train/logprob_mismatch`` (recomputed vs engine log-probs)
+whenever old log-probs are recomputed.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megagrpo.algo.config import LossConfig
+from megagrpo.errors import ConfigError
 from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
+from megagrpo.model.routing import ReplayPlan, Routing
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.trainer.batch import (
@@ -88,14 +92,17 @@ def policy_logprobs(
     loss_cfg: LossConfig,
     tp_group: dist.ProcessGroup | None,
     base_only: bool = False,
+    plan: ReplayPlan | None = None,
 ) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
-    frozen base with ``base_only``: the reference policy), in scoring mode (no dropout)."""
+    frozen base with ``base_only``: the reference policy), in scoring mode (no dropout);
+    ``plan`` gives each forward its MoE routing."""
     out = []
     base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
     with policy.scoring(), base:
-        for mb in mbs:
-            logits = policy.forward_logits(mb.input_ids, mb.position_ids)
+        for i, mb in enumerate(mbs):
+            routing = None if plan is None else plan.reference(i) if base_only else plan.policy(i)
+            logits = forward(policy, mb, routing)
             check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
             logp, *_ = token_stats(
                 logits,
@@ -106,6 +113,66 @@ def policy_logprobs(
             )
             out.append(logp.reshape(mb.target_ids.shape).float() * mb.mask)
     return out
+
+
+def forward(policy: Policy, mb: MicroBatch, routing: Routing | None = None) -> torch.Tensor:
+    """``policy.forward_logits`` of ``mb`` (``routing=`` only when given: dense policies and
+    test doubles take none)."""
+    if routing is None:
+        return policy.forward_logits(mb.input_ids, mb.position_ids)
+    return policy.forward_logits(mb.input_ids, mb.position_ids, routing=routing)
+
+
+def replay_plan(ctx: TrainContext, groups: list[Group], mbs: list[MicroBatch]) -> ReplayPlan | None:
+    """The step's :class:`ReplayPlan`, or None when nothing is replayed or measured (replay
+    off and no routing from the engine). Raises ConfigError when the mode cannot run."""
+    mode = ctx.cfg.model.routing_replay
+    has_routing = bool(groups) and all(g.routing for g in groups)
+    if mode == "r3" and groups and not has_routing:
+        raise ConfigError(
+            "config key 'model.routing_replay': r3 needs the experts the rollout engine routed "
+            "to, and it returned none -> set rollout.return_routing=true (vLLM on a GPU) or "
+            "use rollout.engine=hf; or model.routing_replay=off"
+        )
+    if mode == "r2" and ctx.cfg.trainer.resolved_old_logprobs(has_rollout_logprobs(groups)) != (
+        "recompute"
+    ):
+        raise ConfigError(
+            "config key 'model.routing_replay': r2 records the routing of the old-log-prob "
+            "forward and replays it in training -> set trainer.old_logprobs=recompute"
+        )
+    if mode == "off" and not has_routing:
+        return None
+    return ReplayPlan(mode, [(mb.routing, mb.routing_valid) for mb in mbs])
+
+
+def routing_metrics(ctx: TrainContext, plan: ReplayPlan | None) -> dict[str, float]:
+    """``train/routing_agreement`` over every rank (collective; {} without a plan)."""
+    if plan is None:
+        return {}
+    agree, total = plan.counts()
+    sums = ctx.comm.mean_over({"agree": agree, "total": total})  # ratio of world sums
+    if sums["total"] <= 0:
+        return {}
+    return {"train/routing_agreement": sums["agree"] / sums["total"]}
+
+
+def logprob_mismatch(
+    ctx: TrainContext, old: list[torch.Tensor], mbs: list[MicroBatch]
+) -> dict[str, float]:
+    """Mean and max |recomputed - engine| log-prob over the loss tokens of every rank
+    (collective): the train/inference mismatch routing replay reduces."""
+    diff_sum = tokens = diff_max = 0.0
+    for lp, mb in zip(old, mbs):
+        diff = (lp - mb.rollout_logprobs).abs() * mb.mask
+        diff_sum += float(diff.sum())
+        tokens += float(mb.mask.sum())
+        diff_max = max(diff_max, float(diff.max())) if diff.numel() else diff_max
+    sums = ctx.comm.mean_over({"diff": diff_sum, "tokens": tokens})
+    return {
+        "train/logprob_mismatch": sums["diff"] / max(sums["tokens"], 1.0),
+        "train/logprob_mismatch_max": ctx.comm.max_over(diff_max),
+    }
 
 
 def _param_sq(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -150,13 +217,14 @@ def _backward_pass(
     old: list | None,
     ref: list | None,
     totals: BatchTotals,
+    plan: ReplayPlan | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, accumulating gradients; weighted loss metrics."""
     cfg = ctx.cfg.loss
     agg = cfg.resolved_loss_agg()
     sums: dict[str, float] = {}
     for i, mb in enumerate(mbs):
-        logits = ctx.policy.forward_logits(mb.input_ids, mb.position_ids)
+        logits = forward(ctx.policy, mb, None if plan is None else plan.policy(i))
         check_on_device(
             "loss",
             logits=logits,
@@ -206,19 +274,25 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
     )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
+    plan = replay_plan(ctx, groups, mbs)
     old = None
+    extra: dict[str, float] = {}
     if source == "recompute":
-        old = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group)
+        old = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan)
+        if has_rollout_logprobs(groups):
+            extra = logprob_mismatch(ctx, old, mbs)
     elif source == "rollout":
         old = [mb.rollout_logprobs for mb in mbs]
     ref = None
     if ctx.cfg.loss.kl_coef > 0:
-        ref = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True)
+        ref = policy_logprobs(
+            ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True, plan=plan
+        )
     sums: dict[str, float] = {}
     grad_norm = 0.0
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
-        sums = _backward_pass(ctx, mbs, old, ref, totals)
+        sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
         ctx.policy.finish_grad_sync()
         grad_norm = clip_grad_norm(
             ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
@@ -232,4 +306,4 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
     metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
     metrics["train/old_logprobs_" + source] = 1.0
-    return metrics
+    return metrics | extra | routing_metrics(ctx, plan)
