@@ -205,15 +205,15 @@ class StageRouters:
             raise ValueError(f"routing valid {tuple(valid.shape)} is not [{batch}, {seq}]")
         if self.layers and idx.shape[2] <= max(self.layers):
             raise ValueError(f"routing has {idx.shape[2]} layers; layer {max(self.layers)} routes")
+        if idx.numel():  # one host sync per forward, not one per layer
+            lo, hi = torch.aminmax(idx)
+            if int(lo) < 0 or int(hi) >= self.num_experts:
+                raise ValueError(f"routing has expert ids outside [0, {self.num_experts})")
         fill = torch.arange(self.top_k, dtype=idx.dtype, device=idx.device)
         rows_valid = local_rows(valid.bool(), pad, self.tp_rank, self.tp_size, self.sp, False)
         for layer, replay in self.layers.items():
             rows = local_rows(idx[:, :, layer], pad, self.tp_rank, self.tp_size, self.sp, fill)
             rows = rows.long()
-            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.num_experts):
-                raise ValueError(
-                    f"routing layer {layer}: expert ids outside [0, {self.num_experts})"
-                )
             replay.reference, replay.valid = rows, rows_valid
             replay.measure_pending = routing.measure
             if routing.action == "replay":
