@@ -90,7 +90,7 @@ class RolloutConfig:
     return_routing: bool | None = None
     """Return the MoE experts each token was routed to with every group (routing replay,
     ``model.routing_replay``; the ``train/routing_agreement`` metric). null: the HF engine
-    does for MoE models (cheap forward hooks), vLLM does not. true: vLLM starts with
+    does for MoE models (forward hooks on the routers), vLLM does not. true: vLLM starts with
     ``enable_return_routed_experts`` (GPU only: it needs vLLM's Model Runner V2 and prefix
     caching; about ``num_layers x top_k x 2`` bytes per token). false: never."""
 
