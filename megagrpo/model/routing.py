@@ -33,10 +33,13 @@ wired: ``forward_logits`` has no pipeline path yet).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from megagrpo.errors import ConfigError
 
 if TYPE_CHECKING:
     from megagrpo.model.arch import Arch
@@ -355,6 +358,42 @@ class ReplayPlan:
         """``(agree, total)`` over every measured forward of this rank."""
         return (sum(r.agree for r in self.measured), sum(r.total for r in self.measured))
 
+    def metrics(self, mean_over: Callable[[dict[str, float]], dict[str, float]]) -> dict:
+        """``train/routing_agreement`` over every rank: ``mean_over`` averages a dict over
+        the world (a collective; the ratio of means is the ratio of sums). {} when nothing
+        was measured anywhere."""
+        agree, total = self.counts()
+        sums = mean_over({"agree": agree, "total": total})
+        if sums["total"] <= 0:
+            return {}
+        return {"train/routing_agreement": sums["agree"] / sums["total"]}
+
+
+def step_plan(
+    mode: str,
+    engine: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    routed: bool,
+    old_source: str,
+) -> ReplayPlan | None:
+    """The training step's :class:`ReplayPlan` (``engine``: per micro-batch, its routing and
+    fed positions; ``routed``: every group of the batch carries the engine's routing;
+    ``old_source``: the resolved ``trainer.old_logprobs``). None when nothing is replayed or
+    measured (off, and no routing). ConfigError when the mode cannot run."""
+    if mode == "r3" and not routed:
+        raise ConfigError(
+            "config key 'model.routing_replay': r3 needs the experts the rollout engine routed "
+            "to, and it returned none (a dense model has none) -> rollout.return_routing=true "
+            "(vLLM on a GPU) or rollout.engine=hf; or model.routing_replay=off"
+        )
+    if mode == "r2" and old_source != "recompute":
+        raise ConfigError(
+            "config key 'model.routing_replay': r2 records the routing of the old-log-prob "
+            "forward and replays it in training -> set trainer.old_logprobs=recompute"
+        )
+    if mode == "off" and not routed:
+        return None
+    return ReplayPlan(mode, engine)
+
 
 def routed_forward(
     model: torch.nn.Module,
@@ -392,4 +431,5 @@ __all__ = [
     "pad_routing",
     "routed_forward",
     "stage_routers",
+    "step_plan",
 ]

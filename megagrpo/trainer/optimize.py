@@ -26,10 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megagrpo.algo.config import LossConfig
-from megagrpo.errors import ConfigError
 from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
-from megagrpo.model.routing import ReplayPlan, Routing
+from megagrpo.model.routing import ReplayPlan, Routing, step_plan
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.trainer.batch import (
@@ -121,40 +120,6 @@ def forward(policy: Policy, mb: MicroBatch, routing: Routing | None = None) -> t
     if routing is None:
         return policy.forward_logits(mb.input_ids, mb.position_ids)
     return policy.forward_logits(mb.input_ids, mb.position_ids, routing=routing)
-
-
-def replay_plan(ctx: TrainContext, groups: list[Group], mbs: list[MicroBatch]) -> ReplayPlan | None:
-    """The step's :class:`ReplayPlan`, or None when nothing is replayed or measured (replay
-    off and no routing from the engine). Raises ConfigError when the mode cannot run."""
-    mode = ctx.cfg.model.routing_replay
-    has_routing = bool(groups) and all(g.routing for g in groups)
-    if mode == "r3" and groups and not has_routing:
-        raise ConfigError(
-            "config key 'model.routing_replay': r3 needs the experts the rollout engine routed "
-            "to, and it returned none -> set rollout.return_routing=true (vLLM on a GPU) or "
-            "use rollout.engine=hf; or model.routing_replay=off"
-        )
-    if mode == "r2" and ctx.cfg.trainer.resolved_old_logprobs(has_rollout_logprobs(groups)) != (
-        "recompute"
-    ):
-        raise ConfigError(
-            "config key 'model.routing_replay': r2 records the routing of the old-log-prob "
-            "forward and replays it in training -> set trainer.old_logprobs=recompute"
-        )
-    if mode == "off" and not has_routing:
-        return None
-    return ReplayPlan(mode, [(mb.routing, mb.routing_valid) for mb in mbs])
-
-
-def routing_metrics(ctx: TrainContext, plan: ReplayPlan | None) -> dict[str, float]:
-    """``train/routing_agreement`` over every rank (collective; {} without a plan)."""
-    if plan is None:
-        return {}
-    agree, total = plan.counts()
-    sums = ctx.comm.mean_over({"agree": agree, "total": total})  # ratio of world sums
-    if sums["total"] <= 0:
-        return {}
-    return {"train/routing_agreement": sums["agree"] / sums["total"]}
 
 
 def logprob_mismatch(
@@ -274,7 +239,12 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
     )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
-    plan = replay_plan(ctx, groups, mbs)
+    plan = step_plan(
+        ctx.cfg.model.routing_replay,
+        [(mb.routing, mb.routing_valid) for mb in mbs],
+        routed=all(g.routing for g in groups),
+        old_source=source,
+    )
     old = None
     extra: dict[str, float] = {}
     if source == "recompute":
@@ -306,4 +276,4 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
     metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
     metrics["train/old_logprobs_" + source] = 1.0
-    return metrics | extra | routing_metrics(ctx, plan)
+    return metrics | extra | ({} if plan is None else plan.metrics(ctx.comm.mean_over))

@@ -11,14 +11,12 @@ routing must not.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from megagrpo.errors import ConfigError
 from megagrpo.model.config import ModelConfig
-from megagrpo.model.routing import ReplayPlan, Routing, local_rows
+from megagrpo.model.routing import ReplayPlan, Routing, local_rows, step_plan
 from megagrpo.model.routing_verify import (
     forced_routing,
     perturb_routers,
@@ -282,26 +280,15 @@ def test_replay_plan_modes():
         ReplayPlan("r1", [])
 
 
-def _ctx(mode, **trainer):
-    cfg = types.SimpleNamespace(
-        model=ModelConfig(routing_replay=mode),
-        trainer=types.SimpleNamespace(
-            resolved_old_logprobs=lambda has: trainer.get("old", "rollout")
-        ),
-    )
-    return types.SimpleNamespace(cfg=cfg)
-
-
-def test_modes_that_cannot_run_are_config_errors(groups, mb):
-    from megagrpo.trainer.optimize import replay_plan
-
-    bare = [types.SimpleNamespace(**{**vars(g), "routing": []}) for g in groups]
+def test_modes_that_cannot_run_are_config_errors(mb):
+    engine = [(mb.routing, mb.routing_valid)]
     with pytest.raises(ConfigError, match="model.routing_replay.*return_routing"):
-        replay_plan(_ctx("r3"), bare, [mb])  # type: ignore[arg-type]
+        step_plan("r3", engine, routed=False, old_source="rollout")
     with pytest.raises(ConfigError, match="model.routing_replay.*old_logprobs=recompute"):
-        replay_plan(_ctx("r2"), groups, [mb])
-    assert replay_plan(_ctx("off"), bare, [mb]) is None  # type: ignore[arg-type]
-    assert replay_plan(_ctx("r2", old="recompute"), groups, [mb]) is not None
+        step_plan("r2", engine, routed=True, old_source="rollout")
+    assert step_plan("off", engine, routed=False, old_source="rollout") is None
+    assert step_plan("off", engine, routed=True, old_source="rollout") is not None  # measures
+    assert step_plan("r2", engine, routed=False, old_source="recompute") is not None
     with pytest.raises(ConfigError, match="model.routing_replay"):
         ModelConfig(routing_replay="R3").validate()
 
