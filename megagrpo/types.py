@@ -7,7 +7,10 @@ These are the contract between the curriculum, rollout, reward and trainer code
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: this module imports no torch
+    import torch
 
 
 @dataclass
@@ -45,6 +48,12 @@ class Group:
         finish_reasons: ``"stop"`` or ``"length"`` per completion.
         reward_parts: per reward function name, its unweighted values ``[G]``.
         meta: free-form (e.g. ``step`` generated at, for staleness of carried groups).
+        routing: per completion, the engine's MoE expert choices for every position it fed
+            through the model: an int16 tensor ``[P + L_i - 1, num_layers, top_k]`` (expert
+            ids; row t routes input token t of ``prompt_ids + token_ids``; the last sampled
+            token was never fed; rows of dense layers are 0). Empty when the engine returned
+            none (dense model, ``rollout.return_routing`` off). See
+            :mod:`megagrpo.rollout.routing`.
     """
 
     problem: Problem
@@ -57,6 +66,7 @@ class Group:
     finish_reasons: list[str] = field(default_factory=list)
     reward_parts: dict[str, list[float]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.lengths and self.token_ids:

@@ -9,7 +9,7 @@ lazily: megatron is heavy) implements it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,6 +23,7 @@ from megagrpo.model.model_inputs import LossFn
 
 if TYPE_CHECKING:
     from megagrpo.model.policy import MegatronPolicy
+    from megagrpo.model.routing import Routing
     from megagrpo.parallel.state import ParallelGroups
 
 
@@ -36,9 +37,11 @@ class Policy(Protocol):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """Vocab-parallel logits ``[B, T, V/TP]`` of token ids ``[B, T]`` (collective; one
-        pipeline stage only; ``cu_seqlens``: a packed row, :mod:`megagrpo.trainer.batch`)."""
+        pipeline stage only; ``cu_seqlens``: a packed row, :mod:`megagrpo.trainer.batch`;
+        ``routing``: MoE experts to replay / measure / record, MoE policies only)."""
         ...
 
     def forward_backward(
@@ -48,11 +51,13 @@ class Policy(Protocol):
         *,
         forward_only: bool = False,
         broadcast: bool = True,
+        routing: Callable[[int], Routing | None] | None = None,
     ) -> list[Any]:
         """``loss_fn(logits, i) -> (loss, out)`` over micro-batches ``batches`` with backward
         (unless ``forward_only``); the ``out`` values in order (collective; any pipeline
         depth: Megatron's schedule when pp > 1, ``out`` on the last stage, broadcast to every
-        stage when ``broadcast``, else ``None`` elsewhere)."""
+        stage when ``broadcast``, else ``None`` elsewhere); ``routing(i)``: micro-batch
+        ``i``'s MoE routing (one pipeline stage only)."""
         ...
 
     def lora_parameters(self) -> list[nn.Parameter]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megagrpo.errors import require, require_finite
 
 RECOMPUTE = ("none", "full", "selective")
+ROUTING_REPLAY = ("off", "r2", "r3")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
 LORA_TARGETS = (
     "linear_qkv",
@@ -89,6 +90,13 @@ class ModelConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
     """With selective recompute: the Megatron submodules to recompute: core_attn, mlp, moe,
     moe_act (TE grouped experts only), layernorm, shared_experts."""
+    routing_replay: str = "off"
+    """MoE routing replay (:mod:`megagrpo.model.routing`): off (the trainer's router picks the
+    experts) | r3 (every trainer forward of rollout tokens, the KL reference's too, uses the
+    experts the rollout engine picked: needs routing from the engine,
+    ``rollout.return_routing``) | r2 (the trainer's first forward of a step records its
+    experts and the later ones replay them: needs recomputed old log-probs). Only the
+    selection is replayed; gate weights come from the live router, so gradients flow."""
 
     def validate(self, path: str = "model") -> None:
         require(
@@ -118,6 +126,11 @@ class ModelConfig:
             not bad,
             f"{path}.recompute_modules",
             f"unknown {bad}; choose from {', '.join(RECOMPUTE_MODULES)}",
+        )
+        require(
+            self.routing_replay in ROUTING_REPLAY,
+            f"{path}.routing_replay",
+            f"{self.routing_replay!r} is not {' | '.join(ROUTING_REPLAY)}",
         )
         require(
             self.recompute != "selective" or bool(self.recompute_modules),

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +46,7 @@ from megagrpo.model.model_inputs import LossFn
 
 if TYPE_CHECKING:
     from megagrpo.model.policy import MegatronPolicy
+    from megagrpo.model.routing import Routing
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,13 @@ def forward_backward(
     *,
     forward_only: bool = False,
     broadcast: bool = True,
+    routing: Callable[[int], Routing | None] | None = None,
 ) -> list[Any]:
     """See :meth:`megagrpo.model.policy.MegatronPolicy.forward_backward` and the module doc."""
     if policy.groups.pp_size == 1:
-        return _loop(policy, batches, loss_fn, forward_only)
+        return _loop(policy, batches, loss_fn, forward_only, routing)
+    if routing is not None and any(routing(i) is not None for i in range(len(batches))):
+        raise NotImplementedError("MoE routing replay with pipeline parallelism (parallel.pp > 1)")
     outs = _pipeline(policy, batches, loss_fn, forward_only)
     if broadcast:
         outs = _broadcast_from_last_stage(outs, policy.groups)
@@ -68,12 +72,19 @@ def forward_backward(
 
 
 def _loop(
-    policy: MegatronPolicy, batches: Sequence[Any], loss_fn: LossFn, forward_only: bool
+    policy: MegatronPolicy,
+    batches: Sequence[Any],
+    loss_fn: LossFn,
+    forward_only: bool,
+    routing: Callable[[int], Routing | None] | None = None,
 ) -> list[Any]:
     outs = []
     for i, mb in enumerate(batches):
         logits = policy.forward_logits(
-            mb.input_ids, mb.position_ids, cu_seqlens=getattr(mb, "cu_seqlens", None)
+            mb.input_ids,
+            mb.position_ids,
+            cu_seqlens=getattr(mb, "cu_seqlens", None),
+            routing=None if routing is None else routing(i),
         )
         loss, out = loss_fn(logits, i)
         if not forward_only:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.model_inputs import LossFn, ModelInputs, model_inputs
 from megagrpo.model.provider import DTYPES, build_gpt_model
+from megagrpo.model.routing import Routing, routed_forward, stage_routers
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
 from megagrpo.parallel.state import ParallelGroups, validate_layout
@@ -181,6 +182,8 @@ class MegatronPolicy(nn.Module):
         self.adapters: dict[str, LoraAdapter] = {}
         self.merge_stats = MergeStats()
         """Sums of the last merged export (:meth:`merge_survival`)."""
+        self.routers = stage_routers(model, arch, groups)
+        """This stage's MoE routers, for routing replay (None for a dense model)."""
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:
@@ -222,6 +225,7 @@ class MegatronPolicy(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        routing: Routing | None = None,
     ) -> torch.Tensor:
         """Vocab-parallel logits of this TP rank: [B, T] token ids → [B, T, V/TP].
 
@@ -233,14 +237,29 @@ class MegatronPolicy(nn.Module):
         micro-batch, B = 1: :mod:`megagrpo.trainer.batch`): sample ``i`` is tokens
         ``cu_seqlens[i]:cu_seqlens[i+1]`` and attends only to itself (position_ids then restart
         at 0 per sample, or None). With pipeline parallelism use :meth:`forward_backward`.
+        ``routing``: the MoE expert selection to replay, measure or record in this forward
+        (:class:`megagrpo.model.routing.Routing`, ``[B, T, num_layers, top_k]``; not with
+        ``cu_seqlens``); None: the own routers decide.
         """
         if self.groups.pp_size > 1:
             raise NotImplementedError(
                 "forward_logits with pp > 1: only the last stage has logits; use "
                 "policy.forward_backward (Megatron's pipeline schedule)"
             )
+        if routing is not None and cu_seqlens is not None:
+            raise NotImplementedError("routing replay with packed rows (trainer.pack_tokens)")
         x = self.model_inputs(input_ids, position_ids, attention_mask, cu_seqlens)
-        logits = self.model(x.input_ids, x.position_ids, x.attention_mask, **x.extra)
+        shape = (input_ids.shape[0], x.length, x.input_ids.shape[1] - x.length)
+        logits = routed_forward(
+            self.model,
+            self.routers,
+            routing,
+            shape,
+            x.input_ids,
+            x.position_ids,
+            x.attention_mask,
+            **x.extra,
+        )
         return logits[:, : x.length] if x.padded else logits
 
     def forward_backward(
@@ -250,18 +269,20 @@ class MegatronPolicy(nn.Module):
         *,
         forward_only: bool = False,
         broadcast: bool = True,
+        routing: Callable[[int], Routing | None] | None = None,
     ) -> list[Any]:
         """Run micro-batches through the policy: ``loss_fn(logits, i) -> (loss, out)`` on the
         logits of ``batches[i]`` (objects with ``input_ids``/``position_ids`` [B, T] and
         optionally ``cu_seqlens``), ``loss.backward()`` unless ``forward_only``; returns the
         ``out`` values in order. pp == 1: today's loop. pp > 1: Megatron's pipeline
         schedule (1F1B, the loss on the last stage); ``out`` is broadcast from the last stage
-        to every stage when ``broadcast`` (else ``None`` there). Collective over the pipeline.
-        See :func:`megagrpo.model.pipeline.forward_backward`."""
+        to every stage when ``broadcast`` (else ``None`` there); ``routing(i)``: micro-batch
+        ``i``'s MoE routing (replay is not wired into the pipeline schedule: pp == 1).
+        Collective over the pipeline. See :func:`megagrpo.model.pipeline.forward_backward`."""
         from megagrpo.model.pipeline import forward_backward
 
         return forward_backward(
-            self, batches, loss_fn, forward_only=forward_only, broadcast=broadcast
+            self, batches, loss_fn, forward_only=forward_only, broadcast=broadcast, routing=routing
         )
 
     @contextlib.contextmanager

@@ -95,6 +95,8 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
             moe_grouped_gemm=spec == "te" and model_cfg.moe_grouped_gemm,
             moe_permute_fusion=False,
             moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
+            # a RouterReplay per router: a pass-through until armed (megagrpo.model.routing)
+            moe_enable_routing_replay=True,
         )
     return TransformerConfig(**kw)
 

@@ -87,6 +87,12 @@ class RolloutConfig:
     """Length of the fixed token sequence whose log-probs verify every weight sync."""
     cache_dir: str = ""
     """VLLM_CACHE_ROOT (compile/cache files); empty: ~/.cache/megagrpo/vllm."""
+    return_routing: bool | None = None
+    """Return the MoE experts each token was routed to with every group (routing replay,
+    ``model.routing_replay``; the ``train/routing_agreement`` metric). null: the HF engine
+    does for MoE models (forward hooks on the routers), vLLM does not. true: vLLM starts with
+    ``enable_return_routed_experts`` (GPU only: it needs vLLM's Model Runner V2 and prefix
+    caching; about ``num_layers x top_k x 2`` bytes per token). false: never."""
 
     def validate(self, path: str = "rollout") -> None:
         """Check value ranges; raises ConfigError naming the key."""

@@ -8,6 +8,7 @@ own ``torch.Generator`` (temperature, top-p) and hands ``generate`` a one-hot ch
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
@@ -33,6 +34,7 @@ from megagrpo.rollout.base import (
 )
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter
+from megagrpo.rollout.routing import RoutingCapture, attach_routing, moe_routers
 from megagrpo.rollout.verify import (
     Key,
     Stats,
@@ -126,6 +128,25 @@ class HFEngine:
         self.verifier = SyncVerifier(
             thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
         )
+        self.returns_routing = self._routing_supported()
+        """Groups carry ``routing`` (:mod:`megagrpo.rollout.routing`; MoE models)."""
+
+    def _routing_supported(self) -> bool:
+        """Whether generate returns routing: ``rollout.return_routing`` (None: for MoE)."""
+        if self.cfg.return_routing is False:
+            return False
+        if moe_routers(self.model):
+            return True
+        if self.cfg.return_routing:
+            raise EngineError(
+                "rollout.return_routing=true: the model has no MoE router this engine can "
+                "capture (transformers' TopKRouter at layers.N.mlp.gate)"
+            )
+        return False
+
+    def _capture(self) -> RoutingCapture:
+        c = self.model.config
+        return RoutingCapture(self.model, c.num_hidden_layers, c.num_experts_per_tok)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The exact prompt ids ``[P]`` (chat template, generation prompt, no extra BOS)."""
@@ -143,8 +164,10 @@ class HFEngine:
         temperature: float,
         top_p: float,
         max_tokens: int,
+        routes: list | None = None,
     ) -> list[tuple[list[int], list[float], str]]:
-        """Left-padded batch generate; returns (token_ids, logprobs, finish) per row."""
+        """Left-padded batch generate; returns (token_ids, logprobs, finish) per row and
+        appends each row's routing to ``routes`` when given."""
         from transformers import LogitsProcessorList
 
         width = max(len(r) for r in rows)
@@ -155,20 +178,22 @@ class HFEngine:
             mask[i, width - len(r) :] = 1
         dev = self.model.device
         sampler = _SeededSampler(seeds, temperature, top_p, dev)
-        out = self.model.generate(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-            logits_processor=LogitsProcessorList([sampler]),
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-        )
+        capture = self._capture() if routes is not None else None
+        with capture or contextlib.nullcontext():
+            out = self.model.generate(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                logits_processor=LogitsProcessorList([sampler]),
+                eos_token_id=self.eos_ids,
+                pad_token_id=self.pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
         new = out.sequences[:, width:].cpu()
         logp = torch.log_softmax(torch.stack(out.logits, 1).double(), -1).cpu()  # [B, L, V]
         results = []
@@ -182,6 +207,8 @@ class HFEngine:
                     finish = "stop"
                     break
             results.append((toks, lps, finish))
+        if capture is not None and routes is not None:
+            routes += capture.rows([len(r) for r in rows], width, [len(r[0]) for r in results])
         return results
 
     def generate(
@@ -207,6 +234,7 @@ class HFEngine:
             s.max_tokens or cfg.max_tokens, cfg.max_model_len - max(len(p) for p in prompts)
         )
         results = []
+        routes: list | None = [] if self.returns_routing else None
         try:
             for k in range(0, len(rows), MAX_ROWS):
                 results += self._generate_rows(
@@ -215,6 +243,7 @@ class HFEngine:
                     s.temperature or cfg.temperature,
                     s.top_p or cfg.top_p,
                     max_tokens,
+                    routes,
                 )
         except torch.OutOfMemoryError as exc:
             raise EngineError(
@@ -238,6 +267,8 @@ class HFEngine:
                 group.lengths.append(len(toks))
                 group.finish_reasons.append(finish)
             groups.append(group)
+        if routes is not None:
+            attach_routing(groups, routes)
         return groups
 
     def sequence_logprobs(self, token_ids: Sequence[int]) -> list[float]:

@@ -57,6 +57,7 @@ from megagrpo.rollout.base import (
 )
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter, write_peft_adapter
+from megagrpo.rollout.routing import attach_routing, vllm_returns_routing
 from megagrpo.rollout.verify import (
     Stats,
     SyncVerifier,
@@ -214,6 +215,8 @@ class VLLMEngine:
         self._lora_versions = itertools.count(1)
         self.probe_token_ids = default_probe_ids(self.tokenizer, cfg.probe_len)
         """The fixed sequence ``[probe_len]`` whose log-probs verify every weight sync."""
+        self.returns_routing = vllm_returns_routing(cfg, self.is_moe, self.on_gpu)
+        """Groups carry ``routing`` (vLLM ``enable_return_routed_experts``; GPU only)."""
         self.llm: Any = self._start(seed)
         desc = self.llm.apply_model(describe_model)[0]
         self.name_map = NameMap(desc, self.tied_embeddings)
@@ -281,6 +284,8 @@ class VLLMEngine:
             )
         if self.lora_enabled:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+        if self.returns_routing:  # vLLM's AuxOutput connector needs prefix caching
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         return kwargs
 
     # ------------------------------------------------------------------ generation
@@ -339,6 +344,8 @@ class VLLMEngine:
                 group.lengths.append(len(toks))
                 group.finish_reasons.append(comp.finish_reason)
             groups.append(group)
+        if self.returns_routing:  # CompletionOutput.routed_experts [P + L - 1, layers, k]
+            attach_routing(groups, [o.outputs[0].routed_experts for o in outs])
         return groups
 
     def _requests(self, problems, all_ids, n: int, s: SamplingSpec, base: int):

@@ -8,6 +8,11 @@ token i sits at position ``P - 1 + i``. Targets are shifted instead of the logit
 
 Micro-batches hold at most ``micro_batch_size`` samples, right-padded to their longest
 sample; samples are sorted by length first (less padding), in a deterministic order.
+
+MoE routing from the engine (``Group.routing``, ``[L - 1, num_layers, top_k]`` per sample:
+position t routes input token t) is padded the same way into ``MicroBatch.routing``
+``[B, T, num_layers, top_k]``; padded positions route to experts ``0..k-1`` and are not
+``routing_valid``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.model.model_inputs import packed_positions
+from megagrpo.model.routing import pad_routing
 from megagrpo.types import Group
 
 
@@ -31,6 +37,8 @@ class Sample:
     rollout_logprobs: list[float]
     index: int
     """Position in the flattened batch (group-major), to scatter recomputed log-probs back."""
+    routing: torch.Tensor | None = None
+    """The engine's experts ``[L - 1, num_layers, top_k]`` int16 (None: none returned)."""
 
     @property
     def length(self) -> int:
@@ -56,6 +64,10 @@ class MicroBatch:
     """Packed: [n + 1] int32, sample ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``."""
     seq_ids: torch.Tensor | None = None
     """Packed: [1, T] sample index of every token (padding: the last sample's, mask 0)."""
+    routing: torch.Tensor | None = None
+    """The engine's experts ``[B, T, num_layers, top_k]`` (None when a sample has none)."""
+    routing_valid: torch.Tensor | None = None
+    """``[B, T]`` bool: positions the engine fed through the model (0 .. L-2 per sample)."""
 
     @property
     def num_seqs(self) -> int:
@@ -87,8 +99,10 @@ class MicroBatch:
             self.advantages.to(device),
             self.rollout_logprobs.to(device),
             self.indices,
-            None if self.cu_seqlens is None else self.cu_seqlens.to(device),
-            None if self.seq_ids is None else self.seq_ids.to(device),
+            cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.to(device),
+            seq_ids=None if self.seq_ids is None else self.seq_ids.to(device),
+            routing=None if self.routing is None else self.routing.to(device),
+            routing_valid=None if self.routing_valid is None else self.routing_valid.to(device),
         )
 
 
@@ -108,7 +122,10 @@ def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
     ids = torch.full((1, length), pad_id, dtype=torch.long)
     zeros = torch.zeros((1, length), dtype=torch.float32)
     pos = torch.arange(length, dtype=torch.long).unsqueeze(0)
-    return MicroBatch(ids, pos, torch.zeros_like(ids), zeros, zeros.clone(), zeros.clone(), [])
+    fed = torch.zeros((1, length), dtype=torch.bool)  # nothing to replay or measure
+    return MicroBatch(
+        ids, pos, torch.zeros_like(ids), zeros, zeros.clone(), zeros.clone(), [], routing_valid=fed
+    )
 
 
 def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sample]:
@@ -126,6 +143,7 @@ def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sam
                     float(advantages[n, g]),
                     list(lp),
                     len(samples),
+                    group.routing[g] if group.routing else None,
                 )
             )
     return samples
@@ -148,9 +166,40 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         if len(s.rollout_logprobs) == hi - lo:
             rollout[i, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     position_ids = torch.arange(t, dtype=torch.long).unsqueeze(0).expand(b, t).contiguous()
+    routing, valid = _collate_routing(samples, t)
     return MicroBatch(
-        input_ids, position_ids, target, mask, adv, rollout, [s.index for s in samples]
+        input_ids,
+        position_ids,
+        target,
+        mask,
+        adv,
+        rollout,
+        [s.index for s in samples],
+        routing=routing,
+        routing_valid=valid,
     )
+
+
+def _collate_routing(samples: list[Sample], t: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``([B, T, layers, k]`` engine routing or None, ``[B, T]`` fed positions)."""
+    valid = torch.zeros((len(samples), t), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        valid[i, : s.length - 1] = True
+    routes = [s.routing for s in samples]
+    if any(r is None for r in routes):
+        return None, valid
+    first = routes[0]
+    assert first is not None
+    out = pad_routing(first.new_zeros((len(samples), 0, *first.shape[1:])), t).clone()
+    for i, (s, r) in enumerate(zip(samples, routes)):
+        assert r is not None
+        if r.shape[0] != s.length - 1 or r.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"sample {s.index}: routing {tuple(r.shape)} does not fit its "
+                f"{s.length} tokens ([L - 1, layers, k])"
+            )
+        out[i, : s.length - 1] = r
+    return out, valid
 
 
 def micro_batches(
@@ -185,6 +234,8 @@ def _pad(mb: MicroBatch, extra: int, pad_id: int) -> MicroBatch:
         right(mb.advantages, 0.0),
         right(mb.rollout_logprobs, 0.0),
         mb.indices,
+        routing=None if mb.routing is None else pad_routing(mb.routing, extra),
+        routing_valid=None if mb.routing_valid is None else right(mb.routing_valid, False),
     )
 
 

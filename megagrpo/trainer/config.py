@@ -198,11 +198,31 @@ class RunConfig:
             self.data, self.rollout.max_model_len, self.rollout.max_tokens
         )
         self._resolve_sync_thresholds()
+        self._check_routing_replay()
         require(
             self.trainer.pack_tokens == 0 or self.trainer.pack_tokens >= self.rollout.max_model_len,
             "trainer.pack_tokens",
             f"must be 0 or >= rollout.max_model_len={self.rollout.max_model_len} (a sample "
             "must fit one packed row)",
+        )
+
+    def _check_routing_replay(self) -> None:
+        """What MoE routing replay cannot run with, named at load time (not at step 1)."""
+        mode = self.model.routing_replay
+        if mode == "off":
+            return
+        require(self.parallel.pp == 1, "model.routing_replay", "not wired for parallel.pp > 1")
+        require(
+            self.trainer.pack_tokens == 0,
+            "model.routing_replay",
+            "not with packed rows (trainer.pack_tokens)",
+        )
+        require(
+            mode != "r2"
+            or self.trainer.resolved_old_logprobs(engine_has_logprobs=True) == "recompute",
+            "model.routing_replay",
+            "r2 records the routing of the old-log-prob forward and replays it in training: "
+            "set trainer.old_logprobs=recompute",
         )
 
     def _resolve_sync_thresholds(self) -> None:

@@ -11,8 +11,11 @@ Where generation runs (rank 0, or every rank's engine replica) is hidden by
 ``ctx.rollouts`` (:mod:`megagrpo.trainer.rollouts`); the samplers are replicated, so every rank
 takes the same decisions without waiting to be told.
 
-What it deliberately drops: value baselines, routing replay, asynchronous (off-policy)
-generation.
+MoE routing replay (``model.routing_replay``) happens inside phase 5; its
+``train/routing_agreement`` (and ``train/logprob_mismatch`` when old log-probs are recomputed)
+come with the loss metrics of the step's row.
+
+What it deliberately drops: value baselines, asynchronous (off-policy) generation.
 """
 
 from __future__ import annotations

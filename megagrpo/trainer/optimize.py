@@ -13,9 +13,11 @@ weights, optimiser and scheduler state stay exactly as they were): ``train/skipp
 is 1 in the step's row, and :func:`stop_on_nonfinite` stops the run after
 ``trainer.max_nonfinite_steps`` such steps in a row.
 
-Routing replay (reusing the rollout's expert choices in the trainer's forward) is not done
-yet: MoE routing is recomputed by the trainer, which the old-log-prob recompute / TIS
-correction (``loss.tis_cap``) absorbs.
+MoE routing replay (``model.routing_replay``, :class:`megagrpo.model.routing.ReplayPlan`):
+r3 replays the engine's expert choices in every forward (old, reference, training), r2 the
+trainer's own first forward's; ``train/routing_agreement`` is measured in any mode when the
+engine returned routing, and ``train/logprob_mismatch`` (recomputed vs engine log-probs)
+whenever old log-probs are recomputed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megagrpo.algo.config import LossConfig
 from megagrpo.errors import MegagrpoError
 from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
+from megagrpo.model.routing import ReplayPlan, step_plan
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.trainer.batch import (
@@ -104,9 +107,11 @@ def policy_logprobs(
     loss_cfg: LossConfig,
     tp_group: dist.ProcessGroup | None,
     base_only: bool = False,
+    plan: ReplayPlan | None = None,
 ) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
-    frozen base with ``base_only``: the reference policy), in scoring mode (no dropout)."""
+    frozen base with ``base_only``: the reference policy), in scoring mode (no dropout);
+    ``plan`` gives each forward its MoE routing."""
     base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
 
     def logp(logits: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
@@ -121,8 +126,29 @@ def policy_logprobs(
         )
         return None, lp.reshape(mb.target_ids.shape).float() * mb.mask
 
+    routing = None if plan is None else plan.reference if base_only else plan.policy
     with policy.scoring(), base:  # pipeline: on the last stage only (None elsewhere, unread)
-        return policy.forward_backward(mbs, logp, forward_only=True, broadcast=False)
+        return policy.forward_backward(
+            mbs, logp, forward_only=True, broadcast=False, routing=routing
+        )
+
+
+def logprob_mismatch(
+    ctx: TrainContext, old: list[torch.Tensor], mbs: list[MicroBatch]
+) -> dict[str, float]:
+    """Mean and max |recomputed - engine| log-prob over the loss tokens of every rank
+    (collective): the train/inference mismatch routing replay reduces."""
+    diff_sum = tokens = diff_max = 0.0
+    for lp, mb in zip(old, mbs):
+        diff = (lp - mb.rollout_logprobs).abs() * mb.mask
+        diff_sum += float(diff.sum())
+        tokens += float(mb.mask.sum())
+        diff_max = max(diff_max, float(diff.max())) if diff.numel() else diff_max
+    sums = ctx.comm.mean_over({"diff": diff_sum, "tokens": tokens})
+    return {
+        "train/logprob_mismatch": sums["diff"] / max(sums["tokens"], 1.0),
+        "train/logprob_mismatch_max": ctx.comm.max_over(diff_max),
+    }
 
 
 def _param_sq(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -167,6 +193,7 @@ def _backward_pass(
     old: list | None,
     ref: list | None,
     totals: BatchTotals,
+    plan: ReplayPlan | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch (through the pipeline when pp > 1, the loss on the
     last stage), accumulating gradients; the weighted loss metrics, on every stage."""
@@ -201,7 +228,8 @@ def _backward_pass(
         return loss * weight, {k: weight * float(v) for k, v in metrics.items()}
 
     sums: dict[str, float] = {}
-    for metrics in ctx.policy.forward_backward(mbs, loss_fn):
+    routing = None if plan is None else plan.policy
+    for metrics in ctx.policy.forward_backward(mbs, loss_fn, routing=routing):
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
     return sums
@@ -229,19 +257,30 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
     )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
+    plan = step_plan(
+        ctx.cfg.model.routing_replay,
+        [(mb.routing, mb.routing_valid) for mb in mbs],
+        routed=all(g.routing for g in groups),
+        old_source=source,
+    )
     old = None
+    extra: dict[str, float] = {}
     if source == "recompute":
-        old = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group)
+        old = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan)
+        if has_rollout_logprobs(groups):
+            extra = logprob_mismatch(ctx, old, mbs)
     elif source == "rollout":
         old = [mb.rollout_logprobs for mb in mbs]
     ref = None
     if ctx.cfg.loss.kl_coef > 0:
-        ref = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True)
+        ref = policy_logprobs(
+            ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True, plan=plan
+        )
     sums: dict[str, float] = {}
     grad_norm, steps, skipped = 0.0, 0, False
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
-        sums = _backward_pass(ctx, mbs, old, ref, totals)
+        sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
         ctx.policy.finish_grad_sync()
         grad_norm = clip_grad_norm(
             ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
@@ -262,7 +301,7 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
     metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
     metrics["train/old_logprobs_" + source] = 1.0
-    return metrics
+    return metrics | extra | ({} if plan is None else plan.metrics(ctx.comm.mean_over))
 
 
 def finite_everywhere(comm: Comm, loss: float, grad_norm: float) -> bool:

@@ -52,7 +52,9 @@ class BigramPolicy:
     def forward_logits(self, input_ids, position_ids=None, attention_mask=None):
         return _bigram_logits(self.weight(), input_ids)
 
-    def forward_backward(self, batches, loss_fn, *, forward_only=False, broadcast=True):
+    def forward_backward(
+        self, batches, loss_fn, *, forward_only=False, broadcast=True, routing=None
+    ):
         outs = []
         for i, mb in enumerate(batches):  # one pipeline stage: the plain loop
             loss, out = loss_fn(self.forward_logits(mb.input_ids), i)
