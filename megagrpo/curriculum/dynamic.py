@@ -318,15 +318,31 @@ class DynamicSampler:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """The carry buffer (groups as plain dicts)."""
-        return {"version": 1, "carry": [dataclasses.asdict(g) for g in self.carry]}
+        """The carry buffer (groups as plain dicts; their MoE routing tensors, which plain
+        data cannot hold compactly, are :meth:`carry_routing`)."""
+        carry = []
+        for g in self.carry:
+            d = dataclasses.asdict(dataclasses.replace(g, routing=[]))
+            carry.append(d)
+        return {"version": 1, "carry": carry}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+    def carry_routing(self) -> dict[str, Any]:
+        """The carried groups' routing tensors, ``{"<group>.<completion>": [L, layers, k]}``."""
+        return {f"{i}.{j}": r for i, g in enumerate(self.carry) for j, r in enumerate(g.routing)}
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], routing: Mapping[str, Any] | None = None
+    ) -> None:
+        """Restore :meth:`state_dict` (and :meth:`carry_routing`)."""
         groups = []
-        for d in state.get("carry", []):
+        for i, d in enumerate(state.get("carry", [])):
             d = dict(d)
             problem = Problem(**d.pop("problem"))
+            d["routing"] = [
+                (routing or {})[f"{i}.{j}"]
+                for j in range(len(d.get("token_ids", [])))
+                if f"{i}.{j}" in (routing or {})
+            ]
             groups.append(Group(problem=problem, **d))
         self.carry = groups
 

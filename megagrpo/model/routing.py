@@ -374,11 +374,14 @@ def step_plan(
     engine: list[tuple[torch.Tensor | None, torch.Tensor | None]],
     routed: bool,
     old_source: str,
+    measurable: bool = True,
 ) -> ReplayPlan | None:
     """The training step's :class:`ReplayPlan` (``engine``: per micro-batch, its routing and
     fed positions; ``routed``: every group of the batch carries the engine's routing;
-    ``old_source``: the resolved ``trainer.old_logprobs``). None when nothing is replayed or
-    measured (off, and no routing). ConfigError when the mode cannot run."""
+    ``old_source``: the resolved ``trainer.old_logprobs``; ``measurable``: the forward can
+    take a routing, i.e. no pipeline stages and no packed rows). None when nothing is
+    replayed or measured (off, and no routing or not measurable). ConfigError when the mode
+    cannot run."""
     if mode == "r3" and not routed:
         raise ConfigError(
             "config key 'model.routing_replay': r3 needs the experts the rollout engine routed "
@@ -390,7 +393,7 @@ def step_plan(
             "config key 'model.routing_replay': r2 records the routing of the old-log-prob "
             "forward and replays it in training -> set trainer.old_logprobs=recompute"
         )
-    if mode == "off" and not routed:
+    if mode == "off" and not (routed and measurable):
         return None
     return ReplayPlan(mode, engine)
 

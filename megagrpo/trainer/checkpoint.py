@@ -482,6 +482,8 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         "lora": ctx.policy.lora_state_dict(),
         "optimizer": ctx.optimizer.state_dict(),
         "scheduler": ctx.scheduler.state_dict() if ctx.scheduler else None,
+        # the carried groups' MoE routing (replicated state: one copy, in rank 0's file)
+        "carry_routing": ctx.dynamic.carry_routing() if ctx.comm.is_main else {},
     }
     trainer_state = {
         "sampler": ctx.sampler.state_dict(),
@@ -504,6 +506,12 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     return path
 
 
+def _carry_routing_of_rank0(path: Path, world_size: int, cfg: RunConfig) -> dict[str, Any]:
+    """The carried groups' routing, kept once in rank 0's file (every rank holds the groups)."""
+    state, _ = load(path, rank=0, world_size=world_size, meta=checkpoint_meta(cfg))
+    return state.get("carry_routing") or {}
+
+
 def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
     """Load ``point`` (from :func:`find_resume_checkpoint`) into ``ctx``; returns its step.
     Carried groups of another ``rollout.group_size`` are dropped, and a changed
@@ -524,7 +532,10 @@ def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
         ctx.scheduler.load_state_dict(rank_state["scheduler"])
     apply_optimizer_settings(ctx.optimizer, ctx.scheduler, ctx.cfg.trainer)
     ctx.sampler.load_state_dict(trainer_state["sampler"])
-    ctx.dynamic.load_state_dict(trainer_state["dynamic"])
+    routing = rank_state.get("carry_routing") or {}
+    if ctx.comm.rank != 0 and trainer_state["dynamic"].get("carry"):
+        routing = _carry_routing_of_rank0(point.path, ctx.comm.world_size, ctx.cfg)
+    ctx.dynamic.load_state_dict(trainer_state["dynamic"], routing)
     drop_foreign_carry(ctx.dynamic, ctx.cfg.rollout.group_size)
     set_rng_state(rank_state["rng"])
     ctx.step = ctx.saved_step = int(trainer_state["step"])

@@ -262,6 +262,7 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         [(mb.routing, mb.routing_valid) for mb in mbs],
         routed=all(g.routing for g in groups),
         old_source=source,
+        measurable=pgs.pp_size == 1 and not tcfg.pack_tokens,  # replay refused at load time
     )
     old = None
     extra: dict[str, float] = {}

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -66,6 +67,20 @@ class _HFPolicy:
     def forward_logits(self, ids, pos):
         return self.model(input_ids=ids, position_ids=pos).logits
 
+    def scoring(self):
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batches, loss_fn, *, forward_only=False, **_):
+        assert forward_only  # the sync's probe only
+        with torch.no_grad():
+            return [
+                loss_fn(self.forward_logits(b.input_ids, b.position_ids), i)[1]
+                for i, b in enumerate(batches)
+            ]
+
+    def merge_survival(self, _bf16):
+        return {}
+
 
 def _context(cfg, model_dir: Path):
     from megagrpo.curriculum.dynamic import DynamicSampler
@@ -74,12 +89,12 @@ def _context(cfg, model_dir: Path):
     from megagrpo.rollout.hf_engine import HFEngine
     from megagrpo.trainer.context import Comm, TrainContext
     from megagrpo.trainer.rollouts import build_rollouts
-    from megagrpo.trainer.setup import _curriculum, _problems
+    from megagrpo.trainer.setup import _curriculum, load_run_data, load_tokenizer
 
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
     reward_fn = build_composite(cfg.rewards)
-    problems, _ = _problems(cfg)
+    problems = load_run_data(cfg, load_tokenizer(str(model_dir))).train
     sampler, _ = _curriculum(cfg, problems, reward_fn.names[0])
     rollouts = build_rollouts(
         cfg.rollout, comm, str(model_dir), cfg.trainer.seed, reward_fn, HFEngine, False

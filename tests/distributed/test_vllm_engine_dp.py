@@ -68,7 +68,7 @@ def _worker(rank: int, model_dir: str, cache: str, tp: int) -> dict:
     out: dict = {"kwargs": {k: v for k, v in engine._engine_kwargs().items() if k != "tokenizer"}}
     replicas = dist.get_world_size() // tp
     if replicas > 1:
-        from megagrpo.trainer.sharding import shard_bounds
+        from megagrpo.trainer.rollouts import shard_bounds
 
         start, end = shard_bounds(len(problems), replicas, rank // tp)
         mine = engine.generate(

@@ -77,8 +77,9 @@ def test_vllm_routed_experts_shape(groups, tiny_moe_dir):
 def test_vllm_routing_matches_trainer_router(groups, pgs, tiny_moe_dir):
     """fp32 on both sides (TF32/cuBLAS noise): the trainer's router agrees with vLLM's on
     nearly every set, and replaying vLLM's selection brings the log-probs to vLLM's."""
+    from routing_report import routing_report  # tests/routing_report.py (a test helper)
+
     from megagrpo.model import ModelConfig, build_policy
-    from megagrpo.model.routing_verify import routing_report
 
     policy = build_policy(ModelConfig(hf_path=str(tiny_moe_dir)), pgs)
     report = routing_report(policy, groups)

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from megagrpo.curriculum.config import DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler, checked_rounds, preflight_check
@@ -196,6 +197,22 @@ def test_carry_buffer_survives_json_state_roundtrip():
     fresh.load_state_dict(state)
     assert [g.problem.id for g in fresh.carry] == [g.problem.id for g in ds.carry]
     assert fresh.carry[0].rewards == ds.carry[0].rewards and fresh.carry[0].meta["step"] == 0
+
+
+def test_carry_routing_travels_beside_the_json_state():
+    """MoE routing of carried groups is kept out of the JSON state (tensors go to the rank
+    files) and restored beside it, tensor for tensor."""
+    _, _, ds = _fill("carry", [_round(1), _round(1), _round(1), _round(4)])
+    gen = torch.Generator().manual_seed(0)
+    for g in ds.carry:
+        g.routing = [torch.randint(0, 8, (3, 2, 2), generator=gen) for _ in g.token_ids]
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert all(d["routing"] == [] for d in state["carry"])
+    fresh = DynamicSampler(DynamicSamplingConfig(policy="carry"), "acc")
+    fresh.load_state_dict(state, ds.carry_routing())
+    for a, b in zip(fresh.carry, ds.carry, strict=True):
+        assert len(a.routing) == len(b.routing) == len(b.token_ids)
+        assert all(torch.equal(x, y) for x, y in zip(a.routing, b.routing))
 
 
 def test_disabled_trains_on_the_first_round():

@@ -123,7 +123,7 @@ def test_engine_returns_routing_of_every_fed_token(engine, groups):
 def test_routing_report_of_the_hf_engine(policy, groups):
     """The report tests/gpu/test_routing_gpu.py asserts for vLLM, here for the HF engine
     (fp32 on CPU, same weights): full agreement, replayed log-probs equal the engine's."""
-    from megagrpo.model.routing_verify import routing_report
+    from routing_report import routing_report  # tests/routing_report.py (a test helper)
 
     report = routing_report(policy, groups)
     ref = torch.tensor([lp for g in groups for lps in g.logprobs for lp in lps])
@@ -288,6 +288,8 @@ def test_modes_that_cannot_run_are_config_errors(mb):
         step_plan("r2", engine, routed=True, old_source="rollout")
     assert step_plan("off", engine, routed=False, old_source="rollout") is None
     assert step_plan("off", engine, routed=True, old_source="rollout") is not None  # measures
+    # pipeline stages or packed rows take no routing: off then measures nothing
+    assert step_plan("off", engine, routed=True, old_source="rollout", measurable=False) is None
     assert step_plan("r2", engine, routed=False, old_source="recompute") is not None
     with pytest.raises(ConfigError, match="model.routing_replay"):
         ModelConfig(routing_replay="R3").validate()
