@@ -16,7 +16,7 @@ and write a levels file (JSONL: id, k, correct, level, mean_length) plus a level
 L1 = k/k correct ... L{k+1} = 0/k. Resumable: rerun the same command after an interruption.
 
 example:
-  megagrpo profile configs/qwen3_235b.yaml --out runs/levels.jsonl --k 5
+  megagrpo profile configs/qwen3_235b_a22b.yaml --out runs/levels.jsonl --k 5
   then train with curriculum.levels_file=runs/levels.jsonl curriculum.keep_levels=[2,3,4,5]
 """
 

@@ -75,7 +75,6 @@ NO_EQUIVALENT: dict[str, str] = {
     ),
     "generation_batch_size": "one optimizer step per generated batch",
     "context_parallel_size": "no context parallelism",
-    "router_replay_mode": "no engine exposes per-token expert choices",
     "num_train_epochs": "megagrpo counts optimizer steps (trainer.max_steps)",
     "swanlab_project": "no SwanLab backend",
     "vllm_max_num_seqs": "not configurable",
@@ -382,12 +381,10 @@ def translate_model(t: Translation) -> None:
         if flag in t.flags:
             t.add(flag, EXACT, {key: int(t.get(flag))})
     if "pipeline_model_parallel_size" in t.flags:
-        pp = int(t.get("pipeline_model_parallel_size"))
         t.add(
             "pipeline_model_parallel_size",
-            EXACT if pp == 1 else MISSING,
-            {"parallel.pp": 1},
-            "" if pp == 1 else f"pp={pp}: the policy forward supports pp=1 only; set to 1",
+            EXACT,
+            {"parallel.pp": int(t.get("pipeline_model_parallel_size"))},
         )
     if "sequence_parallel" in t.flags:
         t.add(
@@ -521,13 +518,28 @@ def translate_rollout(t: Translation) -> None:
             t.add(flag, EXACT, {key: cast(t.get(flag))})
     if "sleep_level" in t.flags:
         level = int(t.get("sleep_level"))
-        t.add(
-            "sleep_level",
-            EXACT if level == 1 else MISSING,
-            {},
-            "megagrpo's colocated vLLM sleeps at level 1 (GPU); "
-            + ("" if level == 1 else f"level {level} cannot be selected"),
-        )
+        if level in (1, 2):
+            t.add("sleep_level", EXACT, {"rollout.sleep_level": level})
+        else:  # ms-swift 0: never sleep; megagrpo's colocated vLLM always sleeps on a GPU
+            t.add(
+                "sleep_level",
+                DIFFERS,
+                {},
+                "ms-swift 0 keeps vLLM awake; megagrpo's colocated vLLM always sleeps while "
+                "Megatron trains (rollout.sleep_level=0 = auto: 1 with enable_lora, else 2)",
+            )
+    if "router_replay_mode" in t.flags:
+        mode = str(t.get("router_replay_mode")).lower()
+        keys = {"disabled": "off", "none": "off", "r2": "r2", "r3": "r3"}
+        if mode not in keys:
+            t.add("router_replay_mode", MISSING, {}, f"unknown mode {mode!r}")
+        else:
+            out: dict[str, Any] = {"model.routing_replay": keys[mode]}
+            if mode == "r3":
+                out["rollout.return_routing"] = True
+            if mode == "r2":
+                out["trainer.old_logprobs"] = "recompute"
+            t.add("router_replay_mode", EXACT, out)
     if "vllm_enable_lora" in t.flags:
         on = _bool(t.get("vllm_enable_lora"))
         keys: dict[str, Any] = {"rollout.enable_lora": on}

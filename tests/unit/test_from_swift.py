@@ -18,7 +18,7 @@ from megagrpo.commands.from_swift import (
     to_config,
     translate,
 )
-from megagrpo.commands.swift_flags import MISSING, OPTIM_DEFAULTS, SWIFT_DEFAULTS
+from megagrpo.commands.swift_flags import DIFFERS, MISSING, OPTIM_DEFAULTS, SWIFT_DEFAULTS
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
 from megagrpo.trainer.config import RunConfig
@@ -207,13 +207,14 @@ def test_megatron_example_moe_colocate_lora():
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 4e-4)
     assert cfg.dynamic.enabled is False and cfg.rollout.temperature == 1.0
     assert cfg.rollout.max_model_len == 16384 and cfg.data.max_prompt_tokens == 8192
-    assert cfg.parallel.tp == 2 and cfg.parallel.ep == 4 and cfg.parallel.pp == 1
+    assert cfg.parallel.tp == 2 and cfg.parallel.ep == 4
     assert cfg.model.lora.alpha == 32.0 and cfg.model.lora.dropout == 0.0
     assert cfg.trainer.adam_betas == [0.9, 0.95] and cfg.trainer.weight_decay == 0.1
     assert [f.name for f in cfg.rewards.functions] == ["mcq_accuracy", "orms:format"]
+    assert cfg.parallel.pp == 2 and cfg.rollout.sleep_level == 2
     missing = {e.flag for e in t.entries if e.status == MISSING}
-    assert {"context_parallel_size", "pipeline_model_parallel_size", "sleep_level",
-            "steps_per_generation", "overlong_filter", "offload_model"} <= missing  # fmt: skip
+    assert {"context_parallel_size", "steps_per_generation", "overlong_filter",
+            "offload_model"} <= missing  # fmt: skip
     assert "math_verify" in report and "hub datasets" in report
 
 
@@ -285,6 +286,14 @@ def test_yaml_config_file_and_stdout(tmp_path, capsys):
     assert text.startswith("# megagrpo from-swift (megatron rlhf)")
     (tmp_path / "c.yaml").write_text(text)
     assert load_config(RunConfig, [tmp_path / "c.yaml"]).trainer.batch_groups == 32
+
+
+def test_router_replay_and_sleep_levels_map_to_their_keys():
+    _, t, cfg, _ = _run(["megatron", "rlhf", "--router_replay_mode", "R3", "--sleep_level", "0"])
+    assert cfg.model.routing_replay == "r3" and cfg.rollout.return_routing is True
+    assert {e.flag: e.status for e in t.entries}["sleep_level"] == DIFFERS
+    _, _, cfg, _ = _run(["megatron", "rlhf", "--router_replay_mode", "R2"])
+    assert cfg.model.routing_replay == "r2" and cfg.trainer.old_logprobs == "recompute"
 
 
 def test_bad_commands_are_named():
