@@ -213,16 +213,25 @@ def translate_algorithm(t: Translation) -> None:
         value=g,
     )
     _default(t, "beta", "loss.kl_coef", SWIFT_DEFAULTS["beta"], 0.0, cast=float)
-    _default(
-        t,
+    # ms-swift (TRL) computes training log-probs of logits / temperature: rollout.logprobs
+    # sampling, which megagrpo allows with top_p = 1 only (the trainer does not truncate).
+    given = "temperature" in t.flags
+    temp = float(t.get("temperature", SWIFT_DEFAULTS["temperature"]))
+    sampling = float(t.get("top_p", 1.0)) == 1.0
+    notes = [] if given else [f"not given: ms-swift's default {temp!r} applied (megagrpo's 1.0)"]
+    notes.append(
+        "training log-probs of logits / temperature, as in ms-swift"
+        if sampling
+        else "ms-swift's training log-probs are of logits / temperature; with top_p < 1 "
+        "megagrpo keeps the raw (T=1) model's: identical only at 1.0"
+    )
+    t.add(
         "temperature",
-        "rollout.temperature",
-        SWIFT_DEFAULTS["temperature"],
-        1.0,
-        "ms-swift also divides the training logits by the temperature; megagrpo's "
-        "training log-probs are the raw (T=1) model's: identical only at 1.0",
-        cast=float,
-        semantic=True,
+        EXACT if sampling and given else DIFFERS,
+        {"rollout.temperature": temp, "rollout.logprobs": "sampling" if sampling else "raw"},
+        "; ".join(notes),
+        given=given,
+        value=temp,
     )
     eps = float(t.get("epsilon", SWIFT_DEFAULTS["epsilon"]))
     t.add("epsilon", EXACT, {"loss.eps_low": eps}, given="epsilon" in t.flags, value=eps)

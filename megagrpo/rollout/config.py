@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megagrpo.errors import require, require_finite
 
 ENGINES = ("vllm", "hf")
+LOGPROBS = ("raw", "sampling")
 PLACEMENTS = ("auto", "rank0", "sharded")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -20,9 +21,15 @@ class RolloutConfig:
     group_size: int = 8
     """G, answers per problem."""
     temperature: float = 1.0
-    """Sampling temperature (log-probs returned are of the raw, temperature-1 model)."""
+    """Sampling temperature (which distribution log-probs are of: ``logprobs``)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    logprobs: str = "raw"
+    """Which policy the log-probs of the engines *and* the trainer are of: raw (the
+    temperature-1 model: the policy that is trained, served and whose weight sync is
+    verified; the default, and identical to sampling at temperature 1) | sampling (logits /
+    ``temperature``, as ms-swift and TRL compute training log-probs: the importance ratios are
+    then of the distribution that was actually sampled; needs top_p = 1)."""
     max_tokens: int = 512
     """Maximum completion length in tokens (longer ones stop with finish reason 'length')."""
     seed: int = 0
@@ -95,6 +102,10 @@ class RolloutConfig:
     ``enable_return_routed_experts`` (GPU only: it needs vLLM's Model Runner V2 and prefix
     caching; about ``num_layers x top_k x 2`` bytes per token). false: never."""
 
+    def logprob_temperature(self) -> float:
+        """What the trainer divides logits by before log-probs (``logprobs``)."""
+        return self.temperature if self.logprobs == "sampling" else 1.0
+
     def validate(self, path: str = "rollout") -> None:
         """Check value ranges; raises ConfigError naming the key."""
         require(
@@ -119,6 +130,18 @@ class RolloutConfig:
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.temperature > 0, f"{path}.temperature", "must be > 0")
         require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
+        require(
+            self.logprobs in LOGPROBS,
+            f"{path}.logprobs",
+            f"{self.logprobs!r} is not {' | '.join(LOGPROBS)}",
+        )
+        require(
+            self.logprobs == "raw" or self.top_p == 1.0,
+            f"{path}.logprobs",
+            "sampling log-probs are of logits / temperature; with top_p < 1 the sampled "
+            "distribution is also truncated, which the trainer's log-probs are not: set "
+            "rollout.top_p=1 or rollout.logprobs=raw",
+        )
         require(self.max_tokens >= 1, f"{path}.max_tokens", "must be >= 1")
         require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),

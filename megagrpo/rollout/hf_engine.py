@@ -3,7 +3,8 @@
 Slow (no paged KV cache, no continuous batching) but exact: it is also the reference the vLLM
 engine is tested against. Per-request seeds: a logits processor samples each row with its
 own ``torch.Generator`` (temperature, top-p) and hands ``generate`` a one-hot choice, so
-``generate`` runs greedily over our samples; log-probs come from the raw logits.
+``generate`` runs greedily over our samples; log-probs come from the raw logits
+(``rollout.logprobs=sampling``: from logits / temperature).
 """
 
 from __future__ import annotations
@@ -195,7 +196,10 @@ class HFEngine:
                 top_k=None,
             )
         new = out.sequences[:, width:].cpu()
-        logp = torch.log_softmax(torch.stack(out.logits, 1).double(), -1).cpu()  # [B, L, V]
+        logits = torch.stack(out.logits, 1).double()  # [B, L, V], raw
+        if self.cfg.logprobs == "sampling":  # the distribution sampled from (rollout.logprobs)
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, -1).cpu()
         results = []
         for i in range(len(rows)):
             toks, lps, finish = [], [], "length"

@@ -258,7 +258,8 @@ class VLLMEngine:
             tensor_parallel_size=cfg.tensor_parallel_size,
             enforce_eager=True,
             disable_log_stats=True,
-            logprobs_mode="raw_logprobs",
+            # processed: after temperature (top_p = 1 is required with rollout.logprobs=sampling)
+            logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
         )
         if self.on_gpu:
             kwargs.update(

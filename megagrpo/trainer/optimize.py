@@ -108,17 +108,19 @@ def policy_logprobs(
     tp_group: dist.ProcessGroup | None,
     base_only: bool = False,
     plan: ReplayPlan | None = None,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor]:
     """Per micro-batch [B, T] log-probs of the targets under the current policy (or the
     frozen base with ``base_only``: the reference policy), in scoring mode (no dropout);
-    ``plan`` gives each forward its MoE routing."""
+    ``plan`` gives each forward its MoE routing; of logits / ``temperature``
+    (:meth:`RolloutConfig.logprob_temperature`)."""
     base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
 
     def logp(logits: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
         mb = mbs[i]
         check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
         lp, *_ = token_stats(
-            logits,
+            tempered(logits, temperature),
             mb.target_ids,
             tp_group=tp_group,
             backend=loss_cfg.backend,
@@ -131,6 +133,12 @@ def policy_logprobs(
         return policy.forward_backward(
             mbs, logp, forward_only=True, broadcast=False, routing=routing
         )
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` (``rollout.logprobs=sampling``; one more logits-sized tensor
+    in the model's dtype), ``logits`` itself at 1."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def logprob_mismatch(
@@ -199,6 +207,7 @@ def _backward_pass(
     last stage), accumulating gradients; the weighted loss metrics, on every stage."""
     cfg = ctx.cfg.loss
     agg = cfg.resolved_loss_agg()
+    temperature = ctx.cfg.rollout.logprob_temperature()
 
     def loss_fn(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, dict[str, float]]:
         mb = mbs[i]
@@ -213,7 +222,7 @@ def _backward_pass(
             rollout_logprobs=mb.rollout_logprobs,
         )
         loss, metrics = fused_policy_loss(
-            logits,
+            tempered(logits, temperature),
             mb.target_ids,
             None if old is None else old[i],
             mb.advantages,
@@ -257,6 +266,7 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
         tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
     )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
+    temperature = ctx.cfg.rollout.logprob_temperature()  # the engines' log-probs are of it too
     plan = step_plan(
         ctx.cfg.model.routing_replay,
         [(mb.routing, mb.routing_valid) for mb in mbs],
@@ -267,7 +277,9 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     old = None
     extra: dict[str, float] = {}
     if source == "recompute":
-        old = policy_logprobs(ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan)
+        old = policy_logprobs(
+            ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
+        )
         if has_rollout_logprobs(groups):
             extra = logprob_mismatch(ctx, old, mbs)
     elif source == "rollout":
@@ -275,7 +287,13 @@ def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) ->
     ref = None
     if ctx.cfg.loss.kl_coef > 0:
         ref = policy_logprobs(
-            ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, base_only=True, plan=plan
+            ctx.policy,
+            mbs,
+            ctx.cfg.loss,
+            ctx.tp_group,
+            base_only=True,
+            plan=plan,
+            temperature=temperature,
         )
     sums: dict[str, float] = {}
     grad_norm, steps, skipped = 0.0, 0, False

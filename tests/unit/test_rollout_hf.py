@@ -117,8 +117,37 @@ def test_buckets_are_bounded_and_complete():
     assert copy.data_ptr() != src.data_ptr()
 
 
+def test_sampling_logprobs_are_of_the_tempered_distribution(tiny_moe_dir, hf_model):
+    """rollout.logprobs=sampling: the sampled tokens' log-probs are log_softmax(logits / T)
+    of transformers' own forward (and not the raw model's)."""
+    cfg = RolloutConfig(engine="hf", max_tokens=8, max_model_len=256, logprobs="sampling")
+    eng = build_engine(cfg, str(tiny_moe_dir), seed=5)
+    try:
+        groups = eng.generate(PROBLEMS, n=4, sampling=SamplingSpec(temperature=0.6))
+    finally:
+        eng.close()
+    tempered, raw = [], []
+    for g in groups:
+        for toks, lps in zip(g.token_ids, g.logprobs):
+            ids = torch.tensor([g.prompt_ids + toks])
+            with torch.no_grad():
+                logits = hf_model(input_ids=ids).logits[0, len(g.prompt_ids) - 1 : -1].double()
+            target = torch.tensor(toks)[:, None]
+            ref = torch.log_softmax(logits / 0.6, -1).gather(-1, target)[:, 0]
+            ref_raw = torch.log_softmax(logits, -1).gather(-1, target)[:, 0]
+            got = torch.tensor(lps, dtype=torch.float64)
+            tempered.append(float((got - ref).abs().max()))
+            raw.append(float((got - ref_raw).abs().max()))
+    assert max(tempered) < 1e-4, max(tempered)  # fp32 model, left padding in the batch
+    assert max(raw) > 1e-2  # the two policies differ: the option is not a no-op
+
+
 def test_config_validation():
     RolloutConfig().validate("rollout")
+    with pytest.raises(ConfigError, match="rollout.logprobs"):
+        RolloutConfig(logprobs="processed").validate("rollout")
+    with pytest.raises(ConfigError, match="rollout.logprobs.*top_p"):
+        RolloutConfig(logprobs="sampling", top_p=0.9).validate("rollout")
     with pytest.raises(ConfigError, match="rollout.engine"):
         RolloutConfig(engine="sglang").validate("rollout")
     with pytest.raises(ConfigError, match="rollout.max_model_len"):
