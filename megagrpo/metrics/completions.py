@@ -172,7 +172,7 @@ class CompletionsLog:
     def _log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
         import wandb
 
-        data = [
+        data: list[Any] = [
             [json.dumps(r[c], ensure_ascii=False) if c == "reward_parts" else r[c] for c in COLUMNS]
             for r in rows
         ]
