@@ -87,6 +87,35 @@ class RolloutConfig:
     """Length of the fixed token sequence whose log-probs verify every weight sync."""
     cache_dir: str = ""
     """VLLM_CACHE_ROOT (compile/cache files); empty: ~/.cache/megagrpo/vllm."""
+    budget: str = "uniform"
+    """How many completions each drawn problem gets (megagrpo.curriculum.budget_rounds):
+    uniform (G each, the default) | knapsack (per-problem counts from the pass-rate
+    posterior, Knapsack RL) | sequential (rounds until both outcomes, Reinforce-Ada). The
+    budget keys below mirror megagrpo.curriculum.config.BudgetConfig (validated with it by
+    RunConfig); knapsack/sequential need dynamic.policy partial or carry."""
+    min_samples: int = 2
+    """knapsack: fewest completions a newly drawn problem gets in its first round (>= 1)."""
+    max_samples: int = 32
+    """knapsack/sequential: most completions one problem may get within one step."""
+    round_samples: int = 0
+    """sequential: completions per round for a problem that has not shown both outcomes yet
+    (0: group_size)."""
+    trained_size: int = 0
+    """knapsack/sequential: completions per trained group (0: group_size); more are
+    subsampled keeping both outcomes, fewer are topped up in the next round."""
+    budget_objective: str = "completions"
+    """knapsack value of n completions: completions (expected completions with a non-zero
+    advantage) | groups (probability the group is not collapsed: Knapsack RL's)."""
+    budget_price: float = -1.0
+    """knapsack: value charged per generated completion; -1: auto (the best effective ratio
+    a per-problem allocation reaches on the pool); 0: Knapsack RL (B problems share the
+    round budget)."""
+    sequential_gate: bool = True
+    """sequential: continue a still-collapsed problem only while its posterior says another
+    round is worth the price; false: Reinforce-Ada (until both outcomes or max_samples)."""
+    advantage_baseline: str = "group"
+    """group (mean/std of the trained group) | pool (Reinforce-Ada: mean/std of every
+    completion generated for the problem in the step, before subsampling)."""
 
     def validate(self, path: str = "rollout") -> None:
         """Check value ranges; raises ConfigError naming the key."""

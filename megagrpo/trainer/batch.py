@@ -8,6 +8,13 @@ token i sits at position ``P - 1 + i``. Targets are shifted instead of the logit
 
 Micro-batches hold at most ``micro_batch_size`` samples, right-padded to their longest
 sample; samples are sorted by length first (less padding), in a deterministic order.
+
+Groups may differ in size (rollout budgets): advantages come one row per group, and with
+``loss.group_weighting: group`` every sample carries its sequence weight
+(:func:`megagrpo.algo.advantages.sequence_weights`); :func:`microbatch_weight` then scales
+each micro-batch by its weighted share of the batch's aggregation mass
+(:func:`megagrpo.algo.losses.aggregation_mass`), so the micro-batches still sum exactly to
+the batch loss.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megagrpo.algo.losses import aggregation_mass, make_seq_ids
 from megagrpo.types import Group
 
 
@@ -30,6 +38,8 @@ class Sample:
     rollout_logprobs: list[float]
     index: int
     """Position in the flattened batch (group-major), to scatter recomputed log-probs back."""
+    weight: float | None = None
+    """Sequence weight in the loss aggregation (``loss.group_weighting: group``); None: 1."""
 
     @property
     def length(self) -> int:
@@ -49,6 +59,8 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor
     indices: list[int]
     """Positions of its samples in the flattened batch ([] for a padding micro-batch)."""
+    seq_weights: torch.Tensor | None = None
+    """[B] sequence weights of the loss aggregation (None: every sequence weighs 1)."""
 
     @property
     def num_seqs(self) -> int:
@@ -76,17 +88,21 @@ class MicroBatch:
             self.advantages.to(device),
             self.rollout_logprobs.to(device),
             self.indices,
+            None if self.seq_weights is None else self.seq_weights.to(device),
         )
 
 
 @dataclass(frozen=True)
 class BatchTotals:
     """Sums over the whole trained batch (every data-parallel rank), for the micro-batch
-    weights: samples, samples with at least one loss token, loss tokens."""
+    weights: samples, samples with at least one loss token, loss tokens, and the weighted
+    aggregation mass (:func:`microbatch_mass`; used by micro-batches with sequence
+    weights)."""
 
     seqs: float
     nonempty: float
     tokens: float
+    mass: float = 0.0
 
 
 def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
@@ -98,8 +114,14 @@ def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
     return MicroBatch(ids, pos, torch.zeros_like(ids), zeros, zeros.clone(), zeros.clone(), [])
 
 
-def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sample]:
-    """One :class:`Sample` per completion; ``advantages`` is [N, G] (rows follow ``groups``)."""
+def build_samples(
+    groups: Sequence[Group],
+    advantages: torch.Tensor | Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor] | None = None,
+) -> list[Sample]:
+    """One :class:`Sample` per completion; ``advantages``: one row per group (``[N, G]``, or
+    one ``[G_n]`` tensor per group when sizes differ); ``weights``: optional per-group
+    sequence weights ``[G_n]`` (:attr:`Sample.weight`)."""
     samples = []
     for n, group in enumerate(groups):
         if not group.prompt_ids:
@@ -110,9 +132,10 @@ def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sam
                 Sample(
                     list(group.prompt_ids) + list(completion),
                     len(group.prompt_ids),
-                    float(advantages[n, g]),
+                    float(advantages[n][g]),
                     list(lp),
                     len(samples),
+                    None if weights is None else float(weights[n][g]),
                 )
             )
     return samples
@@ -135,8 +158,11 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         if len(s.rollout_logprobs) == hi - lo:
             rollout[i, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     position_ids = torch.arange(t, dtype=torch.long).unsqueeze(0).expand(b, t).contiguous()
+    weights = None
+    if any(s.weight is not None for s in samples):
+        weights = torch.tensor([1.0 if s.weight is None else s.weight for s in samples])
     return MicroBatch(
-        input_ids, position_ids, target, mask, adv, rollout, [s.index for s in samples]
+        input_ids, position_ids, target, mask, adv, rollout, [s.index for s in samples], weights
     )
 
 
@@ -172,6 +198,7 @@ def _pad(mb: MicroBatch, extra: int, pad_id: int) -> MicroBatch:
         right(mb.advantages, 0.0),
         right(mb.rollout_logprobs, 0.0),
         mb.indices,
+        mb.seq_weights,
     )
 
 
@@ -184,13 +211,31 @@ def has_rollout_logprobs(groups: Sequence[Group]) -> bool:
     )
 
 
+def microbatch_mass(mb: MicroBatch, loss_agg: str) -> float:
+    """The denominator of a micro-batch's locally normalised loss
+    (:func:`megagrpo.algo.losses.aggregation_mass`): loss tokens, non-empty sequences or
+    sequences, each sequence counted with its weight when the micro-batch has
+    :attr:`MicroBatch.seq_weights`. 0 for a padding micro-batch."""
+    if mb.seq_weights is None or not mb.indices:
+        if loss_agg == "token_mean":
+            return float(mb.num_tokens)
+        if loss_agg == "seq_mean_token_mean":
+            return float(mb.num_nonempty)
+        return float(mb.num_seqs)
+    ids, num = make_seq_ids(mb.mask.shape, None, mb.mask.device)
+    return float(aggregation_mass(mb.mask, ids, num, loss_agg, mb.seq_weights))
+
+
 def microbatch_weight(mb: MicroBatch, loss_agg: str, totals: BatchTotals) -> float:
     """Scale of a micro-batch's (locally normalised) loss so that the accumulated loss and
     gradient equal the whole batch's: each aggregation's per-micro-batch denominator over
     the whole batch's (:func:`megagrpo.algo.losses.token_weights`): loss tokens for
     ``token_mean``, non-empty sequences for ``seq_mean_token_mean`` (an empty completion
     has no token mean), sequences for ``seq_mean_token_sum_norm`` (with the fixed
-    ``loss.max_tokens`` normaliser, set by ``RunConfig.resolve``). 0 for padding."""
+    ``loss.max_tokens`` normaliser, set by ``RunConfig.resolve``). 0 for padding. A
+    micro-batch with sequence weights: its weighted mass over ``totals.mass``."""
+    if mb.seq_weights is not None:
+        return microbatch_mass(mb, loss_agg) / max(totals.mass, 1e-12)
     if loss_agg == "token_mean":
         return mb.num_tokens / max(totals.tokens, 1.0)
     if loss_agg == "seq_mean_token_mean":
