@@ -277,3 +277,37 @@ def test_budgeted_run_resumes_like_the_uninterrupted_one(bigram_dir, tmp_path):
             if key.startswith("perf/") or key == "sync/engine_s":
                 continue
             assert b[key] == value or (value != value and b[key] != b[key]), key
+
+
+def test_runs_with_a_levels_file_log_the_predicted_acr_per_level(bigram_dir, tmp_path):
+    """The first round's predicted raw ACR per profile level sits next to the measured one:
+    a level is predicted exactly when some of its problems were drawn."""
+    import json
+
+    from megagrpo.testing import tiny_run_config
+
+    train = tiny_run_config(bigram_dir, tmp_path, "x")["data"]["train"][0]
+    ids = [json.loads(line)["id"] for line in open(train, encoding="utf-8")]
+    levels = tmp_path / "levels.jsonl"
+    levels.write_text(
+        "".join(
+            json.dumps({"id": pid, "k": 5, "correct": i % 6}) + "\n" for i, pid in enumerate(ids)
+        )
+    )
+    ctx = _context(
+        bigram_dir,
+        tmp_path,
+        "lv",
+        curriculum={"levels_file": str(levels), "keep_levels": [1, 2, 3, 4, 5, 6]},
+        rollout={"max_tokens": 3, "probe_len": 8, "budget": "knapsack", "max_samples": 8},
+        dynamic={"max_resample": 1, "policy": "carry", "preflight": "off"},
+    )
+    rows = _train(ctx)
+    for r in rows:
+        for lv in range(1, 7):
+            predicted = r[f"collapse/acr_predicted_by_level/L{lv}"]
+            drawn = r[f"collapse/groups_by_level/L{lv}"] > 0
+            assert drawn == (predicted == predicted), (r["step"], lv)  # NaN when not drawn
+            if drawn:
+                assert 0.0 < predicted < 1.0
+        assert 0.0 < r["collapse/acr_predicted_step"] < 1.0
