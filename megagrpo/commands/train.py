@@ -115,6 +115,21 @@ def _report(ctx: TrainContext, rows: list[dict]) -> None:
             f"done: {ctx.step} steps{note}, run dir {ctx.run_dir}, last reward/mean="
             f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}"
         )
+        print_learning(ctx.run_dir)
+
+
+def print_learning(run_dir) -> None:
+    """The run's learning line (raw reward first vs last fifth, held-out accuracy first vs
+    last evaluation: :func:`megagrpo.metrics.report.learning_summary`), from the whole
+    metrics.jsonl (a resumed run included)."""
+    from megagrpo.metrics import read_metrics
+    from megagrpo.metrics.report import format_learning, learning_summary
+
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        line = format_learning(learning_summary(read_metrics(path)))
+        if line:
+            print(f"learning: {line}")
 
 
 def host_modules(engine: object) -> tuple:

@@ -22,8 +22,16 @@ no valid group at all under ``partial``/``carry`` returns an empty batch: the tr
 its optimizer step.
 
 The trainer drives the rounds and this module only decides: :meth:`DynamicSampler.start`
-returns a :class:`Rounds`, which says which problems to generate next (or that the batch is
-decided), takes each scored round, and finishes the batch. Nothing here generates.
+returns a :class:`Rounds`, which says which problems to generate next and how many answers
+each gets (or that the batch is decided), takes each scored round, and finishes the batch.
+Nothing here generates.
+
+With a rollout budget (``rollout.budget`` knapsack | sequential: a
+:class:`~megagrpo.curriculum.budget_rounds.BudgetPlanner`), the planner decides what each round
+generates (mixed n per problem) and which problems are finished (split, subsampled to the
+trained size); the rules above decide when to stop (at most 1 + R rounds, or B groups) and
+what is trained or carried. The planner observes each problem once per step, merged; the
+raw statistics are those of the first round's newly drawn problems at their own n.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from megagrpo.curriculum.budget_rounds import BudgetPlanner, BudgetStep, Request
+from megagrpo.curriculum.calibrate import predicted_acr_metrics
 from megagrpo.curriculum.config import DynamicSamplingConfig
 from megagrpo.curriculum.levels import fill_success_prob
 from megagrpo.curriculum.stats import collapse_metrics, collapse_stats, group_matrices
@@ -94,15 +104,15 @@ class Rounds:
     """One step of bounded dynamic sampling, driven by the trainer::
 
         rounds = dynamic.start(sampler, batch_groups, step)
-        while (problems := rounds.next_problems()) is not None:
-            rounds.add(generate_and_score(problems))
+        while (requests := rounds.next_requests()) is not None:
+            rounds.add(generate_and_score(requests))   # Request(problem, n): n answers
         batch = rounds.finish()
 
-    :meth:`next_problems` decides whether another round is generated (and draws its
-    problems: the main stream first, then the resample stream); :meth:`add` takes the
-    scored groups of that round, passes them to ``sampler.observe`` and checks them;
-    :meth:`finish` applies the shortfall policy and returns the batch. Pure: no generation,
-    no callbacks.
+    :meth:`next_requests` decides whether another round is generated (and draws its
+    problems: the main stream first, then the resample stream; G answers each, or the
+    rollout budget's mixed counts); :meth:`add` takes the scored groups of that round,
+    passes them to ``sampler.observe`` and checks them; :meth:`finish` applies the
+    shortfall policy and returns the batch. Pure: no generation, no callbacks.
     """
 
     def __init__(
@@ -113,8 +123,13 @@ class Rounds:
         step: int,
         carried: list[Group],
         dropped_stale: int,
+        budget_step: BudgetStep | None = None,
     ) -> None:
         self.owner, self.sampler = owner, sampler
+        self.budget_step = budget_step
+        """The rollout budget's round state (None: uniform G, every round checked here)."""
+        self.predicted: dict[str, float] = {}
+        """``collapse/acr_predicted_by_level/*`` of the first round (levels file runs)."""
         self.batch_groups, self.step = batch_groups, step
         self.carried, self.dropped_stale = carried, dropped_stale
         self.valid: list[Group] = list(carried)
@@ -132,17 +147,45 @@ class Rounds:
         return len(self.valid)
 
     def next_problems(self) -> list[Problem] | None:
-        """The problems of the next round to generate, or None when the step's batch is
-        decided (full, or the round budget of the policy is spent)."""
+        """The problems of the next round to generate (G answers each), or None when the
+        step's batch is decided (full, or the round budget of the policy is spent). Uniform
+        only: with a rollout budget use :meth:`next_requests`."""
+        if self.budget_step is not None:
+            raise RuntimeError("next_problems: a rollout budget needs next_requests")
         if self._done:
             return None
         resample = self.num_generated > 0
         return self.sampler.next_problems(self.batch_groups, resample=resample)
 
+    def next_requests(self) -> list[Request] | None:
+        """The next round's requests ``[Request(problem, n)]`` (G each without a rollout
+        budget, mixed counts with one), or None when the step's batch is decided. Before
+        the first round, the predicted collapse of its problems at their n is computed
+        (:attr:`predicted`; the sampler has not seen them yet)."""
+        if self.budget_step is None:
+            problems = self.next_problems()
+            if problems is None:
+                return None
+            requests = [Request(p, self.owner.round_size()) for p in problems]
+        elif self._done:
+            return None
+        else:
+            requests = self.budget_step.next_requests()
+            if not requests:
+                self._done = True
+                return None
+        if self.num_generated == 0:
+            self.predicted = _predicted(self.sampler, requests)
+        return requests
+
     def add(self, groups: list[Group]) -> list[FilterDecision]:
         """Take one generated round (groups with ``rewards`` and ``reward_parts`` set, in the
-        order of :meth:`next_problems`); returns the filter's decision per group (empty for a
-        round that is not checked)."""
+        order of the requests); returns the filter's decision per group (empty for a round
+        that is not checked, and with a rollout budget, whose problems finish across
+        rounds)."""
+        if self.budget_step is not None:
+            self._add_budgeted(groups)
+            return []
         self.num_generated += 1
         for g in groups:
             g.meta["step"] = self.step
@@ -162,6 +205,22 @@ class Rounds:
             self._unchecked_next = cfg.policy == "original" and cfg.max_resample > 0
             self._done = not self._unchecked_next
         return decisions
+
+    def _add_budgeted(self, groups: list[Group]) -> None:
+        """A budgeted round: the planner merges each problem's answers and returns the
+        problems finished (split, trained size); stop at B valid groups or 1 + R rounds."""
+        assert self.budget_step is not None
+        self.num_generated += 1
+        self.num_checked += 1
+        for g in groups:
+            g.meta["step"] = self.step
+        finished = self.budget_step.add(groups)
+        self.valid.extend(finished)
+        if self.num_generated == 1:
+            self.num_valid_first = len(finished)
+        full = self.num_valid >= self.batch_groups
+        if full or self.num_checked >= checked_rounds(self.owner.cfg):
+            self._done = True
 
     def _check(
         self, groups: list[Group], r: np.ndarray, c: np.ndarray | None
@@ -195,6 +254,25 @@ class Rounds:
         return self.owner.finish(self)
 
 
+def _predicted(sampler: ProblemSource, requests: Sequence[Request]) -> dict[str, float]:
+    """Predicted raw collapse per profile level of a first round (levels file runs only:
+    a sampler without profile levels, or without posteriors, gives {})."""
+    if not getattr(sampler, "has_levels", False) or not hasattr(sampler, "posterior_of"):
+        return {}
+    problems = [r.problem for r in requests]
+    return predicted_acr_metrics(sampler, problems, [r.n for r in requests])  # type: ignore[arg-type]
+
+
+def _ragged(
+    groups: Sequence[Group], key: str | None
+) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Reward (and correctness) rows of groups that may differ in size."""
+    rewards = [list(g.rewards) for g in groups]
+    if key and all(key in g.reward_parts for g in groups):
+        return rewards, [list(g.reward_parts[key]) for g in groups]
+    return rewards, None
+
+
 def checked_rounds(cfg: DynamicSamplingConfig) -> int:
     """How many generated rounds a policy checks at most (ms-swift: R; ours: 1 + R)."""
     if not cfg.enabled:
@@ -212,6 +290,9 @@ class DynamicSampler:
         correctness_key: ``Group.reward_parts`` key of the correctness reward (the first
             function of the rewards config) for the correctness-only collapse metrics.
         acr_predicted: predicted ACR from the levels (logged as ``collapse/acr_predicted``).
+        group_size: G, answers per problem of a uniform round (:meth:`Rounds.next_requests`).
+        budget: the rollout budget's planner (knapsack | sequential); None or uniform: G
+            answers per problem, exactly as without a planner.
     """
 
     def __init__(
@@ -219,11 +300,28 @@ class DynamicSampler:
         cfg: DynamicSamplingConfig,
         correctness_key: str | None = None,
         acr_predicted: float | None = None,
+        group_size: int | None = None,
+        budget: BudgetPlanner | None = None,
     ) -> None:
         self.cfg = cfg
         self.correctness_key = correctness_key
         self.acr_predicted = acr_predicted
+        self.group_size = group_size
+        if budget is not None and budget.cfg.budget == "uniform":
+            budget = None
+        if budget is not None and cfg.policy == "original":
+            raise ConfigError(
+                "config key 'dynamic.policy': 'original' applies to rollout.budget uniform "
+                "only; use partial or carry"
+            )
+        self.budget = budget
         self.carry: list[Group] = []
+
+    def round_size(self) -> int:
+        """G of a uniform round (ValueError when the sampler was built without it)."""
+        if self.group_size is None:
+            raise ValueError("DynamicSampler: next_requests needs group_size")
+        return self.group_size
 
     def _take_carry(self, step: int) -> tuple[list[Group], int]:
         fresh = [
@@ -245,10 +343,16 @@ class DynamicSampler:
             step: the training step (stamped into ``Group.meta['step']``).
         """
         carried, dropped = self._take_carry(step) if self.cfg.policy == "carry" else ([], 0)
-        return Rounds(self, sampler, batch_groups, step, carried, dropped)
+        bstep = None
+        if self.budget is not None:
+            keep = self.cfg.policy == "carry"
+            bstep = self.budget.start(sampler, step, keep_pending=keep)  # type: ignore[arg-type]
+        return Rounds(self, sampler, batch_groups, step, carried, dropped, bstep)
 
     def finish(self, rounds: Rounds) -> FilledBatch:
         """The shortfall policy over a finished :class:`Rounds` (see module docstring)."""
+        if rounds.budget_step is not None:
+            return self._finish_budgeted(rounds)
         cfg, batch_groups = self.cfg, rounds.batch_groups
         success = cfg.enabled and rounds.num_valid >= batch_groups
         discarded = 0
@@ -263,22 +367,9 @@ class DynamicSampler:
                 self.carry = surplus[: cfg.carry_max_groups or batch_groups]
             discarded = len(surplus) - len(self.carry)
         stats = self._stats(rounds, post, success)
-        carried_ids = {id(g) for g in rounds.carried}
-        stats["dynamic/valid_groups_carried"] = float(
-            sum(1 for g in trained if id(g) in carried_ids)
-        )
-        stats["dynamic/valid_groups_discarded"] = float(discarded)
-        stats["dynamic/carry_buffer"] = float(len(self.carry))
-        stats["dynamic/carry_dropped_stale"] = float(rounds.dropped_stale)
+        self._carry_stats(stats, rounds, trained, discarded)
         if not trained:
-            log.warning(
-                "step %d trains nothing: all %d groups of %d round(s) collapsed (equal "
-                "rewards); raise dynamic.max_resample, or filter too easy / too hard "
-                "problems (curriculum.keep_levels)",
-                rounds.step,
-                len(rounds.decisions),
-                rounds.num_checked,
-            )
+            _warn_trains_nothing(rounds)
         elif not success and cfg.enabled:
             log.info(
                 "step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
@@ -289,6 +380,36 @@ class DynamicSampler:
                 cfg.policy,
             )
         return FilledBatch(trained, stats)
+
+    def _finish_budgeted(self, rounds: Rounds) -> FilledBatch:
+        """Budgeted rounds: the first B finished groups train, the surplus is carried
+        (``carry``) or discarded; ``budget/*`` metrics from the planner's step."""
+        assert rounds.budget_step is not None
+        b = rounds.batch_groups
+        stats = rounds.budget_step.close()
+        success = rounds.num_valid >= b
+        trained, surplus = rounds.valid[:b], rounds.valid[b:]
+        if self.cfg.policy == "carry":
+            self.carry = surplus[: self.cfg.carry_max_groups or b]
+        rounds.first = list(rounds.budget_step.raw_groups)
+        rounds.first_matrices = _ragged(rounds.first, self.correctness_key)  # type: ignore[assignment]
+        post = _ragged(trained, self.correctness_key)
+        stats.update(self._stats(rounds, post, success))  # type: ignore[arg-type]
+        self._carry_stats(stats, rounds, trained, len(surplus) - len(self.carry))
+        if not trained:
+            _warn_trains_nothing(rounds)
+        return FilledBatch(trained, stats)
+
+    def _carry_stats(
+        self, stats: dict[str, float], rounds: Rounds, trained: list[Group], discarded: int
+    ) -> None:
+        carried_ids = {id(g) for g in rounds.carried}
+        stats["dynamic/valid_groups_carried"] = float(
+            sum(1 for g in trained if id(g) in carried_ids)
+        )
+        stats["dynamic/valid_groups_discarded"] = float(discarded)
+        stats["dynamic/carry_buffer"] = float(len(self.carry))
+        stats["dynamic/carry_dropped_stale"] = float(rounds.dropped_stale)
 
     def _stats(
         self, rounds: Rounds, post: tuple[np.ndarray, np.ndarray | None], success: bool
@@ -301,6 +422,7 @@ class DynamicSampler:
         post_stats = collapse_stats(*post, tau=self.cfg.tau)
         num_levels = int(getattr(rounds.sampler, "k", 5)) + 1
         out = collapse_metrics(raw, post_stats, self.acr_predicted, num_levels)
+        out.update(rounds.predicted)
         num_trained = post_stats["num_groups"]
         num_valid = float(round(num_trained * (1.0 - post_stats["acr"])))
         out.update(
@@ -319,12 +441,13 @@ class DynamicSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The carry buffer (groups as plain dicts; their MoE routing tensors, which plain
-        data cannot hold compactly, are :meth:`carry_routing`)."""
-        carry = []
-        for g in self.carry:
-            d = dataclasses.asdict(dataclasses.replace(g, routing=[]))
-            carry.append(d)
-        return {"version": 1, "carry": carry}
+        data cannot hold compactly, are :meth:`carry_routing`) and the rollout budget's
+        pending top-ups."""
+        carry = [dataclasses.asdict(dataclasses.replace(g, routing=[])) for g in self.carry]
+        state: dict[str, Any] = {"version": 1, "carry": carry}
+        if self.budget is not None:
+            state["budget"] = self.budget.state_dict()
+        return state
 
     def carry_routing(self) -> dict[str, Any]:
         """The carried groups' routing tensors, ``{"<group>.<completion>": [L, layers, k]}``."""
@@ -334,6 +457,8 @@ class DynamicSampler:
         self, state: Mapping[str, Any], routing: Mapping[str, Any] | None = None
     ) -> None:
         """Restore :meth:`state_dict` (and :meth:`carry_routing`)."""
+        if self.budget is not None:
+            self.budget.load_state_dict(state.get("budget", {}))
         groups = []
         for i, d in enumerate(state.get("carry", [])):
             d = dict(d)
@@ -397,3 +522,14 @@ def preflight_check(
     if cfg.preflight != "off" and cfg.enabled:
         (log.info if ok else log.warning)("dynamic sampling pre-flight: %s", msg)
     return PreflightResult(ok, acr_predicted, rounds, p_fill, msg)
+
+
+def _warn_trains_nothing(rounds: Rounds) -> None:
+    log.warning(
+        "step %d trains nothing: all %d groups of %d round(s) collapsed (equal rewards); "
+        "raise dynamic.max_resample, or filter too easy / too hard problems "
+        "(curriculum.keep_levels)",
+        rounds.step,
+        len(rounds.decisions),
+        rounds.num_checked,
+    )

@@ -320,6 +320,11 @@ class CurriculumSampler:
         level = self.k - np.rint(p * self.k).astype(np.int64) + 1
         return np.where(succ + fail > 0, level, 0)
 
+    @property
+    def has_levels(self) -> bool:
+        """True when some problem has a profile level (a levels file was given)."""
+        return bool(self._level_by_id)
+
     def level_of(self, problem_id: str) -> int | None:
         """The profile (pre-training) level of a problem, or None."""
         return self._level_by_id.get(problem_id)

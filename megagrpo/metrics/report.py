@@ -10,8 +10,14 @@
   visible here, where the post-filter curve reads 0 by construction) and the steps where it
   filled the batch (``dynamic/success``). The article's Figure 1 showed only the post-filter
   curve; the raw curve is what it could not show.
-- ``reward.png``: mean total reward and each reward function's mean (+ eval/accuracy), and
-  the reward errors/timeouts per step (a broken reward plugin shows here).
+- ``reward.png``: mean total reward and each reward function's mean (+ eval/accuracy, step 0
+  included when the run evaluated before training), the means of the raw reward over the
+  first and the last fifth of the steps (:func:`learning_summary`), and the reward
+  errors/timeouts per step (a broken reward plugin shows here).
+- ``calibration.png`` (runs with a levels file): the planner's predicted raw ACR per profile
+  level (``collapse/acr_predicted_by_level/L*``, the sampler's posterior at each step's
+  group sizes) against the measured one (``collapse/acr_by_level/L*``, per step and as a
+  running mean weighted by ``collapse/groups_by_level/L*``).
 - ``length.png``: mean completion length (with min/max when logged) and the clip ratio.
 - ``kl_entropy.png``: ``loss/kl`` and ``loss/entropy`` per step.
 - ``levels.png``: the curriculum's level histogram over steps (levels that occur).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -112,8 +119,67 @@ def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
     return fig
 
 
+def learning_summary(rows: list[dict]) -> dict[str, Any]:
+    """Did the run learn? Mean raw reward (``reward/mean_raw``: the first generation of each
+    step, before any filtering) over the first and the last fifth of the steps and their
+    ratio, and held-out accuracy at the first and the last evaluation (step 0 when the run
+    evaluated before training). ``learned``: ratio >= 1.5 and the last accuracy above the
+    first (the demo's criterion); None when a figure is missing."""
+    steps = [r for r in rows if r.get("step", 0) >= 1 and r.get("reward/mean_raw") is not None]
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    out: dict[str, Any] = {"steps": len(steps)}
+    if steps:
+        n = max(1, len(steps) // 5)
+        first = sum(float(r["reward/mean_raw"]) for r in steps[:n]) / n
+        last = sum(float(r["reward/mean_raw"]) for r in steps[-n:]) / n
+        out.update(
+            fifth=n,
+            raw_first_fifth=first,
+            raw_last_fifth=last,
+            raw_ratio=last / first if first > 0 else (math.inf if last > 0 else 0.0),
+            first_fifth_steps=[steps[0]["step"], steps[n - 1]["step"]],
+            last_fifth_steps=[steps[-n]["step"], steps[-1]["step"]],
+        )
+    if len(evals) >= 2:
+        out.update(
+            eval_first_step=evals[0]["step"],
+            eval_first=float(evals[0]["eval/accuracy"]),
+            eval_last_step=evals[-1]["step"],
+            eval_last=float(evals[-1]["eval/accuracy"]),
+            eval_problems=evals[-1].get("eval/num_problems"),
+        )
+    learned = None
+    if "raw_ratio" in out and "eval_last" in out:
+        learned = bool(out["raw_ratio"] >= 1.5 and out["eval_last"] > out["eval_first"])
+    out["learned"] = learned
+    return out
+
+
+def format_learning(summary: dict[str, Any]) -> str:
+    """One line for the end of ``megagrpo train`` (empty without raw rewards)."""
+    if "raw_ratio" not in summary:
+        return ""
+    text = (
+        f"raw reward {summary['raw_first_fifth']:.3f} (steps {summary['first_fifth_steps'][0]}-"
+        f"{summary['first_fifth_steps'][1]}) -> {summary['raw_last_fifth']:.3f} (steps "
+        f"{summary['last_fifth_steps'][0]}-{summary['last_fifth_steps'][1]}): "
+        f"x{summary['raw_ratio']:.2f}"
+    )
+    if "eval_last" in summary:
+        num = summary.get("eval_problems")
+        text += (
+            f"; held-out accuracy {summary['eval_first']:.3f} (step {summary['eval_first_step']})"
+            f" -> {summary['eval_last']:.3f} (step {summary['eval_last_step']})"
+            + (f" on {int(num)} questions" if num else "")
+        )
+    if summary.get("learned") is not None:
+        text += "; learned" if summary["learned"] else "; did not learn (criterion: x1.5, eval up)"
+    return text
+
+
 def figure_reward(rows: list[dict]) -> Any:
-    """reward.png: total and per-function means, eval accuracy; errors/timeouts below."""
+    """reward.png: total and per-function means, eval accuracy, the first/last fifth means
+    of the raw reward; errors/timeouts below."""
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_err) = plt.subplots(
@@ -135,9 +201,20 @@ def figure_reward(rows: list[dict]) -> Any:
             ax.plot(x, y, ls=ls, lw=lw, label=key)
     x, y = _series(rows, "eval/accuracy")
     if x:
-        ax.plot(x, y, "o", ms=6, color="black", label="eval/accuracy")
+        ax.plot(x, y, "o", ms=6, color="black", label="eval/accuracy (held-out)")
+    summary = learning_summary(rows)
+    if "raw_ratio" in summary:
+        for key, span in (
+            ("raw_first_fifth", "first_fifth_steps"),
+            ("raw_last_fifth", "last_fifth_steps"),
+        ):
+            lo, hi = summary[span]
+            ax.hlines(summary[key], lo - 0.4, hi + 0.4, colors="tab:red", lw=2.5)
+        ax.plot([], [], color="tab:red", lw=2.5, label="raw reward, first / last fifth")
     ax.set_ylabel("reward")
-    ax.set_title("Reward")
+    ax.set_title(
+        "Reward" + (f": raw x{summary['raw_ratio']:.2f}" if "raw_ratio" in summary else "")
+    )
     width = 0.4
     for offset, key, color in (
         (-0.2, "reward/errors", "tab:red"),
@@ -154,6 +231,54 @@ def figure_reward(rows: list[dict]) -> Any:
     _steps_axis(ax_err)
     fig.tight_layout()
     _legend(fig, [ax, ax_err])
+    return fig
+
+
+def _running(values: list[float], weights: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        v, w = values[max(0, i - window + 1) : i + 1], weights[max(0, i - window + 1) : i + 1]
+        total = sum(w)
+        out.append(sum(a * b for a, b in zip(v, w)) / total if total > 0 else math.nan)
+    return out
+
+
+def calibration_levels(rows: list[dict]) -> list[int]:
+    """Profile levels with a predicted raw ACR in some row (runs with a levels file)."""
+    prefix = "collapse/acr_predicted_by_level/L"
+    found = {
+        int(k[len(prefix) :]) for r in rows for k, v in r.items() if k.startswith(prefix) and v
+    }
+    return sorted(found)
+
+
+def figure_calibration(rows: list[dict], window: int = 5) -> Any:
+    """calibration.png: predicted vs measured raw ACR per level over steps."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab10")
+    for i, level in enumerate(calibration_levels(rows)):
+        color = colors(i % 10)
+        x, y = _series(rows, f"collapse/acr_predicted_by_level/L{level}")
+        ax.plot(x, y, "--", color=color, lw=1.5, label=f"L{level} predicted")
+        pts = [
+            (r["step"], float(r[f"collapse/acr_by_level/L{level}"]),
+             float(r.get(f"collapse/groups_by_level/L{level}") or 1.0))
+            for r in rows
+            if r.get(f"collapse/acr_by_level/L{level}") is not None
+        ]  # fmt: skip
+        if pts:
+            xs, ys, ws = zip(*pts)
+            ax.plot(xs, ys, "o", ms=3, color=color, alpha=0.35)
+            ax.plot(xs, _running(list(ys), list(ws), window), "-", color=color, lw=2,
+                    label=f"L{level} measured ({window}-step mean)")  # fmt: skip
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylabel("raw ACR (first round)")
+    ax.set_title("Planner calibration: predicted vs measured collapse per level")
+    _steps_axis(ax)
+    fig.tight_layout()
+    _legend(fig, [ax])
     return fig
 
 
@@ -282,12 +407,15 @@ def make_report(
         "levels.png": figure_levels(rows),
         "time.png": figure_time(rows),
     }
+    if calibration_levels(rows):
+        figures["calibration.png"] = figure_calibration(rows)
     paths = [_save(fig, out / name) for name, fig in figures.items()]
     summary = {
         "steps": len(rows),
         "steps_trained_nothing": sum(1 for r in rows if r.get("train/skipped_empty_batch")),
         "steps_skipped_nonfinite": sum(1 for r in rows if r.get("train/skipped_nonfinite")),
         "plots": [p.name for p in paths],
+        "learning": learning_summary(rows),
         "last": {
             k: rows[-1].get(k)
             for k in (

@@ -115,9 +115,10 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(
-        self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
+        self, problems: list[Problem], n: int | Sequence[int], sampling: SamplingSpec | None = None
     ) -> list[Group]:
-        """Sample ``n`` completions per problem; one Group per problem, in order.
+        """Sample ``n`` completions per problem (or ``n[j]`` for problem j: one call with
+        mixed counts, rollout budgets); one Group per problem, in order.
 
         Fills ``completions``, ``token_ids`` ``[L_i]``, ``logprobs`` ``[L_i]`` (sampled
         tokens, raw model distribution), ``lengths``, ``prompt_ids`` and ``finish_reasons``.
@@ -187,6 +188,17 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> lis
     if not problem.messages and "prompt_ids" not in problem.meta:
         raise EngineError(f"problem {problem.id!r} has no messages")
     return prompt_ids(tokenizer, problem)
+
+
+def sample_counts(n: int | Sequence[int], num_problems: int) -> list[int]:
+    """Completions per problem ``[num_problems]`` of a generate call's ``n`` (one count for
+    every problem, or one per problem); EngineError on a count < 1 or a length mismatch."""
+    counts = [int(n)] * num_problems if isinstance(n, int) else [int(x) for x in n]
+    if len(counts) != num_problems:
+        raise EngineError(f"generate: {len(counts)} sample counts for {num_problems} problems")
+    if any(c < 1 for c in counts):
+        raise EngineError(f"generate: sample counts must be >= 1, got {min(counts)}")
+    return counts
 
 
 def request_seed(base: int, problem_index: int, sample_index: int) -> int:

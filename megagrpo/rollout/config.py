@@ -102,6 +102,36 @@ class RolloutConfig:
     ``enable_return_routed_experts`` (GPU only: it needs vLLM's Model Runner V2 and prefix
     caching; about ``num_layers x top_k x 2`` bytes per token). false: never."""
 
+    budget: str = "uniform"
+    """How many completions each drawn problem gets (megagrpo.curriculum.budget_rounds):
+    uniform (G each, the default) | knapsack (per-problem counts from the pass-rate
+    posterior, Knapsack RL) | sequential (rounds until both outcomes, Reinforce-Ada). The
+    budget keys below mirror megagrpo.curriculum.config.BudgetConfig (validated with it by
+    RunConfig); knapsack/sequential need dynamic.policy partial or carry."""
+    min_samples: int = 2
+    """knapsack: fewest completions a newly drawn problem gets in its first round (>= 1)."""
+    max_samples: int = 32
+    """knapsack/sequential: most completions one problem may get within one step."""
+    round_samples: int = 0
+    """sequential: completions per round for a problem that has not shown both outcomes yet
+    (0: group_size)."""
+    trained_size: int = 0
+    """knapsack/sequential: completions per trained group (0: group_size); more are
+    subsampled keeping both outcomes, fewer are topped up in the next round."""
+    budget_objective: str = "completions"
+    """knapsack value of n completions: completions (expected completions with a non-zero
+    advantage) | groups (probability the group is not collapsed: Knapsack RL's)."""
+    budget_price: float = -1.0
+    """knapsack: value charged per generated completion; -1: auto (the best effective ratio
+    a per-problem allocation reaches on the pool); 0: Knapsack RL (B problems share the
+    round budget)."""
+    sequential_gate: bool = True
+    """sequential: continue a still-collapsed problem only while its posterior says another
+    round is worth the price; false: Reinforce-Ada (until both outcomes or max_samples)."""
+    advantage_baseline: str = "group"
+    """group (mean/std of the trained group) | pool (Reinforce-Ada: mean/std of every
+    completion generated for the problem in the step, before subsampling)."""
+
     def logprob_temperature(self) -> float:
         """What the trainer divides logits by before log-probs (``logprobs``)."""
         return self.temperature if self.logprobs == "sampling" else 1.0

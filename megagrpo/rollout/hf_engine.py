@@ -31,6 +31,7 @@ from megagrpo.rollout.base import (
     iter_buckets,
     request_seed,
     resolve_dtype,
+    sample_counts,
     to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig
@@ -216,24 +217,29 @@ class HFEngine:
         return results
 
     def generate(
-        self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
+        self, problems: list[Problem], n: int | Sequence[int], sampling: SamplingSpec | None = None
     ) -> list[Group]:
-        """Sample ``n`` completions per problem (see RolloutEngine.generate)."""
+        """Sample ``n`` (or ``n[j]``) completions per problem (see RolloutEngine.generate):
+        one row per completion, seeded by (call seed, problem index, sample index), so a
+        problem's completions do not depend on the other problems' counts."""
         self._check_awake()
         s = sampling or SamplingSpec()
         cfg = self.cfg
         call = next(self._calls)
         base = s.seed if s.seed is not None else request_seed(self._base_seed, call, 0)
+        if not problems:
+            return []
         prompts = [self.prompt_ids(p) for p in problems]
+        counts = sample_counts(n, len(problems))
         rows, seeds = [], []
-        for j, ids in enumerate(prompts):
+        for j, (ids, n_j) in enumerate(zip(prompts, counts)):
             if cfg.max_model_len - len(ids) < 1:
                 raise EngineError(
                     f"problem {problems[j].id!r}: prompt of {len(ids)} tokens "
                     "leaves no room to generate; raise rollout.max_model_len"
                 )
-            rows += [ids] * n
-            seeds += [request_seed(base, s.problem_offset + j, i) for i in range(n)]
+            rows += [ids] * n_j
+            seeds += [request_seed(base, s.problem_offset + j, i) for i in range(n_j)]
         max_tokens = min(
             s.max_tokens or cfg.max_tokens, cfg.max_model_len - max(len(p) for p in prompts)
         )
@@ -259,18 +265,20 @@ class HFEngine:
                 f"HF generation failed: {type(exc).__name__}: {exc}\n  -> check "
                 "rollout.max_tokens, rollout.temperature, rollout.top_p"
             ) from exc
-        groups = []
+        groups, start = [], 0
         for j, problem in enumerate(problems):
             group = Group(
                 problem=problem, completions=[], token_ids=[], logprobs=[], prompt_ids=prompts[j]
             )
-            for toks, lps, finish in results[j * n : (j + 1) * n]:
+            end = start + counts[j]
+            for toks, lps, finish in results[start:end]:
                 group.completions.append(decode_completion(self.tokenizer, toks))
                 group.token_ids.append(toks)
                 group.logprobs.append(lps)
                 group.lengths.append(len(toks))
                 group.finish_reasons.append(finish)
             groups.append(group)
+            start = end
         if routes is not None:
             attach_routing(groups, routes)
         return groups

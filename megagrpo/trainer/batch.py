@@ -13,6 +13,13 @@ MoE routing from the engine (``Group.routing``, ``[L - 1, num_layers, top_k]`` p
 position t routes input token t) is padded the same way into ``MicroBatch.routing``
 ``[B, T, num_layers, top_k]``; padded positions route to experts ``0..k-1`` and are not
 ``routing_valid``.
+
+Groups may differ in size (rollout budgets): advantages come one row per group, and with
+``loss.group_weighting: group`` every sample carries its sequence weight
+(:func:`megagrpo.algo.advantages.sequence_weights`); :func:`microbatch_weight` then scales
+each micro-batch by its weighted share of the batch's aggregation mass
+(:func:`megagrpo.algo.losses.aggregation_mass`), so the micro-batches still sum exactly to
+the batch loss.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megagrpo.algo.losses import aggregation_mass, make_seq_ids
 from megagrpo.model.model_inputs import packed_positions
 from megagrpo.model.routing import pad_routing
 from megagrpo.types import Group
@@ -39,6 +47,8 @@ class Sample:
     """Position in the flattened batch (group-major), to scatter recomputed log-probs back."""
     routing: torch.Tensor | None = None
     """The engine's experts ``[L - 1, num_layers, top_k]`` int16 (None: none returned)."""
+    weight: float | None = None
+    """Sequence weight in the loss aggregation (``loss.group_weighting: group``); None: 1."""
 
     @property
     def length(self) -> int:
@@ -68,6 +78,8 @@ class MicroBatch:
     """The engine's experts ``[B, T, num_layers, top_k]`` (None when a sample has none)."""
     routing_valid: torch.Tensor | None = None
     """``[B, T]`` bool: positions the engine fed through the model (0 .. L-2 per sample)."""
+    seq_weights: torch.Tensor | None = None
+    """[B] sequence weights of the loss aggregation (None: every sequence weighs 1)."""
 
     @property
     def num_seqs(self) -> int:
@@ -103,17 +115,21 @@ class MicroBatch:
             seq_ids=None if self.seq_ids is None else self.seq_ids.to(device),
             routing=None if self.routing is None else self.routing.to(device),
             routing_valid=None if self.routing_valid is None else self.routing_valid.to(device),
+            seq_weights=None if self.seq_weights is None else self.seq_weights.to(device),
         )
 
 
 @dataclass(frozen=True)
 class BatchTotals:
     """Sums over the whole trained batch (every data-parallel rank), for the micro-batch
-    weights: samples, samples with at least one loss token, loss tokens."""
+    weights: samples, samples with at least one loss token, loss tokens, and the weighted
+    aggregation mass (:func:`microbatch_mass`; used by micro-batches with sequence
+    weights)."""
 
     seqs: float
     nonempty: float
     tokens: float
+    mass: float = 0.0
 
 
 def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
@@ -128,8 +144,14 @@ def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
     )
 
 
-def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sample]:
-    """One :class:`Sample` per completion; ``advantages`` is [N, G] (rows follow ``groups``)."""
+def build_samples(
+    groups: Sequence[Group],
+    advantages: torch.Tensor | Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor] | None = None,
+) -> list[Sample]:
+    """One :class:`Sample` per completion; ``advantages``: one row per group (``[N, G]``, or
+    one ``[G_n]`` tensor per group when sizes differ); ``weights``: optional per-group
+    sequence weights ``[G_n]`` (:attr:`Sample.weight`)."""
     samples = []
     for n, group in enumerate(groups):
         if not group.prompt_ids:
@@ -140,10 +162,11 @@ def build_samples(groups: Sequence[Group], advantages: torch.Tensor) -> list[Sam
                 Sample(
                     list(group.prompt_ids) + list(completion),
                     len(group.prompt_ids),
-                    float(advantages[n, g]),
+                    float(advantages[n][g]),
                     list(lp),
                     len(samples),
                     group.routing[g] if group.routing else None,
+                    None if weights is None else float(weights[n][g]),
                 )
             )
     return samples
@@ -177,7 +200,15 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         [s.index for s in samples],
         routing=routing,
         routing_valid=valid,
+        seq_weights=_seq_weights(samples),
     )
+
+
+def _seq_weights(samples: Sequence[Sample]) -> torch.Tensor | None:
+    """``[n]`` sequence weights of ``samples`` (None when none carries one)."""
+    if all(s.weight is None for s in samples):
+        return None
+    return torch.tensor([1.0 if s.weight is None else s.weight for s in samples])
 
 
 def _collate_routing(samples: list[Sample], t: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -236,6 +267,7 @@ def _pad(mb: MicroBatch, extra: int, pad_id: int) -> MicroBatch:
         mb.indices,
         routing=None if mb.routing is None else pad_routing(mb.routing, extra),
         routing_valid=None if mb.routing_valid is None else right(mb.routing_valid, False),
+        seq_weights=mb.seq_weights,
     )
 
 
@@ -248,13 +280,31 @@ def has_rollout_logprobs(groups: Sequence[Group]) -> bool:
     )
 
 
+def microbatch_mass(mb: MicroBatch, loss_agg: str) -> float:
+    """The denominator of a micro-batch's locally normalised loss
+    (:func:`megagrpo.algo.losses.aggregation_mass`): loss tokens, non-empty sequences or
+    sequences, each sequence counted with its weight when the micro-batch has
+    :attr:`MicroBatch.seq_weights`. 0 for a padding micro-batch."""
+    if mb.seq_weights is None or not mb.indices:
+        if loss_agg == "token_mean":
+            return float(mb.num_tokens)
+        if loss_agg == "seq_mean_token_mean":
+            return float(mb.num_nonempty)
+        return float(mb.num_seqs)
+    ids, num = make_seq_ids(mb.mask.shape, mb.seq_ids, mb.mask.device)
+    return float(aggregation_mass(mb.mask, ids, num, loss_agg, mb.seq_weights))
+
+
 def microbatch_weight(mb: MicroBatch, loss_agg: str, totals: BatchTotals) -> float:
     """Scale of a micro-batch's (locally normalised) loss so that the accumulated loss and
     gradient equal the whole batch's: each aggregation's per-micro-batch denominator over
     the whole batch's (:func:`megagrpo.algo.losses.token_weights`): loss tokens for
     ``token_mean``, non-empty sequences for ``seq_mean_token_mean`` (an empty completion
     has no token mean), sequences for ``seq_mean_token_sum_norm`` (with the fixed
-    ``loss.max_tokens`` normaliser, set by ``RunConfig.resolve``). 0 for padding."""
+    ``loss.max_tokens`` normaliser, set by ``RunConfig.resolve``). 0 for padding. A
+    micro-batch with sequence weights: its weighted mass over ``totals.mass``."""
+    if mb.seq_weights is not None:
+        return microbatch_mass(mb, loss_agg) / max(totals.mass, 1e-12)
     if loss_agg == "token_mean":
         return mb.num_tokens / max(totals.tokens, 1.0)
     if loss_agg == "seq_mean_token_mean":
@@ -333,6 +383,7 @@ def _packed_row(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int) ->
         [s.index for s in samples],
         cu_seqlens=cu_t,
         seq_ids=seq[None],
+        seq_weights=_seq_weights(samples),
     )
 
 

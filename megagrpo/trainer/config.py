@@ -3,16 +3,17 @@ nests every component's config (mirrored by configs/*.yaml)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megagrpo.algo.config import LossConfig
-from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
+from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
-from megagrpo.errors import require, require_finite
+from megagrpo.errors import ConfigError, require, require_finite
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
@@ -81,6 +82,9 @@ class TrainerConfig:
     """Evaluate on data.eval every N steps (0: never; also at the end when > 0)."""
     eval_max_problems: int = 0
     """Evaluate on at most this many held-out problems (0: all)."""
+    eval_at_start: bool = False
+    """Also evaluate before the first update (a metrics row at step 0 holding the eval/*
+    figures of the base model), when eval_every > 0 and the run starts from scratch."""
     export_adapter: bool = True
     """At the end, also write a PEFT adapter (runs/<name>/adapter) that peft and vLLM load."""
     pack_tokens: int = 0
@@ -178,6 +182,27 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def budget_config(self) -> BudgetConfig:
+        """The rollout budget (``rollout.budget``, ``rollout.min_samples``, ...) as the
+        curriculum's :class:`BudgetConfig`."""
+        names = [f.name for f in dataclasses.fields(BudgetConfig)]
+        return BudgetConfig(**{name: getattr(self.rollout, name) for name in names})
+
+    def validate(self, path: str = "") -> None:
+        """Checks across sections (each section validated itself first): the rollout budget
+        keys, and that a budget other than uniform runs with a dynamic-sampling policy that
+        trains on the groups it finished (partial | carry). ConfigError names the key."""
+        budget = self.budget_config()
+        budget.validate("rollout")
+        budget.resolved(self.rollout.group_size, "rollout")
+        if budget.budget != "uniform" and self.dynamic.policy == "original":
+            raise ConfigError(
+                f"config key 'dynamic.policy': 'original' (ms-swift's fallback: train on the "
+                f"first round, collapsed groups included) has no meaning with "
+                f"rollout.budget={budget.budget} (groups of different sizes); use partial or "
+                "carry"
+            )
 
     def resolve(self) -> None:
         """Fill the derived values in place, once, before the config is saved (the saved

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megagrpo.algo.advantages import group_advantages
+from megagrpo.algo.advantages import flat_group_advantages, group_advantages
+from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.names import required_metrics, swift_aliases
 from megagrpo.trainer.checkpoint import save_checkpoint
@@ -67,20 +68,46 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     (at most 1 + R rounds: :class:`megagrpo.curriculum.dynamic.Rounds`)."""
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
-    while (problems := rounds.next_problems()) is not None:
+    while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n
         seed = round_seed(ctx.cfg.trainer.seed, step, stats.rounds)
-        groups = ctx.rollouts.generate_round(problems, ctx.cfg.rollout.group_size, seed)
+        problems = [r.problem for r in requests]
+        groups = ctx.rollouts.generate_round(problems, [r.n for r in requests], seed)
         stats.add(groups)
         rounds.add(groups)
     return rounds.finish(), stats
 
 
-def compute_advantages(ctx: TrainContext, groups: list[Group]) -> torch.Tensor:
-    """[N, G] group-normalised advantages of the batch (zeros for an empty batch)."""
+def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Tensor]:
+    """Group-normalised advantages of the batch, one ``[G_n]`` row per group ([] for an
+    empty batch). Groups of different sizes (rollout budgets) are normalised each by its
+    own statistics, or by those of every answer generated for its problem in the step
+    (``rollout.advantage_baseline: pool``, Reinforce-Ada)."""
     if not groups:
-        return torch.zeros((0, ctx.cfg.rollout.group_size))
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    return group_advantages(rewards, scale=ctx.cfg.loss.resolved_advantage_scale())
+        return []
+    scale = ctx.cfg.loss.resolved_advantage_scale()
+    sizes = [g.size for g in groups]
+    if ctx.cfg.rollout.advantage_baseline != "pool" and len(set(sizes)) == 1:
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        return list(group_advantages(rewards, scale=scale).unbind(0))
+    flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
+    mean = std = None
+    if ctx.cfg.rollout.advantage_baseline == "pool":
+        mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
+    flat = flat_group_advantages(flat_rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
+    return list(torch.split(flat, sizes))
+
+
+def effective_metrics(gen: GenStats, adv: list[torch.Tensor]) -> dict[str, float]:
+    """``budget/generated_completions`` (every round of the step),
+    ``budget/effective_completions`` (trained completions with a non-zero advantage: the
+    ones that carry a policy gradient) and ``budget/effective_ratio`` (their quotient: the
+    figure of merit of rollout budgets, ``megagrpo plan --budget``)."""
+    effective = float(sum(int((a != 0).sum()) for a in adv))
+    return {
+        "budget/generated_completions": gen.gen_seqs,
+        "budget/effective_completions": effective,
+        "budget/effective_ratio": effective / gen.gen_seqs if gen.gen_seqs else 0.0,
+    }
 
 
 def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict[str, float]:
@@ -123,6 +150,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     ctx.step = step
     step_s = time.perf_counter() - t0
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen), **losses, **sync}
+    metrics.update(effective_metrics(gen, adv))
     metrics.update(_perf(ctx, gen, step_s))
     metrics.update(ctx.sampler.metrics())
     metrics.update(ctx.reward_fn.pop_metrics())
@@ -175,6 +203,17 @@ def complete_row(ctx: TrainContext, metrics: dict[str, float]) -> dict[str, floa
     return row
 
 
+def evaluate_at_start(ctx: TrainContext) -> dict[str, float | None] | None:
+    """Step 0 (``trainer.eval_at_start``, a run from scratch that evaluates): the held-out
+    figures of the base model, logged as the row of step 0; None when not due."""
+    tcfg = ctx.cfg.trainer
+    if not tcfg.eval_at_start or tcfg.eval_every <= 0 or ctx.step != 0 or not ctx.eval_problems:
+        return None
+    row = complete_row(ctx, evaluate(ctx.rollouts, ctx.eval_problems, tcfg.seed, 0))
+    ctx.logger.log(0, row)
+    return row
+
+
 def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, float | None]]:
     """Run steps ``ctx.step + 1 .. max_steps``; returns the rows logged by this process.
 
@@ -187,6 +226,7 @@ def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, 
     try:
         if stop is not None:
             stop.install()  # again: an engine may have replaced the handlers while it started
+        evaluate_at_start(ctx)
         for step in range(ctx.step + 1, ctx.cfg.trainer.max_steps + 1):
             if stop is not None and (signal_name := stop.agreed(ctx.comm)):
                 ctx.stopped_by = signal_name

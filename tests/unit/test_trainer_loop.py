@@ -21,7 +21,7 @@ from torch import nn
 
 from megagrpo.config import load_config
 from megagrpo.metrics import missing_metrics, read_metrics
-from megagrpo.rollout.base import SyncMeter, request_seed
+from megagrpo.rollout.base import SyncMeter, request_seed, sample_counts
 from megagrpo.rollout.verify import SyncVerifier, sync_report, thresholds_for
 from megagrpo.testing import tiny_run_config, write_run_config
 from megagrpo.trainer.config import RunConfig
@@ -123,10 +123,10 @@ class BigramEngine:
         seed = sampling.seed if sampling and sampling.seed is not None else 0
         offset = sampling.problem_offset if sampling else 0
         out = []
-        for j, problem in enumerate(problems):
+        for j, (problem, n_j) in enumerate(zip(problems, sample_counts(n, len(problems)))):
             prompt = self.prompt_ids(problem)
             tokens, logprobs = [], []
-            for i in range(n):
+            for i in range(n_j):
                 gen = torch.Generator().manual_seed(request_seed(seed, offset + j, i))
                 last, toks, lps = prompt[-1], [], []
                 for _ in range(self.cfg.max_tokens):
@@ -143,7 +143,7 @@ class BigramEngine:
                     token_ids=tokens,
                     logprobs=logprobs,
                     prompt_ids=prompt,
-                    finish_reasons=["length"] * n,
+                    finish_reasons=["length"] * n_j,
                 )
             )
         return out
