@@ -131,6 +131,13 @@ def _external_dp_size(tp: int) -> tuple[int, int]:
     return world // tp, dist.get_rank() // tp
 
 
+def _unwrapped(name: str) -> str:
+    """An engine parameter's name without vLLM's LoRA wrapper (``qkv_proj.base_layer.weight``
+    -> ``qkv_proj.weight``): a merged sync into an engine serving LoRA (the base weights of a
+    ``load_format=dummy`` start) maps HF names onto the wrapped layers."""
+    return name.replace(".base_layer.", ".")
+
+
 def _in_distributed_world() -> bool:
     import torch.distributed as dist
 
@@ -223,6 +230,7 @@ class VLLMEngine:
         """The fixed sequence ``[probe_len]`` whose log-probs verify every weight sync."""
         self.llm: Any = self._start(seed)
         desc = self.llm.apply_model(describe_model)[0]
+        desc["params"] = {_unwrapped(k): v for k, v in desc["params"].items()}
         self.name_map = NameMap(desc, self.tied_embeddings)
         self.verifier = SyncVerifier(
             thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
@@ -497,7 +505,8 @@ class VLLMEngine:
         return self._verify(t0, meter, expected_probe, expected_before, "full", evidence, t_stats)
 
     def _param_stats(self) -> Stats:
-        return self.llm.apply_model(param_stats)[0]
+        stats = self.llm.apply_model(param_stats)[0]
+        return {(_unwrapped(name), e): v for (name, e), v in stats.items()}
 
     def _verify(
         self,
