@@ -100,8 +100,12 @@ class Policy(Protocol):
         merge_lora: bool = True,
         bucket_bytes: int = 256 << 20,
         dtype: torch.dtype | None = None,
+        transport: str = "allreduce",
+        needs: Any = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Merged HF-named tensors in buckets, yielded on every rank (collective)."""
+        """Merged HF-named tensors in buckets (collective): every tensor on every rank, or
+        with ``transport="sliced"`` the regions ``needs`` names
+        (:mod:`megagrpo.model.sync_transport`)."""
         ...
 
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:

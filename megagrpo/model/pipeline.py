@@ -26,23 +26,23 @@ weight-sync probe). Old / reference log-probs need no broadcast: only the last s
 uses them.
 
 CPU: megatron-core's pipeline code calls ``torch.cuda.synchronize()`` around its shape
-exchange and allocates a token counter with ``device="cuda"``; :func:`_cpu_compat` turns the
-first into a no-op and puts the second on the CPU while the schedule runs (only without
-CUDA; on a GPU nothing is changed).
+exchange and allocates a token counter with ``device="cuda"``;
+:func:`megagrpo.parallel.cpu_shims.pipeline_schedule_compat` turns the first into a no-op and
+puts the second on the CPU while the schedule runs (only without CUDA; on a GPU nothing is
+changed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from megagrpo.model.model_inputs import LossFn
+from megagrpo.parallel.cpu_shims import pipeline_schedule_compat
 
 if TYPE_CHECKING:
     from megagrpo.model.policy import MegatronPolicy
@@ -143,7 +143,7 @@ def _pipeline(
         )
     first = batches[0].input_ids
     schedule = get_forward_backward_func(pp_size=g.pp_size, vp_size=None)
-    with _cpu_compat():
+    with pipeline_schedule_compat():
         outs = schedule(
             forward_step_func=forward_step,
             data_iterator=iter(range(len(batches))),
@@ -164,33 +164,3 @@ def _broadcast_from_last_stage(outs: list[Any], g) -> list[Any]:
     box: list[Any] = [outs if g.is_last_stage else None]
     dist.broadcast_object_list(box, src=src, group=g.pp, device=g.device)
     return list(box[0])
-
-
-class _CudaToCpu(TorchFunctionMode):
-    """Tensor factories asked for ``device="cuda"`` allocate on the CPU instead."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        dev = kwargs.get("device")
-        if dev is not None and torch.device(dev).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _cpu_compat() -> Iterator[None]:
-    """Without CUDA: ``torch.cuda.synchronize`` is a no-op and ``device="cuda"`` factories
-    allocate on the CPU inside the block (megatron-core's schedule and p2p code use both)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    from megagrpo.parallel.strict import strict_active
-
-    original = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    try:
-        # strict device mode (emulated CUDA on CPU) already maps device="cuda" itself
-        with contextlib.nullcontext() if strict_active() else _CudaToCpu():
-            yield
-    finally:
-        torch.cuda.synchronize = original

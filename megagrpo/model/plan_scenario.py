@@ -2,10 +2,11 @@
 hardware, and the assumptions behind every estimate, each a documented field.
 
 :func:`scenario_from_config` builds a :class:`Scenario` from a validated ``RunConfig`` plus
-*planned keys*: options the planner models before the trainer implements them (issue 15
-items 1-4). Once a key exists in the config schema it is read from there; until then the
-planner takes it from the YAML or a ``key=value`` override (:data:`PLANNED_KEYS`) and says so
-in its output.
+*planned keys*: options the planner models, possibly before the trainer implements them
+(:data:`PLANNED_KEYS`). Once a key exists in the config schema it is read from there (every
+key of issue 15 does now: offload, transport, packing, replicas, load format, FP8 rollout);
+a key the schema lacks is taken from the YAML or a ``key=value`` override and reported as
+planned in the output.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ PLANNED_KEYS: dict[str, tuple[type, Any, tuple]] = {
     "rollout.load_format": (str, "auto", ("auto", "dummy")),
     "rollout.quantization": (str, "none", ("none", "fp8")),
 }
-"""Planned config key -> (type, default, allowed values; () = any): what the planner models
-ahead of the trainer (issue 15): the trainer's frozen weights and LoRA state on the host while
-the engine generates; how merged weights travel (zero-fill + all-reduce today, broadcast from
-the owner, or only the slices each engine rank holds); packed micro-batches of this many
+"""Config key -> (type, default, allowed values; () = any) of the options the planner models
+(issue 15; all in the config schema now): the trainer's frozen weights and LoRA state on the
+host while the engine generates; how merged weights travel (zero-fill + all-reduce, broadcast
+from the owner, or only the slices each engine rank holds); packed micro-batches of this many
 tokens (0: padded micro-batches); vLLM replicas stepped together (one engine over all GPUs,
 ``data_parallel_size``) or independent engines of ``rollout.tensor_parallel_size`` GPUs;
 dummy engine weights at start-up (the first sync loads them); FP8 rollout weights."""
@@ -170,14 +171,14 @@ def split_planned(data: dict, schema_has) -> dict[str, Any]:
 
 
 def planned_value(dotted: str, cfg_section: Any, given: dict[str, Any]) -> Any:
-    """A planned key's value: the config's own field once the schema has it, else ``given``
-    (YAML/overrides), else the default. ConfigError names a wrong type or value."""
+    """A planned key's value: ``given`` (YAML keys the schema lacks, overrides) when present,
+    else the config's own field, else the default. ConfigError names a wrong type or value."""
     kind, default, allowed = PLANNED_KEYS[dotted]
     key = dotted.split(".")[1]
-    if hasattr(cfg_section, key):
-        value = getattr(cfg_section, key)
+    if dotted in given:  # an explicit override (the layout search, plan_run callers)
+        value = given[dotted]
     else:
-        value = given.get(dotted, default)
+        value = getattr(cfg_section, key, default)
     if kind is bool and isinstance(value, str):
         value = {"true": True, "false": False}.get(value.lower(), value)
     if kind is int and isinstance(value, str) and value.isdigit():

@@ -28,12 +28,13 @@ from torch import nn
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
-from megagrpo.model.hf_mapping import build_plan
+from megagrpo.model.hf_mapping import build_plan, hf_weight_shapes
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.model_inputs import LossFn, ModelInputs, model_inputs
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.routing import Routing, routed_forward, stage_routers
+from megagrpo.model.sync_transport import Counter, ExportLayout, RegionFn, exchange_layout
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
 from megagrpo.parallel.state import ParallelGroups, validate_layout
@@ -184,6 +185,9 @@ class MegatronPolicy(nn.Module):
         """Sums of the last merged export (:meth:`merge_survival`)."""
         self.routers = stage_routers(model, arch, groups)
         """This stage's MoE routers, for routing replay (None for a dense model)."""
+        self.export_counter = Counter()
+        """Bytes this rank sent / received in the last export (by transport)."""
+        self._layouts: dict[tuple, tuple[ExportLayout, Any]] = {}
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:
@@ -383,6 +387,8 @@ class MegatronPolicy(nn.Module):
             return p
         if m:  # TE grouped experts
             delta = delta[int(m.group(1))]
+        if p.device != delta.device:  # offloaded base (trainer.offload_during_rollout)
+            p = p.to(delta.device, non_blocking=True)
         merged = merge_delta(p, delta)
         self.merge_stats.add(p, delta, merged)
         return merged
@@ -400,14 +406,30 @@ class MegatronPolicy(nn.Module):
         merge_lora: bool = True,
         bucket_bytes: int = 256 << 20,
         dtype: torch.dtype | None = None,
+        transport: str = "allreduce",
+        needs: RegionFn | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF tensors ``[(hf_name, tensor)]`` in buckets of <= ``bucket_bytes``, yielded
-        on *every* rank (each gathered over its model-parallel group), on ``groups.device``,
-        in the base dtype unless ``dtype``. Collective: all ranks must consume the iterator.
-        LoRA is merged into the base weights (fp32 add, then cast) when ``merge_lora``."""
+        """Full HF tensors ``[(hf_name, tensor)]`` in buckets of <= ``bucket_bytes``, on
+        ``groups.device``, in the base dtype unless ``dtype``, gathered over each tensor's
+        model-parallel group by ``transport`` (:mod:`megagrpo.model.sync_transport`:
+        allreduce | broadcast: every tensor on every rank; sliced: only the regions
+        ``needs`` names, the whole tensor when ``needs`` is None). Collective: all ranks
+        must consume the iterator. LoRA is merged into the base weights (fp32 add, then cast)
+        when ``merge_lora``. Bytes sent / received: :attr:`export_counter` afterwards."""
         cache: dict[str, torch.Tensor] = {}
         if merge_lora:
             self.merge_stats = MergeStats()
+        layout = None
+        if transport != "allreduce":
+            key = (transport, id(needs))
+            if key not in self._layouts:  # exchanged once (needs kept alive by the key's owner)
+                shapes = hf_weight_shapes(self.arch)
+                self._layouts[key] = (
+                    exchange_layout(self.plan, shapes, self.groups, transport, needs),
+                    needs,
+                )
+            layout = self._layouts[key][0]
+        self.export_counter = Counter()
 
         def get(name: str) -> torch.Tensor:
             if name not in cache:
@@ -416,7 +438,15 @@ class MegatronPolicy(nn.Module):
             return cache[name]
 
         yield from export_hf_tensors(
-            get, self.plan, self.arch, self.groups, dtype or DTYPES[self.cfg.dtype], bucket_bytes
+            get,
+            self.plan,
+            self.arch,
+            self.groups,
+            dtype or DTYPES[self.cfg.dtype],
+            bucket_bytes,
+            transport=transport,
+            layout=layout,
+            counter=self.export_counter,
         )
 
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:

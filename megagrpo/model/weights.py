@@ -2,7 +2,8 @@
 
 Import reads, file by file, only the slices this rank's plan asks for (safetensors slices are
 memory-mapped reads), so no rank materialises the full model. Export yields full HF tensors
-in bounded buckets on every rank (each tensor is summed over the group that holds one copy).
+in bounded buckets (each tensor gathered over the group that holds one copy, by the
+transport :mod:`megagrpo.model.sync_transport` describes).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from megagrpo.errors import CheckpointError
 from megagrpo.model.arch import Arch
 from megagrpo.model.hf_mapping import Piece, hf_weight_shapes
+from megagrpo.model.sync_transport import TRANSPORTS, Counter, ExportLayout, transported
 from megagrpo.parallel.state import ParallelGroups
 
 log = logging.getLogger(__name__)
@@ -148,27 +150,46 @@ def export_hf_tensors(
     groups: ParallelGroups,
     dtype: torch.dtype,
     bucket_bytes: int = 256 << 20,
+    transport: str = "allreduce",
+    layout: ExportLayout | None = None,
+    counter: Counter | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield full HF tensors ``[(hf_name, tensor)]`` in buckets of at most ``bucket_bytes``
-    (a bigger single tensor gets a bucket of its own), identical on every rank, on
-    ``groups.device`` (GPU tensors under CUDA, ready for a colocated engine).
+    (a bigger single tensor gets a bucket of its own), on ``groups.device`` (GPU tensors
+    under CUDA, ready for a colocated engine).
 
     ``get_param(megatron_name)`` returns the local tensor to export (merged LoRA or base).
+    ``transport`` (:mod:`megagrpo.model.sync_transport`): ``allreduce`` and ``broadcast``
+    yield every tensor, identical on every rank; ``sliced`` yields only the tensors this
+    rank's engine needs, with the regions it needs filled. ``layout``: the owners / needs of
+    :func:`~megagrpo.model.sync_transport.exchange_layout` (required unless allreduce).
+    ``counter``: bytes sent / received by this rank are added to it.
     Collective: every rank must iterate the generator to the end.
     """
     shapes = hf_weight_shapes(arch)
+    counter = counter or Counter()
+
+    def local_pieces(name: str) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [
+                get_param(p.param)[p.dst].to(groups.device, dtype).contiguous()
+                for p in plan.get(name, [])
+                if p.owner
+            ]
+
+    if transport == "allreduce":
+        stream = _allreduced(shapes, plan, get_param, groups, dtype, counter)
+    elif transport in TRANSPORTS:
+        if layout is None:
+            raise ValueError(f"transport {transport!r} needs the export layout")
+        stream = transported(
+            iter(shapes.items()), local_pieces, layout, groups, transport, dtype, counter
+        )
+    else:
+        raise ValueError(f"unknown sync transport {transport!r} (one of {TRANSPORTS})")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, shape in shapes.items():
-        pieces = [p for p in plan.get(name, []) if p.owner]
-        expert = ".mlp.experts." in name
-        full = torch.zeros(shape, dtype=dtype, device=groups.device)  # NCCL needs CUDA
-        with torch.no_grad():
-            for p in pieces:
-                full[p.src] = get_param(p.param)[p.dst].to(groups.device, dtype)
-        group = groups.expert_mp if expert else groups.mp
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(full, group=group)
+    for name, full in stream:
         nbytes = full.numel() * full.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -177,3 +198,23 @@ def export_hf_tensors(
         size += nbytes
     if bucket:
         yield bucket
+
+
+def _allreduced(shapes, plan, get_param, groups, dtype, counter) -> Iterator[tuple[str, Any]]:
+    """Zero-fill + all-reduce over the tensor's group: every tensor on every rank."""
+    for name, shape in shapes.items():
+        pieces = [p for p in plan.get(name, []) if p.owner]
+        expert = ".mlp.experts." in name
+        full = torch.zeros(shape, dtype=dtype, device=groups.device)  # NCCL needs CUDA
+        with torch.no_grad():
+            for p in pieces:
+                full[p.src] = get_param(p.param)[p.dst].to(groups.device, dtype)
+        group = groups.expert_mp if expert else groups.mp
+        n = dist.get_world_size(group)
+        if n > 1:
+            dist.all_reduce(full, group=group)
+            # a ring all-reduce sends and receives 2 (n - 1) / n of the tensor per rank
+            full_bytes = full.numel() * full.element_size()
+            counter.sent += 2 * (n - 1) * full_bytes // n
+            counter.received += 2 * (n - 1) * full_bytes // n
+        yield name, full

@@ -3,16 +3,19 @@
 megatron-core assumes CUDA (devices, RNG tracker, streams) and NCCL (uneven all-gather) in a
 handful of places. :func:`apply_cpu_shims` replaces exactly those, and only when CUDA is not
 available; on a GPU machine it is a no-op and Megatron runs unmodified. Each shim below says
-what it replaces and why. Applying twice is harmless (idempotent).
+what it replaces and why. Applying twice is harmless (idempotent). The pipeline schedule's
+shim is scoped to each schedule call instead (:func:`pipeline_schedule_compat`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger(__name__)
 _APPLIED = False
@@ -230,6 +233,44 @@ def _patch_uneven_all_gather() -> None:
         return torch.cat(chunks, dim=0)
 
     mappings._gather_along_first_dim = _gather_along_first_dim
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Tensor factories asked for ``device="cuda"`` allocate on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def pipeline_schedule_compat() -> Iterator[None]:
+    """The pipeline schedule's shim, for the duration of one schedule call (a no-op with CUDA).
+
+    megatron-core 0.16.1's ``pipeline_parallel/schedules.py`` calls
+    ``torch.cuda.synchronize()`` around the p2p shape exchange and allocates its token counter
+    with ``torch.zeros([], dtype=torch.int, device="cuda")`` (lines 596, 983, 2138). Without
+    CUDA the first becomes a no-op and ``device="cuda"`` factories allocate on the CPU inside
+    the block; under strict device mode (:mod:`megagrpo.parallel.strict`: emulated CUDA on
+    CPU) the emulation already maps ``device="cuda"``, so only the synchronize is patched.
+    Scoped rather than applied once: a global ``device="cuda"`` rewrite would hide real
+    device bugs everywhere else.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megagrpo.parallel.strict import strict_active
+
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    try:
+        with contextlib.nullcontext() if strict_active() else _CudaToCpu():
+            yield
+    finally:
+        torch.cuda.synchronize = original
 
 
 def apply_cpu_shims(force: bool = False) -> bool:

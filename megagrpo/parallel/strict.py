@@ -14,7 +14,8 @@ the CPU suite cannot see either. This module makes both visible:
   device, ``torch.tensor(list)``, ``torch.from_numpy``, ``.cpu()``, ``.to("cpu")``, or
   computed only from such tensors) and which are "on the device" (parameters and buffers
   that existed before, ``device=groups.device`` / ``torch.cuda.current_device()``,
-  ``.to(groups.device)``, ``.cuda()``, or computed from a device tensor). ``t.device``
+  ``.to(groups.device)``, ``.cuda()``, or computed from a device tensor); ``p.data = t``
+  gives ``p`` the placement of ``t`` (how offloading moves a parameter). ``t.device``
   reports ``cuda:0`` or ``cpu`` accordingly, and, as on CUDA, an op that mixes a device
   tensor with a host tensor of dimension > 0 raises (0-dim host tensors are scalars; copies
   and indexing may cross). ``torch.cuda.is_available()`` stays False, so everything else
@@ -154,6 +155,7 @@ def _patched_collectives() -> Iterator[None]:
 # ---------------------------------------------------------------- emulated compute device
 
 _DEVICE_GET = torch.Tensor.device.__get__  # type: ignore[attr-defined]
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]
 _IS_CUDA_GET = torch.Tensor.is_cuda.__get__  # type: ignore[attr-defined]
 _CROSSING = {
     torch.Tensor.copy_,
@@ -214,6 +216,10 @@ class _EmulatedDevice(TorchFunctionMode):
             return not getattr(args[0], _HOST, False)
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
             return self._move(func, args, kwargs)
+        if func == _DATA_SET:  # ``p.data = t`` moves p to t's placement (offload), as on CUDA
+            out = func(*args, **kwargs)
+            setattr(args[0], _HOST, bool(getattr(args[1], _HOST, False)))
+            return out
         target = _target(kwargs.get("device"))
         if target == "device":
             kwargs["device"] = "cpu"

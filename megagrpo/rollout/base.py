@@ -163,6 +163,12 @@ class RolloutEngine(Protocol):
         is False."""
         ...
 
+    def weight_regions(self) -> Any:
+        """What this engine rank holds of each HF tensor, as
+        ``needs(hf_name, shape) -> regions | None`` (None: all of it; ``[]``: nothing), for a
+        sliced weight sync (:mod:`megagrpo.model.sync_transport`); None: every tensor whole."""
+        ...
+
     def sleep(self) -> None:
         """Free the engine's device memory (KV cache, weights) while the trainer runs."""
         ...

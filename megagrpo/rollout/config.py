@@ -10,6 +10,9 @@ ENGINES = ("vllm", "hf")
 LOGPROBS = ("raw", "sampling")
 PLACEMENTS = ("auto", "rank0", "sharded")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+REPLICAS = ("lockstep", "independent")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "fp8")
 
 
 @dataclass
@@ -52,6 +55,20 @@ class RolloutConfig:
     """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
     enable_expert_parallel: bool = False
     """vLLM expert parallelism for MoE layers (GPU)."""
+    replicas: str = "lockstep"
+    """How the ``world / tensor_parallel_size`` vLLM replicas of sharded rollouts run:
+    lockstep (one vLLM with ``data_parallel_size`` replicas stepped together: every replica
+    calls generate each round, ``[]`` when idle, and expert parallelism spans all replicas)
+    | independent (each TP group is its own vLLM instance with its own seed: no replica waits
+    for another, experts stay inside a replica; ms-swift's colocate mode). Sampling seeds are
+    per problem of the round either way, so the draws do not depend on this."""
+    load_format: str = "auto"
+    """auto (the engine reads model.hf_path's weights at start-up) | dummy (vLLM
+    ``load_format="dummy"``, random init for the HF engine: nothing is read, and the real
+    weights arrive through one verified merged sync from the trainer before step 1)."""
+    quantization: str = "none"
+    """none | fp8: vLLM's online FP8 weight quantisation (GPU only; refused at engine start
+    on CPU). The merged sync is re-quantised by vLLM on load; the probe tolerance is bf16's."""
     colocate: bool = True
     """GPU only: run vLLM inside the training processes (external_launcher) with sleep mode."""
     enable_lora: bool = False
@@ -195,6 +212,13 @@ class RolloutConfig:
             f"must be one of {PLACEMENTS}, got {self.placement!r}",
         )
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
+        for key, allowed in (
+            ("replicas", REPLICAS),
+            ("load_format", LOAD_FORMATS),
+            ("quantization", QUANTIZATIONS),
+        ):
+            value = getattr(self, key)
+            require(value in allowed, f"{path}.{key}", f"must be one of {allowed}, got {value!r}")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
         for key in ("verify_tol", "verify_mean_tol", "verify_change_floor"):
             value = getattr(self, key)

@@ -93,16 +93,26 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, cfg: RolloutConfig, model_path: str, seed: int = 0) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.cfg = cfg
         self.model_path = str(model_path)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if cfg.quantization != "none":
+            raise EngineError(
+                f"rollout.quantization={cfg.quantization}: the HF engine serves the "
+                "checkpoint's dtype only\n  -> set rollout.quantization=none or use engine=vllm"
+            )
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            model: Any = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=None if cfg.dtype == "auto" else resolve_dtype(cfg.dtype)
-            )
+            dtype = None if cfg.dtype == "auto" else resolve_dtype(cfg.dtype)
+            if cfg.load_format == "dummy":  # random init: the trainer's first sync loads it
+                config = AutoConfig.from_pretrained(self.model_path)
+                model: Any = AutoModelForCausalLM.from_config(
+                    config, dtype=dtype or getattr(config, "dtype", None) or torch.float32
+                )
+            else:
+                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
             self.model: Any = model.to(device).eval()
         except Exception as exc:
             raise EngineError(
@@ -378,6 +388,10 @@ class HFEngine:
     def supports_adapter_sync(self) -> bool:
         """The HF engine takes merged weights only."""
         return False
+
+    def weight_regions(self):
+        """The HF engine holds every tensor whole (a sliced sync sends it everything)."""
+        return None
 
     def update_adapter(
         self,

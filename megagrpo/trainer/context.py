@@ -27,6 +27,7 @@ from megagrpo.model import Policy
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.rewards import CompositeReward
 from megagrpo.trainer.config import RunConfig
+from megagrpo.trainer.offload import Offload
 from megagrpo.types import Problem
 
 if TYPE_CHECKING:
@@ -160,6 +161,17 @@ class TrainContext:
     """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
     stopped_by: str | None = None
     """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
+    offload: Offload = field(init=False)
+    """Where the frozen weights and optimiser moments live in each phase
+    (``trainer.offload_during_rollout``; every call a no-op when off)."""
+
+    def __post_init__(self) -> None:
+        self.offload = Offload(
+            self.policy,
+            self.optimizer,
+            lambda: self.pgs.device,
+            bool(self.cfg.trainer.offload_during_rollout),
+        )
 
     @property
     def ckpt_root(self) -> Path:

@@ -135,6 +135,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     t0 = time.perf_counter()
     ctx.reward_fn.begin_step(step, ctx.cfg.trainer.max_steps)  # trainer_state for ORM plugins
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
+        ctx.offload.for_generation()  # frozen weights + moments on the host (if configured)
         batch, gen = collect_batch(ctx, step)
     if ctx.completions is not None:  # what was trained on, with rewards (rank 0)
         ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of)
@@ -142,6 +143,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     trained = len(batch.groups) > 0
     if trained:  # 4: free the engines' memory for training (the sync wakes them in stages)
         ctx.rollouts.sleep()
+        ctx.offload.for_training()
     with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + LoRA optimiser step
         losses = train_on_batch(ctx, batch.groups, adv) if trained else {}
     updated = losses.get("train/optimizer_steps", 0.0) > 0  # none: empty or non-finite
@@ -152,6 +154,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen), **losses, **sync}
     metrics.update(effective_metrics(gen, adv))
     metrics.update(_perf(ctx, gen, step_s))
+    metrics.update(ctx.offload.pop_metrics())
     metrics.update(ctx.sampler.metrics())
     metrics.update(ctx.reward_fn.pop_metrics())
     metrics["train/skipped_empty_batch"] = float(not trained)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.errors import ConfigError
+from megagrpo.model.sync_transport import RegionFn
 from megagrpo.rewards import CompositeReward, extract_answer
 from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
@@ -66,6 +67,10 @@ class WeightUpdate:
     mode: str
     stream: Iterator[tuple[str, torch.Tensor]] | None = None
     adapter: PeftAdapter | None = None
+    full_check: bool | None = None
+    """Merged: force (True) or skip (False) the engines' per-tensor checksums; None: their
+    schedule (``rollout.full_check_every``). A sliced stream skips them: its tensors hold
+    only the engine's own regions."""
 
 
 def replica_size(rollout_cfg: RolloutConfig) -> int:
@@ -192,6 +197,7 @@ class Rollouts(ABC):
         self.last_probe: list[float] | None = None
         """The trainer's probe log-probs of the weights the engines hold (the reference of the
         next sync's change test); None: not known (the engines establish their own)."""
+        self._regions: RegionFn | None = None
 
     @abstractmethod
     def _generate_on_main(
@@ -252,6 +258,20 @@ class Rollouts(ABC):
         self.last_probe = expected
         return _worst([m for _, m in outcomes if m is not None])
 
+    def regions(self) -> RegionFn:
+        """What this rank's engine holds of each HF tensor (a sliced weight sync sends only
+        that; :mod:`megagrpo.model.sync_transport`): the engine's own ``weight_regions``
+        (vLLM: its TP / EP shard; HF: everything), nothing on a rank without an engine. The
+        same function object on every call (the trainer caches the exchanged layout by it)."""
+        if self._regions is None:
+            regions: RegionFn = _nothing
+            if self.engine is not None:
+                fn = getattr(self.engine, "weight_regions", None)
+                held = fn() if fn is not None else None
+                regions = held if held is not None else _everything
+            self._regions = regions
+        return self._regions
+
     def sleep(self) -> None:
         """Free this rank's engine memory for training."""
         if self.engine is not None:
@@ -265,6 +285,16 @@ class Rollouts(ABC):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def _nothing(name: str, shape: tuple[int, ...]) -> list:
+    """A rank without an engine receives no tensor of a sliced sync."""
+    return []
+
+
+def _everything(name: str, shape: tuple[int, ...]) -> None:
+    """An engine that holds every tensor whole (the HF engine, vLLM at TP=1 without EP)."""
+    return None
 
 
 class Rank0Rollouts(Rollouts):
@@ -285,29 +315,42 @@ class Rank0Rollouts(Rollouts):
             assert update.adapter is not None, "the adapter is read on rank 0"
             return self.engine.update_adapter(update.adapter, expected, before)
         assert update.stream is not None
-        return self.engine.update_weights(update.stream, expected, before)
+        return self.engine.update_weights(update.stream, expected, before, update.full_check)
 
 
 class ShardedRollouts(Rollouts):
-    """An engine on every rank; replicas of ``replica_size`` consecutive ranks share rounds."""
+    """An engine on every rank; replicas of ``replica_size`` consecutive ranks share rounds.
+    ``lockstep``: every replica calls ``generate`` each round, ``[]`` for an empty share
+    (vLLM's data-parallel replicas step together); else a replica with nothing to do skips
+    the call (``rollout.replicas=independent``: no replica waits for another)."""
 
     def __init__(
-        self, engine: RolloutEngine, comm: Comm, reward_fn: CompositeReward, replica_size: int
+        self,
+        engine: RolloutEngine,
+        comm: Comm,
+        reward_fn: CompositeReward,
+        replica_size: int,
+        lockstep: bool = True,
     ):
         super().__init__(engine, comm, reward_fn)
         self.replica_size = replica_size
         self.num_replicas = comm.world_size // replica_size
         self.replica = comm.rank // replica_size
+        self.lockstep = lockstep
 
     def _generate_on_main(
         self, problems: list[Problem], n: Counts, spec: SamplingSpec
     ) -> list[Group]:
         assert self.engine is not None
         start, end = shard_split(n, len(problems), self.num_replicas, self.replica)
-        mine = self.engine.generate(
-            problems[start:end],  # possibly empty: vLLM's data-parallel replicas step together
-            n if isinstance(n, int) else n[start:end],
-            dataclasses.replace(spec, problem_offset=spec.problem_offset + start),
+        mine = (
+            self.engine.generate(
+                problems[start:end],  # possibly empty: vLLM's lock-stepped replicas
+                n if isinstance(n, int) else n[start:end],
+                dataclasses.replace(spec, problem_offset=spec.problem_offset + start),
+            )
+            if end > start or self.lockstep
+            else []
         )
         leader = self.comm.rank % self.replica_size == 0
         gathered = self.comm.gather_object(mine if leader else None)
@@ -323,7 +366,7 @@ class ShardedRollouts(Rollouts):
             adapter = self.comm.broadcast_object(update.adapter)  # ranks may not share a disk
             return self.engine.update_adapter(adapter, expected, before)
         assert update.stream is not None
-        return self.engine.update_weights(update.stream, expected, before)
+        return self.engine.update_weights(update.stream, expected, before, update.full_check)
 
 
 def build_rollouts(
@@ -339,7 +382,8 @@ def build_rollouts(
     of a sharded placement starts its own engine with the same seed)."""
     if resolve_placement(rollout_cfg, comm.world_size, on_gpu):
         engine = engine_factory(rollout_cfg, model_path, seed)
-        return ShardedRollouts(engine, comm, reward_fn, replica_size(rollout_cfg))
+        lockstep = rollout_cfg.engine == "vllm" and rollout_cfg.replicas == "lockstep"
+        return ShardedRollouts(engine, comm, reward_fn, replica_size(rollout_cfg), lockstep)
     engine = engine_factory(rollout_cfg, model_path, seed) if comm.is_main else None
     return Rank0Rollouts(engine, comm, reward_fn)
 

@@ -43,14 +43,14 @@ from megagrpo.model.pretrained import resolve_model_path
 from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
-from megagrpo.rollout.base import chat_prompt_ids
-from megagrpo.trainer.checkpoint import problem_set, restore_checkpoint
+from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
+from megagrpo.trainer.checkpoint import problem_set, restore_checkpoint, rng_state, set_rng_state
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.resume_check import check_problem_set
-from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
+from megagrpo.trainer.rollouts import EngineFactory, Rank0Rollouts, build_rollouts
 from megagrpo.trainer.rundir import prepare_run_dir
-from megagrpo.trainer.sync import sync_weights, trainer_probe
+from megagrpo.trainer.sync import first_probes, start_engines
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -288,15 +288,6 @@ def build_context(
     )
     correctness = reward_fn.names[0]
     sampler, acr = _curriculum(cfg, data.train, correctness)
-    rollouts = build_rollouts(
-        cfg.rollout,
-        comm,
-        model_path,
-        cfg.trainer.seed,
-        reward_fn,
-        engine_factory,
-        torch.cuda.is_available(),
-    )
     ctx = TrainContext(
         cfg=cfg,
         comm=comm,
@@ -305,7 +296,7 @@ def build_context(
         policy=policy,
         optimizer=optimizer,
         scheduler=scheduler,
-        rollouts=rollouts,
+        rollouts=Rank0Rollouts(None, comm, reward_fn),  # the engines start below
         sampler=sampler,
         dynamic=_dynamic(cfg, correctness, acr),
         reward_fn=reward_fn,
@@ -316,11 +307,42 @@ def build_context(
     )
     if point is not None:
         restore_checkpoint(ctx, point)
-        sync_weights(ctx)  # the engines start from the base weights: give them the adapters
-    else:  # zero LoRA B: the trainer's probe of the base weights the engines loaded
-        ctx.rollouts.last_probe = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
+    start_rollouts(ctx, tokenizer, model_path, engine_factory, resumed=point is not None)
     open_run(ctx)
     return ctx
+
+
+def start_rollouts(
+    ctx: TrainContext, tokenizer: Any, model_path: str, engine_factory: EngineFactory, resumed: bool
+) -> None:
+    """Start the engines and give them the policy's weights (collective). With
+    ``offload_during_rollout`` the trainer's probes are computed first (on the probe sequence
+    the engines derive from the same tokenizer) and its frozen weights leave the device before
+    the engines allocate theirs; otherwise the probes follow the start. Engines started from
+    dummy weights then load the real ones through one verified sync
+    (:func:`megagrpo.trainer.sync.start_engines`). The RNG states are kept across the
+    engines' start-up (a resumed run continues identically)."""
+    cfg = ctx.cfg
+    dummy = cfg.rollout.load_format == "dummy"
+    probe_ids = default_probe_ids(tokenizer, cfg.rollout.probe_len)
+    early = cfg.trainer.offload_during_rollout
+    probes = first_probes(ctx, probe_ids, dummy) if early else None
+    ctx.offload.for_generation()
+    rng = rng_state()
+    ctx.rollouts = build_rollouts(
+        cfg.rollout,
+        ctx.comm,
+        model_path,
+        cfg.trainer.seed,
+        ctx.reward_fn,
+        engine_factory,
+        torch.cuda.is_available(),
+    )
+    set_rng_state(rng)
+    if probes is None or ctx.rollouts.probe_token_ids != probe_ids:
+        ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)
+        probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy)
+    start_engines(ctx, probes, resumed)
 
 
 def open_run(ctx: TrainContext) -> None:

@@ -11,6 +11,12 @@ Verification is exact: every rank computes the trainer's log-probs of the engine
 probe sequence under the new weights, and each engine must reproduce them within
 ``rollout.verify_tol`` (``expected_probe``); a sync that silently changed nothing raises
 WeightSyncError.
+
+``trainer.sync_transport`` decides how merged tensors travel between the trainer's ranks
+(:mod:`megagrpo.model.sync_transport`); ``trainer.offload_during_rollout`` puts the trainer's
+frozen weights on the host before the push (:mod:`megagrpo.trainer.offload`). At start-up
+(:func:`first_probes`, then :func:`start_engines`) the probes are computed before the engines
+start, and engines started from dummy weights get the real ones in one verified merged sync.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
+from megagrpo.model.sync_transport import RegionFn
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.rollout.lora import read_peft_adapter
 from megagrpo.trainer.context import Comm, TrainContext
@@ -62,16 +69,33 @@ class _Probe:
     position_ids: torch.Tensor
 
 
-def _merged_stream(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
-    for bucket in policy.export_hf_weights(merge_lora=True):
+def _merged_stream(
+    policy: Policy, merge_lora: bool, transport: str, needs: RegionFn | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    kwargs: dict = {} if transport == "allreduce" else {"transport": transport, "needs": needs}
+    for bucket in policy.export_hf_weights(merge_lora=merge_lora, **kwargs):
         yield from bucket
 
 
-def weight_update(policy: Policy, mode: str, comm: Comm) -> WeightUpdate:
-    """What this sync sends (collective): the merged-tensor stream, or the PEFT adapter (read
-    back on rank 0 from the directory the policy exported it to)."""
+def weight_update(
+    policy: Policy,
+    mode: str,
+    comm: Comm,
+    *,
+    transport: str = "allreduce",
+    needs: RegionFn | None = None,
+    merge_lora: bool = True,
+    full_check: bool | None = None,
+) -> WeightUpdate:
+    """What this sync sends (collective): the merged-tensor stream (``transport`` /
+    ``needs``: :mod:`megagrpo.model.sync_transport`; ``merge_lora=False``: the base weights
+    alone), or the PEFT adapter (read back on rank 0 from the directory the policy exported
+    it to)."""
     if mode == "merged":
-        return WeightUpdate("merged", stream=_merged_stream(policy))
+        if transport == "sliced":
+            full_check = False  # the engines' checksums need whole tensors
+        stream = _merged_stream(policy, merge_lora, transport, needs)
+        return WeightUpdate("merged", stream=stream, full_check=full_check)
     tmp = comm.broadcast_object(tempfile.mkdtemp(prefix="megagrpo-sync-") if comm.is_main else None)
     try:
         out = policy.export_peft_adapter(f"{tmp}/adapter")
@@ -90,12 +114,89 @@ def sync_mode(ctx: TrainContext) -> str:
     return mode
 
 
-def sync_weights(ctx: TrainContext) -> dict[str, float]:
-    """Wake the engines and push the new weights into them, verified; returns
-    ``perf/sync_bytes``, ``sync/*``."""
-    expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
-    update = weight_update(ctx.policy, sync_mode(ctx), ctx.comm)
+def push_weights(
+    ctx: TrainContext,
+    mode: str,
+    expected: list[float],
+    *,
+    merge_lora: bool = True,
+    full_check: bool | None = None,
+) -> dict[str, float]:
+    """Collective: build the update (``mode``; ``trainer.sync_transport``), put the trainer's
+    frozen weights and moments on the host (``trainer.offload_during_rollout``: the engines
+    wake into that memory; a merged export streams the base from there), push it into every
+    engine, verified against ``expected``. Returns ``perf/sync_bytes``, ``sync/*``."""
+    transport = ctx.cfg.trainer.sync_transport
+    needs = ctx.rollouts.regions() if transport == "sliced" else None
+    update = weight_update(
+        ctx.policy,
+        mode,
+        ctx.comm,
+        transport=transport,
+        needs=needs,
+        merge_lora=merge_lora,
+        full_check=full_check,
+    )
+    ctx.offload.for_sync()
     metrics = ctx.rollouts.push(update, expected)
-    if update.mode == "merged":  # how much of the LoRA update the base dtype kept (collective)
-        metrics.update(ctx.policy.merge_survival(None))
+    if update.mode == "merged":
+        counter = getattr(ctx.policy, "export_counter", None)
+        if counter is not None:  # what this rank received from the other trainer ranks
+            metrics["sync/transport_recv_mb"] = counter.received / 1e6
+        if merge_lora:  # how much of the LoRA update the base dtype kept (collective)
+            metrics.update(ctx.policy.merge_survival(None))
+    return metrics
+
+
+def sync_weights(ctx: TrainContext) -> dict[str, float]:
+    """The trainer's probe of the new weights, then :func:`push_weights` (the engines wake in
+    stages); returns ``perf/sync_bytes``, ``sync/*``."""
+    expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
+    return push_weights(ctx, sync_mode(ctx), expected)
+
+
+@dataclass
+class FirstProbes:
+    """The trainer's probe log-probs computed before the engines start (the trainer's weights
+    may have to leave the device for them): of the policy, and of its frozen base."""
+
+    policy: list[float]
+    base: list[float] | None = None
+
+
+def first_probes(ctx: TrainContext, probe_ids: list[int], dummy: bool) -> FirstProbes:
+    """Collective, before the engines start: the probe of the (restored) policy and, when the
+    engines start from dummy weights, of the base alone (the base push is verified on it)."""
+    probes = FirstProbes(trainer_probe(ctx, probe_ids))
+    if dummy:
+        with ctx.policy.adapters_disabled():
+            probes.base = trainer_probe(ctx, probe_ids)
+    return probes
+
+
+def start_engines(ctx: TrainContext, probes: FirstProbes, resumed: bool) -> dict[str, float]:
+    """The engines' first weights (collective; they started after :func:`first_probes`):
+
+    * ``rollout.load_format=dummy``: one verified merged sync before step 1, checksums
+      included (except sliced) — the merged policy for merged sync; for adapter sync the base
+      alone (the engine serves the adapter on top of it), then the adapter of a resumed run;
+    * real weights: a resumed run's adapters / merged weights; a fresh run sends nothing (its
+      LoRA B is zero: the engines hold the policy already).
+
+    Afterwards :attr:`Rollouts.last_probe` is the policy's probe. Returns the last sync's
+    metrics ({} when nothing was sent)."""
+    metrics: dict[str, float] = {}
+    mode = sync_mode(ctx)
+    if ctx.cfg.rollout.load_format == "dummy":
+        if mode == "merged":
+            metrics = push_weights(ctx, "merged", probes.policy, full_check=True)
+            ctx.rollouts.last_probe = probes.policy
+            return metrics
+        assert probes.base is not None
+        metrics = push_weights(ctx, "merged", probes.base, merge_lora=False, full_check=True)
+        ctx.rollouts.last_probe = probes.base
+        log.info("engines loaded the base weights from the trainer (load_format=dummy)")
+    if resumed:
+        metrics = push_weights(ctx, mode, probes.policy)
+    ctx.rollouts.last_probe = probes.policy
     return metrics

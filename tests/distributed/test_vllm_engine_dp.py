@@ -40,7 +40,7 @@ def _perturbed(model_dir: str):
     return model
 
 
-def _worker(rank: int, model_dir: str, cache: str, tp: int) -> dict:
+def _worker(rank: int, model_dir: str, cache: str, tp: int, replicas: str = "lockstep") -> dict:
     import faulthandler
     from datetime import timedelta
 
@@ -49,8 +49,6 @@ def _worker(rank: int, model_dir: str, cache: str, tp: int) -> dict:
     from megagrpo.rollout import RolloutConfig, SamplingSpec
     from megagrpo.rollout.hf_engine import sequence_logprobs
     from megagrpo.rollout.vllm_engine import VLLMEngine
-    from megagrpo.testing import TINY_PROBLEMS
-    from megagrpo.types import Problem
 
     faulthandler.dump_traceback_later(150, exit=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -61,9 +59,12 @@ def _worker(rank: int, model_dir: str, cache: str, tp: int) -> dict:
         max_model_len=128,
         tensor_parallel_size=tp,
         cache_dir=cache,
+        replicas=replicas,
     )
     engine = VLLMEngine(cfg, model_dir, seed=0)
-    problems = list(TINY_PROBLEMS) + [Problem("p3", [{"role": "user", "content": "答え: c"}], [])]
+    if replicas == "independent":
+        return _independent(engine, problems_of(), dist)
+    problems = problems_of()
     spec = SamplingSpec(seed=5)
     out: dict = {"kwargs": {k: v for k, v in engine._engine_kwargs().items() if k != "tokenizer"}}
     replicas = dist.get_world_size() // tp
@@ -91,6 +92,56 @@ def _worker(rank: int, model_dir: str, cache: str, tp: int) -> dict:
     return out
 
 
+def problems_of() -> list:
+    from megagrpo.testing import TINY_PROBLEMS
+    from megagrpo.types import Problem
+
+    return list(TINY_PROBLEMS) + [Problem("p3", [{"role": "user", "content": "答え: c"}], [])]
+
+
+def _independent(engine, problems: list, dist) -> dict:
+    """``rollout.replicas=independent`` through the placement object: each replica generates
+    its share with the round's seeds; a replica with nothing to do never calls the engine."""
+    from megagrpo.rewards import build_composite
+    from megagrpo.rewards.config import RewardsConfig, RewardSpec
+    from megagrpo.rollout import SamplingSpec
+    from megagrpo.rollout.hf_engine import sequence_logprobs
+    from megagrpo.trainer.context import Comm
+    from megagrpo.trainer.rollouts import ShardedRollouts
+
+    calls: list[int] = []
+    real = engine.generate
+
+    def counted(batch, n, spec=None):
+        calls.append(len(batch))
+        return real(batch, n, spec)
+
+    engine.generate = counted
+    reward = build_composite(RewardsConfig(functions=[RewardSpec(name="toy_first_token")]))
+    rollouts = ShardedRollouts(engine, Comm(), reward, replica_size=1, lockstep=False)
+    spec = SamplingSpec(seed=5)
+    out: dict = {"kwargs": {k: v for k, v in engine._engine_kwargs().items() if k != "tokenizer"}}
+    out["round"] = [
+        (g.problem.id, g.token_ids, g.logprobs) for g in rollouts.generate(problems, N, spec)
+    ]
+    out["share_calls"] = list(calls)
+    calls.clear()
+    out["one"] = [g.problem.id for g in rollouts.generate(problems[:1], N, spec)]
+    out["one_calls"] = list(calls)
+    engine.generate = real
+    out["whole"] = [
+        (g.problem.id, g.token_ids, g.logprobs) for g in engine.generate(problems, N, spec)
+    ]
+    trainer = _perturbed(engine.model_path)
+    expected = sequence_logprobs(trainer, engine.probe_token_ids)
+    report = engine.update_weights(
+        iter(trainer.state_dict().items()), expected_probe=expected, full_check=True
+    )
+    out["sync"] = report.as_dict()
+    dist.barrier()
+    return out
+
+
 @pytest.fixture(scope="module")
 def dp_run(tiny_dense_dir, tmp_path_factory):
     from megagrpo.parallel.launch import launch
@@ -103,6 +154,14 @@ def tp_run(tiny_dense_dir, tmp_path_factory):
     from megagrpo.parallel.launch import launch
 
     return launch(_worker, 2, str(tiny_dense_dir), str(tmp_path_factory.mktemp("vc")), 2)
+
+
+@pytest.fixture(scope="module")
+def independent_run(tiny_dense_dir, tmp_path_factory):
+    from megagrpo.parallel.launch import launch
+
+    cache = str(tmp_path_factory.mktemp("vc"))
+    return launch(_worker, 2, str(tiny_dense_dir), cache, 1, "independent")
 
 
 @pytest.fixture(scope="module")
@@ -151,5 +210,29 @@ def test_tp2_replica_identical_tokens_and_sync(tp_run):
     assert a["whole"] == b["whole"]
     assert a["after"] == b["after"]
     for out in tp_run:
+        assert out["sync"]["verified"] and out["sync"]["max_probe_diff"] < 1e-4
+        assert out["sync"]["full_check_tensors"] > 0
+
+
+def test_independent_replicas_draw_the_whole_round_without_waiting(independent_run):
+    """Two independent vLLM engines (vLLM's external DP: no data_parallel_size, one seed per
+    replica): gathered in problem order, the shares equal one engine's whole-round draws
+    (the seeds are per problem of the round); with one problem the idle replica never calls
+    generate (a lock-stepped replica would have to, or hang the other)."""
+    a, b = independent_run
+    assert "data_parallel_size" not in a["kwargs"]
+    assert a["kwargs"]["distributed_executor_backend"] == "external_launcher"
+    assert a["kwargs"]["seed"] != b["kwargs"]["seed"]  # its own seed per replica
+    assert a["round"] == b["round"]  # gathered on every rank
+    assert [g[0] for g in a["round"]] == ["p1", "p2", "p3"]
+    assert [g[1] for g in a["round"]] == [g[1] for g in a["whole"]]  # same tokens
+    for x, y in zip(a["round"], a["whole"]):
+        for lx, ly in zip(x[2], y[2]):
+            assert max(abs(u - v) for u, v in zip(lx, ly)) < 1e-5
+    assert a["whole"] == b["whole"]  # both engines are the same model
+    assert [a["share_calls"], b["share_calls"]] == [[2], [1]]
+    assert [a["one_calls"], b["one_calls"]] == [[1], []]  # the idle replica skipped it
+    assert a["one"] == b["one"] == ["p1"]
+    for out in independent_run:
         assert out["sync"]["verified"] and out["sync"]["max_probe_diff"] < 1e-4
         assert out["sync"]["full_check_tensors"] > 0
