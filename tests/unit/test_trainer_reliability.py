@@ -274,8 +274,8 @@ def _nan_advantages_at(monkeypatch, steps: set[int]) -> None:
     real = loop.compute_advantages
 
     def compute(ctx, groups):
-        adv = real(ctx, groups)
-        return torch.full_like(adv, float("nan")) if ctx.step + 1 in steps else adv
+        adv = real(ctx, groups)  # one row per group
+        return [torch.full_like(a, float("nan")) for a in adv] if ctx.step + 1 in steps else adv
 
     monkeypatch.setattr(loop, "compute_advantages", compute)
 
