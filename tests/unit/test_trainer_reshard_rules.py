@@ -62,3 +62,17 @@ def test_another_world_size_still_verifies_every_file(tmp_path):
     assert point.path == older
     assert torch.load(older / "rank00000.pt", weights_only=True)["pieces"] == []
 
+
+def test_export_refuses_a_damaged_checkpoint_naming_the_file(tmp_path):
+    """`megagrpo export` reads every rank file of another layout: each is checked against the
+    manifest first (a flipped byte names the file), and a rank file without pieces is named."""
+    from megagrpo.commands.export import read_checkpoint
+
+    ckpt = _layout_free_checkpoint(tmp_path, 1, world=1)
+    manifest, pieces = read_checkpoint(ckpt)
+    assert pieces == [] and checkpoint.reshardable(manifest)
+    data = bytearray((ckpt / "rank00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ckpt / "rank00000.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="damaged checkpoint.*rank00000.pt"):
+        read_checkpoint(ckpt)
