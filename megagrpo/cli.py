@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megagrpo.commands.eval",
         "IgakuQA eval of the model (+ adapter / training step): official score per exam, 禁忌肢",
     ),
+    "export": (
+        "megagrpo.commands.export",
+        "turn a training checkpoint (any layout) into a PEFT adapter or a merged HF model",
+    ),
     "from-swift": (
         "megagrpo.commands.from_swift",
         "translate an ms-swift GRPO command line into a megagrpo config, flag by flag",

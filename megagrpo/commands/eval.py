@@ -2,9 +2,10 @@
 
 Generates one answer per question with the configured rollout engine (``rollout.*``: engine,
 sampling, lengths; ``--seed`` for the sampling seeds) on ``model.hf_path``, optionally with a
-LoRA adapter (``--adapter PEFT_DIR``, or ``--step N`` for the adapter a training run exported
-at that step), extracts the answer with megagrpo's extractor, writes predictions in IgakuQA's
-``baseline_results`` format (``OUT/YEAR/EXAM-BLOCK_NAME.jsonl``: ``problem_id``,
+LoRA adapter (``--adapter PEFT_DIR``, or ``--step N``: the adapter of the run's training
+checkpoint of step N, exported on the fly as ``megagrpo export --adapter`` does), extracts
+the answer with megagrpo's extractor, writes predictions in IgakuQA's ``baseline_results``
+format (``OUT/YEAR/EXAM-BLOCK_NAME.jsonl``: ``problem_id``,
 ``prediction``, ``explanation`` = the raw completion) and prints the official score per exam
 file (points and accuracy, exactly as ``megagrpo score`` computes them on those files) and the
 contraindicated choices (禁忌肢) selected.
@@ -20,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,23 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- adapters
 
 
-def step_adapter_dir(run_dir: Path, step: int) -> Path:
-    """The PEFT adapter of training step ``step``: ``RUN_DIR/checkpoints/step_N/adapter``.
-    ConfigError naming what exists when there is none."""
-    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
-    adapter = ckpt / "adapter"
-    if (adapter / "adapter_config.json").is_file():
-        return adapter
-    have = (
-        sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) if run_dir.is_dir() else []
-    )
-    if not ckpt.is_dir():
-        raise ConfigError(f"--step {step}: no checkpoint {ckpt} (have: {have or 'none'})")
-    raise ConfigError(
-        f"--step {step}: {ckpt} holds training state (Megatron LoRA shards), not a PEFT "
-        "adapter; runs that export one per checkpoint write it to step_N/adapter. Use "
-        f"--adapter with an exported adapter (the run's final one: {run_dir / 'adapter'})"
-    )
+def step_adapter_dir(run_dir: Path, step: int, out_dir: Path) -> Path:
+    """The PEFT adapter of training step ``step`` of the run in ``run_dir``, exported from its
+    checkpoint into ``out_dir/adapter`` (:func:`megagrpo.commands.export.export_adapter`:
+    per-expert keys, the layout vLLM and the HF engine serve). ConfigError naming what exists
+    when there is no such checkpoint."""
+    from megagrpo.commands.export import export_adapter, find_checkpoint
+
+    ckpt = find_checkpoint(run_dir, step)
+    return export_adapter(ckpt, out_dir / "adapter", expert_format="per_expert")
 
 
 def load_adapter(path: str | os.PathLike) -> Any:
@@ -259,16 +253,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--limit must be >= 0")
     cfg = load_config(RunConfig, [args.config], args.overrides)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
-    adapter = step_adapter_dir(run_dir, args.step) if args.step is not None else args.adapter
     files = find_files(args.data, gold=True)
     model_dir = resolve_model_path(cfg.model.hf_path)
-    engine = build_engine(cfg.rollout, str(model_dir), args.seed)
-    try:
-        sync = apply_adapter(engine, adapter, model_dir) if adapter else None
-        gold, problems, skipped = select_questions(cfg, files, args.limit, engine.tokenizer)
-        preds = generate_predictions(engine, problems, args.seed)
-    finally:
-        engine.close()
+    with tempfile.TemporaryDirectory(prefix="megagrpo-eval-") as tmp:
+        adapter = args.adapter
+        if args.step is not None:
+            adapter = step_adapter_dir(run_dir, args.step, Path(tmp))
+        engine = build_engine(cfg.rollout, str(model_dir), args.seed)
+        try:
+            sync = apply_adapter(engine, adapter, model_dir) if adapter else None
+            gold, problems, skipped = select_questions(cfg, files, args.limit, engine.tokenizer)
+            preds = generate_predictions(engine, problems, args.seed)
+        finally:
+            engine.close()
+    if args.step is not None:
+        adapter = f"{run_dir / 'checkpoints'} step {args.step}"
     out_dir = _out_dir(args, run_dir)
     written = write_predictions(out_dir, gold, preds, args.name)
     report = score(gold, {pid: p for pid, (p, _) in preds.items()})

@@ -95,6 +95,23 @@ class Policy(Protocol):
         """Load :meth:`lora_state_dict` of the same layout (CheckpointError otherwise)."""
         ...
 
+    def lora_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict] | None:
+        """This rank's share of the layout-free LoRA + optimiser state (a checkpoint that any
+        layout resumes: :mod:`megagrpo.model.lora_state`); None: the policy has none, its
+        checkpoints hold :meth:`lora_state_dict` (same layout only)."""
+        ...
+
+    def load_lora_pieces(
+        self, pieces: list[dict], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Load the :meth:`lora_pieces` of every rank of a checkpoint of any layout."""
+        ...
+
+    def export_bytes_received(self) -> int:
+        """Bytes this rank received from the other trainer ranks in the last
+        :meth:`export_hf_weights` (0 for a single process)."""
+        ...
+
     def export_hf_weights(
         self,
         merge_lora: bool = True,

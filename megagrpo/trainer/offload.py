@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from megagrpo.parallel.strict import on_host, strict_active
 
@@ -62,17 +63,15 @@ class Offload:
     def frozen(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, parameter)`` of every frozen parameter of the policy (its base weights);
         none for a policy that is not an ``nn.Module``."""
-        named = getattr(self.policy, "named_parameters", None)
-        if named is None:
+        if not isinstance(self.policy, nn.Module):
             return []
-        return [(n, p) for n, p in named() if not p.requires_grad]
+        return [(n, p) for n, p in self.policy.named_parameters() if not p.requires_grad]
 
     def trainable(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, parameter)`` of the trainable (LoRA) parameters (they never move)."""
-        named = getattr(self.policy, "named_parameters", None)
-        if named is None:
+        if not isinstance(self.policy, nn.Module):
             return [(f"param{i}", p) for i, p in enumerate(self.policy.lora_parameters())]
-        return [(n, p) for n, p in named() if p.requires_grad]
+        return [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
 
     def moments(self) -> Iterator[tuple[str, dict, str, torch.Tensor]]:
         """``(name, state dict, key, tensor)`` of every optimiser state tensor with elements

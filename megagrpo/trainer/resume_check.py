@@ -5,12 +5,14 @@ training problem set (:func:`megagrpo.trainer.checkpoint.save_checkpoint`). On `
 :func:`check_resume_config` compares that config with the new one, key by key, before any
 model is built; :data:`RULES` (longest dotted prefix wins) says for each key whether a change
 
-- is **refused**: the checkpoint cannot continue under it (parallel layout, world size,
-  model, LoRA shape, prompt rendering, level filter): one CheckpointError names every such
-  key with its old and new value;
+- is **refused**: the checkpoint cannot continue under it (model, LoRA shape, prompt
+  rendering, level filter; the parallel layout and world size of a checkpoint of per-rank
+  shards): one CheckpointError names every such key with its old and new value;
 - is **adapted**: applied to the restored state, which would otherwise bring the old value
   back silently (``trainer.lr`` / ``weight_decay`` / ``adam_betas`` are stored in the
-  optimiser state; carried groups of another ``rollout.group_size`` are dropped);
+  optimiser state; carried groups of another ``rollout.group_size`` are dropped; a
+  checkpoint of layout-free LoRA pieces is resharded to a new ``parallel`` layout or world
+  size: :mod:`megagrpo.model.lora_state`);
 - changes the experiment mid-run (**warn**: objective, sampling, rewards, seeds) or only the
   bookkeeping (**info**: step budget, logging, checkpoints): logged, then applied.
 
@@ -105,11 +107,20 @@ class Change:
         return f"{self.key}: {self.old!r} -> {self.new!r} ({self.why})"
 
 
+_RESHARD = "the layout-free LoRA and optimiser state is resharded on load"
+
+
 def compare_configs(
-    saved: dict[str, Any], new: dict[str, Any], saved_world: Any, world: int
+    saved: dict[str, Any],
+    new: dict[str, Any],
+    saved_world: Any,
+    world: int,
+    reshardable: bool = False,
 ) -> list[Change]:
     """Every key whose value differs (keys only one side has are skipped: another version
-    of megagrpo), plus the world size; sorted by key."""
+    of megagrpo), plus the world size; sorted by key. ``reshardable`` (a checkpoint of
+    layout-free LoRA pieces): a changed parallel layout or world size is adapted, not
+    refused."""
     old_flat, new_flat = flatten(saved), flatten(new)
     changes = [
         Change(key, old_flat[key], new_flat[key], *rule_for(key))
@@ -118,6 +129,13 @@ def compare_configs(
     ]
     if saved_world != world:
         changes.insert(0, Change("world size", saved_world, world, REFUSE, _LAYOUT))
+    if reshardable:
+        changes = [
+            Change(c.key, c.old, c.new, ADAPT, _RESHARD)
+            if c.key == "world size" or c.key.startswith("parallel.")
+            else c
+            for c in changes
+        ]
     return changes
 
 
@@ -130,7 +148,9 @@ def check_resume_config(manifest: dict[str, Any], new: dict[str, Any], world: in
     if not isinstance(saved, dict):
         log.warning("checkpoint has no saved config: only its layout and model are checked")
         saved = {}
-    changes = compare_configs(saved, new, manifest.get("world_size"), world)
+    from megagrpo.trainer.checkpoint import reshardable
+
+    changes = compare_configs(saved, new, manifest.get("world_size"), world, reshardable(manifest))
     refused = [c for c in changes if c.kind == REFUSE]
     if refused:
         raise CheckpointError(

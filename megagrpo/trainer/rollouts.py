@@ -266,8 +266,7 @@ class Rollouts(ABC):
         if self._regions is None:
             regions: RegionFn = _nothing
             if self.engine is not None:
-                fn = getattr(self.engine, "weight_regions", None)
-                held = fn() if fn is not None else None
+                held = self.engine.weight_regions()
                 regions = held if held is not None else _everything
             self._regions = regions
         return self._regions

@@ -140,9 +140,8 @@ def push_weights(
     ctx.offload.for_sync()
     metrics = ctx.rollouts.push(update, expected)
     if update.mode == "merged":
-        counter = getattr(ctx.policy, "export_counter", None)
-        if counter is not None:  # what this rank received from the other trainer ranks
-            metrics["sync/transport_recv_mb"] = counter.received / 1e6
+        # what this rank received from the other trainer ranks
+        metrics["sync/transport_recv_mb"] = ctx.policy.export_bytes_received() / 1e6
         if merge_lora:  # how much of the LoRA update the base dtype kept (collective)
             metrics.update(ctx.policy.merge_survival(None))
     return metrics

@@ -81,6 +81,9 @@ class _HFPolicy:
     def merge_survival(self, _bf16):
         return {}
 
+    def export_bytes_received(self) -> int:
+        return 0
+
 
 def _context(cfg, model_dir: Path):
     from megagrpo.curriculum.dynamic import DynamicSampler

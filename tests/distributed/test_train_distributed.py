@@ -46,7 +46,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(config: Path, nproc: int, timeout: float = 300) -> None:
+def _run(config: Path, nproc: int, timeout: float = 300, extra: tuple | list = ()) -> None:
     launcher = (
         [
             sys.executable,
@@ -63,7 +63,7 @@ def _run(config: Path, nproc: int, timeout: float = 300) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
     # Own process group: on a timeout the launcher AND its ranks are killed (no orphans).
     proc = subprocess.Popen(
-        [*launcher, "train", str(config)],
+        [*launcher, "train", str(config), *extra],
         env=env,
         text=True,
         stdout=subprocess.PIPE,

@@ -130,15 +130,19 @@ def test_adapter_is_applied_exactly(tmp_path, demo_model):
     assert float((after - want).abs().max()) < 1e-4  # fp32 merge vs peft's unmerged forward
 
 
-def test_step_without_an_exported_adapter_is_a_clear_error(tmp_path):
+def test_step_names_the_checkpoints_and_refuses_per_rank_shards(tmp_path):
+    """--step N exports the adapter of training checkpoint N (tests/distributed/
+    test_reshard_resume.py runs it end to end); a missing step names the ones there are, and a
+    checkpoint of per-rank shards (older format) says how to get an exportable one."""
     from megagrpo.commands.eval import step_adapter_dir
+    from megagrpo.errors import CheckpointError
 
     run = tmp_path / "run"
-    (run / "checkpoints" / "step_000002").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="no checkpoint .*step_000005.*have: \\['step_000002'\\]"):
-        step_adapter_dir(run, 5)
-    with pytest.raises(ConfigError, match=r"\(Megatron LoRA shards\), not a PEFT adapter"):
-        step_adapter_dir(run, 2)
-    (run / "checkpoints" / "step_000002" / "adapter").mkdir()
-    (run / "checkpoints" / "step_000002" / "adapter" / "adapter_config.json").write_text("{}")
-    assert step_adapter_dir(run, 2).name == "adapter"
+    ckpt = run / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    manifest = {"format": "megagrpo-train-ckpt-v2", "step": 2, "world_size": 1, "files": {}}
+    (ckpt / "meta.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="step_000005.*have: \\['step_000002'\\]"):
+        step_adapter_dir(run, 5, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="per-rank shards.*resume the run"):
+        step_adapter_dir(run, 2, tmp_path / "out")

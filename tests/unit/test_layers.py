@@ -84,3 +84,20 @@ def test_pure_rooms_import_no_megatron_vllm_or_distributed(room):
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             assert not [n for n in names if n.startswith(heavy)], path
+
+
+def test_the_trainer_never_probes_policies_or_engines():
+    """The trainer talks to policies and engines through their protocols
+    (megagrpo.model.Policy, megagrpo.rollout.RolloutEngine): no getattr / hasattr on them."""
+    probed = ("policy", "engine", "rollouts")
+    bad = []
+    for path in (PACKAGE / "trainer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in ("getattr", "hasattr") or not node.args:
+                continue
+            target = ast.unparse(node.args[0])
+            if target.split(".")[-1] in probed:
+                bad.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert bad == [], "probing instead of the protocol:\n" + "\n".join(bad)

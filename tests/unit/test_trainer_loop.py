@@ -96,7 +96,16 @@ class BigramPolicy:
             self.lora_a.copy_(sd["a"])
             self.lora_b.copy_(sd["b"])
 
-    def export_hf_weights(self, merge_lora=True, bucket_bytes=256 << 20, dtype=None):
+    def lora_pieces(self, optimizer=None):
+        return None  # checkpoints hold lora_state_dict (same layout only)
+
+    def load_lora_pieces(self, pieces, optimizer=None) -> None:
+        raise AssertionError("a bigram checkpoint holds no layout-free pieces")
+
+    def export_bytes_received(self) -> int:
+        return 0
+
+    def export_hf_weights(self, merge_lora=True, bucket_bytes=256 << 20, dtype=None, **_):
         yield [("bigram.weight", self.weight().detach().clone())]
 
     def export_peft_adapter(self, out_dir):
@@ -118,6 +127,9 @@ class BigramEngine:
 
     def prompt_ids(self, problem) -> list[int]:
         return [sum(map(ord, problem.id)) % VOCAB, 1]
+
+    def weight_regions(self):
+        return None  # every tensor whole
 
     def generate(self, problems, n, sampling=None):
         seed = sampling.seed if sampling and sampling.seed is not None else 0

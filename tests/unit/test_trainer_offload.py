@@ -68,11 +68,11 @@ def _factories(rec: Recorder):
         rec.policy = policy
         inner = policy.forward_backward
 
-        def forward_backward(batches, loss_fn, *, forward_only=False, broadcast=True):
+        def forward_backward(batches, loss_fn, *, forward_only=False, broadcast=True, **kw):
             rec.events.append("probe" if forward_only else "train")
             if not forward_only:
                 rec.snap("train")
-            return inner(batches, loss_fn, forward_only=forward_only, broadcast=broadcast)
+            return inner(batches, loss_fn, forward_only=forward_only, broadcast=broadcast, **kw)
 
         policy.forward_backward = forward_backward  # type: ignore[method-assign]
         return policy

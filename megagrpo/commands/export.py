@@ -1,0 +1,165 @@
+"""`megagrpo export RUN_DIR [--step N] (--adapter | --merged) --out DIR`: a training checkpoint
+as a PEFT adapter or a merged HF model.
+
+Any checkpoint with layout-free LoRA pieces (:mod:`megagrpo.model.lora_state`; every
+checkpoint of the Megatron policy) converts in one process, whatever TP / EP / PP / world
+size wrote it, without building a model: the pieces of every rank file are assembled into the
+PEFT view of the adapters (``A [r, in]``, ``B [out, r]`` per HF weight) and
+
+- ``--adapter``: written as ``adapter_config.json`` + ``adapter_model.safetensors`` (peft
+  loads it onto the base model; experts in peft's fused layout, or vLLM's per-expert keys
+  with ``--expert-format per_expert``);
+- ``--merged``: folded into the base weights (``W + alpha/r * B A`` in fp32, cast to the
+  checkpoint's dtype, as a merged weight sync does) and written as safetensors shards next to
+  the base model's config and tokenizer: a model transformers / vLLM load directly.
+
+The checkpoint's files are checked against its manifest (size, SHA-256) first; the base
+model is the run's ``model.hf_path`` unless ``--model`` names another copy of it. Output is
+written to a temporary directory and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from megagrpo.errors import CheckpointError, ConfigError
+
+DESCRIPTION = __doc__
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory (runs/<trainer.name>)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--adapter", action="store_true", help="write a PEFT adapter")
+    what.add_argument("--merged", action="store_true", help="write a merged HF model")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--expert-format",
+        default="fused",
+        choices=("fused", "per_expert"),
+        help="adapter layout of MoE experts: fused (peft) | per_expert (vLLM's keys)",
+    )
+    parser.add_argument("--model", default=None, help="base model directory (default: the run's)")
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """``RUN_DIR/checkpoints/step_N`` (the newest complete one without ``step``);
+    ConfigError naming what exists when there is none."""
+    from megagrpo.trainer.checkpoint import complete_checkpoints, step_dir
+
+    root = Path(run_dir) / "checkpoints"
+    done = complete_checkpoints(root)
+    if step is None:
+        if not done:
+            raise ConfigError(f"{run_dir}: no complete checkpoint under {root}")
+        return done[-1][1]
+    path = step_dir(root, step)
+    if not any(s == step for s, _ in done):
+        have = [p.name for _, p in done]
+        raise ConfigError(f"--step {step}: no complete checkpoint {path} (have: {have or 'none'})")
+    return path
+
+
+def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], list[dict]]:
+    """``(manifest, pieces of every rank)`` of a verified layout-free checkpoint."""
+    from megagrpo.trainer.checkpoint import check_files, load_resharded, read_manifest, reshardable
+
+    manifest = read_manifest(ckpt)
+    bad = check_files(ckpt, manifest)
+    if bad:
+        raise CheckpointError(f"{ckpt}: damaged checkpoint ({'; '.join(bad)})")
+    if not reshardable(manifest):
+        raise CheckpointError(
+            f"{ckpt}: its LoRA state is in per-rank shards (written by an older megagrpo or a "
+            "policy without layout-free pieces); resume the run under its own layout and let "
+            "it write a new checkpoint, then export that"
+        )
+    states, _ = load_resharded(ckpt, rank=0, meta={})  # weights-only, memory-mapped
+    return manifest, [p for state in states for p in state["pieces"]]
+
+
+def _model_and_lora(manifest: dict, model: str | None) -> tuple[Path, Any, Any]:
+    from megagrpo.model.arch import arch_from_hf, load_hf_config
+    from megagrpo.model.config import LoraConfig
+    from megagrpo.model.pretrained import resolve_model_path
+
+    cfg = manifest.get("config") or {}
+    hf_path = model or (cfg.get("model") or {}).get("hf_path") or manifest.get("model")
+    if not hf_path:
+        raise ConfigError("the checkpoint names no base model: pass --model DIR")
+    model_dir = Path(resolve_model_path(str(hf_path), need_tokenizer=False))
+    lora = LoraConfig(**(cfg.get("model") or {}).get("lora", manifest.get("lora") or {}))
+    return model_dir, arch_from_hf(load_hf_config(model_dir)), lora
+
+
+def export_adapter(
+    ckpt: Path, out: str | Path, expert_format: str = "fused", model: str | None = None
+) -> Path:
+    """The PEFT adapter of checkpoint ``ckpt`` in ``out`` (see module docstring)."""
+    from megagrpo.model.lora_state import lora_units
+    from megagrpo.model.peft_export import check_exportable, write_peft_dir
+
+    manifest, pieces = read_checkpoint(ckpt)
+    model_dir, arch, lora = _model_and_lora(manifest, model)
+    check_exportable(lora, arch.is_moe, expert_format)
+    units = lora_units(pieces, arch, lora)
+    return write_peft_dir(units, lora, arch.num_experts, out, str(model_dir), expert_format)
+
+
+def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path:
+    """Base weights + the checkpoint's adapters merged, as an HF model directory in ``out``:
+    one output shard per base shard, the index, config and tokenizer files."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megagrpo import fileio
+    from megagrpo.model.checkpoint_io import copy_hf_metadata
+    from megagrpo.model.lora_state import lora_units
+    from megagrpo.model.merge_precision import merge_delta
+    from megagrpo.model.weights import open_safetensors, safetensors_files
+
+    manifest, pieces = read_checkpoint(ckpt)
+    model_dir, arch, lora = _model_and_lora(manifest, model)
+    units = lora_units(pieces, arch, lora)
+    scale = lora.alpha / lora.rank
+    index: dict[str, str] = {}
+    total, merged = 0, 0
+    with fileio.atomic_dir(Path(out), unique=True) as tmp:
+        copy_hf_metadata(model_dir, tmp)
+        for i, src in enumerate(safetensors_files(model_dir)):
+            tensors = {}
+            with open_safetensors(src) as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    w = f.get_tensor(name)
+                    if name in units:
+                        a, b = units[name]
+                        w = merge_delta(
+                            w, torch.matmul(b.float(), a.float()) * scale
+                        )  # as the sync
+                        merged += 1
+                    tensors[name] = w.contiguous()
+                    total += w.numel() * w.element_size()
+            fname = f"model-{i + 1:05d}.safetensors"
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            index.update(dict.fromkeys(tensors, fname))
+        body = {"metadata": {"total_size": total}, "weight_map": index}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(body, indent=1))
+    if merged != len(units):
+        raise CheckpointError(f"{model_dir}: {len(units) - merged} adapted weights not found")
+    return Path(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = find_checkpoint(args.run_dir, args.step)
+    if args.adapter:
+        out = export_adapter(ckpt, args.out, args.expert_format, args.model)
+    else:
+        out = export_merged(ckpt, args.out, args.model)
+    print(f"{'adapter' if args.adapter else 'merged model'} of {ckpt.name} -> {out}")
+    return 0
