@@ -19,9 +19,22 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEGAGRPO_SHARED", REPO_ROOT.parent / "shared"))
 
 
+def _demo_selected(config) -> bool:
+    """The ``demo`` tier (full `make demo` runs, minutes each) runs only on request:
+    ``pytest -m demo`` (any -m expression naming it) or ``MEGAGRPO_RUN_DEMO=1``."""
+    return "demo" in (config.getoption("markexpr") or "") or os.environ.get(
+        "MEGAGRPO_RUN_DEMO", ""
+    ) not in ("", "0")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if not _demo_selected(config):
+        skip_demo = pytest.mark.skip(reason="demo tier: pytest -m demo or MEGAGRPO_RUN_DEMO=1")
+        for item in items:
+            if item.get_closest_marker("demo") is not None:
+                item.add_marker(skip_demo)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -14,8 +14,12 @@ name are right about a quarter of the time. GRPO with a 0/1 accuracy reward firs
 to answer in the requested form (the answer on its own line, then stop), which is what the
 demo shows learning.
 
-    python tools/make_demo_mcq.py                 # rewrites the two files
-    python tools/make_demo_mcq.py --train 400 --eval 64 --out DIR
+    python tools/make_demo_mcq.py                 # rewrites the two files, byte-identical
+    python tools/make_demo_mcq.py --train 400 --eval 256 --options 2 --out DIR   (the defaults)
+
+The shipped files hold 400 training and 256 held-out questions with two options each (the
+right one and the first wrong one of the template); tests/unit/test_demo_mcq_assets.py
+checks that the defaults regenerate them byte for byte.
 """
 
 from __future__ import annotations
@@ -122,6 +126,21 @@ def _first_letter(rng: random.Random) -> Question:
     return f"Which word starts with the letter {words[0][0].upper()}?", words[0], words[1:]
 
 
+def _same_word(rng: random.Random) -> Question:
+    words = rng.sample(sorted({w for ws in CATEGORIES.values() for w in ws}), 4)
+    return f"Which option is the word '{words[0]}'?", words[0], words[1:]
+
+
+def _capitals(rng: random.Random) -> Question:
+    words = rng.sample(sorted({w for ws in CATEGORIES.values() for w in ws}), 4)
+    return "Which option is written in capital letters?", words[0].upper(), words[1:]
+
+
+def _same_number(rng: random.Random) -> Question:
+    xs = rng.sample(range(10, 100), 4)
+    return f"Which option is the number {xs[0]}?", str(xs[0]), [str(x) for x in xs[1:]]
+
+
 TEMPLATES: dict[str, Callable[[random.Random], Question]] = {
     "sum": _sum,
     "next": _successor,
@@ -131,11 +150,18 @@ TEMPLATES: dict[str, Callable[[random.Random], Question]] = {
     "capital": _capital,
     "letter": _first_letter,
 }
+"""The demo's templates (problem set A of tools/repro_article.py)."""
+OTHER_TEMPLATES: dict[str, Callable[[random.Random], Question]] = {
+    "word": _same_word,
+    "upper": _capitals,
+    "number": _same_number,
+}
+"""A second family (problem set B of tools/repro_article.py: reading the options)."""
 
 
-def _record(rng: random.Random, pid: str, q: Question) -> dict:
+def _record(rng: random.Random, pid: str, q: Question, num_options: int = 4) -> dict:
     question, right, wrong = q
-    options = [right, *wrong]
+    options = [right, *wrong[: num_options - 1]]
     rng.shuffle(options)
     body = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
     return {
@@ -149,19 +175,27 @@ def _record(rng: random.Random, pid: str, q: Question) -> dict:
     }
 
 
-def build(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(train, eval) records: templates in turn, every prompt distinct, none shared."""
+def build(
+    num_train: int,
+    num_eval: int,
+    seed: int = 0,
+    templates: dict[str, Callable[[random.Random], Question]] | None = None,
+    num_options: int = 4,
+) -> tuple[list[dict], list[dict]]:
+    """(train, eval) records: templates in turn, every prompt distinct, none shared;
+    ``num_options`` (2-4): the right option and the first wrong ones."""
+    templates = templates or TEMPLATES
     rng = random.Random(seed)
     seen: set[str] = set()
     out: list[dict] = []
-    names = list(TEMPLATES)
+    names = list(templates)
     attempts = 0
     while len(out) < num_train + num_eval:
         attempts += 1
         if attempts > 100 * (num_train + num_eval):
             raise RuntimeError("not enough distinct questions for the requested sizes")
         name = names[len(out) % len(names)]
-        rec = _record(rng, f"{name}{len(out):04d}", TEMPLATES[name](rng))
+        rec = _record(rng, f"{name}{len(out):04d}", templates[name](rng), num_options)
         key = rec["messages"][-1]["content"]
         if key in seen:
             continue
@@ -172,15 +206,16 @@ def build(num_train: int, num_eval: int, seed: int = 0) -> tuple[list[dict], lis
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--train", type=int, default=400)
-    parser.add_argument("--eval", type=int, default=64)
+    parser.add_argument("--eval", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--options", type=int, default=2, choices=(2, 3, 4))
     default_out = Path(__file__).resolve().parents[1] / "megagrpo" / "assets"
     parser.add_argument("--out", type=Path, default=default_out)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    train, evals = build(args.train, args.eval, args.seed)
+    train, evals = build(args.train, args.eval, args.seed, num_options=args.options)
     for name, recs in (("demo_mcq_train.jsonl", train), ("demo_mcq_eval.jsonl", evals)):
         path = args.out / name
         path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
