@@ -233,7 +233,13 @@ def scenario_from_config(cfg: Any, hf: dict, planned: dict[str, Any] | None = No
         sleep_level=getattr(ro, "sleep_level", 0),
         offload_cudagraph=getattr(ro, "offload_cudagraph", False),
         sync_bucket_mb=ro.sync_bucket_mb,
-        weight_sync=tr.weight_sync,
+        # auto = what the trainer picks (trainer.sync.sync_mode): the adapter where the engine
+        # serves LoRA, else merged weights
+        weight_sync=(
+            ("adapter" if ro.enable_lora else "merged")
+            if tr.weight_sync == "auto"
+            else tr.weight_sync
+        ),
         sync_transport=values["trainer.sync_transport"],
         offload_during_rollout=values["trainer.offload_during_rollout"],
         load_format=values["rollout.load_format"],

@@ -156,3 +156,20 @@ def test_cli_gpus_search_json(repo_root):
     best = json.loads(out.stdout)
     assert best and best[0]["num_gpus"] == 8 and best[0]["hardware"]["ib_gb_s"] == 25.0
     assert any(o.startswith("rollout.quantization=") for o in best[0]["overrides"])
+
+
+@pytest.mark.parametrize(("serves_lora", "mode"), [("true", "adapter"), ("false", "merged")])
+def test_auto_weight_sync_is_planned_as_the_trainer_picks_it(repo_root, hf235, serves_lora, mode):
+    """trainer.weight_sync=auto (the default) is the adapter sync where the engine serves
+    LoRA, else merged weights (trainer.sync.sync_mode); the plan must size that sync, not
+    neither (auto once counted no merged transients and no adapter bytes)."""
+    cfg, planned = _two_node(
+        repo_root, "trainer.weight_sync=auto", f"rollout.enable_lora={serves_lora}"
+    )
+    assert scenario_from_config(cfg, hf235, planned).weight_sync == mode
+    explicit, _ = _two_node(
+        repo_root, f"trainer.weight_sync={mode}", f"rollout.enable_lora={serves_lora}"
+    )
+    got = plan_run(cfg, hf235, planned)["time"]["phases"]["sync"]["bytes_per_gpu"]
+    want = plan_run(explicit, hf235, planned)["time"]["phases"]["sync"]["bytes_per_gpu"]
+    assert got == want
