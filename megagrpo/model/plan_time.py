@@ -109,12 +109,11 @@ def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     if sc.weight_sync == "adapter":
         ld, le = lora_numel(s, sc.lora_rank, sc.lora_targets)
         full = s.layers * ld + s.moe_layers * le  # parameters of the whole adapter
-        if sc.sync_transport == "allreduce":  # today: PEFT dir (fp32 gather, write, read)
-            t = 2 * full * 4 / (_bw(max(mp, emp), per, hw) * a.comm_eff) + 2 * full * 2 / 2e9
-            return {"s": t + 2 * n_tensors * a.loader_s_per_tensor, "bytes_per_gpu": full * 8}
-        share = 2 * full / sc.num_gpus  # streamed bf16 shards
-        t = share / (hw.hbm_gb_s * 1e9 * 0.5) + 2 * n_tensors / sc.num_gpus * a.loader_s_per_tensor
-        return {"s": t, "bytes_per_gpu": share}
+        # what the trainer does (trainer.sync.weight_update), whatever sync_transport says: the
+        # PEFT directory (fp32 gather to rank 0, write, the engines read it back). Streamed bf16
+        # shards (2 x params / GPUs bytes per GPU) are measured by tools/bench_sync.py, not built.
+        t = 2 * full * 4 / (_bw(max(mp, emp), per, hw) * a.comm_eff) + 2 * full * 2 / 2e9
+        return {"s": t + 2 * n_tensors * a.loader_s_per_tensor, "bytes_per_gpu": full * 8}
     factor = {"allreduce": 2.0, "broadcast": 1.0}.get(sc.sync_transport)
     if factor is None:  # sliced: only this GPU's engine shard crosses the links
         shard = engine_weight_bytes(s, sc)
