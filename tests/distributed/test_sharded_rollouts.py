@@ -112,7 +112,9 @@ def _context(cfg, model_dir: Path):
         scheduler=None,
         rollouts=rollouts,
         sampler=sampler,
-        dynamic=DynamicSampler(cfg.dynamic, correctness_key=reward_fn.names[0]),
+        dynamic=DynamicSampler(
+            cfg.dynamic, correctness_key=reward_fn.names[0], group_size=cfg.rollout.group_size
+        ),
         reward_fn=reward_fn,
     )
 

@@ -161,16 +161,32 @@ def assert_continues_identically(full_dir: Path, run_dir: Path) -> None:
     last = f"checkpoints/step_{STEPS:06d}/rank00000.pt"
     sa = torch.load(full_dir / last, weights_only=True)
     sb = torch.load(run_dir / last, weights_only=True)
-    assert sa["lora"].keys() == sb["lora"].keys()
-    for name, tensor in sa["lora"].items():
-        assert torch.equal(tensor, sb["lora"][name]), name
-    assert sa["optimizer"]["param_groups"] == sb["optimizer"]["param_groups"]
-    for idx, state in sa["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, sb["optimizer"]["state"][idx][key]), (idx, key)
+    # LoRA pieces, AdamW state, scheduler (the RNG states are not compared: the resumed
+    # process draws its own at start-up before restoring; the metrics above show that the
+    # training draws continue identically)
+    sa.pop("rng"), sb.pop("rng")
+    _assert_same(sa, sb, "rank00000.pt")
     ada = load_file(full_dir / "adapter" / "adapter_model.safetensors")
     adb = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert ada.keys() == adb.keys() and all(torch.equal(ada[k], adb[k]) for k in ada)
+
+
+def _assert_same(a, b, where: str) -> None:
+    """``a`` and ``b`` (nested dicts / lists of tensors and plain values) equal bit for bit."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
 
 
 def _snapshot(run_dir: Path) -> dict[str, bytes]:
