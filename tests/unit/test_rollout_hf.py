@@ -182,7 +182,7 @@ def test_verify_rollout_cli_json(tiny_moe_dir, capsys):
 
 
 def test_engine_error_messages_name_config_keys():
-    from megagrpo.rollout.vllm_engine import _explain
+    from megagrpo.rollout.vllm_support import explain_error as _explain
 
     oom = _explain(ValueError("No available memory for the cache blocks"), "start")
     assert "rollout.kv_cache_gib" in oom and "rollout.gpu_memory_utilization" in oom

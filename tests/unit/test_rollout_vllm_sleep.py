@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from megagrpo.rollout import EngineError, RolloutConfig, build_engine  # noqa: E402
 from megagrpo.rollout.hf_engine import sequence_logprobs  # noqa: E402
-from megagrpo.rollout.vllm_engine import sleep_level_for  # noqa: E402
+from megagrpo.rollout.vllm_support import sleep_level_for  # noqa: E402
 
 
 class RecordingLLM:
