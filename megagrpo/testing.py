@@ -216,6 +216,27 @@ def assert_close_scaled(actual, expected, ulps: float = 64.0, what: str = "") ->
     assert diff <= tol, f"{what}: max |diff| {diff:.3g} > {tol:.3g} ({ulps} ulps of the scale)"
 
 
+def logprob_errors(groups, model, temperature: float) -> tuple[float, float]:
+    """Largest |engine - reference| log-prob of the sampled tokens of ``groups`` against a
+    transformers ``model``'s own teacher-forced forward (float64): ``(against
+    log_softmax(logits / temperature), against the raw log_softmax(logits))``."""
+    import torch
+
+    tempered, raw = 0.0, 0.0
+    for g in groups:
+        for toks, lps in zip(g.token_ids, g.logprobs):
+            ids = torch.tensor([list(g.prompt_ids) + list(toks)])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(g.prompt_ids) - 1 : -1].double()
+            target = torch.tensor(toks)[:, None]
+            got = torch.tensor(lps, dtype=torch.float64)
+            ref_t = torch.log_softmax(logits / temperature, -1).gather(-1, target)[:, 0]
+            ref_r = torch.log_softmax(logits, -1).gather(-1, target)[:, 0]
+            tempered = max(tempered, float((got - ref_t).abs().max()))
+            raw = max(raw, float((got - ref_r).abs().max()))
+    return tempered, raw
+
+
 def tiny_run_config(model_dir, out_dir, name: str, **sections) -> dict:
     """A `megagrpo train` config (as a dict) for a tiny run on the bundled demo problems:
     the test model ``model_dir`` with LoRA on every linear, the 0/1 ``toy_first_token`` reward,

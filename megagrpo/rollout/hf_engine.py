@@ -378,7 +378,7 @@ class HFEngine:
         post = self._stats(params, keys) if full else None
         evidence = WeightEvidence(keys, streamed, unknown, post, pre)
         ver = self.verifier
-        predicts = ver.predicts_change(expected_probe)
+        predicts = ver.predicts_change(expected_probe, expected_before)
         checked = check_weights(evidence, predicts, "HF sync", ver.last_streamed)
         t_full += time.perf_counter() - t1 if full else 0.0
         verdict = ver.verify(self.probe_logprobs(), expected_probe, expected_before, "HF sync")

@@ -325,11 +325,16 @@ class SyncVerifier:
         n = self.syncs + 1
         return n == 1 or (self.full_check_every > 0 and n % self.full_check_every == 0)
 
-    def predicts_change(self, expected: Sequence[float] | None) -> bool:
-        """True when the trainer's probe differs from its previous prediction (or has none)."""
+    def predicts_change(
+        self, expected: Sequence[float] | None, expected_before: Sequence[float] | None = None
+    ) -> bool:
+        """True when the trainer's probe differs from its probe of the weights the engine held
+        (``expected_before``, else its previous prediction; True when it has neither)."""
         if expected is None:
             return False
-        prev = self.last_expected if self.last_expected is not None else self.ref_trainer
+        prev = expected_before
+        if prev is None:
+            prev = self.last_expected if self.last_expected is not None else self.ref_trainer
         if prev is None:
             return True
         return float((_vec(expected) - _vec(prev)).abs().max()) > 1e-6

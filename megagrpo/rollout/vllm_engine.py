@@ -473,7 +473,7 @@ class VLLMEngine:
         if evidence is not None:
             t1 = time.perf_counter()
             ver = self.verifier
-            predicts = ver.predicts_change(expected_probe)
+            predicts = ver.predicts_change(expected_probe, expected_before)
             checked = check_weights(evidence, predicts, what, ver.last_streamed)
             t_full += time.perf_counter() - t1 if evidence.engine_values is not None else 0.0
         verdict = self.verifier.verify(self.probe_logprobs(), expected_probe, expected_before, what)

@@ -18,15 +18,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def groups():
-    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
-
-    g = init_parallel(ParallelConfig())
-    yield g
-    destroy_parallel()
-
-
 def _ref(path, ids):
     from transformers import AutoModelForCausalLM
 

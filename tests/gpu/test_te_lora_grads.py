@@ -22,15 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def groups():
-    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
-
-    g = init_parallel(ParallelConfig())
-    yield g
-    destroy_parallel()
-
-
 def _grads(policy, ids, weights) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     from megagrpo.model.peft_export import gather_lora
 

@@ -17,7 +17,7 @@ from megagrpo.rollout import (
 )
 from megagrpo.rollout.base import iter_buckets
 from megagrpo.rollout.hf_engine import sequence_logprobs
-from megagrpo.testing import TINY_PROBLEMS
+from megagrpo.testing import TINY_PROBLEMS, logprob_errors
 
 PROBLEMS = TINY_PROBLEMS
 
@@ -126,20 +126,9 @@ def test_sampling_logprobs_are_of_the_tempered_distribution(tiny_moe_dir, hf_mod
         groups = eng.generate(PROBLEMS, n=4, sampling=SamplingSpec(temperature=0.6))
     finally:
         eng.close()
-    tempered, raw = [], []
-    for g in groups:
-        for toks, lps in zip(g.token_ids, g.logprobs):
-            ids = torch.tensor([g.prompt_ids + toks])
-            with torch.no_grad():
-                logits = hf_model(input_ids=ids).logits[0, len(g.prompt_ids) - 1 : -1].double()
-            target = torch.tensor(toks)[:, None]
-            ref = torch.log_softmax(logits / 0.6, -1).gather(-1, target)[:, 0]
-            ref_raw = torch.log_softmax(logits, -1).gather(-1, target)[:, 0]
-            got = torch.tensor(lps, dtype=torch.float64)
-            tempered.append(float((got - ref).abs().max()))
-            raw.append(float((got - ref_raw).abs().max()))
-    assert max(tempered) < 1e-4, max(tempered)  # fp32 model, left padding in the batch
-    assert max(raw) > 1e-2  # the two policies differ: the option is not a no-op
+    tempered, raw = logprob_errors(groups, hf_model, 0.6)
+    assert tempered < 1e-4, tempered  # fp32 model, left padding in the batch
+    assert raw > 1e-2  # the two policies differ: the option is not a no-op
 
 
 def test_config_validation():
@@ -222,3 +211,26 @@ def test_mixed_counts_in_one_call(engine):
         engine.generate(PROBLEMS, [3], sampling=spec)
     with pytest.raises(EngineError, match=">= 1"):
         engine.generate(PROBLEMS, [3, 0], sampling=spec)
+
+
+def test_a_first_sync_of_unchanged_weights_is_not_a_stale_stream(tiny_moe_dir, hf_model):
+    """A step whose update changed nothing (all advantages zero: AdamW moves nothing) syncs the
+    weights the engine already holds. The trainer says so (its probe before == after), so the
+    first sync must pass; it used to fail as "the trainer streamed its old weights" because
+    the engine, with no previous sync, assumed a change (gpu_check.sh's train part on a random
+    tiny model hit it). A stale stream while the trainer predicts a change still fails."""
+    from megagrpo.rollout import WeightSyncError
+
+    eng = build_engine(
+        RolloutConfig(engine="hf", max_tokens=8, max_model_len=256), str(tiny_moe_dir), seed=0
+    )
+    try:
+        probe = eng.probe_logprobs()
+        same = [(k, v.detach().clone()) for k, v in hf_model.state_dict().items()]
+        report = eng.update_weights(same, expected_probe=probe, expected_before=probe)
+        assert report.verified
+        moved = [p + 0.5 for p in probe]  # the trainer claims its weights moved
+        with pytest.raises(WeightSyncError, match="stale weights|bit-identical|did not move"):
+            eng.update_weights(same, expected_probe=moved, expected_before=probe)
+    finally:
+        eng.close()

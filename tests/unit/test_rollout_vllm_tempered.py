@@ -5,12 +5,11 @@ log_softmax(logits / T) of transformers' own forward (pinned: vLLM documents pro
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
 from megagrpo.rollout import RolloutConfig, SamplingSpec, build_engine  # noqa: E402
-from megagrpo.testing import TINY_PROBLEMS  # noqa: E402
+from megagrpo.testing import TINY_PROBLEMS, logprob_errors  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +30,6 @@ def test_processed_logprobs_are_of_logits_over_temperature(tiny_moe_dir, hf_mode
         groups = eng.generate(TINY_PROBLEMS, n=4, sampling=SamplingSpec())
     finally:
         eng.close()
-    tempered, raw = [], []
-    for g in groups:
-        for toks, lps in zip(g.token_ids, g.logprobs):
-            ids = torch.tensor([g.prompt_ids + toks])
-            with torch.no_grad():
-                logits = hf_model(input_ids=ids).logits[0, len(g.prompt_ids) - 1 : -1].double()
-            target = torch.tensor(toks)[:, None]
-            got = torch.tensor(lps, dtype=torch.float64)
-            tempered.append(
-                float(
-                    (got - torch.log_softmax(logits / 0.6, -1).gather(-1, target)[:, 0]).abs().max()
-                )
-            )
-            raw.append(
-                float((got - torch.log_softmax(logits, -1).gather(-1, target)[:, 0]).abs().max())
-            )
-    assert max(tempered) < 1e-4, max(tempered)  # fp32 both sides (as test_rollout_vllm.py)
-    assert max(raw) > 1e-2
+    tempered, raw = logprob_errors(groups, hf_model, 0.6)
+    assert tempered < 1e-4, tempered  # fp32 both sides (as test_rollout_vllm.py)
+    assert raw > 1e-2
