@@ -106,7 +106,9 @@ class TrainerConfig:
     ring); broadcast: each owner broadcasts its pieces (1x); sliced: each rank receives only
     the regions its own engine holds (vLLM's TP / EP shard, the whole tensor for an HF engine,
     nothing on a rank without an engine), point to point, and the engine's per-tensor
-    checksums are skipped (the probe still verifies). Every transport yields the same values."""
+    checksums are skipped (the probe still verifies). Every transport yields the same values.
+    Merged syncs only (``weight_sync: merged``, and the base push of ``rollout.load_format:
+    dummy``): an adapter sync always goes through the PEFT directory (fp32 gather)."""
     offload_during_rollout: bool = False
     """Move the frozen Megatron weights and the optimiser's moments to (pinned) host memory
     while the engines generate and sync, and back before training (the LoRA parameters stay on
