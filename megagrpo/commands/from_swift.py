@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +38,7 @@ from megagrpo.commands.swift_flags import (
     translate_rollout,
 )
 from megagrpo.commands.swift_flags_run import translate_data_rewards, translate_optim
+from megagrpo.commands.swift_shell import Unexpanded, command_from_script
 from megagrpo.errors import ConfigError
 
 DESCRIPTION = __doc__
@@ -96,6 +96,11 @@ def _scalar(text: str) -> Any:
     return text
 
 
+def _word_value(text: str, word: str) -> Any:
+    """A flag's value: typed (:func:`_scalar`), or left :class:`Unexpanded` as written."""
+    return Unexpanded(text) if isinstance(word, Unexpanded) else _scalar(text)
+
+
 def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[str, str]]:
     """``(flags, flavor, env)`` from a tokenised command: leading ``VAR=value`` assignments,
     ``swift``/``megatron`` + ``rlhf``, then ``--flag value...`` / ``--flag=value`` / ``--flag``."""
@@ -103,7 +108,7 @@ def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[st
     i = 0
     while i < len(tokens) and "=" in tokens[i] and not tokens[i].startswith("-"):
         key, _, value = tokens[i].partition("=")
-        env[key] = value
+        env[key] = Unexpanded(value) if isinstance(tokens[i], Unexpanded) else value
         i += 1
     flavor = None
     while i < len(tokens) and not tokens[i].startswith("--"):
@@ -121,12 +126,12 @@ def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[st
             name = name.replace("-", "_")
             if name in flags:
                 raise ConfigError(f"--{name} given twice")
-            flags[name] = _scalar(value) if eq else True
+            flags[name] = _word_value(value, tok) if eq else True
             name = None if eq else name
         elif name is None:
             raise ConfigError(f"value {tok!r} without a --flag")
         else:
-            v = _scalar(tok)
+            v = _word_value(tok, tok)
             prev = flags[name]
             flags[name] = v if prev is True else (prev if isinstance(prev, list) else [prev]) + [v]
     return flags, flavor, env
@@ -151,34 +156,6 @@ def read_swift_args(args: list[str]) -> tuple[dict[str, Any], str | None, dict[s
     if len(args) == 1 and args[0].endswith(".sh"):
         return parse_tokens(command_from_script(Path(args[0]).read_text(encoding="utf-8")))
     return parse_tokens(list(args))
-
-
-def command_from_script(text: str) -> list[str]:
-    """The tokens of the ``swift rlhf`` / ``megatron rlhf`` command in a shell script: line
-    continuations joined, ``VAR=value`` lines before it substituted for ``$VAR``/``${VAR}``."""
-    variables: dict[str, str] = {}
-    for line in text.replace("\\\n", " ").splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        try:  # no shlex comments: a '#' inside a word (dataset#1000) is not one
-            tokens = shlex.split(line)
-        except ValueError as exc:
-            raise ConfigError(f"cannot parse the script line {line[:60]!r}: {exc}") from exc
-        if not tokens:
-            continue
-        if "rlhf" in tokens:
-            return [_expand(tok, variables) for tok in tokens]
-        if all("=" in tok and not tok.startswith("-") for tok in tokens):
-            for tok in tokens:
-                key, _, value = tok.partition("=")
-                variables[key] = _expand(value, variables)
-    raise ConfigError("no 'swift rlhf' or 'megatron rlhf' command in the script")
-
-
-def _expand(token: str, variables: dict[str, str]) -> str:
-    for key, value in variables.items():
-        token = token.replace("${" + key + "}", value).replace("$" + key, value)
-    return token
 
 
 # ----------------------------------------------------------------------------- translate

@@ -286,7 +286,7 @@ def build_context(
             "temperature": cfg.rollout.temperature,
         },
     )
-    correctness = reward_fn.names[0]
+    correctness = cfg.curriculum_signal() or reward_fn.names[0]
     sampler, acr = _curriculum(cfg, data.train, correctness)
     ctx = TrainContext(
         cfg=cfg,
