@@ -26,6 +26,19 @@ from typing import Any
 
 import yaml
 
+from megagrpo.commands.swift_fidelity import (
+    blocking,
+    check_values,
+    translate_architecture,
+    translate_curriculum,
+    translate_dtype,
+    translate_loss_type,
+    translate_old_logprobs,
+    translate_steps,
+    translate_tuner,
+    translate_unexpanded,
+    translate_unsupported,
+)
 from megagrpo.commands.swift_flags import (
     DIFFERS,
     EXACT,
@@ -72,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-swift-accuracy",
         action="store_true",
         help="map 'accuracy' to ms-swift's MathAccuracy, not mcq_accuracy",
+    )
+    parser.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="write the config although some flags train differently in megagrpo (listed "
+        "as blocking; without this flag from-swift then writes nothing and exits 2)",
     )
     parser.add_argument(
         "swift_args",
@@ -166,15 +185,26 @@ def translate(
     flavor: str = "swift",
     world_size: int = 1,
     keep_swift_accuracy: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Translation:
     """Every rule of :mod:`~megagrpo.commands.swift_flags`, then the flags no rule took."""
-    t = Translation(flags, flavor, world_size)
+    check_values(flags)
+    t = Translation(dict(flags), flavor, world_size)
+    translate_unexpanded(t, env or {})
+    translate_tuner(t)
     translate_algorithm(t)
+    translate_loss_type(t)
     translate_model(t)
+    translate_architecture(t)
+    translate_dtype(t)
     translate_lengths(t)
     translate_rollout(t)
     translate_optim(t)
     translate_data_rewards(t, keep_swift_accuracy)
+    translate_old_logprobs(t)
+    translate_steps(t, int(t.overrides.get("trainer.batch_groups", 1)))
+    translate_curriculum(t)
+    translate_unsupported(t)
     for flag in flags:
         if flag in t.done:
             continue
@@ -208,7 +238,10 @@ def report_lines(t: Translation) -> list[str]:
             continue
         lines.append(f"{HEADINGS[status]}:")
         for e in entries:
-            shown = f"--{e.flag} {e.value}" if e.given else f"(--{e.flag} not given)"
+            if e.flag.startswith("["):
+                shown = f"({e.flag[1:-1]})"
+            else:
+                shown = f"--{e.flag} {e.value}" if e.given else f"(--{e.flag} not given)"
             keys = ", ".join(f"{k}={v}" for k, v in e.keys.items()) or "-"
             if len(keys) > 90:
                 keys = keys[:87] + "..."
@@ -218,17 +251,50 @@ def report_lines(t: Translation) -> list[str]:
     return lines
 
 
+def _world_size(args: argparse.Namespace, env: dict[str, str]) -> int:
+    if args.world_size:
+        return int(args.world_size)
+    world = 1
+    for key in ("NPROC_PER_NODE", "NNODES"):
+        value = env.get(key, "1")
+        if isinstance(value, Unexpanded):
+            continue  # reported by the translation (pass --world-size)
+        try:
+            world *= int(value)
+        except ValueError as exc:
+            raise ConfigError(f"{key}={value!r}: not a number of processes") from exc
+    return world
+
+
 def run(args: argparse.Namespace) -> int:
     from megagrpo.config import to_yaml
 
     flags, flavor, env = read_swift_args(list(args.swift_args))
     flavor = args.flavor or flavor or "swift"
-    world = args.world_size or int(env.get("NPROC_PER_NODE", 1)) * int(env.get("NNODES", 1))
-    t = translate(flags, flavor, world, args.keep_swift_accuracy)
-    cfg = to_config(t)
+    if args.world_size:
+        env = {k: v for k, v in env.items() if k not in ("NPROC_PER_NODE", "NNODES")}
+    t = translate(flags, flavor, _world_size(args, env), args.keep_swift_accuracy, env)
     print("\n".join(report_lines(t)), file=sys.stderr)
+    blockers = blocking(t)
+    if blockers and not args.allow_partial:
+        print(
+            f"from-swift: no config written: {len(blockers)} flag(s) would train differently "
+            "in megagrpo: "
+            + ", ".join(f"--{e.flag}" if e.given else e.flag for e in blockers)
+            + " (see 'no equivalent' above; --allow-partial writes the config anyway)",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = to_config(t)
     source = " ".join(f"--{k} {v}" for k, v in flags.items())
-    text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n" + to_yaml(cfg)
+    text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n"
+    if blockers:
+        text += (
+            "# PARTIAL (--allow-partial): trains differently: "
+            + ", ".join(e.flag for e in blockers)
+            + "\n"
+        )
+    text += to_yaml(cfg)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
