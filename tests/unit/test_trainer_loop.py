@@ -252,6 +252,7 @@ def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
         assert "completions/mean_length" in r and "rewards/toy_first_token/mean" in r
     logged = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
     assert sorted({row["step"] for row in logged}) == [1, 2, 3, 4]
+    _check_swift_dashboards(saved, logged)
     assert (tmp_path / "run" / "config.yaml").is_file()
 
 
@@ -333,3 +334,29 @@ def test_old_logprobs_are_recomputed_by_default(model_dir, tmp_path):
     engine_rows = _noisy_rows(model_dir, tmp_path, "rollout", old_logprobs="rollout")
     assert engine_rows[0]["loss/ratio_min"] < 0.9 and engine_rows[0]["loss/ratio_max"] > 1.1
     assert engine_rows[0]["loss/tis_weight_mean"] == 1.0  # old = rollout: weight 1 exactly
+
+
+def _check_swift_dashboards(saved: list[dict], logged: list[dict]) -> None:
+    """reward_std of each trained step is ms-swift's quantity over the completions the
+    step logged (compute_reward_metrics, scale_rewards group); advantages are logged with
+    them (group-normalised: each group's sum is 0); entropy/mean and the clip extremes are
+    in every trained row."""
+    from swift.rl_core.advantage import compute_reward_metrics
+
+    for r in saved:
+        if r.get("train/skipped_empty_batch") == 1.0:
+            continue
+        rows = [x for x in logged if x["step"] == r["step"]]
+        groups = sorted({x["group"] for x in rows})
+        size = len(rows) // len(groups)
+        t = torch.tensor(
+            [x["reward"] for x in sorted(rows, key=lambda x: (x["group"], x["sample"]))],
+            dtype=torch.float64,
+        )
+        want = compute_reward_metrics(t, t[:, None], ["r"], size, "group")
+        assert r["reward_std"] == pytest.approx(want.reward_std, rel=1e-9, abs=1e-12)
+        for g in groups:
+            assert abs(sum(x["advantage"] for x in rows if x["group"] == g)) < 1e-4
+        assert r["entropy/mean"] > 0
+        assert 0 <= r["clip_ratio/low_min"] <= r["clip_ratio/low_mean"] + 1e-12
+        assert r["clip_ratio/high_max"] >= r["clip_ratio/high_mean"] - 1e-12
