@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megagrpo import fileio
-from megagrpo.config.merge import apply_override, describe, merge_file
+from megagrpo.config.merge import apply_override, describe, keep_words, merge_file
 from megagrpo.errors import ConfigError, require  # noqa: F401  (re-export)
 
 T = TypeVar("T")
@@ -44,6 +44,7 @@ def load_config(
             loaded = OmegaConf.load(p)
         except Exception as exc:  # yaml errors come in many types
             raise ConfigError(f"{p}: cannot parse YAML: {exc}") from exc
+        keep_words(cfg, loaded, p.read_text(encoding="utf-8"))
         cfg = merge_file(cfg, loaded, p)
     for item in overrides or []:
         cfg = apply_override(cfg, item)
