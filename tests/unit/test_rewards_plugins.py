@@ -311,3 +311,32 @@ def test_soft_overlong_defaults_to_max_tokens_and_rejects_unreachable():
 def test_composite_rejects_unknown_policy():
     with pytest.raises(ValueError, match="on_error"):
         CompositeReward([("x", 1.0, get("mcq_accuracy"))], on_error="ignore")
+
+
+def test_plugin_importing_swift_keeps_megagrpo_logging(tmp_path):
+    """A plugin's ``from swift.rewards import ORM, orms`` sets the root handlers to ERROR
+    (ms-swift's logger setup); megagrpo's INFO/WARNING lines after it must still show."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("swift")
+    plugin = tmp_path / "swift_plugin.py"
+    plugin.write_text(
+        "from swift.rewards import ORM, orms\n\n"
+        "class Len(ORM):\n"
+        "    def __call__(self, completions, **kwargs):\n"
+        "        return [float(len(c)) for c in completions]\n\n"
+        "orms['my_len'] = Len\n"
+    )
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "from megagrpo.rewards.plugins import load_external_plugins, load_object\n"
+        f"load_external_plugins([{str(plugin)!r}])\n"
+        "load_object('orms:my_len')\n"
+        "logging.getLogger('megagrpo.trainer').info('INFO after the plugin')\n"
+        "logging.getLogger('megagrpo.trainer').warning('WARNING after the plugin')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INFO after the plugin" in proc.stdout and "WARNING after the plugin" in proc.stdout
