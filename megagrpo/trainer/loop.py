@@ -31,12 +31,12 @@ from megagrpo.algo.advantages import flat_group_advantages, group_advantages
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.names import required_metrics, swift_aliases
-from megagrpo.trainer.checkpoint import save_checkpoint
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
 from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
+from megagrpo.trainer.train_state import save_checkpoint
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
