@@ -65,7 +65,7 @@ class GenStats:
 
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     """Phases 1-2: generate and score rounds until the dynamic sampler has decided the batch
-    (at most 1 + R rounds: :class:`megagrpo.curriculum.dynamic.Rounds`)."""
+    (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
     while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n
