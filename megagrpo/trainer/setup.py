@@ -48,7 +48,7 @@ from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
-from megagrpo.trainer.rollouts import EngineFactory, Rank0Rollouts, build_rollouts
+from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import prepare_run_dir
 from megagrpo.trainer.sync import first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
@@ -297,7 +297,6 @@ def build_context(
         policy=policy,
         optimizer=optimizer,
         scheduler=scheduler,
-        rollouts=Rank0Rollouts(None, comm, reward_fn),  # the engines start below
         sampler=sampler,
         dynamic=_dynamic(cfg, correctness, acr),
         reward_fn=reward_fn,
