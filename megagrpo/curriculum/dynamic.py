@@ -82,20 +82,9 @@ class UniformRounds(RoundsBase):
     :meth:`DynamicSampler.start`.
     """
 
-    def __init__(
-        self,
-        sampler: ProblemSource,
-        batch_groups: int,
-        step: int,
-        shared: DynamicState,
-        carried: list[Group],
-        dropped_stale: int,
-        group_size: int | None = None,
-    ) -> None:
-        super().__init__(sampler, batch_groups, step, shared, carried, dropped_stale)
-        self.group_size = group_size
-        r, c = group_matrices(carried, shared.correctness_key)
-        self._rows_r, self._rows_c = [r] if carried else [], [c] if carried else []
+    def _begin(self) -> None:
+        r, c = group_matrices(self.carried, self.shared.correctness_key)
+        self._rows_r, self._rows_c = [r] if self.carried else [], [c] if self.carried else []
         self._unchecked_next = False  # ms-swift generates its last round without checking it
 
     def next_problems(self) -> list[Problem] | None:

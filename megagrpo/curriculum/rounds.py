@@ -160,6 +160,8 @@ class RoundsBase:
         shared: the DynamicSampler's settings and carry buffer.
         carried, dropped_stale: this step's groups from the carry buffer, and how many
             stale ones were dropped.
+        group_size: G, answers per problem of a uniform round (a budget's rounds have their
+            own counts).
     """
 
     def __init__(
@@ -170,7 +172,9 @@ class RoundsBase:
         shared: DynamicState,
         carried: list[Group],
         dropped_stale: int,
+        group_size: int | None = None,
     ) -> None:
+        self.group_size = group_size
         self.sampler, self.shared, self.cfg = sampler, shared, shared.cfg
         self.batch_groups, self.step = batch_groups, step
         self.carried, self.dropped_stale = carried, dropped_stale
@@ -182,6 +186,10 @@ class RoundsBase:
         self.first_matrices: tuple[np.ndarray, np.ndarray | None] = (np.zeros((0, 0)), None)
         self.decisions: list[FilterDecision] = []
         self._done = False
+        self._begin()
+
+    def _begin(self) -> None:
+        """A mode's own state, set up last in ``__init__``."""
 
     @property
     def num_valid(self) -> int:
