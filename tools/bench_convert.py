@@ -37,7 +37,7 @@ m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 t_load = time.perf_counter() - t
 t = time.perf_counter()
 m.save_pretrained(sys.argv[2])
-from megagrpo.model.checkpoint_io import _peak_rss_mb
+from megagrpo.model.megatron_ckpt import _peak_rss_mb
 print(t_load, time.perf_counter() - t, _peak_rss_mb())
 """
 
@@ -78,7 +78,7 @@ def size_mb(path: Path) -> float:
 def baseline_rss_mb() -> float:
     code = (
         "import megagrpo.model.policy, megatron.core.models.gpt; "
-        "from megagrpo.model.checkpoint_io import _peak_rss_mb; print(_peak_rss_mb())"
+        "from megagrpo.model.megatron_ckpt import _peak_rss_mb; print(_peak_rss_mb())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -37,7 +37,7 @@ def _layout(args) -> dict:
 
 
 def cmd_import(args) -> dict:
-    from megagrpo.model.checkpoint_io import (
+    from megagrpo.model.megatron_ckpt import (
         atomic_dir,
         check_hf_dir,
         commit_dir,
@@ -71,7 +71,7 @@ def cmd_import(args) -> dict:
 
 def cmd_export(args) -> dict:
     from megagrpo.errors import ConfigError
-    from megagrpo.model.checkpoint_io import (
+    from megagrpo.model.megatron_ckpt import (
         atomic_dir,
         commit_dir,
         copy_hf_metadata,

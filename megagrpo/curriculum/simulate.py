@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
-from megagrpo.curriculum.dynamic import DynamicSampler, checked_rounds
+from megagrpo.curriculum.dynamic import DynamicSampler, UniformRounds, checked_rounds
 from megagrpo.curriculum.levels import BetaPrior, correct_from_level, fill_success_prob, predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.types import Group, Problem
@@ -224,6 +224,7 @@ def run_plan(
 
     for step in range(steps):
         rounds = ds.start(sampler, batch_groups, step)
+        assert isinstance(rounds, UniformRounds)  # no rollout budget: G answers per problem
         while (problems := rounds.next_problems()) is not None:
             rounds.add(engine.generate(problems, group_size))
         batch = rounds.finish()

@@ -108,10 +108,10 @@ class BudgetLoop:
         max_rounds = 1 + cfg.max_resample if cfg.enabled else 1
         rounds = 0
         while rounds < max_rounds and len(valid) < b:
-            requests = bstep.next_requests()
+            requests = bstep.plan_round()
             if not requests:
                 break
-            valid += bstep.add(generate_mixed(engine, requests))
+            valid += bstep.merge(generate_mixed(engine, requests))
             rounds += 1
         stats = bstep.close()
         trained = valid[:b]

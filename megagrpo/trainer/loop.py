@@ -31,12 +31,12 @@ from megagrpo.algo.advantages import flat_group_advantages, group_advantages
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.names import required_metrics, swift_aliases
-from megagrpo.trainer.checkpoint import save_checkpoint
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
 from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
+from megagrpo.trainer.train_state import save_checkpoint
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class GenStats:
 
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     """Phases 1-2: generate and score rounds until the dynamic sampler has decided the batch
-    (at most 1 + R rounds: :class:`megagrpo.curriculum.dynamic.Rounds`)."""
+    (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
     while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n

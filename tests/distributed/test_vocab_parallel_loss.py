@@ -76,7 +76,7 @@ def _check_fused_linear(rank, group):
     """Projection sharded over the vocab: grad_hidden partials sum to the unsharded grad."""
     from megagrpo.algo.config import LossConfig
     from megagrpo.algo.losses import reference_policy_loss
-    from megagrpo.kernels import fused_linear_policy_loss
+    from megagrpo.kernels.fused_linear import fused_linear_policy_loss
 
     B, S, H, V = 2, 5, 8, 96
     g = torch.Generator().manual_seed(11)

@@ -187,3 +187,31 @@ def test_rollout_budget_keys_mirror_the_budget_config():
     for f in dataclasses.fields(BudgetConfig):
         assert f.name in rollout and rollout[f.name] == f.default, f.name
     assert np.isclose(RunConfig().budget_config().budget_price, -1.0)
+
+
+@pytest.mark.parametrize("budget", [None, "knapsack", "sequential"])
+def test_each_mode_has_one_rounds_class_that_satisfies_the_protocol(budget):
+    """One class per mode implements next_requests / add / finish with the protocol's
+    signatures, and holds no reference back to the DynamicSampler (no callbacks)."""
+    import inspect
+
+    from megagrpo.curriculum.budget_rounds import BudgetRounds
+    from megagrpo.curriculum.dynamic import UniformRounds
+    from megagrpo.curriculum.rounds import Rounds
+
+    dyn = DynamicSamplingConfig(policy="carry", max_resample=1, preflight="off")
+    planner = _planner(budget) if budget else None
+    dynamic = DynamicSampler(dyn, CORRECTNESS_KEY, group_size=G, budget=planner)
+    sampler, engine = _world()
+    rounds = dynamic.start(sampler, B, 1)
+    assert type(rounds) is (UniformRounds if budget is None else BudgetRounds)
+    assert isinstance(rounds, Rounds)
+    for name in ("next_requests", "add", "finish"):
+        want = inspect.signature(getattr(Rounds, name))
+        got = inspect.signature(getattr(type(rounds), name))
+        assert list(got.parameters) == list(want.parameters), name
+    assert all(v is not dynamic for v in vars(rounds).values())
+    while (requests := rounds.next_requests()) is not None:
+        assert isinstance(rounds.add(generate_mixed(engine, requests)), list)
+    batch = rounds.finish()
+    assert batch.stats["dynamic/gen_batches"] >= 1 and len(batch.groups) <= B
