@@ -21,7 +21,7 @@ from megagrpo.curriculum.levels import (
     predict_acr,
     read_levels_file,
 )
-from megagrpo.curriculum.simulate import population_from_records, run_plan
+from megagrpo.plan.simulate import population_from_records, run_plan
 from megagrpo.errors import ConfigError
 from megagrpo.trainer.config import RunConfig
 

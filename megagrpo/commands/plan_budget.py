@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megagrpo.curriculum.simulate import population_from_records
+from megagrpo.plan.simulate import population_from_records
 from megagrpo.errors import ConfigError
 from megagrpo.trainer.config import RunConfig
 
@@ -91,7 +91,7 @@ def run_budget(
 ) -> int:
     """``megagrpo plan --budget``: uniform G under original/partial/carry against the budget
     policies under partial/carry, one population, same round budget B * G and cap 1 + R."""
-    from megagrpo.curriculum.simulate_budget import compare_budgets
+    from megagrpo.plan.simulate_budget import compare_budgets
 
     g, b, r = cfg.rollout.group_size, cfg.trainer.batch_groups, cfg.dynamic.max_resample
     results = compare_budgets(
@@ -141,7 +141,7 @@ def run_calibrate(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) 
     refitted prior, then the plan drawn from it (``cfg`` is the run's saved config)."""
     from megagrpo.curriculum.calibrate import refit_prior
     from megagrpo.curriculum.levels import BetaPrior
-    from megagrpo.curriculum.simulate import synthetic_population
+    from megagrpo.plan.simulate import synthetic_population
     from megagrpo.metrics.logger import read_metrics
 
     metrics = Path(args.calibrate) / "metrics.jsonl"

@@ -4,9 +4,9 @@ the config's layout on its cluster, and a per-phase step-time estimate, before r
 ``--gpus N`` prints the fastest layouts that fit N GPUs instead.
 
 Keys the planner models before the trainer has them (``trainer.offload_during_rollout``,
-``rollout.replicas``, ...: :data:`megagrpo.model.plan_scenario.PLANNED_KEYS`) are accepted in
-the YAML and as overrides. What each line means: :mod:`megagrpo.model.plan_memory` and
-:mod:`megagrpo.model.plan_time`.
+``rollout.replicas``, ...: :data:`megagrpo.plan.scenario.PLANNED_KEYS`) are accepted in
+the YAML and as overrides. What each line means: :mod:`megagrpo.plan.memory` and
+:mod:`megagrpo.plan.time`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import yaml
 
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
-from megagrpo.model.plan_memory import hf_config_for
-from megagrpo.model.plan_scenario import (
+from megagrpo.plan.memory import hf_config_for
+from megagrpo.plan.scenario import (
     PLANNED_KEYS,
     Assumptions,
     Hardware,
@@ -30,7 +30,7 @@ from megagrpo.model.plan_scenario import (
     scenario_from_config,
     split_planned,
 )
-from megagrpo.model.plan_search import format_plan, full_plan, search
+from megagrpo.plan.search import format_plan, full_plan, search
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagrpo.model.routing_verify import (
+from routing_verify import (
     replay_worker,
     router_inputs,
     selection_preserving_perturbation,

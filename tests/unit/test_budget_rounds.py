@@ -18,8 +18,8 @@ from megagrpo.curriculum.budget_rounds import (
 )
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
-from megagrpo.curriculum.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
+from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
+from megagrpo.plan.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
 from megagrpo.types import Group, Problem
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
@@ -185,7 +185,7 @@ def test_knapsack_gives_extreme_levels_a_probe_and_every_problem_is_observed_onc
     summary = res.to_dict()
     assert summary["trained_group_size_mean"] == 8.0
     assert summary["first_request_mean_n"] < 5  # most draws are L1/L6 probes of 2
-    from megagrpo.curriculum.simulate import synthetic_population
+    from megagrpo.plan.simulate import synthetic_population
 
     problems, levels, ps = synthetic_population(SPECIALIST, 5, seed=0)
     sampler = CurriculumSampler(problems, cur, levels, CORRECTNESS_KEY, level_k=5)

@@ -14,9 +14,9 @@ import pytest
 from megagrpo.commands.plan_memory import load_with_planned, plan_run
 from megagrpo.errors import ConfigError
 from megagrpo.model.arch import load_hf_config
-from megagrpo.model.plan_memory import GIB, shapes_of
-from megagrpo.model.plan_scenario import Assumptions, Hardware, scenario_from_config
-from megagrpo.model.plan_search import search
+from megagrpo.plan.memory import GIB, shapes_of
+from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
+from megagrpo.plan.search import search
 
 
 @pytest.fixture(scope="module")

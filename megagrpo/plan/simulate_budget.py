@@ -1,6 +1,6 @@
 """Planner for rollout budgets: the real CurriculumSampler + BudgetPlanner on Bernoulli rollouts.
 
-Same population model as :mod:`megagrpo.curriculum.simulate` (each problem's p drawn from
+Same population model as :mod:`megagrpo.plan.simulate` (each problem's p drawn from
 its level's beta-binomial posterior; reward = correctness, 0/1; no length penalty; no
 learning unless ``drift``). The round loop below applies dynamic sampling's rules to
 budgeted rounds: at most 1 + R rounds per step, stop once B groups are finished; ``partial``
@@ -11,7 +11,7 @@ The figure of merit is the **effective ratio**: generated completions that end u
 non-zero advantage in a trained group, over all generated completions, at a fixed trained
 group size (every trained group holds exactly ``trained_size`` completions, G = 8 by
 default; surplus answers are subsampled keeping both outcomes). Uniform G runs go through
-:func:`megagrpo.curriculum.simulate.run_plan` (the real DynamicSampler).
+:func:`megagrpo.plan.simulate.run_plan` (the real DynamicSampler).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from megagrpo.curriculum.budget_rounds import BudgetPlanner, Request, pool_basel
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import (
+from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
     run_plan,

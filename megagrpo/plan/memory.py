@@ -44,7 +44,7 @@ from pathlib import Path
 
 from megagrpo.errors import ConfigError
 from megagrpo.model.arch import arch_from_hf, load_hf_config
-from megagrpo.model.plan_scenario import Assumptions, Scenario
+from megagrpo.plan.scenario import Assumptions, Scenario
 from megagrpo.model.pretrained import BUNDLED, resolve_model_path
 
 GIB = 2**30

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import math
 
-from megagrpo.model.plan_memory import GIB, memory_plan, shapes_of
-from megagrpo.model.plan_scenario import Assumptions, Hardware, Scenario
-from megagrpo.model.plan_time import step_time
+from megagrpo.plan.memory import GIB, memory_plan, shapes_of
+from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
+from megagrpo.plan.time import step_time
 
 SYNCS = (("merged", "allreduce"), ("merged", "sliced"), ("adapter", "sliced"))
 
 
 def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
-    """:func:`~megagrpo.model.plan_memory.memory_plan` + ``time`` (step-time estimate) +
+    """:func:`~megagrpo.plan.memory.memory_plan` + ``time`` (step-time estimate) +
     the inputs (``assumptions``, ``hardware``, ``planned_keys``)."""
     mem = memory_plan(sc, a)
     mem["time"] = step_time(sc, a, hw, mem)
