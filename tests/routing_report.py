@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from routing_verify import target_logprobs
 
 

@@ -21,8 +21,8 @@ from megagrpo.curriculum.levels import (
     predict_acr,
     read_levels_file,
 )
-from megagrpo.plan.simulate import population_from_records, run_plan
 from megagrpo.errors import ConfigError
+from megagrpo.plan.simulate import population_from_records, run_plan
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = """\

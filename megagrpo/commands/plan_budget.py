@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megagrpo.plan.simulate import population_from_records
 from megagrpo.errors import ConfigError
+from megagrpo.plan.simulate import population_from_records
 from megagrpo.trainer.config import RunConfig
 
 if TYPE_CHECKING:
@@ -141,8 +141,8 @@ def run_calibrate(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) 
     refitted prior, then the plan drawn from it (``cfg`` is the run's saved config)."""
     from megagrpo.curriculum.calibrate import refit_prior
     from megagrpo.curriculum.levels import BetaPrior
-    from megagrpo.plan.simulate import synthetic_population
     from megagrpo.metrics.logger import read_metrics
+    from megagrpo.plan.simulate import synthetic_population
 
     metrics = Path(args.calibrate) / "metrics.jsonl"
     g, k, seed = cfg.rollout.group_size, inputs.k, inputs.curriculum.seed

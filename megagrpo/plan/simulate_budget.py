@@ -29,14 +29,14 @@ from megagrpo.curriculum.budget_rounds import BudgetPlanner, Request, pool_basel
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
+from megagrpo.curriculum.stats import collapse_stats
+from megagrpo.errors import ConfigError
 from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
     run_plan,
     synthetic_population,
 )
-from megagrpo.curriculum.stats import collapse_stats
-from megagrpo.errors import ConfigError
 from megagrpo.types import Group, Problem
 
 Population = tuple[list[Problem], dict[str, int], dict[str, float]]

@@ -16,9 +16,9 @@ from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSa
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
+from megagrpo.errors import ConfigError
 from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, synthetic_population
 from megagrpo.plan.simulate_budget import BudgetLoop, generate_mixed
-from megagrpo.errors import ConfigError
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.trainer.config import RunConfig
 

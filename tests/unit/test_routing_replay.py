@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megagrpo.errors import ConfigError
-from megagrpo.model.config import ModelConfig
-from megagrpo.model.routing import ReplayPlan, Routing, local_rows, step_plan
 from routing_verify import (
     forced_routing,
     perturb_routers,
@@ -24,6 +20,10 @@ from routing_verify import (
     selection_preserving_perturbation,
     target_logprobs,
 )
+
+from megagrpo.errors import ConfigError
+from megagrpo.model.config import ModelConfig
+from megagrpo.model.routing import ReplayPlan, Routing, local_rows, step_plan
 from megagrpo.parallel import ParallelConfig
 from megagrpo.rollout.base import EngineError, SamplingSpec
 from megagrpo.rollout.config import RolloutConfig
