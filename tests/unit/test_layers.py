@@ -2,7 +2,7 @@
 
 Each top-level room of ``megagrpo/`` (a sub-package or a module) sits on one layer; a room may
 import from lower layers only, never from a higher one nor from another room of its own
-layer (rooms of a layer are independent). docs/architecture.md (before it, the README's "Layout" section) draws the same table.
+layer (rooms of a layer are independent). docs/architecture.md draws the same table.
 A new room fails here until it is given a layer.
 """
 
