@@ -34,12 +34,12 @@ from megagrpo.errors import ConfigError
 from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
+    Population,
+    Simulation,
     run_plan,
     synthetic_population,
 )
-from megagrpo.types import Group, Problem
-
-Population = tuple[list[Problem], dict[str, int], dict[str, float]]
+from megagrpo.types import Group
 
 
 def generate_mixed(engine: BernoulliEngine, requests: Sequence[Request]) -> list[Group]:
@@ -188,11 +188,8 @@ def run_budget_plan(
 ) -> BudgetPlanResult:
     """Simulate ``steps`` budgeted steps (same population and sampler as :func:`run_plan`)."""
     t0 = time.perf_counter()
-    keep = curriculum.keep_levels if curriculum.keep_levels else sorted(hist)
-    prior = predict_acr(hist, k, group_size, keep).prior
-    problems, levels, ps = population or synthetic_population(hist, k, seed, prior)
-    sampler = CurriculumSampler(problems, curriculum, levels, CORRECTNESS_KEY, level_k=k)
-    engine = BernoulliEngine(ps, seed=seed)
+    sim = Simulation.start(hist, k, group_size, curriculum, seed, population)
+    keep, sampler, engine = sim.keep, sim.sampler, sim.engine
     planner = BudgetPlanner(
         budget,
         group_size,
@@ -222,10 +219,7 @@ def run_budget_plan(
         adv = trained_advantages(trained, advantage_scale, budget.advantage_baseline)
         row["budget/effective_completions"] = float((adv != 0).sum())
         row["budget/trained_completions"] = float(adv.numel())
-        if drift > 0:
-            for g in trained:
-                i = engine.index[g.problem.id]
-                engine.p[i] += drift * (1.0 - engine.p[i])
+        engine.learn(trained, drift)
         row.update(sampler.metrics())
         result.steps.append(row)
     result.seconds = time.perf_counter() - t0
@@ -274,37 +268,19 @@ def compare_budgets(
         population = synthetic_population(
             hist, k, seed, predict_acr(hist, k, group_size, keep).prior
         )
+    args = (hist, k, group_size, batch_groups, steps, curriculum)
+    same = {"drift": drift, "seed": seed, "population": population}
+
+    def dynamic(policy: str) -> DynamicSamplingConfig:
+        return DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
+
     out: dict[str, dict[str, Any]] = {}
     for policy in uniform_policies:
-        dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
-        plan = run_plan(
-            hist,
-            k,
-            group_size,
-            batch_groups,
-            steps,
-            curriculum,
-            dyn,
-            drift=drift,
-            seed=seed,
-            population=population,
-        )
+        plan = run_plan(*args, dynamic(policy), **same)
         out[f"uniform/{policy}"] = uniform_summary(plan.to_dict())
     for label, cfg in budgets.items():
         for policy in budget_policies:
-            dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
-            res = run_budget_plan(
-                hist,
-                k,
-                group_size,
-                batch_groups,
-                steps,
-                curriculum,
-                dyn,
-                cfg,
-                drift=drift,
-                seed=seed,
-                population=population,
-            )
-            out[f"{label}/{policy}"] = res.to_dict()
+            out[f"{label}/{policy}"] = run_budget_plan(
+                *args, dynamic(policy), cfg, **same
+            ).to_dict()
     return out
