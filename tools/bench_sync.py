@@ -154,17 +154,18 @@ def measured(args) -> dict:
 
 def estimated(repo: Path) -> list[dict]:
     """235B: bytes per GPU and seconds per mode for the 2-node and 16-node configs."""
-    from megagrpo.commands.plan_memory import load_with_planned
+    from megagrpo.config import load_config
     from megagrpo.model.arch import load_hf_config
     from megagrpo.plan.memory import memory_plan
     from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
     from megagrpo.plan.time import _sync
+    from megagrpo.trainer.config import RunConfig
 
     hf = load_hf_config(repo / "configs/qwen3_235b_a22b.hf_config.json")
     rows = []
     for cfgname in ("qwen3_235b_a22b_2node.yaml", "qwen3_235b_a22b.yaml"):
-        cfg, planned = load_with_planned(str(repo / "configs" / cfgname), [])
-        sc = scenario_from_config(cfg, hf, planned)
+        cfg = load_config(RunConfig, [repo / "configs" / cfgname])
+        sc = scenario_from_config(cfg, hf)
         for sync, transport in (
             ("merged", "allreduce"),
             ("merged", "broadcast"),

@@ -26,7 +26,7 @@ returns a :class:`Rounds`, which says which problems to generate next and how ma
 each gets (or that the batch is decided), takes each scored round, and finishes the batch.
 Nothing here generates.
 
-With a rollout budget (``rollout.budget`` knapsack | sequential: a
+With a rollout budget (``budget.mode`` knapsack | sequential: a
 :class:`~megagrpo.curriculum.budget_rounds.BudgetPlanner`), the planner decides what each round
 generates (mixed n per problem) and which problems are finished (split, subsampled to the
 trained size); the rules above decide when to stop (at most 1 + R rounds, or B groups) and
@@ -307,11 +307,11 @@ class DynamicSampler:
         self.correctness_key = correctness_key
         self.acr_predicted = acr_predicted
         self.group_size = group_size
-        if budget is not None and budget.cfg.budget == "uniform":
+        if budget is not None and budget.cfg.mode == "uniform":
             budget = None
         if budget is not None and cfg.policy == "original":
             raise ConfigError(
-                "config key 'dynamic.policy': 'original' applies to rollout.budget uniform "
+                "config key 'dynamic.policy': 'original' applies to budget.mode uniform "
                 "only; use partial or carry"
             )
         self.budget = budget

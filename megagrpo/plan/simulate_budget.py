@@ -26,7 +26,12 @@ import torch
 
 from megagrpo.algo.advantages import flat_group_advantages
 from megagrpo.curriculum.budget_rounds import BudgetPlanner, Request, pool_baselines
-from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
+from megagrpo.curriculum.config import (
+    BudgetConfig,
+    CurriculumConfig,
+    DynamicSamplingConfig,
+    SamplingPolicy,
+)
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.curriculum.stats import collapse_stats
@@ -98,7 +103,7 @@ class BudgetLoop:
         """One step: ``(trained groups, metrics)``."""
         cfg, b = self.dynamic, self.planner.batch_groups
         if cfg.policy == "original":
-            raise ConfigError("dynamic.policy 'original' applies to rollout.budget uniform only")
+            raise ConfigError("dynamic.policy 'original' applies to budget.mode uniform only")
         fresh = [
             g for g in self.carry if step - int(g.meta.get("step", step)) <= cfg.carry_max_staleness
         ]
@@ -201,7 +206,7 @@ def run_budget_plan(
     loop = BudgetLoop(planner, dynamic)
     result = BudgetPlanResult(
         config={
-            "budget": budget.budget,
+            "budget": budget.mode,
             "policy": dynamic.policy,
             "group_size": group_size,
             "trained_size": planner.trained_size,
@@ -256,8 +261,8 @@ def compare_budgets(
     seed: int = 0,
     population: Population | None = None,
     drift: float = 0.0,
-    uniform_policies: Sequence[str] = ("original", "partial", "carry"),
-    budget_policies: Sequence[str] = ("carry",),
+    uniform_policies: Sequence[SamplingPolicy] = ("original", "partial", "carry"),
+    budget_policies: Sequence[SamplingPolicy] = ("carry",),
 ) -> dict[str, dict[str, Any]]:
     """``{"uniform/<policy>": summary, "<label>/<policy>": summary}`` on one population,
     ``budgets`` being ``{label: BudgetConfig}``.
@@ -271,7 +276,7 @@ def compare_budgets(
     args = (hist, k, group_size, batch_groups, steps, curriculum)
     same = {"drift": drift, "seed": seed, "population": population}
 
-    def dynamic(policy: str) -> DynamicSamplingConfig:
+    def dynamic(policy: SamplingPolicy) -> DynamicSamplingConfig:
         return DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
 
     out: dict[str, dict[str, Any]] = {}

@@ -35,7 +35,7 @@ def test_knapsack_reaches_1_4x_the_effective_ratio_of_uniform_carry():
         60,
         cur,
         3,
-        {"knapsack": BudgetConfig(budget="knapsack")},
+        {"knapsack": BudgetConfig(mode="knapsack")},
         uniform_policies=("carry",),
     )
     uni, knap = res["uniform/carry"], res["knapsack/carry"]
