@@ -22,7 +22,7 @@ import numpy as np
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import BernoulliEngine, run_plan, synthetic_population
+from megagrpo.plan.simulate import BernoulliEngine, run_plan, synthetic_population
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
 

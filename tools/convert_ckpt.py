@@ -37,6 +37,7 @@ def _layout(args) -> dict:
 
 
 def cmd_import(args) -> dict:
+    from megagrpo.model.config import LoraConfig
     from megagrpo.model.megatron_ckpt import (
         atomic_dir,
         check_hf_dir,
@@ -46,7 +47,6 @@ def cmd_import(args) -> dict:
         world_of,
         write_meta,
     )
-    from megagrpo.model.config import LoraConfig
     from megagrpo.parallel import ParallelConfig, validate_layout
     from megagrpo.parallel.launch import launch
 

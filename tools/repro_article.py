@@ -12,7 +12,7 @@ This script reproduces it end to end on 2 CPU cores:
    temperature): the levels are the model's own;
 3. ``megagrpo train`` under five conditions (same seed, steps, B x G): the article's three
    (all levels; L2-L5; L2-L5 of A and B, each with ``original`` and R = 3), then all levels
-   with ``carry`` and with ``rollout.budget=knapsack`` + ``carry``;
+   with ``carry`` and with ``budget.mode=knapsack`` + ``carry``;
 4. the figure: post-filter ``frac_reward_zero_std`` (the article's Figure 1) and the raw ACR
    (what the article could not show) per condition over steps, with the 1 - 1/R line, and per
    condition the effective ratio (completions with a non-zero advantage in a trained group /
@@ -70,7 +70,7 @@ class Condition:
             f"curriculum.levels_file={levels[self.data]}",
             f"curriculum.keep_levels=[{','.join(map(str, self.keep))}]",
             f"dynamic.policy={self.policy}",
-            f"rollout.budget={self.budget}",
+            f"budget.mode={self.budget}",
             *self.overrides,
         ]
 
@@ -97,7 +97,7 @@ rollout:
   temperature: 0.7
   max_tokens: 12
   max_model_len: 512
-  max_samples: 16
+budget: {{max_samples: 16}}
 curriculum: {{online: true, level_k: {K}, retire_streak: 0}}
 dynamic: {{enabled: true, max_resample: {R}, preflight: warn}}
 loss: {{variant: grpo}}

@@ -125,7 +125,7 @@ class BudgetPlanner:
     """Budgeted generation across a run: config, price, split problems awaiting a top-up.
 
     Args:
-        cfg: the budget config (``rollout.budget`` ...).
+        cfg: the budget config (the ``budget:`` section).
         group_size: G (uniform's completions per problem; the round budget is B * G).
         batch_groups: B, trained groups per step.
         correctness_key: ``Group.reward_parts`` key of the 0/1 correctness reward (None: the
@@ -161,11 +161,11 @@ class BudgetPlanner:
         Auto: computed on the pool's problems that are not retired, each counted once
         (``curriculum.level_weights`` do not reweigh it)."""
         cfg, t = self.cfg, self.trained_size
-        if cfg.budget == "uniform" or (cfg.budget == "knapsack" and cfg.budget_price >= 0):
-            return max(cfg.budget_price, 0.0)
+        if cfg.mode == "uniform" or (cfg.mode == "knapsack" and cfg.price >= 0):
+            return max(cfg.price, 0.0)
         a, b = sampler.pool_posterior()
-        eff, cost = effective_tables(a, b, cfg.max_samples, t, cfg.budget_objective)
-        if cfg.budget == "sequential":  # a fresh problem's first round, the alternative
+        eff, cost = effective_tables(a, b, cfg.max_samples, t, cfg.objective)
+        if cfg.mode == "sequential":  # a fresh problem's first round, the alternative
             r = self.round_samples
             return float(eff[:, r].sum() / max(cost[:, r].sum(), 1e-12))
         return efficiency_price(eff, cost, cfg.min_samples, cfg.max_samples)
@@ -252,10 +252,8 @@ class BudgetRounds(RoundsBase):
         self._observe: list[Group] = []
         self.raw_groups: list[Group] = []
         """First-round groups of the problems newly drawn this step, as generated."""
-        self.price = planner.price(sampler) if planner.cfg.budget != "uniform" else 0.0
-        self.fixed_batch = (
-            self.budget_cfg.budget == "knapsack" and self.budget_cfg.budget_price == 0
-        )
+        self.price = planner.price(sampler) if planner.cfg.mode != "uniform" else 0.0
+        self.fixed_batch = self.budget_cfg.mode == "knapsack" and self.budget_cfg.price == 0
         """Knapsack RL's setting: B problems per round share the budget, no continuation."""
         self.counts = {
             "completions": 0.0,
@@ -352,7 +350,7 @@ class BudgetRounds(RoundsBase):
         for p in pools:
             if p.n >= cfg.max_samples:
                 self._drop(p)
-        if not room or cfg.budget == "uniform" or self.fixed_batch:
+        if not room or cfg.mode == "uniform" or self.fixed_batch:
             for p in room:
                 self._drop(p)
             return []
@@ -367,13 +365,13 @@ class BudgetRounds(RoundsBase):
         )
         s = 1.0 - miss
         k = np.arange(m + 1, dtype=np.float64)
-        eff = t * s if cfg.budget_objective == "completions" else s
+        eff = t * s if cfg.objective == "completions" else s
         cost = k + np.maximum(t - nn[:, None] - k, 0.0) * s
         value = eff - self.price * cost
         out = []
         for i, pool in enumerate(room):
             top = m - pool.n
-            if cfg.budget == "sequential":
+            if cfg.mode == "sequential":
                 n = min(self.planner.round_samples, top)
                 keep = not cfg.sequential_gate or value[i, n] > 0
                 out.append((pool, n if keep else 0))
@@ -385,10 +383,10 @@ class BudgetRounds(RoundsBase):
 
     def _new_requests(self, budget: int) -> list[Request]:
         cfg, resample = self.budget_cfg, self.round > 0
-        if cfg.budget == "uniform":
+        if cfg.mode == "uniform":
             problems = self.sampler.next_problems(self.planner.batch_groups, resample=resample)
             return [Request(p, self.planner.group_size) for p in problems]
-        if cfg.budget == "sequential":
+        if cfg.mode == "sequential":
             k = budget // self.planner.round_samples
             problems = self.sampler.next_problems(k, resample=resample) if k > 0 else []
             return [Request(p, self.planner.round_samples) for p in problems]
@@ -405,9 +403,7 @@ class BudgetRounds(RoundsBase):
     def _tables(self, problems: Sequence[Problem]) -> tuple[np.ndarray, np.ndarray]:
         a, b = self.sampler.posterior_of(problems)
         cfg = self.budget_cfg
-        return effective_tables(
-            a, b, cfg.max_samples, self.planner.trained_size, cfg.budget_objective
-        )
+        return effective_tables(a, b, cfg.max_samples, self.planner.trained_size, cfg.objective)
 
     def _priced_fill(self, budget: int, resample: bool) -> list[Request]:
         """Draw problems in chunks and give each its priced count until the budget is spent."""
@@ -465,7 +461,7 @@ class BudgetRounds(RoundsBase):
 
     def _may_continue(self, pool: _Pool) -> bool:
         cfg = self.budget_cfg
-        if cfg.budget == "uniform" or self.fixed_batch:
+        if cfg.mode == "uniform" or self.fixed_batch:
             return False
         return pool.n < cfg.max_samples
 

@@ -26,7 +26,7 @@ returns the step's :class:`~megagrpo.curriculum.rounds.Rounds`, which says which
 generate next and how many answers each gets (or that the batch is decided), takes each
 scored round, and finishes the batch. Nothing here generates. One class per mode:
 :class:`UniformRounds` (G answers each: everything above) and, with a rollout budget
-(``rollout.budget`` knapsack | sequential),
+(``budget.mode`` knapsack | sequential),
 :class:`~megagrpo.curriculum.budget_rounds.BudgetRounds` (mixed counts; ``partial`` / ``carry``).
 """
 
@@ -207,11 +207,11 @@ class DynamicSampler:
     ) -> None:
         self.shared = DynamicState(cfg, correctness_key, acr_predicted)
         self.group_size = group_size
-        if budget is not None and budget.cfg.budget == "uniform":
+        if budget is not None and budget.cfg.mode == "uniform":
             budget = None
         if budget is not None and cfg.policy == "original":
             raise ConfigError(
-                "config key 'dynamic.policy': 'original' applies to rollout.budget uniform "
+                "config key 'dynamic.policy': 'original' applies to budget.mode uniform "
                 "only; use partial or carry"
             )
         self.budget = budget

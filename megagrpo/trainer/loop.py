@@ -81,17 +81,17 @@ def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Ten
     """Group-normalised advantages of the batch, one ``[G_n]`` row per group ([] for an
     empty batch). Groups of different sizes (rollout budgets) are normalised each by its
     own statistics, or by those of every answer generated for its problem in the step
-    (``rollout.advantage_baseline: pool``, Reinforce-Ada)."""
+    (``budget.advantage_baseline: pool``, Reinforce-Ada)."""
     if not groups:
         return []
     scale = ctx.cfg.loss.resolved_advantage_scale()
     sizes = [g.size for g in groups]
-    if ctx.cfg.rollout.advantage_baseline != "pool" and len(set(sizes)) == 1:
+    if ctx.cfg.budget.advantage_baseline != "pool" and len(set(sizes)) == 1:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         return list(group_advantages(rewards, scale=scale).unbind(0))
     flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     mean = std = None
-    if ctx.cfg.rollout.advantage_baseline == "pool":
+    if ctx.cfg.budget.advantage_baseline == "pool":
         mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
     flat = flat_group_advantages(flat_rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
     return list(torch.split(flat, sizes))

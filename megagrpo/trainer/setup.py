@@ -94,11 +94,11 @@ def _curriculum(
 
 
 def _dynamic(cfg: RunConfig, correctness_key: str, acr: float | None) -> DynamicSampler:
-    """The dynamic sampler, with the rollout budget's planner unless ``rollout.budget`` is
+    """The dynamic sampler, with the rollout budget's planner unless ``budget.mode`` is
     uniform (G answers per problem)."""
-    budget = cfg.budget_config()
+    budget = cfg.budget
     planner = None
-    if budget.budget != "uniform":
+    if budget.mode != "uniform":
         planner = BudgetPlanner(
             budget,
             cfg.rollout.group_size,

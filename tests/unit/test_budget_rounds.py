@@ -18,8 +18,8 @@ from megagrpo.curriculum.budget_rounds import (
 )
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
-from megagrpo.curriculum.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
+from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
+from megagrpo.plan.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
 from megagrpo.types import Group, Problem
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
@@ -87,7 +87,7 @@ def _scripted(problem, rewards):
 def test_sequential_rounds_topup_subsample_and_pool_statistics():
     probs = [Problem(f"q{i}", [], ["a"]) for i in range(4)]
     sampler = ScriptedSampler(probs)
-    cfg = BudgetConfig(budget="sequential", round_samples=4, sequential_gate=False)
+    cfg = BudgetConfig(mode="sequential", round_samples=4, sequential_gate=False)
     planner = BudgetPlanner(cfg, group_size=8, batch_groups=1, correctness_key=CORRECTNESS_KEY)
     step = planner.start(sampler, step=0, keep_pending=True)
     reqs = step.plan_round()  # budget 8: two new problems with 4 each
@@ -113,7 +113,7 @@ def test_sequential_rounds_topup_subsample_and_pool_statistics():
 def test_balanced_subsample_of_a_large_pool_and_pending_topups_across_steps():
     probs = [Problem(f"q{i}", [], ["a"]) for i in range(3)]
     sampler = ScriptedSampler(probs)
-    cfg = BudgetConfig(budget="sequential", round_samples=12, max_samples=12)
+    cfg = BudgetConfig(mode="sequential", round_samples=12, max_samples=12)
     planner = BudgetPlanner(cfg, 8, batch_groups=2, correctness_key=CORRECTNESS_KEY)
     step = planner.start(sampler, step=0, keep_pending=True)
     reqs = step.plan_round()  # budget 16: one problem with 12
@@ -125,7 +125,7 @@ def test_balanced_subsample_of_a_large_pool_and_pending_topups_across_steps():
     assert g.meta[POOL_MEAN] == pytest.approx(0.25) and g.meta[POOL_SIZE] == 12
     step.close()
     # a split problem short of the trained size waits for the next step (carry) ...
-    cfg2 = BudgetConfig(budget="sequential", round_samples=2)
+    cfg2 = BudgetConfig(mode="sequential", round_samples=2)
     planner2 = BudgetPlanner(cfg2, 8, batch_groups=1, correctness_key=CORRECTNESS_KEY)
     s0 = planner2.start(sampler, step=0, keep_pending=True)
     reqs = s0.plan_round()
@@ -155,7 +155,7 @@ def test_sequential_expected_rounds_match_the_geometric_closed_form():
     sampler = CurriculumSampler(problems, cur, None, CORRECTNESS_KEY)
     engine = BernoulliEngine({q.id: p for q in problems}, seed=3)
     cfg = BudgetConfig(
-        budget="sequential",
+        mode="sequential",
         round_samples=r,
         max_samples=r * max_rounds,
         trained_size=2,
@@ -181,16 +181,16 @@ def test_sequential_expected_rounds_match_the_geometric_closed_form():
 def test_knapsack_gives_extreme_levels_a_probe_and_every_problem_is_observed_once():
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=0)
     dyn = DynamicSamplingConfig(policy="partial", max_resample=3)
-    res = run_budget_plan(SPECIALIST, 5, 8, 96, 6, cur, dyn, BudgetConfig(budget="knapsack"))
+    res = run_budget_plan(SPECIALIST, 5, 8, 96, 6, cur, dyn, BudgetConfig(mode="knapsack"))
     summary = res.to_dict()
     assert summary["trained_group_size_mean"] == 8.0
     assert summary["first_request_mean_n"] < 5  # most draws are L1/L6 probes of 2
-    from megagrpo.curriculum.simulate import synthetic_population
+    from megagrpo.plan.simulate import synthetic_population
 
     problems, levels, ps = synthetic_population(SPECIALIST, 5, seed=0)
     sampler = CurriculumSampler(problems, cur, levels, CORRECTNESS_KEY, level_k=5)
     engine = BernoulliEngine(ps, seed=0)
-    planner = BudgetPlanner(BudgetConfig(budget="knapsack"), 8, 96, CORRECTNESS_KEY)
+    planner = BudgetPlanner(BudgetConfig(mode="knapsack"), 8, 96, CORRECTNESS_KEY)
     loop = BudgetLoop(planner, dyn)
     before = sampler.num_observed.copy()
     sizes_by_level: dict[int, list[int]] = {}
