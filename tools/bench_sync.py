@@ -15,6 +15,7 @@ Estimated: the 235B modes for the 2-node and 16-node configs from megagrpo.plan.
 (bytes per GPU and seconds over the stated bandwidths).
 
 Usage: python tools/bench_sync.py [--hidden 256 --layers 4 --experts 8] [--repeat 3]
+       python tools/bench_sync.py --quick     (h=64, 2 layers, 4 experts, 1 repeat)
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="h=64, 2 layers, 4 experts, 1 repeat")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.hidden, a.layers, a.experts, a.repeat = 64, 2, 4, 1
+    return a
 
 
 def _owner_broadcast(policy) -> tuple[int, int]:

@@ -28,6 +28,7 @@ skipped when the measured step time says they would not fit.
     python tools/repro_article.py --plot-only                 # the PNG from metrics.json
     python tools/repro_article.py --out /tmp/ra --figure-dir /tmp/ra/fig --problems-a 16 \
         --problems-b 8 --steps 3 --only all_knapsack          # a smoke run (~6 min)
+    python tools/repro_article.py --quick     # does it run? 8 + 4 problems, 3 steps, HF engine
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,7 +302,8 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(args.minutes)
     config = out / "base.yaml"
-    config.write_text(BASE_CONFIG, encoding="utf-8")
+    base = BASE_CONFIG.replace("engine: vllm", "engine: hf") if args.quick else BASE_CONFIG
+    config.write_text(base, encoding="utf-8")
     sets = write_problem_sets(out, args.problems_a, args.problems_b)
     levels = profile(config, sets, out)
     result: dict = {
@@ -422,7 +425,23 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="redraw from metrics.json")
     slugs = [c.slug for c in CONDITIONS]
     parser.add_argument("--only", nargs="+", choices=slugs, help="run these conditions only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="does it run? 8 + 4 problems, 3 steps of all_knapsack, HF engine, a temp dir",
+    )
     args = parser.parse_args()
+    if args.quick:
+        with tempfile.TemporaryDirectory(prefix="repro_article_") as tmp:
+            args.out, args.figure_dir = tmp, Path(tmp) / "figure"
+            args.problems_a, args.problems_b, args.steps = 8, 4, 3
+            args.only, args.plot_only = ["all_knapsack"], False
+            _main(args)
+        return
+    _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     source = args.figure_dir / "metrics.json"
     if args.plot_only:
         result = json.loads(source.read_text(encoding="utf-8"))

@@ -1,12 +1,9 @@
 """What the planner (`megagrpo plan-memory`) reads: one run's layout and workload, the
 hardware, and the assumptions behind every estimate, each a documented field.
 
-:func:`scenario_from_config` builds a :class:`Scenario` from a validated ``RunConfig`` plus
-*planned keys*: options the planner models, possibly before the trainer implements them
-(:data:`PLANNED_KEYS`). Once a key exists in the config schema it is read from there (every
-key of issue 15 does now: offload, transport, packing, replicas, load format, FP8 rollout);
-a key the schema lacks is taken from the YAML or a ``key=value`` override and reported as
-planned in the output.
+:func:`scenario_from_config` builds a :class:`Scenario` from a validated ``RunConfig``: every
+key it plans (offload, sync transport, packing, replicas, load format, FP8 rollout, weight sync)
+is read from the config schema, where its type, default and allowed values are declared once.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each top-level room of ``megagrpo/`` (a sub-package or a module) sits on one layer; a room may
 import from lower layers only, never from a higher one nor from another room of its own
-layer (rooms of a layer are independent). docs/architecture.md draws the same table.
+layer (rooms of a layer are independent). docs/architecture.md ("Layout") draws the same table
+(tests/unit/test_docs.py compares the two).
 A new room fails here until it is given a layer.
 """
 
