@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from megagrpo import fileio
 from megagrpo.commands.swift_fidelity import (
     blocking,
     check_values,
@@ -296,11 +296,7 @@ def run(args: argparse.Namespace) -> int:
         )
     text += to_yaml(cfg)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
+        out = fileio.write_text(args.out, text)
         print(f"wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)
