@@ -41,7 +41,7 @@ class NoReward:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 steps per side, max_tokens 128")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=256)
