@@ -88,9 +88,13 @@ def gspo_surrogate(
     return pg[seq_ids], clipped[seq_ids], s[seq_ids]
 
 
-def tis_weights(old: Tensor, rollout: Tensor, cap: float) -> Tensor:
-    """Truncated importance weights min(pi_trainer_old / pi_rollout, cap) per token. [T]."""
-    return torch.clamp(torch.exp(_up(old) - _up(rollout)), max=cap).detach()
+def tis_weights(old: Tensor, rollout: Tensor, cap: float, mode: str = "truncate") -> Tensor:
+    """Token-level importance weights of r = pi_trainer_old / pi_rollout. [T]. ``truncate``
+    (TIS): min(r, cap); ``mask`` (MIS): r inside [1 / cap, cap], 0 outside."""
+    r = torch.exp(_up(old) - _up(rollout))
+    if mode == "mask":
+        return torch.where((r <= cap) & (r >= 1.0 / cap), r, torch.zeros_like(r)).detach()
+    return torch.clamp(r, max=cap).detach()
 
 
 def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Tensor | None, int]:
@@ -238,7 +242,8 @@ def loss_metrics(
         out["loss/kl"] = _masked_mean(kl.detach(), m)
     if tis_w is not None:
         out["loss/tis_weight_mean"] = _masked_mean(tis_w, m)
-        out["loss/tis_clip_frac"] = _masked_mean(tis_w >= cfg.tis_cap, m)
+        cut = tis_w == 0 if cfg.tis_mode == "mask" else tis_w >= cfg.tis_cap
+        out["loss/tis_clip_frac"] = _masked_mean(cut, m)
     return out
 
 
@@ -290,7 +295,7 @@ def policy_loss(
     if cfg.tis_cap > 0:
         if rollout is None:
             raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
-        tis_w = tis_weights(old, rollout, cfg.tis_cap)
+        tis_w = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
         pg = pg * tis_w
     pg_loss = (c * pg).sum()
     loss = pg_loss

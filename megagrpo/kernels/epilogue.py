@@ -100,7 +100,7 @@ def assemble(
     if cfg.tis_cap > 0:
         if rollout is None:
             raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
-        w = tis_weights(old, rollout, cfg.tis_cap)
+        w = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
         cw = c * w
     pg_loss = (cw * terms.pg).sum()
     if cfg.variant == "gspo":  # pg_i is shared by all tokens of i: dL/dlogp_t = C_i dpg_i/dlogp_t

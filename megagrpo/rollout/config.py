@@ -30,6 +30,36 @@ def resolved_weight_sync(setting: str, serves: bool) -> str:
 
 
 @dataclass
+class PartialConfig:
+    """Partial rollouts (``rollout.partial``): a generation round stops when its budget is met;
+    the unfinished completions keep their prefix and are continued at the next step under the
+    new weights (:mod:`megagrpo.trainer.partial`). Off by default: rounds then run every
+    completion to its end, as without this section."""
+
+    enabled: bool = False
+    """Stop rounds at their budget and carry the unfinished completions to the next step."""
+    finish_fraction: float = 0.75
+    """A round may stop once this fraction of its completions (new and carried) finished,
+    in (0, 1]."""
+    token_budget: int = 0
+    """Or once it generated this many tokens (0: no token budget)."""
+    chunk_tokens: int = 64
+    """Tokens per engine call: the granularity at which a round checks its budget (each call
+    gives the engine prompt + the kept prefix and asks for at most this many more tokens)."""
+    max_staleness: int = 2
+    """Most policy versions a trained token may lag the trainer (0: every completion finishes
+    in the round it began, i.e. synchronous); a completion at the limit is run to its end."""
+
+    def validate(self, path: str = "rollout.partial") -> None:
+        """Check value ranges; raises ConfigError naming the key."""
+        require_finite(self.finish_fraction, f"{path}.finish_fraction")
+        require(0 < self.finish_fraction <= 1, f"{path}.finish_fraction", "must be in (0, 1]")
+        require(self.token_budget >= 0, f"{path}.token_budget", "must be >= 0 (0: none)")
+        require(self.chunk_tokens >= 1, f"{path}.chunk_tokens", "must be >= 1")
+        require(self.max_staleness >= 0, f"{path}.max_staleness", "must be >= 0")
+
+
+@dataclass
 class RolloutConfig:
     """How groups of G answers are generated, and how the engine takes new weights."""
 
@@ -132,6 +162,8 @@ class RolloutConfig:
     does for MoE models (forward hooks on the routers), vLLM does not. true: vLLM starts with
     ``enable_return_routed_experts`` (GPU only: it needs vLLM's Model Runner V2 and prefix
     caching; about ``num_layers x top_k x 2`` bytes per token). false: never."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    """Partial rollouts (off by default): :class:`PartialConfig`."""
 
     def logprob_temperature(self) -> float:
         """What the trainer divides logits by before log-probs (``logprobs``)."""

@@ -258,6 +258,7 @@ class RunConfig:
         )
         self._resolve_sync_thresholds()
         self._check_routing_replay()
+        self._resolve_partial()
         require(
             self.trainer.pack_tokens == 0 or self.trainer.pack_tokens >= self.rollout.max_model_len,
             "trainer.pack_tokens",
@@ -283,6 +284,29 @@ class RunConfig:
             "r2 records the routing of the old-log-prob forward and replays it in training: "
             "set trainer.old_logprobs=recompute",
         )
+
+    def _resolve_partial(self) -> None:
+        """Partial rollouts train tokens sampled by older weights: the trainer recomputes the
+        behaviour log-probs under its current weights (``trainer.old_logprobs: recompute``)
+        and weights every token by its importance ratio against the engine's log-prob
+        (``loss.tis_cap``, 2.0 when 0 and ``loss.tis_auto``). Uniform rounds only, no routing
+        replay."""
+        if not self.rollout.partial.enabled:
+            return
+        key = "rollout.partial.enabled"
+        require(self.budget.mode == "uniform", key, "needs budget.mode=uniform")
+        require(self.model.routing_replay == "off", key, "needs model.routing_replay=off")
+        require(
+            self.trainer.old_logprobs in ("auto", "recompute"),
+            key,
+            "needs trainer.old_logprobs=recompute (or auto): the importance weights compare "
+            "the trainer's log-probs with the engine's",
+        )
+        self.trainer.old_logprobs = "recompute"
+        if self.loss.tis_cap == 0:
+            require(self.loss.tis_auto, key, "needs loss.tis_cap >= 1 (or loss.tis_auto)")
+            self.loss.tis_cap = 2.0
+            log.info("rollout.partial: token-level importance weights on (loss.tis_cap=2.0)")
 
     def _resolve_sync_thresholds(self) -> None:
         """Weight-sync verification bounds for the trainer's *and* the engine's dtype (the

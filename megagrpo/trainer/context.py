@@ -31,6 +31,7 @@ from megagrpo.trainer.offload import Offload
 from megagrpo.types import Problem
 
 if TYPE_CHECKING:
+    from megagrpo.trainer.partial import PartialRollouts
     from megagrpo.trainer.rollouts import Rollouts
 
 
@@ -171,6 +172,8 @@ class TrainContext:
     nonfinite_streak: int = 0
     """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
     stopped_by: str | None = None
+    partial: PartialRollouts | None = None
+    """The carried completions of partial rollouts (``rollout.partial.enabled``); None: off."""
     """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
     offload: Offload = field(init=False)
     """Where the frozen weights and optimiser moments live in each phase

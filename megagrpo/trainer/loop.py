@@ -68,13 +68,22 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
+    partial = ctx.partial
+    if partial is not None:
+        partial.begin_step()
     while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n
-        seed = round_seed(ctx.cfg.trainer.seed, step, stats.rounds)
-        problems = [r.problem for r in requests]
-        groups = ctx.rollouts.generate_round(problems, [r.n for r in requests], seed)
+        problems, counts = [r.problem for r in requests], [r.n for r in requests]
+        if partial is not None:  # rollout.partial: finished groups, carried ones first
+            groups = partial.generate_round(ctx.rollouts, problems, counts, step, stats.rounds)
+        else:
+            seed = round_seed(ctx.cfg.trainer.seed, step, stats.rounds)
+            groups = ctx.rollouts.generate_round(problems, counts, seed)
         stats.add(groups)
         rounds.add(groups)
-    return rounds.finish(), stats
+    batch = rounds.finish()
+    if partial is not None:
+        batch.stats.update(partial.metrics())
+    return batch, stats
 
 
 def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Tensor]:

@@ -46,6 +46,7 @@ from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.partial import PartialRollouts
 from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
@@ -325,6 +326,8 @@ def build_context(
         problem_set=data.problem_set,
         data_metrics=data.metrics,
     )
+    if cfg.rollout.partial.enabled:
+        ctx.partial = PartialRollouts(cfg.rollout.partial, cfg.rollout.max_tokens, cfg.trainer.seed)
     if point is not None:
         restore_checkpoint(ctx, point)
     start_rollouts(ctx, tokenizer, model_path, engine_factory, resumed=point is not None)

@@ -78,6 +78,8 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         "dynamic": ctx.dynamic.state_dict(),
         "loop": {"nonfinite_streak": ctx.nonfinite_streak},
     }
+    if ctx.partial is not None:
+        trainer_state["partial"] = ctx.partial.state_dict()
     path = save(
         ctx.ckpt_root,
         step,
@@ -154,6 +156,8 @@ def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
             routing = _carry_routing_of_rank0(point.path, ctx.comm.world_size, ctx.cfg)
     ctx.dynamic.load_state_dict(trainer_state["dynamic"], routing)
     drop_foreign_carry(ctx.dynamic, ctx.cfg.rollout.group_size)
+    if ctx.partial is not None:
+        ctx.partial.load_state_dict(trainer_state.get("partial") or {})
     if rng:
         set_rng_state(rng)
     ctx.step = ctx.saved_step = int(trainer_state["step"])
