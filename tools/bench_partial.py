@@ -39,10 +39,14 @@ class NoReward:
     def __call__(self, completions, problem, lengths=None, token_ids=None):
         return [0.0] * len(completions), {"none": [0.0] * len(completions)}
 
+    def score_groups(self, groups) -> None:
+        for g in groups:
+            g.rewards, g.reward_parts = [0.0] * g.size, {"none": [0.0] * g.size}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 steps per side, max_tokens 128")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps per side, 2 x 2 answers of <= 32 tokens")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
@@ -52,7 +56,7 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=2)
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.max_tokens = 3, 128
+        args.steps, args.max_tokens, args.batch, args.group, args.chunk = 2, 32, 2, 2, 16
     logging.basicConfig(level=logging.WARNING)
     cfg = RolloutConfig(engine="hf", group_size=args.group, max_tokens=args.max_tokens)
     cfg.max_model_len = 1024

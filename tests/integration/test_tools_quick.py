@@ -19,6 +19,7 @@ QUICK = {
     "bench_curriculum.py": ("target < 10 ms", []),
     "bench_loss.py": ("max |logp fused - logp naive|", []),
     "bench_packing.py": ("padded waste", []),
+    "bench_partial.py": ('"speedup"', [SLOW]),
     "bench_recompute.py": ("(equal: True", [SLOW]),
     "bench_rollout.py": ("model tiny-dense", [SLOW]),
     "bench_step.py": ("perf/step_s", [SLOW]),
