@@ -15,7 +15,8 @@ PEFT view of the adapters (``A [r, in]``, ``B [out, r]`` per HF weight) and
 
 The checkpoint's files are checked against its manifest (size, SHA-256) first; the base
 model is the run's ``model.hf_path`` unless ``--model`` names another copy of it. Output is
-written to a temporary directory and renamed when complete.
+written to a temporary directory and renamed when complete; ``--out`` must be new or empty and
+apart from the run and model directories (export never deletes).
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def _model_and_lora(manifest: dict, model: str | None) -> tuple[Path, Any, Any]:
     return model_dir, arch_from_hf(load_hf_config(model_dir)), lora
 
 
+def check_out(out: str | Path, ckpt: Path, model_dir: Path | None = None) -> None:
+    """Refuse an ``--out`` that exists and is not empty, or that is, contains or lies inside
+    the run directory of ``ckpt`` or the base model directory: export writes, never deletes."""
+    from megagrpo import fileio
+
+    protected: dict[str, Path] = {"run directory": ckpt.parent.parent}
+    if model_dir is not None:
+        protected["base model directory"] = model_dir
+    fileio.check_out_dir(out, protected)
+
+
 def export_adapter(
     ckpt: Path, out: str | Path, expert_format: str = "fused", model: str | None = None
 ) -> Path:
@@ -107,6 +119,7 @@ def export_adapter(
 
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
+    check_out(out, ckpt, model_dir)
     check_exportable(lora, arch.is_moe, expert_format)
     units = lora_units(pieces, arch, lora)
     return write_peft_dir(units, lora, arch.num_experts, out, str(model_dir), expert_format)
@@ -126,6 +139,7 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
 
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
+    check_out(out, ckpt, model_dir)
     units = lora_units(pieces, arch, lora)
     scale = lora.alpha / lora.rank
     index: dict[str, str] = {}
@@ -157,6 +171,7 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
 
 def run(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.step)
+    check_out(args.out, ckpt)  # before reading anything (the model is checked once resolved)
     if args.adapter:
         out = export_adapter(ckpt, args.out, args.expert_format, args.model)
     else:
