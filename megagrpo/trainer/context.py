@@ -161,6 +161,9 @@ class TrainContext:
     """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
     stopped_by: str | None = None
     """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
+    run_lock: Any = None
+    """Rank 0: the run directory's lock (:mod:`megagrpo.trainer.runlock`), released at the
+    end of the run; None elsewhere."""
     offload: Offload = field(init=False)
     """Where the frozen weights and optimiser moments live in each phase
     (``trainer.offload_during_rollout``; every call a no-op when off)."""

@@ -44,7 +44,13 @@ from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
-from megagrpo.trainer.checkpoint import problem_set, restore_checkpoint, rng_state, set_rng_state
+from megagrpo.trainer.checkpoint import (
+    ResumePoint,
+    problem_set,
+    restore_checkpoint,
+    rng_state,
+    set_rng_state,
+)
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.resume_check import check_problem_set
@@ -267,7 +273,28 @@ def build_context(
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
-    point, changes = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
+    point, changes, lock = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
+    try:
+        ctx = _build(cfg, pgs, run_dir, point, changes, policy_factory, engine_factory)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    ctx.run_lock = lock
+    return ctx
+
+
+def _build(
+    cfg: RunConfig,
+    pgs: ParallelGroups,
+    run_dir: Path,
+    point: ResumePoint | None,
+    changes: list,
+    policy_factory: PolicyFactory,
+    engine_factory: EngineFactory,
+) -> TrainContext:
+    """:func:`build_context` once the run directory is locked and checked."""
+    comm = Comm(pgs)
     model_path = comm.broadcast_object(
         str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
     )
@@ -399,9 +426,13 @@ def finish(ctx: TrainContext) -> None:
 
 
 def shutdown(ctx: TrainContext) -> None:
-    """Release the engines and the process groups."""
-    ctx.rollouts.close()
+    """Release the engines, the process groups and the run directory's lock."""
     try:
-        destroy_parallel()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        log.debug("destroy_parallel failed", exc_info=True)
+        ctx.rollouts.close()
+        try:
+            destroy_parallel()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            log.debug("destroy_parallel failed", exc_info=True)
+    finally:
+        if ctx.run_lock is not None:
+            ctx.run_lock.release()
