@@ -2,7 +2,8 @@
 find the checkpoint to resume from, before any model or engine is built.
 
 A directory *holds a run* when starting afresh would destroy or mix something of it:
-``metrics.jsonl`` with rows (a fresh start rewrites it), ``checkpoints/`` with any step
+``metrics.jsonl`` with rows of trained steps (a fresh start rewrites it; a step-0 evaluation
+alone is redone), ``checkpoints/`` with any step
 (old and new checkpoints would mix, and ``--resume`` would later pick the old run's), or
 ``adapter/``. Other files (``config.yaml`` of a start that failed, the Slurm launcher's
 ``memory_plan.txt``) do not count. Then:
@@ -44,10 +45,21 @@ from megagrpo.trainer.runlock import RunLock
 log = logging.getLogger(__name__)
 
 
+def _trained_row(line: bytes) -> bool:
+    """False for a blank line or the row of step 0 (an evaluation of the base model, redone
+    by a fresh start); True for anything else, a torn row included."""
+    if not line.strip():
+        return False
+    try:
+        return json.loads(line).get("step") != 0
+    except (ValueError, AttributeError):
+        return True
+
+
 def _rows(path: Path) -> int:
     try:
         with open(path, "rb") as fh:
-            return sum(1 for line in fh if line.strip())
+            return sum(1 for line in fh if _trained_row(line))
     except OSError:
         return 0
 

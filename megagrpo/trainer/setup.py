@@ -353,7 +353,7 @@ def start_rollouts(
     dummy = cfg.rollout.load_format == "dummy"
     probe_ids = default_probe_ids(tokenizer, cfg.rollout.probe_len)
     early = cfg.trainer.offload_during_rollout
-    probes = first_probes(ctx, probe_ids, dummy) if early else None
+    probes = first_probes(ctx, probe_ids, dummy or resumed) if early else None
     ctx.offload.for_generation()
     rng = rng_state()
     ctx.rollouts = build_rollouts(
@@ -368,7 +368,7 @@ def start_rollouts(
     set_rng_state(rng)
     if probes is None or ctx.rollouts.probe_token_ids != probe_ids:
         ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)
-        probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy)
+        probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy or resumed)
     start_engines(ctx, probes, resumed)
 
 
