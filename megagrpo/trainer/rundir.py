@@ -37,6 +37,7 @@ from megagrpo.trainer.checkpoint import (
     remove_stale_tmp,
     to_plain,
 )
+from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm
 from megagrpo.trainer.resume_check import Change, check_resume_config
@@ -145,7 +146,7 @@ def prepare_run_dir(
     if not resume:
         return None, [], lock
     try:
-        point = find_resume_checkpoint(run_dir / "checkpoints", comm)
+        point = find_resume_checkpoint(run_dir / "checkpoints", comm, TRAINER_KEYS)
         new = json.loads(json.dumps(to_plain(dataclasses.asdict(cfg), "config")))
         changes = check_resume_config(point.manifest, new, comm.world_size)
     except BaseException:

@@ -45,7 +45,7 @@ def run(tmp_path, tiny_dense_dir) -> tuple[Path, Path]:
             "optimizer_groups": [],
             "scheduler": None,
         },
-        trainer_state={"sampler": {}},
+        trainer_state={"sampler": {}, "dynamic": {}},
         meta={},
         extra={
             "lora_layout": checkpoint.LAYOUT_FREE,
