@@ -60,7 +60,7 @@ def test_popen_from_a_config_runs_nothing(tmp_path):
             ),
         ]
     )
-    with pytest.raises(ConfigError, match="refusing to construct or call.*stdlib"):
+    with pytest.raises(ConfigError, match="subprocess.* is in the standard library"):
         build_composite(cfg)
     time.sleep(0.2)  # a spawned shell would have created the file by now
     assert not marker.exists()
@@ -311,3 +311,66 @@ def test_soft_overlong_defaults_to_max_tokens_and_rejects_unreachable():
 def test_composite_rejects_unknown_policy():
     with pytest.raises(ValueError, match="on_error"):
         CompositeReward([("x", 1.0, get("mcq_accuracy"))], on_error="ignore")
+
+
+# ----------------------------------------------------------------------------- import surface
+
+
+def test_a_stdlib_or_main_module_is_refused_before_it_is_imported(tmp_path, monkeypatch, capfd):
+    """Importing ``venv.__main__`` runs venv's command line (it created a virtualenv before
+    the refusal); ``this`` prints at import. Neither may be imported for a reward name."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["venv", "--without-pip", str(tmp_path / "train")])
+    for name, why in [
+        ("venv.__main__:x", "not a module a reward can come from"),
+        ("this:x", "standard library"),
+        ("json.decoder:JSONDecoder", "standard library"),
+    ]:
+        sys.modules.pop(name.partition(":")[0], None)
+        with pytest.raises(ConfigError, match=why):
+            get(name)
+    assert not (tmp_path / "train").exists() and "this" not in sys.modules
+    assert "Zen of Python" not in capfd.readouterr().out
+
+
+def test_plugin_files_are_loaded_from_their_own_path(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d, value in ((first, 1.0), (second, 2.0)):
+        d.mkdir()
+        (d / "same_name_plugin.py").write_text(
+            f"def score(completions, **kwargs):\n    return [{value}] * len(completions)\n"
+        )
+    monkeypatch.syspath_prepend(str(second))
+    monkeypatch.syspath_prepend(str(first))  # a's file comes first on sys.path
+    try:
+        cfg = RewardsConfig(
+            functions=[RewardSpec("same_name_plugin:score")],
+            external_plugins=[str(second / "same_name_plugin.py")],
+        )
+        total, _ = build_composite(cfg)(["x"], PROBLEM)
+        assert total == [2.0]  # the listed file, not the first of that name on sys.path
+    finally:
+        sys.modules.pop("same_name_plugin", None)
+    shadow = tmp_path / "venv.__main__.py"
+    shadow.write_text("def score(completions, **kwargs):\n    return [0.0]\n")
+    for bad in (shadow, tmp_path / "json.py"):
+        bad.write_text("x = 1\n")
+        cfg = RewardsConfig(functions=[RewardSpec("toy_first_token")], external_plugins=[str(bad)])
+        with pytest.raises(ConfigError, match="rename the plugin file"):
+            build_composite(cfg)
+    assert "json" in sys.modules and not hasattr(sys.modules["json"], "x")
+
+
+def test_a_plugin_kwarg_may_be_called_path(plugin_dir):
+    plugin_dir(
+        "path_kwarg",
+        """
+        class Scored:
+            def __init__(self, path, run_args=None, **kwargs):
+                self.path, self.run_args = path, run_args
+            def __call__(self, completions, **kwargs):
+                return [float(len(self.path))] * len(completions)
+        """,
+    )
+    fn = get("path_kwarg:Scored", path="abc", run_args=1)
+    assert fn(["x", "y"], PROBLEM) == [3.0, 3.0]
