@@ -191,8 +191,9 @@ def read_gold(files: Iterable[Path], limit: int = 0) -> dict[str, GoldItem]:
                 if key not in rec:
                     raise DataError(f"{where}: gold record without '{key}'")
             pid = str(rec["problem_id"])
-            choices = rec.get("choices") if isinstance(rec.get("choices"), list) else []
-            answer = igakuqa_gold(rec["answer"], len(choices), f"{where}: {pid}")
+            choices = rec.get("choices")
+            num_choices = len(choices) if isinstance(choices, list) else 0
+            answer = igakuqa_gold(rec["answer"], num_choices, f"{where}: {pid}")
             try:
                 points = int(rec["points"])
             except (TypeError, ValueError) as exc:
