@@ -215,6 +215,26 @@ def fit_prompts(
     return result
 
 
+def warn_overlap(train: list[Problem], held_out: list[Problem]) -> int:
+    """WARNING with the count of held-out problems that are also training problems (same
+    id, or the same prompt): their accuracy is not held-out. Returns that count."""
+
+    def prompt(p: Problem) -> str:
+        return "\0".join(str(m.get("content", "")) for m in p.messages)
+
+    ids, prompts = {p.id for p in train}, {prompt(p) for p in train}
+    shared = [p.id for p in held_out if p.id in ids or prompt(p) in prompts]
+    if shared:
+        log.warning(
+            "data.eval: %d of %d held-out problems are also in data.train (e.g. %s): "
+            "eval/* on them measures training problems, not held-out ones",
+            len(shared),
+            len(held_out),
+            ", ".join(shared[:3]),
+        )
+    return len(shared)
+
+
 def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
     """``data.train`` / ``data.eval`` loaded, prompt lengths checked (before step 1, before
     any model is built); ConfigError when no training problem is left."""
@@ -246,6 +266,7 @@ def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
             )
         )
         held_out = fit_prompts(held_out, tokenizer, cfg, "data.eval").problems
+        warn_overlap(fitted.problems, held_out)
     if cfg.trainer.eval_max_problems:
         held_out = held_out[: cfg.trainer.eval_max_problems]
     record = problem_set([p.id for p in fitted.problems], fitted.dropped, fitted.truncated)
