@@ -94,6 +94,13 @@ def _model_and_lora(manifest: dict, model: str | None) -> tuple[Path, Any, Any]:
     hf_path = model or (cfg.get("model") or {}).get("hf_path") or manifest.get("model")
     if not hf_path:
         raise ConfigError("the checkpoint names no base model: pass --model DIR")
+    if "${" in str(hf_path):  # written as an environment interpolation: resolve it here
+        from omegaconf import OmegaConf
+
+        try:
+            hf_path = OmegaConf.create({"v": hf_path}).v
+        except Exception as exc:  # noqa: BLE001 - omegaconf raises several types
+            raise ConfigError(f"model.hf_path {hf_path!r}: {exc}; pass --model DIR") from exc
     model_dir = Path(resolve_model_path(str(hf_path), need_tokenizer=False))
     lora = LoraConfig(**(cfg.get("model") or {}).get("lora", manifest.get("lora") or {}))
     return model_dir, arch_from_hf(load_hf_config(model_dir)), lora

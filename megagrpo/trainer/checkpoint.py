@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from megagrpo import fileio
+from megagrpo.config.loader import written
 from megagrpo.errors import CheckpointError
 from megagrpo.trainer.ckpt_checks import (
     TRAINER_KEYS,
@@ -479,7 +480,7 @@ def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed (layout, model, LoRA shape)."""
     return {
         "parallel": dataclasses.asdict(cfg.parallel),
-        "model": cfg.model.hf_path,
+        "model": written(cfg)["model"]["hf_path"],  # as written: no environment values
         "lora": dataclasses.asdict(cfg.model.lora),
     }
 
@@ -533,7 +534,7 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         rank_state=rank_state,
         trainer_state=trainer_state,
         meta=checkpoint_meta(ctx.cfg),
-        extra={"config": dataclasses.asdict(ctx.cfg), "problems": ctx.problem_set, **layout},
+        extra={"config": written(ctx.cfg), "problems": ctx.problem_set, **layout},
         keep=ctx.cfg.trainer.keep_checkpoints,
         comm=ctx.comm,
     )

@@ -21,7 +21,6 @@ and raises the same error.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 from megagrpo import fileio
+from megagrpo.config.loader import written
 from megagrpo.errors import ConfigError
 from megagrpo.trainer import runlock
 from megagrpo.trainer.checkpoint import (
@@ -147,7 +147,7 @@ def prepare_run_dir(
         return None, [], lock
     try:
         point = find_resume_checkpoint(run_dir / "checkpoints", comm, TRAINER_KEYS)
-        new = json.loads(json.dumps(to_plain(dataclasses.asdict(cfg), "config")))
+        new = json.loads(json.dumps(to_plain(written(cfg), "config")))
         changes = check_resume_config(point.manifest, new, comm.world_size)
     except BaseException:
         if lock is not None:

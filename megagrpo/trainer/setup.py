@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megagrpo.config import save_config
+from megagrpo.config.loader import written
 from megagrpo.curriculum.budget_rounds import BudgetPlanner
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
 from megagrpo.curriculum.levels import (
@@ -405,7 +406,7 @@ def open_run(ctx: TrainContext) -> None:
         name=cfg.trainer.name,
         total_steps=cfg.trainer.max_steps,
         start_step=ctx.step,
-        config=json_safe(dataclasses.asdict(cfg)),
+        config=json_safe(written(cfg)),
     )
     if cfg.metrics.log_completions and ctx.comm.is_main:
         ctx.completions = CompletionsLog(
