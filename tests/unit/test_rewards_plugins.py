@@ -374,3 +374,21 @@ def test_a_plugin_kwarg_may_be_called_path(plugin_dir):
     )
     fn = get("path_kwarg:Scored", path="abc", run_args=1)
     assert fn(["x", "y"], PROBLEM) == [3.0, 3.0]
+
+
+def test_rewards_time_out_by_default_and_hung_calls_do_not_pile_up(plugin_dir):
+    """A hung reward used to hang the run (timeout_s defaulted to 0), and every timed-out
+    call left a thread running; now 120 s by default, and the run stops naming the setting
+    once MAX_HUNG_CALLS timed-out calls are still running."""
+    from megagrpo.rewards.composite import MAX_HUNG_CALLS
+
+    assert RewardsConfig().timeout_s == 120.0
+    _sleepy_and_fast(plugin_dir)
+    comp = build_composite(
+        RewardsConfig(functions=[RewardSpec("slow_rewards:sleepy")], timeout_s=0.05)
+    )
+    total, _ = comp(["a"], PROBLEM)  # one call, one thread left running
+    assert total == [0.0] and comp.pop_metrics()["reward/timeouts"] == 1.0
+    with pytest.raises(RewardError, match=f"{MAX_HUNG_CALLS} reward calls .* still running"):
+        for _ in range(MAX_HUNG_CALLS):
+            comp(["a"], PROBLEM)
