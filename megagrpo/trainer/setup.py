@@ -72,15 +72,44 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+MIN_LEVEL_COVERAGE = 0.5
+"""Share of the training problems a levels file must describe (below: a ConfigError)."""
+
+
+def matching_levels(levels: dict[str, int], problems: list, source: str) -> dict[str, int]:
+    """The levels of the training ``problems`` only; ConfigError naming ``source`` when it
+    describes fewer than :data:`MIN_LEVEL_COVERAGE` of them (another data set: the level
+    filter would do nothing and the predicted ACR would be another set's), a WARNING when
+    some lack a level."""
+    ids = [p.id for p in problems]
+    mine = {i: levels[i] for i in ids if i in levels}
+    if len(mine) < MIN_LEVEL_COVERAGE * len(ids):
+        raise ConfigError(
+            f"config key 'curriculum.levels_file': {source} has levels for {len(mine)} of the "
+            f"{len(ids)} training problems (ids such as {ids[:2]} vs {list(levels)[:2]}): it "
+            "describes other problems; make it for data.train (megagrpo profile)"
+        )
+    if len(mine) < len(ids):
+        log.warning(
+            "%s: %d of %d training problems have no level (kept, sampled as unlevelled); "
+            "the predicted ACR uses the %d that have one",
+            source,
+            len(ids) - len(mine),
+            len(ids),
+            len(mine),
+        )
+    return mine
+
+
 def _curriculum(
     cfg: RunConfig, problems: list, correctness_key: str
 ) -> tuple[CurriculumSampler, float | None]:
     levels, acr, k = None, None, cfg.curriculum.level_k
     if cfg.curriculum.levels_file:
         records = read_levels_file(cfg.curriculum.levels_file)
-        levels = levels_by_id(records)
+        levels = matching_levels(levels_by_id(records), problems, cfg.curriculum.levels_file)
         k = int(records[0].get("k", cfg.curriculum.level_k)) if records else cfg.curriculum.level_k
-        hist = histogram(levels.values(), k + 1)
+        hist = histogram(levels.values(), k + 1)  # of the training problems only
         weights = (
             dict(zip(cfg.curriculum.keep_levels, cfg.curriculum.level_weights))
             if cfg.curriculum.level_weights
