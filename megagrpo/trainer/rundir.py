@@ -35,11 +35,11 @@ from megagrpo.trainer.checkpoint import (
     ResumePoint,
     find_resume_checkpoint,
     remove_stale_tmp,
-    to_plain,
 )
 from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm
+from megagrpo.trainer.plain_state import to_plain
 from megagrpo.trainer.resume_check import Change, check_resume_config
 from megagrpo.trainer.runlock import RunLock
 
