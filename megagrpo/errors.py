@@ -23,6 +23,11 @@ class CheckpointError(MegagrpoError):
     """A checkpoint is missing, incomplete or does not match the model/layout."""
 
 
+class StorageError(MegagrpoError):
+    """A write failed for lack of space or a file size limit; the message names the file and
+    the free space (what ``OSError`` from ``write`` does not)."""
+
+
 def not_utf8(path: str | os.PathLike) -> DataError:
     """DataError naming the first byte of ``path`` that is not UTF-8 (file:line, column).
 

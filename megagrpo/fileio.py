@@ -18,7 +18,7 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,16 +205,46 @@ def remove_stale_tmp(directory: str | os.PathLike) -> list[tuple[Path, int]]:
     return removed
 
 
+def check_out_dir(
+    out: str | os.PathLike, protected: Mapping[str, str | os.PathLike], flag: str = "--out"
+) -> Path:
+    """Refuse an output directory a writer would have to delete or could damage: one that
+    exists and is not empty, or that is, contains or lies inside one of ``protected``
+    (``{"run directory": path, ...}``: what the command reads). ConfigError naming both."""
+    from megagrpo.errors import ConfigError
+
+    out = Path(out)
+    where = out.resolve()
+    for what, path in protected.items():
+        p = Path(path).resolve()
+        if where == p or p.is_relative_to(where) or where.is_relative_to(p):
+            rel = "is" if where == p else "contains" if p.is_relative_to(where) else "is inside"
+            raise ConfigError(
+                f"{flag} {out} {rel} the {what} {path}: choose a directory of its own"
+            )
+    if out.is_symlink() or out.is_file():
+        raise ConfigError(f"{flag} {out} exists and is not a directory: choose a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(
+            f"{flag} {out} exists and is not empty: choose a new directory or remove it first"
+        )
+    return out
+
+
 def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Move the finished directory ``tmp`` to ``out`` (an existing ``out`` is removed first)
-    and fsync the parent. Between the removal and the rename a crash leaves ``tmp`` complete."""
+    """Move the finished directory ``tmp`` to ``out`` (an existing ``out`` is removed first;
+    a symlink ``out`` is replaced, never its target) and fsync the parent. Between the removal
+    and the rename a crash leaves ``tmp`` complete. Callers that write where a user pointed
+    check the target with :func:`check_out_dir` first."""
     tmp, out = Path(tmp), Path(out)
     for f in tmp.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     fsync_dir(tmp)
-    if out.exists():
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        out.unlink()
+    elif out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     fsync_dir(out.parent)
@@ -242,7 +272,7 @@ def atomic_dir(out: str | os.PathLike, unique: bool = False) -> Iterator[Path]:
     tmp = fresh_tmp_dir(out, unique)
     try:
         yield tmp
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    replace_dir(tmp, out)

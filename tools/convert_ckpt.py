@@ -56,7 +56,7 @@ def cmd_import(args) -> dict:
     layout = _layout(args)
     world = world_of(layout)
     validate_layout(ParallelConfig(**layout), cfg, world)
-    tmp = atomic_dir(out)
+    tmp = atomic_dir(out, {"HF model directory": hf})
     try:
         lora = LoraConfig()
         job = dict(hf=str(hf), tmp=str(tmp), layout=layout, lora=asdict(lora), dtype=args.dtype)
@@ -90,7 +90,7 @@ def cmd_export(args) -> dict:
         if args.adapter_only
         else ("merged" if args.merge_lora or meta["has_lora"] else "base")
     )
-    tmp = atomic_dir(out)
+    tmp = atomic_dir(out, {"checkpoint": ckpt})
     try:
         job = dict(
             ckpt=str(ckpt), tmp=str(tmp), meta=meta, mode=mode, bucket_bytes=args.shard_mb << 20

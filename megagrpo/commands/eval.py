@@ -120,6 +120,32 @@ def step_adapter_dir(run_dir: Path, step: int, out_dir: Path) -> Path:
     return export_adapter(ckpt, out_dir / "adapter", expert_format="per_expert")
 
 
+def read_adapter_config(cfg_file: Path) -> dict[str, Any]:
+    """``adapter_config.json`` as a dict; ConfigError naming the file when it is unreadable,
+    not JSON or not an object."""
+    try:
+        conf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--adapter: {cfg_file}: unreadable ({exc})") from exc
+    if not isinstance(conf, dict):
+        raise ConfigError(f"--adapter: {cfg_file}: expected a JSON object")
+    return conf
+
+
+def check_inputs(files: list[Path], limit: int, adapter: str | None) -> None:
+    """What can be checked before an engine starts: the gold files (at least one question;
+    malformed records name file:line) and an ``--adapter``'s config."""
+    from megagrpo.errors import DataError
+    from megagrpo.rewards.igakuqa import read_gold
+
+    if not read_gold(files, limit=limit):
+        raise DataError(f"--data: no questions in {', '.join(map(str, files))}")
+    if adapter:
+        cfg_file = Path(adapter) / "adapter_config.json"
+        if cfg_file.is_file():
+            read_adapter_config(cfg_file)
+
+
 def load_adapter(path: str | os.PathLike) -> Any:
     """A PEFT LoRA directory as a :class:`megagrpo.rollout.PeftAdapter` (per-module A/B)."""
     from safetensors.torch import load_file
@@ -132,7 +158,7 @@ def load_adapter(path: str | os.PathLike) -> Any:
         raise ConfigError(
             f"--adapter {path}: needs adapter_config.json and adapter_model.safetensors"
         )
-    conf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    conf = read_adapter_config(cfg_file)
     if conf.get("peft_type", "LORA") != "LORA" or conf.get("use_rslora") or conf.get("use_dora"):
         raise ConfigError(f"--adapter {path}: only plain LoRA adapters are supported")
     if conf.get("target_parameters"):
@@ -305,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(RunConfig, [args.config], args.overrides)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     files = find_files(args.data, gold=True)
+    check_inputs(files, args.limit, args.adapter)  # before the engine is built
     model_dir = resolve_model_path(cfg.model.hf_path)
     with (
         tempfile.TemporaryDirectory(prefix="megagrpo-eval-") as tmp,

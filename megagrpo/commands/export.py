@@ -15,7 +15,8 @@ PEFT view of the adapters (``A [r, in]``, ``B [out, r]`` per HF weight) and
 
 The checkpoint's files are checked against its manifest (size, SHA-256) first; the base
 model is the run's ``model.hf_path`` unless ``--model`` names another copy of it. Output is
-written to a temporary directory and renamed when complete.
+written to a temporary directory and renamed when complete; ``--out`` must be new or empty and
+apart from the run and model directories (export never deletes).
 """
 
 from __future__ import annotations
@@ -93,9 +94,27 @@ def _model_and_lora(manifest: dict, model: str | None) -> tuple[Path, Any, Any]:
     hf_path = model or (cfg.get("model") or {}).get("hf_path") or manifest.get("model")
     if not hf_path:
         raise ConfigError("the checkpoint names no base model: pass --model DIR")
+    if "${" in str(hf_path):  # written as an environment interpolation: resolve it here
+        from omegaconf import OmegaConf
+
+        try:
+            hf_path = OmegaConf.create({"v": hf_path}).v
+        except Exception as exc:  # noqa: BLE001 - omegaconf raises several types
+            raise ConfigError(f"model.hf_path {hf_path!r}: {exc}; pass --model DIR") from exc
     model_dir = Path(resolve_model_path(str(hf_path), need_tokenizer=False))
     lora = LoraConfig(**(cfg.get("model") or {}).get("lora", manifest.get("lora") or {}))
     return model_dir, arch_from_hf(load_hf_config(model_dir)), lora
+
+
+def check_out(out: str | Path, ckpt: Path, model_dir: Path | None = None) -> None:
+    """Refuse an ``--out`` that exists and is not empty, or that is, contains or lies inside
+    the run directory of ``ckpt`` or the base model directory: export writes, never deletes."""
+    from megagrpo import fileio
+
+    protected: dict[str, Path] = {"run directory": ckpt.parent.parent}
+    if model_dir is not None:
+        protected["base model directory"] = model_dir
+    fileio.check_out_dir(out, protected)
 
 
 def export_adapter(
@@ -107,6 +126,7 @@ def export_adapter(
 
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
+    check_out(out, ckpt, model_dir)
     check_exportable(lora, arch.is_moe, expert_format)
     units = lora_units(pieces, arch, lora)
     return write_peft_dir(units, lora, arch.num_experts, out, str(model_dir), expert_format)
@@ -126,6 +146,7 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
 
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
+    check_out(out, ckpt, model_dir)
     units = lora_units(pieces, arch, lora)
     scale = lora.alpha / lora.rank
     index: dict[str, str] = {}
@@ -157,6 +178,7 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
 
 def run(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.step)
+    check_out(args.out, ckpt)  # before reading anything (the model is checked once resolved)
     if args.adapter:
         out = export_adapter(ckpt, args.out, args.expert_format, args.model)
     else:

@@ -119,7 +119,12 @@ def plan_config(args: argparse.Namespace) -> RunConfig:
         if not metrics.is_file():
             raise ConfigError(f"--calibrate: {metrics} not found (is it a run directory?)")
         saved = Path(args.calibrate) / "config.yaml"
-        if config is None and saved.is_file():
+        if config is None and not saved.is_file():
+            raise ConfigError(
+                f"--calibrate: {saved} not found: pass the run's config (megagrpo plan CONFIG "
+                "--calibrate RUN_DIR); its defaults (G, levels) would not be the run's"
+            )
+        if config is None:
             config = str(saved)  # plan with the run's own config
     for flag, key in SHORTHANDS.items():
         if getattr(args, flag) is not None:

@@ -129,7 +129,12 @@ def _report(ctx: TrainContext, rows: list[dict]) -> None:
     nonfinite = sum(1 for r in rows if r.get("train/skipped_nonfinite"))
     note = f" ({skipped} trained nothing)" if skipped else ""
     note += f" ({nonfinite} skipped: non-finite)" if nonfinite else ""
-    if ctx.stopped_by:
+    if ctx.stopped_by and ctx.saved_step is None:
+        print(
+            f"stopped by {ctx.stopped_by} before step 1: nothing trained, no checkpoint; "
+            "start again with the same command"
+        )
+    elif ctx.stopped_by:
         print(
             f"stopped by {ctx.stopped_by} after step {ctx.step}: checkpoint "
             f"{ctx.ckpt_root / f'step_{ctx.step:06d}'}; continue with --resume"

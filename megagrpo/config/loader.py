@@ -62,6 +62,8 @@ def load_config(
         raise ConfigError(describe(exc)) from exc
     if not isinstance(obj, schema):
         raise ConfigError(f"config did not produce a {schema.__name__}")
+    env = _env_interpolations(OmegaConf.to_container(cfg, resolve=False), "")
+    object.__setattr__(obj, ENV_ATTR, env)
     validate(obj)
     resolve = getattr(obj, "resolve", None)
     if callable(resolve):  # derived values, filled once before anything saves the config
@@ -91,11 +93,50 @@ def validate(obj: Any, path: str = "") -> None:
         check(path.rstrip("."))
 
 
+ENV_ATTR = "_env_interpolations"
+"""Attribute of a loaded config: ``{dotted key: "${oc.env:...}" text}`` of values that came
+from the environment."""
+
+
+def _env_interpolations(node: Any, prefix: str) -> dict[str, str]:
+    """``{dotted key: raw text}`` of every value that reads the environment (``oc.env``)."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        text = str(node) if isinstance(node, str) else ""
+        return {prefix: text} if "${oc.env:" in text or "${env:" in text else {}
+    out: dict[str, str] = {}
+    for key, value in items:
+        out.update(_env_interpolations(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def written(obj: Any) -> dict[str, Any]:
+    """The config as a dict for what megagrpo writes (config.yaml, checkpoint manifests, W&B):
+    values that came from the environment (``${oc.env:SECRET}``) keep their interpolation
+    text instead of the secret; the config loads again to the same values."""
+    out = dataclasses.asdict(obj)
+    for key, raw in getattr(obj, ENV_ATTR, {}).items():
+        node: Any = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = raw
+        else:
+            node[last] = raw
+    return out
+
+
 def to_yaml(obj: Any) -> str:
-    """The resolved config as YAML text."""
-    return OmegaConf.to_yaml(OmegaConf.structured(obj))
+    """The config as YAML text (environment values as their interpolation: :func:`written`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(written(obj)))
 
 
 def save_config(obj: Any, run_dir: str | os.PathLike) -> Path:
-    """Write the resolved config to ``run_dir/config.yaml`` atomically; returns the path."""
+    """Write the config (:func:`to_yaml`) to ``run_dir/config.yaml`` atomically; returns the
+    path."""
     return fileio.write_text(Path(run_dir) / "config.yaml", to_yaml(obj))

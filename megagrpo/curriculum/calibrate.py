@@ -125,8 +125,11 @@ def measured_acr_by_level(
     Observations are the logged group counts when every used row has them, else the number
     of rows with a value for that level."""
     measured, weight = {}, {}
+    for i, r in enumerate(rows):
+        if not isinstance(r, Mapping):
+            raise ValueError(f"row {i + 1} is not a JSON object: {str(r)[:40]!r}")
     for lv in range(1, num_levels + 1):
-        vals = [(_num(r.get(MEASURED.format(lv))), _num(r.get(COUNTS.format(lv)))) for r in rows]
+        vals = [_checked(r, MEASURED.format(lv), COUNTS.format(lv)) for r in rows]
         used = [(v, c) for v, c in vals if v is not None]
         if not used:
             continue
@@ -141,6 +144,25 @@ def measured_acr_by_level(
             measured[lv] = float(np.mean([v for v, _ in used]))
             weight[lv] = float(len(used))
     return measured, weight
+
+
+def _checked(row: Mapping[str, Any], value_key: str, count_key: str):
+    """``(collapsed fraction, group count)`` of one row; ValueError naming the step and key
+    for a fraction outside [0, 1], or a count that is negative, NaN or not a number while
+    the fraction is measured."""
+    step = row.get("step", "?")
+    try:
+        value, count = _num(row.get(value_key)), row.get(count_key)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{value_key}={value} outside [0, 1]")
+        if value is None or count is None:
+            return value, None
+        count = float(count)
+        if math.isnan(count) or count < 0:
+            raise ValueError(f"{count_key}={count} is not a count")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"step {step}: {exc}") from None
+    return value, count
 
 
 def _num(x: Any) -> float | None:

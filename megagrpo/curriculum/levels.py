@@ -88,9 +88,19 @@ def read_levels_file(path: str | Path) -> list[dict]:
         for key in ("id", "k", "correct"):
             if key not in rec:
                 raise DataError(f"{path}:{lineno}: missing key '{key}'")
-        k, c = int(rec["k"]), int(rec["correct"])
+        k, c = rec["k"], rec["correct"]
+        for key, value in (("k", k), ("correct", c)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise DataError(f"{path}:{lineno}: '{key}' must be an integer, got {value!r:.40}")
+        if k < 1:
+            raise DataError(f"{path}:{lineno}: k={k} must be >= 1 (samples per problem)")
         if not 0 <= c <= k:
             raise DataError(f"{path}:{lineno}: correct={c} outside [0, k={k}]")
+        if records and k != records[0]["k"]:
+            raise DataError(
+                f"{path}:{lineno}: k={k}, but line(s) before have k={records[0]['k']}: one "
+                "levels file holds one k"
+            )
         rec["level"] = level_from_counts(c, k)
         rec["id"] = str(rec["id"])
         records.append(rec)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 
+from megagrpo.errors import DataError
+
 _FULLWIDTH = str.maketrans(
     "ａｂｃｄｅｆｇｈＡＢＣＤＥＦＧＨ０１２３４５６７８９：，、．（）",
     "abcdefghabcdefgh0123456789:,,.()",
@@ -58,3 +60,47 @@ def parse_gold(solution: object) -> list[str] | None:
             return None
         out += parts
     return out or None
+
+
+_WIDE = str.maketrans({**{chr(0xFF01 + i): chr(0x21 + i) for i in range(0x5E)}, "、": ","})
+_GOLD_SPLIT = re.compile(r"\s*,\s*")
+_GOLD_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
+_GOLD_LETTERS = re.compile(r"^[a-z](?: or [a-z])*$")
+
+
+def igakuqa_gold(answer: object, num_choices: int, where: str) -> list[str]:
+    """The gold of an IgakuQA-style ``answer`` (a list of strings, or one string): the one
+    normaliser of training (:func:`megagrpo.data.load_problems`) and scoring
+    (:func:`megagrpo.rewards.igakuqa.read_gold`).
+
+    Each entry is made ASCII (full-width letters, digits, ``、`` ``，``) and lower-case and
+    split on commas; a number stays whole (``"26"`` -> ``["26"]``, ``"7.20"``), letters are
+    option letters (``"b,c"``, ``"Ｂ、Ｃ"`` -> ``["b", "c"]``; ``"a or d"`` is kept: either
+    letter is right). DataError naming ``where`` (file:line) for an empty answer, an entry
+    that is neither, or a letter outside the ``num_choices`` choices (unsolvable).
+    """
+    items = [answer] if isinstance(answer, str) else answer
+    if not isinstance(items, list):
+        raise DataError(f"{where}: 'answer' must be a list of strings, got {answer!r:.60}")
+    valid = "abcdefgh"[:num_choices] if 0 < num_choices <= 8 else "abcdefgh"
+    out: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise DataError(f"{where}: 'answer' entries must be strings, got {item!r:.60}")
+        for part in _GOLD_SPLIT.split(item.translate(_WIDE).strip().lower()):
+            if not part:
+                continue
+            if not (_GOLD_NUMBER.match(part) or _GOLD_LETTERS.match(part)):
+                raise DataError(
+                    f"{where}: answer {item!r} is not option letters or a number ({part!r})"
+                )
+            bad = [c for c in part.replace(" or ", "") if c.isalpha() and c not in valid]
+            if bad:
+                raise DataError(
+                    f"{where}: answer letter {bad[0]!r} is not one of the {len(valid)} choices "
+                    f"({valid[0]}-{valid[-1]}): the question could not be answered right"
+                )
+            out.append(part)
+    if not out:
+        raise DataError(f"{where}: empty answer")
+    return out

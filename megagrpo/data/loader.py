@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megagrpo.data.config import PromptConfig
-from megagrpo.data.gold import parse_gold
+from megagrpo.data.gold import igakuqa_gold, parse_gold
 from megagrpo.data.prompts import render_messages
 from megagrpo.errors import DataError, not_utf8
 from megagrpo.types import Problem
@@ -182,10 +182,10 @@ def _igakuqa_problem(
     rec: dict, where: str, path: Path, meta: dict, prompt: PromptConfig
 ) -> Problem:
     pid = str(rec["problem_id"])
-    answer = _normalise_answer(rec.get("answer") or [])
-    if not answer:
-        raise DataError(f"{where}: problem {pid} has no answer")
     choices = list(rec.get("choices") or [])
+    if not rec.get("answer"):
+        raise DataError(f"{where}: problem {pid} has no answer")
+    answer = igakuqa_gold(rec["answer"], len(choices), f"{where}: problem {pid}")
     text = str(rec.get("problem_text", ""))
     m = _CHOOSE.search(text)
     num_choose = (_KANJI_NUM.get(m.group(1)) or int(m.group(1).translate(_FULLWIDTH))) if m else 1

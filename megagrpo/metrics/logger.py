@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megagrpo import fileio
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, StorageError
 from megagrpo.metrics.config import MetricsConfig
 
 log = logging.getLogger(__name__)
@@ -58,28 +58,43 @@ class NullLogger:
 
 
 class JsonlLogger:
-    """Appends one JSON row per step to ``path`` (flushed and fsynced each step)."""
+    """Appends one JSON row per step to ``path`` (written unbuffered and fsynced each step).
+    A row that cannot be written whole (disk full, file size limit) is cut off again and
+    StorageError names the file and the free space; a torn last row left by a kill is
+    dropped when a resumed run opens the file (:meth:`truncate_after`)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open(self.path, "ab", buffering=0)
 
     def truncate_after(self, step: int) -> int:
-        """Drop rows with ``step > step`` (a resumed run rewrites them); returns rows kept."""
+        """Drop rows with ``step > step`` (a resumed run rewrites them) and a torn last row;
+        returns rows kept."""
         self._fh.close()
         rows = read_metrics(self.path) if self.path.exists() else []
         kept = [r for r in rows if r.get("step", 0) <= step]
         fileio.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open(self.path, "ab", buffering=0)
         return len(kept)
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
         row = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: _clean(v) for k, v in sorted(metrics.items())})
-        self._fh.write(json.dumps(row) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        data = memoryview((json.dumps(row) + "\n").encode("utf-8"))
+        fd = self._fh.fileno()
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, start)  # no torn row
+            except OSError:
+                pass
+            why = fileio.describe_os_error(exc, self.path)
+            raise StorageError(f"metrics row of step {step} not written ({why})") from exc
 
     def close(self) -> None:
         self._fh.close()

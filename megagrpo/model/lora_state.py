@@ -183,25 +183,39 @@ class Units:
             return self._cache[key]
         pieces = self.index.get((name, factor), [])
         shape = unit_shape(name, factor, self.shapes, self.rank)
-        full, covered = None, 0
+        full, seen, twice = None, torch.zeros(shape, dtype=torch.bool), False
         for p in pieces:
             t = p["param"] if what == "param" else p["state"].get(what)
             if t is None:
                 continue
             if full is None:
                 full = torch.zeros(shape, dtype=t.dtype)
-            region = tuple(slice(s, e) for s, e in p["bounds"])
+            region = _region(p["bounds"], shape, tuple(t.shape), f"{factor} for '{name}'")
+            twice = twice or bool(seen[region].any())
+            seen[region] = True
             full[region] = t
-            covered += t.numel()
-        if full is None or covered != full.numel():
+        covered = int(seen.sum())
+        if full is None or twice or covered != seen.numel():
             raise CheckpointError(
                 f"LoRA checkpoint: {what} of {factor} for '{name}' covers {covered} of "
-                f"{torch.Size(shape).numel()} elements (pieces missing or written twice)"
+                f"{seen.numel()} elements" + (", some twice" if twice else " (pieces missing)")
             )
         if len(self._cache) > 64:
             self._cache.clear()
         self._cache[key] = full
         return full
+
+
+def _region(bounds: Any, shape: tuple, piece: tuple, what: str) -> tuple[slice, ...]:
+    """The slices of ``bounds`` in a unit of ``shape``; CheckpointError when they leave it
+    or do not match the piece's ``shape``."""
+    ok = isinstance(bounds, (list, tuple)) and len(bounds) == len(shape)
+    ok = ok and all(0 <= s < e <= n for (s, e), n in zip(bounds, shape, strict=True))
+    if not ok:
+        raise CheckpointError(f"LoRA checkpoint: {what}: bounds {bounds} outside {list(shape)}")
+    if tuple(e - s for s, e in bounds) != piece:
+        raise CheckpointError(f"LoRA checkpoint: {what}: piece {list(piece)} != bounds {bounds}")
+    return tuple(slice(s, e) for s, e in bounds)
 
 
 def _fill(view: torch.Tensor, region: tuple, src: torch.Tensor) -> None:

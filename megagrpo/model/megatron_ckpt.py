@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo import fileio
-from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.errors import CheckpointError
 from megagrpo.model.arch import arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import hf_weight_shapes
@@ -143,7 +143,9 @@ def save_policy_checkpoint(
     ``base_ckpt`` (a checkpoint from ``import`` with the same layout) or the HF directory
     ``policy.cfg.hf_path`` supplies the base on export. Atomic (temp dir, then rename)."""
     out = Path(out_dir)
+    fileio.check_out_dir(out, {"HF model directory": Path(policy.cfg.hf_path)}, "out_dir")
     tmp = fileio.tmp_sibling(out)
+    dist.barrier()  # every rank checked before rank 0 creates anything
     if dist.get_rank() == 0:
         fileio.fresh_tmp_dir(out)
         copy_hf_metadata(Path(policy.cfg.hf_path), tmp / "hf")
@@ -358,10 +360,10 @@ def write_meta(
     (out / META).write_text(json.dumps(meta, indent=2))
 
 
-def atomic_dir(out: Path) -> Path:
-    """A fresh temp sibling of ``out`` (rename it with :func:`commit_dir`)."""
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"output directory {out} exists and is not empty")
+def atomic_dir(out: Path, protected: dict[str, Path] | None = None) -> Path:
+    """A fresh temp sibling of ``out`` (rename it with :func:`commit_dir`). ConfigError when
+    ``out`` exists and is not empty, or is, contains or lies inside a ``protected`` input."""
+    fileio.check_out_dir(out, protected or {})
     return fileio.fresh_tmp_dir(out, unique=True)
 
 

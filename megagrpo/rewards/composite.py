@@ -10,10 +10,12 @@
 * ``fail`` (ms-swift's behaviour): the first failure raises :class:`RewardError` naming the
   function, the problem and the completion.
 
-``rewards.timeout_s`` > 0 bounds every call of a function (one call scores one group): a call
-that has not returned by then counts as an error for each of its completions (and in
-``reward/timeouts``), without a per-completion retry. Python cannot stop a thread, so the
-call keeps running in a daemon thread in the background; its result is discarded. Only
+``rewards.timeout_s`` (120 s unless set; 0: no limit) bounds every call of a function (one
+call scores one group): a call that has not returned by then counts as an error for each of
+its completions (and in ``reward/timeouts``), without a per-completion retry. Python cannot
+stop a thread, so the call keeps running in a daemon thread in the background; its result is
+discarded, and once :data:`MAX_HUNG_CALLS` such calls are still running the run stops with a
+RewardError naming the setting (a reward that hangs every call must not pile up threads). Only
 wiring mistakes (a length-based reward called without ``lengths``) raise regardless.
 """
 
@@ -53,11 +55,26 @@ class RewardTimeout(Exception):
     """A reward call did not return within ``rewards.timeout_s``."""
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+MAX_HUNG_CALLS = 4
+"""Timed-out reward calls still running at once before the run stops (each holds a thread
+that Python cannot stop: a reward that hangs every call would pile them up)."""
+
+
+def call_with_timeout(
+    fn: Callable[[], Any], timeout_s: float, hung: list[threading.Thread] | None = None
+) -> Any:
     """``fn()``, or RewardTimeout when it has not returned after ``timeout_s`` (> 0) seconds;
-    the call is then left running in a daemon thread. ``timeout_s <= 0``: a plain call."""
+    the call is then left running in a daemon thread (appended to ``hung``). ``timeout_s <=
+    0``: a plain call. RewardError when :data:`MAX_HUNG_CALLS` of ``hung`` still run."""
     if timeout_s <= 0:
         return fn()
+    _hung = hung if hung is not None else []
+    _hung[:] = [t for t in _hung if t.is_alive()]
+    if len(_hung) >= MAX_HUNG_CALLS:
+        raise RewardError(
+            f"{len(_hung)} reward calls that timed out (rewards.timeout_s={timeout_s:g} s) are "
+            "still running: a reward function hangs; fix it or raise rewards.timeout_s"
+        )
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -70,6 +87,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        _hung.append(thread)
         raise RewardTimeout(
             f"did not return within rewards.timeout_s={timeout_s:g} s (left running)"
         )
@@ -96,7 +114,7 @@ class CompositeReward:
         terms: list[tuple[str, float, RewardFn]],
         *,
         on_error: str = "count",
-        timeout_s: float = 0.0,
+        timeout_s: float = 120.0,
         trainer_state: TrainerState | None = None,
         swift_calls: str = "group",
     ) -> None:
@@ -118,6 +136,7 @@ class CompositeReward:
         self.num_errors = 0
         self._errors_since_pop = 0
         self._timeouts_since_pop = 0
+        self._hung: list[threading.Thread] = []
 
     def begin_step(self, step: int, max_steps: int) -> None:
         """Call before scoring the rollouts of optimiser step ``step`` (1-based): ms-swift
@@ -196,7 +215,7 @@ class CompositeReward:
         if term.takes_token_ids and token_ids is not None:
             kwargs["token_ids"] = list(token_ids)
         out = call_with_timeout(
-            lambda: term.fn(list(completions), problem, **kwargs), self.timeout_s
+            lambda: term.fn(list(completions), problem, **kwargs), self.timeout_s, self._hung
         )
         values = [float(v) for v in out]
         if len(values) != len(completions):
@@ -208,6 +227,8 @@ class CompositeReward:
     def _score(self, term: _Term, completions, problem, lengths, token_ids) -> list[float]:
         try:
             return self._call(term, completions, problem, lengths, token_ids)
+        except RewardError:
+            raise
         except RewardTimeout as exc:
             self._timeouts_since_pop += 1
             for i in range(len(completions)):
@@ -222,6 +243,8 @@ class CompositeReward:
             one_ids = None if token_ids is None else [token_ids[i]]
             try:
                 values.append(self._call(term, [text], problem, one_len, one_ids)[0])
+            except RewardError:
+                raise
             except Exception as exc:  # noqa: BLE001 - a reward must never crash a step
                 if isinstance(exc, RewardTimeout):
                     self._timeouts_since_pop += 1

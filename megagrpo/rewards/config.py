@@ -47,9 +47,10 @@ class RewardsConfig:
     on_error: str = "count"
     """count: a reward that raises, returns NaN/inf or times out scores 0 for that completion
     and is counted in reward/errors | fail: stop the run (ms-swift's behaviour)."""
-    timeout_s: float = 0.0
+    timeout_s: float = 120.0
     """Seconds one call of a reward function (one group) may take; longer counts as an error
-    for each of its completions (and in reward/timeouts). 0: no limit."""
+    for each of its completions (and in reward/timeouts). 0: no limit (a hung reward then
+    hangs the run)."""
     swift_calls: str = "batch"
     """batch | group: ms-swift ORMs (``orms:`` and ``module:Class`` plugins) are called once
     per generation round with every completion of it, as ms-swift calls them once per batch

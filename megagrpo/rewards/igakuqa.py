@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megagrpo.data.gold import igakuqa_gold
 from megagrpo.data.loader import read_jsonl
 from megagrpo.errors import DataError
 
@@ -38,7 +39,8 @@ EITHER_A_OR_D = "112B30"
 
 @dataclass
 class GoldItem:
-    """One gold question: raw ``answer`` list as in the file, ``points`` as int."""
+    """One gold question: ``answer`` normalised (:func:`megagrpo.data.gold.igakuqa_gold`),
+    ``points`` as int."""
 
     problem_id: str
     answer: list[str]
@@ -175,8 +177,9 @@ def kinki_selected(prediction: str, kinki: frozenset[str]) -> bool:
 
 def read_gold(files: Iterable[Path], limit: int = 0) -> dict[str, GoldItem]:
     """problem_id -> GoldItem, in file order (with the exams' kinki letters). ``limit`` > 0:
-    only the first ``limit`` questions of each file. DataError naming file:line on bad
-    records or duplicate ids."""
+    only the first ``limit`` questions of each file. Answers are normalised as training
+    normalises them (:func:`megagrpo.data.gold.igakuqa_gold`: ``"Ｃ"`` is ``c``, ``"26"`` one
+    number). DataError naming file:line on bad records, impossible answers or duplicate ids."""
     gold: dict[str, GoldItem] = {}
     for path in files:
         kinki = read_kinki(path)
@@ -187,9 +190,10 @@ def read_gold(files: Iterable[Path], limit: int = 0) -> dict[str, GoldItem]:
             for key in ("problem_id", "answer", "points"):
                 if key not in rec:
                     raise DataError(f"{where}: gold record without '{key}'")
-            pid, answer = str(rec["problem_id"]), rec["answer"]
-            if not isinstance(answer, list) or not all(isinstance(a, str) for a in answer):
-                raise DataError(f"{where}: 'answer' of {pid} must be a list of strings")
+            pid = str(rec["problem_id"])
+            choices = rec.get("choices")
+            num_choices = len(choices) if isinstance(choices, list) else 0
+            answer = igakuqa_gold(rec["answer"], num_choices, f"{where}: {pid}")
             try:
                 points = int(rec["points"])
             except (TypeError, ValueError) as exc:

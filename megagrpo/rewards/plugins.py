@@ -4,7 +4,9 @@ A config may name a reward by:
 
 * a megagrpo registry name (``mcq_accuracy``, ``soft_overlong``; :mod:`.registry`);
 * an import path ``'module.path:Name'`` (the module must be importable: on ``PYTHONPATH``,
-  or loaded from a file listed in ``rewards.external_plugins``);
+  or loaded from a file listed in ``rewards.external_plugins``, which is executed from its
+  own path); a module of the standard library or any ``__main__`` module is refused before
+  anything is imported (located with ``importlib.util.find_spec``);
 * an ms-swift ``orms`` registry name ``'orms:<name>'``: a built-in of ms-swift
   (``orms:accuracy`` is ms-swift's ``MathAccuracy``) or a name a plugin file registered with
   ``orms['name'] = Class`` (ms-swift's ``--external_plugins plugin.py --reward_funcs name``).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import sys
@@ -116,17 +119,47 @@ def _import(module_name: str, what: str) -> Any:
         ) from exc
 
 
+def _exec_file(name: str, path: Path, where: str) -> None:
+    """Load ``path`` as module ``name`` from that file (never another module of that name)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{where}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:  # noqa: BLE001 - a plugin's import may raise anything
+        sys.modules.pop(name, None)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        hint = (
+            " (install the swift extra: pip install 'megagrpo[swift]')"
+            if isinstance(exc, ImportError) and (getattr(exc, "name", "") or "").startswith("swift")
+            else ""
+        )
+        raise ConfigError(
+            f"{where}: importing {path} raised {type(exc).__name__}: {exc}{hint}"
+        ) from exc
+
+
 def load_external_plugins(paths: Iterable[str], key: str = "rewards.external_plugins") -> None:
-    """Import plugin files (ms-swift's ``--external_plugins``): each file's directory is put
-    on ``sys.path`` and the file imported as a module named after its stem, so its classes
-    are then reachable as ``'<stem>:ClassName'`` and its ``orms[...]`` registrations as
-    ``'orms:<name>'``. ConfigError naming the file on any failure."""
+    """Load plugin files (ms-swift's ``--external_plugins``): each file is executed from its
+    own path as a module named after its stem (its directory goes on ``sys.path`` for its own
+    imports), so its classes are then reachable as ``'<stem>:ClassName'`` and its
+    ``orms[...]`` registrations as ``'orms:<name>'``. A stem that is not an identifier or
+    that names a standard-library module is refused (it would shadow it). ConfigError naming
+    the file on any failure."""
     for i, raw in enumerate(paths):
         path = Path(raw).expanduser().resolve()
         where = f"config key '{key}.{i}' ({raw})"
         if not path.is_file() or path.suffix != ".py":
             raise ConfigError(f"{where}: not a Python file")
         name = path.stem
+        if not name.isidentifier() or name in sys.stdlib_module_names or name == "__main__":
+            raise ConfigError(
+                f"{where}: a plugin file must be named <identifier>.py and not after a "
+                f"standard-library module ('{name}'); rename the plugin file"
+            )
         loaded = sys.modules.get(name)
         if loaded is not None:
             origin = getattr(loaded, "__file__", None)
@@ -138,7 +171,41 @@ def load_external_plugins(paths: Iterable[str], key: str = "rewards.external_plu
             )
         if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))
-        _import(name, where)
+        _exec_file(name, path, where)
+
+
+def _refuse_before_import(module_name: str, what: str) -> None:
+    """ConfigError, before anything is imported, for a reward module that is (in) a
+    ``__main__`` module or lives in the standard library: importing either can run a
+    program (``venv.__main__`` creates a virtualenv), and neither holds a reward. The module
+    is located with ``importlib.util.find_spec`` on its top-level package (which imports
+    nothing)."""
+    parts = module_name.split(".")
+    if "__main__" in parts or not all(p.isidentifier() for p in parts):
+        raise ConfigError(f"{what}: '{module_name}' is not a module a reward can come from")
+    top = parts[0]
+    stdlib = top in sys.stdlib_module_names or top in sys.builtin_module_names
+    if not stdlib and top not in sys.modules:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"{what}: cannot import {module_name}: {exc}") from exc
+        if spec is None:
+            raise ConfigError(f"{what}: cannot import {module_name}: no module named '{top}'")
+        origin = Path(spec.origin).resolve() if spec.origin and spec.has_location else None
+        site = origin is not None and any(
+            p in ("site-packages", "dist-packages") for p in origin.parts
+        )
+        stdlib = (
+            origin is not None
+            and not site
+            and any(origin.is_relative_to(d) for d in _stdlib_dirs())
+        )
+    if stdlib:
+        raise ConfigError(
+            f"{what}: '{module_name}' is in the standard library: a reward must come from a "
+            "plugin file, your own module or an installed reward package (not imported)"
+        )
 
 
 def load_object(path: str) -> Any:
@@ -158,6 +225,7 @@ def load_object(path: str) -> Any:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"reward '{path}': expected 'module.path:ClassName' or 'orms:<name>'")
+    _refuse_before_import(module_name, f"reward '{path}'")
     obj = _import(module_name, f"reward '{path}'")
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -51,7 +51,7 @@ def names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def get(name: str, **kwargs: Any) -> RewardFn:
+def get(name: str, /, **kwargs: Any) -> RewardFn:
     """The reward function called ``name``, built with ``kwargs``.
 
     ``'module.path:ClassName'`` loads an ms-swift ORM plugin. ConfigError for unknown names

@@ -142,13 +142,14 @@ class SwiftORMReward:
 
 
 def swift_reward(
-    path: str, run_args: dict[str, Any] | None = None, **kwargs: Any
+    path: str, run_args: dict[str, Any] | None = None, /, **kwargs: Any
 ) -> SwiftORMReward:
     """Build the adapter for ``'module.path:Name'`` or ``'orms:<name>'``.
 
     The object is checked by :func:`~megagrpo.rewards.plugins.check_reward_object` before it
     is constructed. Classes get ``**kwargs`` (or ms-swift's ``args`` namespace, holding
-    ``run_args``, e.g. ``max_completion_length``, overridden by ``kwargs``).
+    ``run_args``, e.g. ``max_completion_length``, overridden by ``kwargs``). ``path`` and
+    ``run_args`` are positional-only: a plugin may take kwargs of those names.
     """
     obj = load_object(path)
     check_reward_object(obj, path)

@@ -57,6 +57,12 @@ import torch
 
 from megagrpo import fileio
 from megagrpo.errors import CheckpointError
+from megagrpo.trainer.ckpt_checks import (
+    check_content,
+    check_pieces,
+    check_tiling,
+    check_trainer_state,
+)
 from megagrpo.trainer.context import Comm
 from megagrpo.trainer.plain_state import json_bytes, rng_state, to_plain
 
@@ -274,7 +280,9 @@ def check_files(path: str | os.PathLike, manifest: dict[str, Any]) -> list[str]:
     return [r for r in (_check_file(Path(path), n, manifest) for n in names) if r]
 
 
-def _verify(path: Path, comm: Comm) -> tuple[dict[str, Any] | None, str | None]:
+def _verify(
+    path: Path, comm: Comm, required: tuple[str, ...] = ()
+) -> tuple[dict[str, Any] | None, str | None]:
     """Collective: ``(manifest, None)`` when every rank's files of ``path`` match the
     manifest, else ``(None, reasons)``. A reshardable checkpoint of another world size has
     all its files checked, shared out over the ranks; any other checkpoint of another world
@@ -298,7 +306,14 @@ def _verify(path: Path, comm: Comm) -> tuple[dict[str, Any] | None, str | None]:
     else:
         return manifest, None
     mine = [r for r in (_check_file(path, n, manifest) for n in names) if r]
-    reasons = [r for rs in comm.all_gather_object(mine) for r in rs]
+    boxes: list = []
+    if not mine and manifest.get("format") == FORMAT:  # the content too (ckpt_checks)
+        load = lambda f: _torch_load(f, legacy=False, mmap=True)  # noqa: E731
+        mine, boxes = check_content(path, names, manifest, load, reshardable(manifest), required)
+    gathered = comm.all_gather_object((mine, boxes))
+    reasons = [r for rs, _ in gathered for r in rs]
+    if not reasons and reshardable(manifest) and manifest.get("world_size") == comm.world_size:
+        reasons = check_tiling(b for _, bs in gathered for b in bs)
     return (None, "; ".join(reasons)) if reasons else (manifest, None)
 
 
@@ -311,8 +326,11 @@ class ResumePoint:
     manifest: dict[str, Any]
 
 
-def find_resume_checkpoint(ckpt_root: str | os.PathLike, comm: Comm | None = None) -> ResumePoint:
-    """The newest checkpoint under ``ckpt_root`` that every rank verifies (collective).
+def find_resume_checkpoint(
+    ckpt_root: str | os.PathLike, comm: Comm | None = None, required: tuple[str, ...] = ()
+) -> ResumePoint:
+    """The newest checkpoint under ``ckpt_root`` that every rank verifies (collective), its
+    content included (:mod:`megagrpo.trainer.ckpt_checks`; ``required``: trainer.json keys).
 
     A damaged one (truncated or corrupt file, missing file, unreadable manifest) is skipped
     with a WARNING naming the file; CheckpointError when none is usable (listing why each
@@ -324,7 +342,9 @@ def find_resume_checkpoint(ckpt_root: str | os.PathLike, comm: Comm | None = Non
     )
     rejected = []
     for step, path in reversed(found):
-        manifest, why = _verify(Path(path), comm)
+        manifest, why = _verify(Path(path), comm, required)
+        if manifest is not None and manifest.get("step") != step:
+            manifest, why = None, f"{MANIFEST} says step {manifest.get('step')!r}"
         if manifest is not None:
             if rejected:
                 log.warning("resuming from %s, the newest usable checkpoint", path)
@@ -395,10 +415,7 @@ def load(
     if legacy:
         trainer_state = _torch_load(path / LEGACY_TRAINER_FILE, legacy=True)
     else:
-        try:
-            trainer_state = json.loads((path / TRAINER_FILE).read_bytes())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path / TRAINER_FILE}: unreadable ({exc})") from exc
+        trainer_state = _read_trainer_state(path, saved)
     if not isinstance(rank_state, dict) or not isinstance(trainer_state, dict):
         raise CheckpointError(f"{path}: checkpoint files hold no state dict")
     return rank_state, trainer_state
@@ -424,7 +441,7 @@ def load_resharded(
                 f"{path}: '{key}' was {saved.get(key)!r} when saved, now {value!r}"
             )
     world = int(saved.get("world_size") or 0)
-    states = []
+    states, boxes = [], []
     for r in range(world):
         file = path / rank_file(r)
         if not file.is_file():
@@ -432,9 +449,24 @@ def load_resharded(
         state = _torch_load(file, legacy=False, mmap=True)
         if not isinstance(state, dict) or not isinstance(state.get("pieces"), list):
             raise CheckpointError(f"{file}: holds no layout-free LoRA pieces")
+        reasons, mine = check_pieces(state["pieces"], str(file))
+        if reasons:
+            raise CheckpointError("; ".join(reasons))
+        boxes += mine
         states.append(state)
+    reasons = check_tiling(boxes)
+    if reasons:
+        raise CheckpointError(f"{path}: " + "; ".join(reasons))
+    return states, _read_trainer_state(path, saved)
+
+
+def _read_trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.json`` of checkpoint ``path``, checked (ckpt_checks); CheckpointError."""
     try:
         trainer_state = json.loads((path / TRAINER_FILE).read_bytes())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / TRAINER_FILE}: unreadable ({exc})") from exc
-    return states, trainer_state
+    why = check_trainer_state(trainer_state, manifest.get("step"), str(path / TRAINER_FILE))
+    if why:
+        raise CheckpointError(why)
+    return trainer_state

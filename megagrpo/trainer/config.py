@@ -130,9 +130,12 @@ class TrainerConfig:
     def validate(self, path: str = "trainer") -> None:
         """Check values; raises ConfigError naming the key."""
         require(
-            bool(self.name) and "/" not in self.name,
+            bool(self.name)
+            and not any(c in self.name for c in "/\\\0")
+            and not self.name.startswith("."),
             f"{path}.name",
-            "must be a non-empty name without '/'",
+            f"must be a directory name without '/' and not starting with '.', got "
+            f"{self.name!r} (the run would be written outside output_dir, or hidden)",
         )
         require(self.max_steps >= 1, f"{path}.max_steps", "must be >= 1")
         require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")

@@ -175,6 +175,9 @@ class TrainContext:
     partial: PartialRollouts | None = None
     """The carried completions of partial rollouts (``rollout.partial.enabled``); None: off."""
     """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
+    run_lock: Any = None
+    """Rank 0: the run directory's lock (:mod:`megagrpo.trainer.runlock`), released at the
+    end of the run; None elsewhere."""
     offload: Offload = field(init=False)
     """Where the frozen weights and optimiser moments live in each phase
     (``trainer.offload_during_rollout``; every call a no-op when off)."""

@@ -233,7 +233,8 @@ def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, 
 
     With ``stop`` (:mod:`megagrpo.trainer.signals`), every step boundary asks whether a rank
     received SIGTERM / SIGINT / SIGUSR1; if so the last completed step is checkpointed
-    (unless it just was), ``ctx.stopped_by`` names the signal and the loop returns. Stops
+    (unless it just was; a stop before step 1 writes none: a plain restart redoes it),
+    ``ctx.stopped_by`` names the signal and the loop returns. Stops
     with NonFiniteError after ``trainer.max_nonfinite_steps`` skipped updates in a row.
     """
     rows = []
@@ -247,8 +248,8 @@ def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, 
                 break
             rows.append(grpo_step(ctx, step))
             stop_on_nonfinite(ctx, step, rows[-1].get("train/skipped_nonfinite"))
-        if ctx.stopped_by and ctx.saved_step != ctx.step:
-            save_checkpoint(ctx, ctx.step)
+        if ctx.stopped_by and ctx.step > 0 and ctx.saved_step != ctx.step:
+            save_checkpoint(ctx, ctx.step)  # (stopped before step 1: nothing to save)
     finally:
         ctx.logger.close()
         if ctx.completions is not None:

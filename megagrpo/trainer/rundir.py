@@ -2,7 +2,8 @@
 find the checkpoint to resume from, before any model or engine is built.
 
 A directory *holds a run* when starting afresh would destroy or mix something of it:
-``metrics.jsonl`` with rows (a fresh start rewrites it), ``checkpoints/`` with any step
+``metrics.jsonl`` with rows of trained steps (a fresh start rewrites it; a step-0 evaluation
+alone is redone), ``checkpoints/`` with any step
 (old and new checkpoints would mix, and ``--resume`` would later pick the old run's), or
 ``adapter/``. Other files (``config.yaml`` of a start that failed, the Slurm launcher's
 ``memory_plan.txt``) do not count. Then:
@@ -13,12 +14,13 @@ A directory *holds a run* when starting afresh would destroy or mix something of
   (:func:`megagrpo.trainer.checkpoint.find_resume_checkpoint`), compared with the new
   config (:func:`megagrpo.trainer.resume_check.check_resume_config`).
 
-Rank 0 looks and decides; every rank gets the same outcome and raises the same error.
+Rank 0 first takes the directory's lock (:mod:`megagrpo.trainer.runlock`: one process per run
+directory, held for the run's life), then looks and decides; every rank gets the same outcome
+and raises the same error.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -26,24 +28,39 @@ import time
 from pathlib import Path
 
 from megagrpo import fileio
+from megagrpo.config.loader import written
 from megagrpo.errors import ConfigError
+from megagrpo.trainer import runlock
 from megagrpo.trainer.checkpoint import (
     ResumePoint,
     find_resume_checkpoint,
     remove_stale_tmp,
 )
+from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm
 from megagrpo.trainer.plain_state import to_plain
 from megagrpo.trainer.resume_check import Change, check_resume_config
+from megagrpo.trainer.runlock import RunLock
 
 log = logging.getLogger(__name__)
+
+
+def _trained_row(line: bytes) -> bool:
+    """False for a blank line or the row of step 0 (an evaluation of the base model, redone
+    by a fresh start); True for anything else, a torn row included."""
+    if not line.strip():
+        return False
+    try:
+        return json.loads(line).get("step") != 0
+    except (ValueError, AttributeError):
+        return True
 
 
 def _rows(path: Path) -> int:
     try:
         with open(path, "rb") as fh:
-            return sum(1 for line in fh if line.strip())
+            return sum(1 for line in fh if _trained_row(line))
     except OSError:
         return 0
 
@@ -76,16 +93,17 @@ def aside_name(run_dir: Path) -> Path:
     return dest
 
 
-def _decide(run_dir: Path, resume: bool, overwrite: bool) -> str | None:
-    """Rank 0: act on ``run_dir`` (move it aside, clean up); the error message, or None."""
-    evidence = run_evidence(run_dir) if run_dir.is_dir() else []
+def _decide(run_dir: Path, resume: bool, overwrite: bool, lock: RunLock) -> RunLock:
+    """Rank 0, holding ``lock``: act on ``run_dir`` (move it aside, clean up); the lock of
+    the run directory to keep (a new one after ``--overwrite``). ConfigError to refuse."""
+    evidence = run_evidence(run_dir)
     if resume:
         remove_stale_tmp(run_dir / "checkpoints")
-        return None
+        return lock
     if not evidence:
-        return None
+        return lock
     if not overwrite:
-        return (
+        raise ConfigError(
             f"config key 'trainer.name': {run_dir} already holds a run ({'; '.join(evidence)}); "
             "pass --resume to continue it, --overwrite to move it aside, or choose another "
             "trainer.name / trainer.output_dir"
@@ -93,30 +111,46 @@ def _decide(run_dir: Path, resume: bool, overwrite: bool) -> str | None:
     dest = aside_name(run_dir)
     os.replace(run_dir, dest)
     fileio.fsync_dir(run_dir.parent)
+    lock.path = dest / lock.path.name  # moved with the directory: released there
+    lock.release()
     log.warning("--overwrite: moved the previous run %s to %s", run_dir, dest)
-    return None
+    return runlock.acquire(run_dir)
+
+
+def _lock_and_decide(run_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock | None, str]:
+    """Rank 0: lock ``run_dir`` (:mod:`megagrpo.trainer.runlock`) and :func:`_decide`;
+    ``(lock, "")`` or ``(None, why not)`` (nothing is left locked)."""
+    lock = None
+    try:
+        lock = runlock.acquire(run_dir)
+        return _decide(run_dir, resume, overwrite, lock), ""
+    except (ConfigError, OSError) as exc:
+        if lock is not None:
+            lock.release()
+        return None, str(exc) if isinstance(exc, ConfigError) else f"{run_dir}: {exc}"
 
 
 def prepare_run_dir(
     cfg: RunConfig, run_dir: Path, comm: Comm, *, resume: bool, overwrite: bool
-) -> tuple[ResumePoint | None, list[Change]]:
+) -> tuple[ResumePoint | None, list[Change], RunLock | None]:
     """Collective, before any model is built: the checkpoint to resume from (None: a fresh
-    run) and the settings that changed since it was written. Raises ConfigError /
+    run), the settings that changed since it was written, and the run directory's lock
+    (rank 0; None elsewhere: release it when the run ends). Raises ConfigError /
     CheckpointError on every rank (see module docstring)."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
-    error = None
-    if comm.is_main:
-        try:
-            error = _decide(run_dir, resume, overwrite)
-        except OSError as exc:
-            error = f"{run_dir}: {exc}"
+    lock, error = _lock_and_decide(run_dir, resume, overwrite) if comm.is_main else (None, "")
     error = comm.broadcast_object(error)
     if error:
         raise ConfigError(error)
     if not resume:
-        return None, []
-    point = find_resume_checkpoint(run_dir / "checkpoints", comm)
-    new = json.loads(json.dumps(to_plain(dataclasses.asdict(cfg), "config")))
-    changes = check_resume_config(point.manifest, new, comm.world_size)
-    return point, changes
+        return None, [], lock
+    try:
+        point = find_resume_checkpoint(run_dir / "checkpoints", comm, TRAINER_KEYS)
+        new = json.loads(json.dumps(to_plain(written(cfg), "config")))
+        changes = check_resume_config(point.manifest, new, comm.world_size)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return point, changes, lock

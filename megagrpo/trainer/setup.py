@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megagrpo.config import save_config
+from megagrpo.config.loader import written
 from megagrpo.curriculum.budget_rounds import BudgetPlanner
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
 from megagrpo.curriculum.levels import (
@@ -44,6 +45,7 @@ from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
+from megagrpo.trainer.checkpoint import ResumePoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.partial import PartialRollouts
@@ -67,15 +69,44 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+MIN_LEVEL_COVERAGE = 0.5
+"""Share of the training problems a levels file must describe (below: a ConfigError)."""
+
+
+def matching_levels(levels: dict[str, int], problems: list, source: str) -> dict[str, int]:
+    """The levels of the training ``problems`` only; ConfigError naming ``source`` when it
+    describes fewer than :data:`MIN_LEVEL_COVERAGE` of them (another data set: the level
+    filter would do nothing and the predicted ACR would be another set's), a WARNING when
+    some lack a level."""
+    ids = [p.id for p in problems]
+    mine = {i: levels[i] for i in ids if i in levels}
+    if len(mine) < MIN_LEVEL_COVERAGE * len(ids):
+        raise ConfigError(
+            f"config key 'curriculum.levels_file': {source} has levels for {len(mine)} of the "
+            f"{len(ids)} training problems (ids such as {ids[:2]} vs {list(levels)[:2]}): it "
+            "describes other problems; make it for data.train (megagrpo profile)"
+        )
+    if len(mine) < len(ids):
+        log.warning(
+            "%s: %d of %d training problems have no level (kept, sampled as unlevelled); "
+            "the predicted ACR uses the %d that have one",
+            source,
+            len(ids) - len(mine),
+            len(ids),
+            len(mine),
+        )
+    return mine
+
+
 def _curriculum(
     cfg: RunConfig, problems: list, correctness_key: str
 ) -> tuple[CurriculumSampler, float | None]:
     levels, acr, k = None, None, cfg.curriculum.level_k
     if cfg.curriculum.levels_file:
         records = read_levels_file(cfg.curriculum.levels_file)
-        levels = levels_by_id(records)
+        levels = matching_levels(levels_by_id(records), problems, cfg.curriculum.levels_file)
         k = int(records[0].get("k", cfg.curriculum.level_k)) if records else cfg.curriculum.level_k
-        hist = histogram(levels.values(), k + 1)
+        hist = histogram(levels.values(), k + 1)  # of the training problems only
         weights = (
             dict(zip(cfg.curriculum.keep_levels, cfg.curriculum.level_weights))
             if cfg.curriculum.level_weights
@@ -230,6 +261,26 @@ def check_golds_scorable(cfg: RunConfig, problems: list) -> None:
         )
 
 
+def warn_overlap(train: list[Problem], held_out: list[Problem]) -> int:
+    """WARNING with the count of held-out problems that are also training problems (same
+    id, or the same prompt): their accuracy is not held-out. Returns that count."""
+
+    def prompt(p: Problem) -> str:
+        return "\0".join(str(m.get("content", "")) for m in p.messages)
+
+    ids, prompts = {p.id for p in train}, {prompt(p) for p in train}
+    shared = [p.id for p in held_out if p.id in ids or prompt(p) in prompts]
+    if shared:
+        log.warning(
+            "data.eval: %d of %d held-out problems are also in data.train (e.g. %s): "
+            "eval/* on them measures training problems, not held-out ones",
+            len(shared),
+            len(held_out),
+            ", ".join(shared[:3]),
+        )
+    return len(shared)
+
+
 def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
     """``data.train`` / ``data.eval`` loaded, prompt lengths checked (before step 1, before
     any model is built); ConfigError when no training problem is left."""
@@ -261,6 +312,7 @@ def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
             )
         )
         held_out = fit_prompts(held_out, tokenizer, cfg, "data.eval").problems
+        warn_overlap(fitted.problems, held_out)
     if cfg.trainer.eval_max_problems:
         held_out = held_out[: cfg.trainer.eval_max_problems]
     record = problem_set([p.id for p in fitted.problems], fitted.dropped, fitted.truncated)
@@ -288,7 +340,28 @@ def build_context(
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
-    point, changes = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
+    point, changes, lock = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
+    try:
+        ctx = _build(cfg, pgs, run_dir, point, changes, policy_factory, engine_factory)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    ctx.run_lock = lock
+    return ctx
+
+
+def _build(
+    cfg: RunConfig,
+    pgs: ParallelGroups,
+    run_dir: Path,
+    point: ResumePoint | None,
+    changes: list,
+    policy_factory: PolicyFactory,
+    engine_factory: EngineFactory,
+) -> TrainContext:
+    """:func:`build_context` once the run directory is locked and checked."""
+    comm = Comm(pgs)
     model_path = comm.broadcast_object(
         str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
     )
@@ -349,7 +422,7 @@ def start_rollouts(
     dummy = cfg.rollout.load_format == "dummy"
     probe_ids = default_probe_ids(tokenizer, cfg.rollout.probe_len)
     early = cfg.trainer.offload_during_rollout
-    probes = first_probes(ctx, probe_ids, dummy) if early else None
+    probes = first_probes(ctx, probe_ids, dummy or resumed) if early else None
     ctx.offload.for_generation()
     rng = rng_state()
     ctx.rollouts = build_rollouts(
@@ -364,7 +437,7 @@ def start_rollouts(
     set_rng_state(rng)
     if probes is None or ctx.rollouts.probe_token_ids != probe_ids:
         ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)
-        probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy)
+        probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy or resumed)
     start_engines(ctx, probes, resumed)
 
 
@@ -380,7 +453,7 @@ def open_run(ctx: TrainContext) -> None:
         name=cfg.trainer.name,
         total_steps=cfg.trainer.max_steps,
         start_step=ctx.step,
-        config=json_safe(dataclasses.asdict(cfg)),
+        config=json_safe(written(cfg)),
     )
     if cfg.metrics.log_completions and ctx.comm.is_main:
         ctx.completions = CompletionsLog(
@@ -422,9 +495,13 @@ def finish(ctx: TrainContext) -> None:
 
 
 def shutdown(ctx: TrainContext) -> None:
-    """Release the engines and the process groups."""
-    ctx.rollouts.close()
+    """Release the engines, the process groups and the run directory's lock."""
     try:
-        destroy_parallel()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        log.debug("destroy_parallel failed", exc_info=True)
+        ctx.rollouts.close()
+        try:
+            destroy_parallel()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            log.debug("destroy_parallel failed", exc_info=True)
+    finally:
+        if ctx.run_lock is not None:
+            ctx.run_lock.release()

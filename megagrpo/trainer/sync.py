@@ -162,11 +162,12 @@ class FirstProbes:
     base: list[float] | None = None
 
 
-def first_probes(ctx: TrainContext, probe_ids: list[int], dummy: bool) -> FirstProbes:
-    """Collective, before the engines start: the probe of the (restored) policy and, when the
-    engines start from dummy weights, of the base alone (the base push is verified on it)."""
+def first_probes(ctx: TrainContext, probe_ids: list[int], need_base: bool) -> FirstProbes:
+    """Collective, before the engines start: the probe of the (restored) policy and, with
+    ``need_base`` (engines from dummy weights, or a resumed run), of the base alone: the base
+    push is verified on it, and it is what engines started from the model directory hold."""
     probes = FirstProbes(trainer_probe(ctx, probe_ids))
-    if dummy:
+    if need_base:
         with ctx.policy.adapters_disabled():
             probes.base = trainer_probe(ctx, probe_ids)
     return probes
@@ -178,8 +179,10 @@ def start_engines(ctx: TrainContext, probes: FirstProbes, resumed: bool) -> dict
     * ``rollout.load_format=dummy``: one verified merged sync before step 1, checksums
       included (except sliced) — the merged policy for merged sync; for adapter sync the base
       alone (the engine serves the adapter on top of it), then the adapter of a resumed run;
-    * real weights: a resumed run's adapters / merged weights; a fresh run sends nothing (its
-      LoRA B is zero: the engines hold the policy already).
+    * real weights: a resumed run's adapters / merged weights, judged against the base's
+      probe (what the engines hold: a checkpoint whose LoRA is still untrained changes
+      nothing, and that is right); a fresh run sends nothing (its LoRA B is zero: the
+      engines hold the policy already).
 
     Afterwards :attr:`Rollouts.last_probe` is the policy's probe. Returns the last sync's
     metrics ({} when nothing was sent)."""
@@ -195,6 +198,8 @@ def start_engines(ctx: TrainContext, probes: FirstProbes, resumed: bool) -> dict
         ctx.rollouts.last_probe = probes.base
         log.info("engines loaded the base weights from the trainer (load_format=dummy)")
     if resumed:
+        if ctx.rollouts.last_probe is None:
+            ctx.rollouts.last_probe = probes.base  # the engines hold the base model
         metrics = push_weights(ctx, mode, probes.policy)
     ctx.rollouts.last_probe = probes.policy
     return metrics

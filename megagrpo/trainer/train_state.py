@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from megagrpo.config.loader import written
+from megagrpo.errors import CheckpointError
 from megagrpo.trainer.checkpoint import (
     LAYOUT_FREE,
     ResumePoint,
@@ -20,6 +22,7 @@ from megagrpo.trainer.checkpoint import (
     reshardable,
     save,
 )
+from megagrpo.trainer.ckpt_checks import TRAINER_KEYS, check_trainer_state
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.plain_state import set_rng_state
@@ -32,7 +35,7 @@ def checkpoint_meta(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed (layout, model, LoRA shape)."""
     return {
         "parallel": dataclasses.asdict(cfg.parallel),
-        "model": cfg.model.hf_path,
+        "model": written(cfg)["model"]["hf_path"],  # as written: no environment values
         "lora": dataclasses.asdict(cfg.model.lora),
     }
 
@@ -88,7 +91,7 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         rank_state=rank_state,
         trainer_state=trainer_state,
         meta=checkpoint_meta(ctx.cfg),
-        extra={"config": dataclasses.asdict(ctx.cfg), "problems": ctx.problem_set, **layout},
+        extra={"config": written(ctx.cfg), "problems": ctx.problem_set, **layout},
         keep=ctx.cfg.trainer.keep_checkpoints,
         comm=ctx.comm,
     )
@@ -148,6 +151,9 @@ def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
     (its state would silently bring the old values back). The engines are synced by the
     caller."""
     rng, trainer_state, routing = _restore_tensors(ctx, point)
+    why = check_trainer_state(trainer_state, point.step, str(point.path), TRAINER_KEYS)
+    if why:
+        raise CheckpointError(why)
     apply_optimizer_settings(ctx.optimizer, ctx.scheduler, ctx.cfg.trainer)
     ctx.sampler.load_state_dict(trainer_state["sampler"])
     if routing is None:

@@ -168,3 +168,36 @@ def test_plan_cli_calibrate(tmp_path, capsys):
     assert "refitted" in text and "plan with the refitted prior" in text
     assert main(["plan", "--calibrate", str(tmp_path / "nothing")]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def test_plan_cli_calibrate_refuses_what_is_not_the_run(tmp_path, capsys):
+    """Without config.yaml the plan used the defaults (G=8, the article's histogram) with rc
+    0; a row that is not an object, or a NaN / negative group count, gave raw errors or was
+    dropped silently."""
+    from megagrpo.cli import main
+
+    rows = _run_rows(BetaPrior(1.2, 0.5), steps=4, seed=1)
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def write(extra: str = "") -> None:
+        with open(run / "metrics.jsonl", "w") as fh:
+            for row in rows:
+                fh.write(json.dumps({k: (None if v != v else v) for k, v in row.items()}) + "\n")
+            fh.write(extra)
+
+    write()
+    assert main(["plan", "--calibrate", str(run), "--json"]) == 2
+    assert "config.yaml not found: pass the run's config" in capsys.readouterr().err
+    (run / "config.yaml").write_text("curriculum:\n  level_k: 5\nrollout:\n  group_size: 8\n")
+    key = "collapse/groups_by_level/L1"
+    for extra, match in [
+        ("[1, 2]\n", "row 5 is not a JSON object"),
+        (json.dumps({"step": 5, "collapse/acr_by_level/L1": 0.5, key: -3}) + "\n", "not a count"),
+        ('{"step": 5, "collapse/acr_by_level/L1": 0.5, "' + key + '": NaN}\n', "not a count"),
+        (json.dumps({"step": 5, "collapse/acr_by_level/L1": 1.5}) + "\n", "outside"),
+    ]:
+        write(extra)
+        assert main(["plan", "--calibrate", str(run), "--json"]) == 2, extra
+        err = capsys.readouterr().err
+        assert match in err and "metrics.jsonl" in err, err

@@ -57,6 +57,9 @@ REJECTED = [
     ("model.lora.dropout=nan", "model.lora.dropout"),
     ("cluster.gpu_memory_gib=inf", "cluster.gpu_memory_gib"),
     ("metrics.wandb_init_timeout_s=inf", "metrics.wandb_init_timeout_s"),
+    ("trainer.name=..", "trainer.name"),  # was: the run written into output_dir's parent
+    ("trainer.name=.", "trainer.name"),
+    ("trainer.name=.hidden", "trainer.name"),
 ]
 
 
@@ -81,6 +84,7 @@ ACCEPTED = [
     "dynamic.tau=1e-6",
     "curriculum.level_weights=[1,0,2.5,1]",
     "model.lora.alpha=32",
+    "trainer.name=run.v2",
 ]
 
 

@@ -161,6 +161,8 @@ def test_registry_errors():
     with pytest.raises(ConfigError, match="cannot import"):
         get("not_a_module_xyz:Thing")
     with pytest.raises(ConfigError, match="no attribute"):
+        get("megagrpo.rewards.toy:NoSuchClass")
+    with pytest.raises(ConfigError, match="standard library"):
         get("math:NoSuchClass")
 
 

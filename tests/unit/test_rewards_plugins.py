@@ -61,7 +61,7 @@ def test_popen_from_a_config_runs_nothing(tmp_path):
             ),
         ]
     )
-    with pytest.raises(ConfigError, match="refusing to construct or call.*stdlib"):
+    with pytest.raises(ConfigError, match="subprocess.* is in the standard library"):
         build_composite(cfg)
     time.sleep(0.2)  # a spawned shell would have created the file by now
     assert not marker.exists()
@@ -392,3 +392,85 @@ def test_swift_orms_are_called_once_per_batch(plugin_dir):
     build_composite(dataclasses.replace(spec, swift_calls="group")).score_groups(per_group)
     assert batchy.RankInBatch.calls == 4  # one more per group
     assert [r for g in per_group for r in g.rewards] != pytest.approx(want)
+
+
+# ----------------------------------------------------------------------------- import surface
+
+
+def test_a_stdlib_or_main_module_is_refused_before_it_is_imported(tmp_path, monkeypatch, capfd):
+    """Importing ``venv.__main__`` runs venv's command line (it created a virtualenv before
+    the refusal); ``this`` prints at import. Neither may be imported for a reward name."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["venv", "--without-pip", str(tmp_path / "train")])
+    for name, why in [
+        ("venv.__main__:x", "not a module a reward can come from"),
+        ("this:x", "standard library"),
+        ("json.decoder:JSONDecoder", "standard library"),
+    ]:
+        if name.startswith(("this", "venv")):  # never drop a module others use (json)
+            sys.modules.pop(name.partition(":")[0], None)
+        with pytest.raises(ConfigError, match=why):
+            get(name)
+    assert not (tmp_path / "train").exists() and "this" not in sys.modules
+    assert "Zen of Python" not in capfd.readouterr().out
+
+
+def test_plugin_files_are_loaded_from_their_own_path(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for d, value in ((first, 1.0), (second, 2.0)):
+        d.mkdir()
+        (d / "same_name_plugin.py").write_text(
+            f"def score(completions, **kwargs):\n    return [{value}] * len(completions)\n"
+        )
+    monkeypatch.syspath_prepend(str(second))
+    monkeypatch.syspath_prepend(str(first))  # a's file comes first on sys.path
+    try:
+        cfg = RewardsConfig(
+            functions=[RewardSpec("same_name_plugin:score")],
+            external_plugins=[str(second / "same_name_plugin.py")],
+        )
+        total, _ = build_composite(cfg)(["x"], PROBLEM)
+        assert total == [2.0]  # the listed file, not the first of that name on sys.path
+    finally:
+        sys.modules.pop("same_name_plugin", None)
+    shadow = tmp_path / "venv.__main__.py"
+    shadow.write_text("def score(completions, **kwargs):\n    return [0.0]\n")
+    for bad in (shadow, tmp_path / "json.py"):
+        bad.write_text("x = 1\n")
+        cfg = RewardsConfig(functions=[RewardSpec("toy_first_token")], external_plugins=[str(bad)])
+        with pytest.raises(ConfigError, match="rename the plugin file"):
+            build_composite(cfg)
+    assert "json" in sys.modules and not hasattr(sys.modules["json"], "x")
+
+
+def test_a_plugin_kwarg_may_be_called_path(plugin_dir):
+    plugin_dir(
+        "path_kwarg",
+        """
+        class Scored:
+            def __init__(self, path, run_args=None, **kwargs):
+                self.path, self.run_args = path, run_args
+            def __call__(self, completions, **kwargs):
+                return [float(len(self.path))] * len(completions)
+        """,
+    )
+    fn = get("path_kwarg:Scored", path="abc", run_args=1)
+    assert fn(["x", "y"], PROBLEM) == [3.0, 3.0]
+
+
+def test_rewards_time_out_by_default_and_hung_calls_do_not_pile_up(plugin_dir):
+    """A hung reward used to hang the run (timeout_s defaulted to 0), and every timed-out
+    call left a thread running; now 120 s by default, and the run stops naming the setting
+    once MAX_HUNG_CALLS timed-out calls are still running."""
+    from megagrpo.rewards.composite import MAX_HUNG_CALLS
+
+    assert RewardsConfig().timeout_s == 120.0
+    _sleepy_and_fast(plugin_dir)
+    comp = build_composite(
+        RewardsConfig(functions=[RewardSpec("slow_rewards:sleepy")], timeout_s=0.05)
+    )
+    total, _ = comp(["a"], PROBLEM)  # one call, one thread left running
+    assert total == [0.0] and comp.pop_metrics()["reward/timeouts"] == 1.0
+    with pytest.raises(RewardError, match=f"{MAX_HUNG_CALLS} reward calls .* still running"):
+        for _ in range(MAX_HUNG_CALLS):
+            comp(["a"], PROBLEM)

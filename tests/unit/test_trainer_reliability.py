@@ -350,7 +350,9 @@ def test_a_stop_signal_mid_step_checkpoints_and_resume_continues_identically(
     _same_state(tmp_path / "full" / ckpt, tmp_path / "stop" / ckpt)
 
 
-def test_a_stop_before_the_first_step_writes_a_step_0_checkpoint(model_dir, tmp_path):
+def test_a_stop_before_the_first_step_writes_no_checkpoint_and_a_restart_runs(model_dir, tmp_path):
+    """A requeued job stopped during start-up starts again with the same command (a step-0
+    checkpoint would hold an untrained LoRA and refuse the plain restart)."""
     from megagrpo.trainer.signals import StopSignals
 
     _train(_context(model_dir, tmp_path, "full"))
@@ -358,8 +360,8 @@ def test_a_stop_before_the_first_step_writes_a_step_0_checkpoint(model_dir, tmp_
     stop.signum = signal.SIGUSR1  # arrived while the run was starting
     ctx = _context(model_dir, tmp_path, "early")
     assert _train(ctx, stop) == [] and ctx.stopped_by == "SIGUSR1"
-    assert checkpoint.latest(tmp_path / "early" / "checkpoints").name == "step_000000"
-    _train(_context(model_dir, tmp_path, "early", resume=True))
+    assert checkpoint.latest(tmp_path / "early" / "checkpoints") is None
+    _train(_context(model_dir, tmp_path, "early"))
     _same_rows(_rows(tmp_path / "full"), _rows(tmp_path / "early"))
 
 
