@@ -183,18 +183,26 @@ def _run_id() -> str:
     return joined or str(os.getpid())
 
 
-def _model_copy(hf_dir: Path, layers: int) -> Path:
-    """A local directory with ``hf_dir``'s config (truncated) and tokenizer files, no weights."""
+def _model_copy(hf_dir: Path, layers: int, run_id: str) -> tuple[Path, bool]:
+    """``hf_dir``'s config (truncated) and tokenizer files, no weights, in a local directory
+    whose path is the same on every rank (checkpoints record it); returns it and whether this
+    process created it (the ranks of a node race: the first rename wins, the others use it)."""
     from megagrpo.model.arch import load_hf_config
 
-    out = Path(tempfile.mkdtemp(prefix="megagrpo-preflight-model-"))
+    target = Path(tempfile.gettempdir()) / f"megagrpo-preflight-model-{run_id}"
+    mine = Path(tempfile.mkdtemp(prefix="megagrpo-preflight-model-tmp-"))
     for f in hf_dir.iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
             if not f.name.endswith(".index.json"):
-                shutil.copy2(f, out / f.name)
+                shutil.copy2(f, mine / f.name)
     hf = truncated_hf_config(load_hf_config(hf_dir), layers)
-    (out / "config.json").write_text(json.dumps(hf, indent=1), encoding="utf-8")
-    return out
+    (mine / "config.json").write_text(json.dumps(hf, indent=1), encoding="utf-8")
+    try:
+        os.rename(mine, target)
+        return target, True
+    except OSError:  # another rank of this node was first (same contents)
+        shutil.rmtree(mine, ignore_errors=True)
+        return target, False
 
 
 def _plan(cfg: Any, hf: dict[str, Any], world: int) -> dict[str, float]:
@@ -260,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0 and run_dir.exists():
         print(f"megagrpo preflight: error: {run_dir} exists (not ours)", file=sys.stderr)
         return 2
-    model_dir = _model_copy(hf_dir, n)
+    model_dir, own_model_dir = _model_copy(hf_dir, n, _run_id())
     try:
         cfg = load_config(
             RunConfig,
@@ -292,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
             violations,
         )
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if own_model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
         if rank == 0 and not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     if rank == 0:

@@ -239,14 +239,18 @@ def _resume(run: PreflightRun) -> None:
         for p in ctx.policy.lora_parameters():
             p.add_(1.0)
     point = find_resume_checkpoint(ctx.ckpt_root, ctx.comm)
-    restore_checkpoint(ctx, point)
-    now = ctx.policy.lora_state_dict()
-    wrong = [k for k, v in run.saved.items() if not torch.equal(now[k].cpu(), v.cpu())]
-    wrong_any = [w for ws in ctx.comm.all_gather_object(wrong) for w in ws]  # agreed
-    if wrong_any:
-        raise PreflightError(
-            f"{len(wrong_any)} LoRA tensors differ after the restore: {wrong_any[:3]}"
-        )
+    problem = ""
+    try:  # rank-local: every rank must reach the agreement below
+        restore_checkpoint(ctx, point)
+        now = ctx.policy.lora_state_dict()
+        wrong = [k for k, v in run.saved.items() if not torch.equal(now[k].cpu(), v.cpu())]
+        if wrong:
+            problem = f"{len(wrong)} LoRA tensors differ after the restore: {wrong[:3]}"
+    except Exception as exc:  # noqa: BLE001 - agreed on, then raised on every rank
+        problem = f"{type(exc).__name__}: {exc}"
+    problems = [p for p in ctx.comm.all_gather_object(problem) if p]
+    if problems:
+        raise PreflightError("; ".join(problems))
     expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
     push_weights(ctx, sync_mode(ctx), expected)
 
