@@ -194,16 +194,29 @@ def loss_metrics(
     entropy: Tensor | None = None,
     kl: Tensor | None = None,
     tis_w: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+    num_seqs: int = 0,
 ) -> dict[str, Tensor]:
-    """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T]."""
+    """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T].
+
+    Keys ending ``_min`` / ``_max`` hold this call's value for a min / max over calls (a
+    trainer combines micro-batches so; +inf / -inf when no token is valid), keys ending
+    ``_sum`` a sum over calls: ``loss/entropy_seq_sum`` (the sum over non-empty sequences of
+    each one's mean token entropy) and ``loss/nonempty_seqs_sum`` (their count), with
+    ``seq_ids`` [T]."""
     valid = m > 0
     big = torch.finfo(ratio.dtype).max
     ratio = ratio.detach()
+    low = _masked_mean(clipped & (ratio < 1.0 - cfg.eps_low) & (adv < 0), m)
+    high = _masked_mean(clipped & (ratio > 1.0 + cfg.eps_high) & (adv > 0), m)
+    inf = torch.tensor(float("inf"), device=m.device)
     out = {
         "loss/policy": pg_loss.detach(),
         "loss/clip_frac": _masked_mean(clipped, m),
-        "loss/clip_frac_low": _masked_mean(clipped & (ratio < 1.0 - cfg.eps_low) & (adv < 0), m),
-        "loss/clip_frac_high": _masked_mean(clipped & (ratio > 1.0 + cfg.eps_high) & (adv > 0), m),
+        "loss/clip_frac_low": low,
+        "loss/clip_frac_high": high,
+        "loss/clip_frac_low_min": low if valid.any() else inf,
+        "loss/clip_frac_high_max": high if valid.any() else -inf,
         "loss/ratio_mean": _masked_mean(ratio, m),
         "loss/ratio_min": torch.where(valid, ratio, big).min()
         if valid.any()
@@ -214,6 +227,13 @@ def loss_metrics(
     }
     if entropy is not None:
         out["loss/entropy"] = _masked_mean(entropy.detach(), m)
+        if seq_ids is not None and num_seqs > 0:
+            z = torch.zeros(num_seqs, device=m.device, dtype=m.dtype)
+            n = z.index_add(0, seq_ids, m)
+            per_seq = z.index_add(0, seq_ids, entropy.detach().to(m.dtype) * m)
+            nonempty = n > 0
+            out["loss/entropy_seq_sum"] = (per_seq[nonempty] / n[nonempty]).sum()
+            out["loss/nonempty_seqs_sum"] = nonempty.sum().to(m.dtype)
     if kl is not None:
         out["loss/kl"] = _masked_mean(kl.detach(), m)
     if tis_w is not None:
@@ -285,7 +305,7 @@ def policy_loss(
         loss = loss - cfg.entropy_coef * (c * ent).sum()
     elif ent is None and cfg.entropy_coef != 0:
         raise ValueError("loss.entropy_coef != 0 needs entropy")
-    metrics = loss_metrics(m, pg_loss, ratio, clipped, adv, cfg, ent, kl, tis_w)
+    metrics = loss_metrics(m, pg_loss, ratio, clipped, adv, cfg, ent, kl, tis_w, ids, num_seqs)
     metrics["loss/total"] = loss.detach()
     return loss, metrics
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megagrpo import fileio
-from megagrpo.config.merge import apply_override, describe, merge_file
+from megagrpo.config.merge import apply_override, describe, keep_words, merge_file
 from megagrpo.errors import ConfigError, require  # noqa: F401  (re-export)
 
 T = TypeVar("T")
@@ -49,6 +49,7 @@ def load_config(
         for old, new in renamed.items():
             if isinstance(loaded, DictConfig) and _has_key(loaded, old):
                 raise ConfigError(f"{p}: config key '{old}' is now '{new}'")
+        keep_words(cfg, loaded, p.read_text(encoding="utf-8"))
         cfg = merge_file(cfg, loaded, p)
     for item in overrides or []:
         key = item.partition("=")[0].strip()

@@ -35,7 +35,14 @@ class CurriculumConfig:
     level_k: int = 5
     """k of the level scale (levels L1..L{k+1}); taken from the levels file when it has one."""
     retire_streak: int = 2
-    """Retire a problem after this many consecutive all-correct/all-wrong groups (0: never)."""
+    """Retire a problem after this many consecutive all-correct/all-wrong groups (0: never).
+    Judged on ``signal_reward``."""
+    signal_reward: str = ""
+    """The reward function (its ``label``, else its ``name``) whose values are the
+    curriculum's correctness signal (>= 0.5 counts as correct): the online pass rates,
+    retirement and the collapse metrics read it. Empty: the only reward function; with
+    several it must be named (a format reward that every answer passes would otherwise
+    retire problems whose accuracy still varies)."""
     revisit_prob: float = 0.05
     """Probability that a retired problem is served anyway when drawn (it un-retires if it
     splits)."""

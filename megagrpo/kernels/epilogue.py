@@ -120,6 +120,8 @@ def assemble(
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * (c * ent).sum()
         h = -cfg.entropy_coef * c
-    metrics = loss_metrics(m, pg_loss, terms.ratio, terms.clipped > 0, adv, cfg, ent, terms.kl, w)
+    metrics = loss_metrics(
+        m, pg_loss, terms.ratio, terms.clipped > 0, adv, cfg, ent, terms.kl, w, ids, num_seqs
+    )
     metrics["loss/total"] = loss.detach()
     return loss, metrics, g, h

@@ -41,10 +41,15 @@ class TrainerConfig:
     rollout.max_tokens, never by the batch size (gradients accumulate over micro-batches)."""
     ppo_epochs: int = 1
     """Optimiser updates per generated batch (>1 needs old log-probs: recomputed)."""
-    old_logprobs: Literal["auto", "rollout", "recompute", "none"] = "auto"
-    """auto | rollout | recompute | none. Behaviour log-probs for the ratio: the engine's
-    sampled-token log-probs, a trainer forward before the update, or none (ratio 1).
-    auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout."""
+    old_logprobs: Literal["auto", "rollout", "recompute", "none"] = "recompute"
+    """recompute | rollout | auto | none. Behaviour log-probs for the ratio. recompute (the
+    default, as ms-swift, verl and NeMo-RL): a trainer forward before the update, so an
+    on-policy step has a ratio of exactly 1 and clipping never acts on inference noise; the
+    engine's log-probs are still used for truncated importance sampling (``loss.tis_cap``)
+    and the ``train/logprob_mismatch`` metrics. rollout: the engine's sampled-token log-probs
+    (one forward less per step, but in bf16 the ratio departs from 1 by the engine/trainer
+    mismatch). auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout.
+    none: ratio 1 (no clipping)."""
     lr: float = 1e-4
     """AdamW learning rate of the LoRA parameters."""
     weight_decay: float = 0.0
@@ -201,6 +206,7 @@ class RunConfig:
         """Checks across sections (each section validated itself first): the rollout budget
         keys, and that a budget other than uniform runs with a dynamic-sampling policy that
         trains on the groups it finished (partial | carry). ConfigError names the key."""
+        self.curriculum_signal()
         budget = self.budget
         budget.resolved(self.rollout.group_size, "budget")
         if budget.mode != "uniform" and self.dynamic.policy == "original":
@@ -210,6 +216,27 @@ class RunConfig:
                 f"budget.mode={budget.mode} (groups of different sizes); use partial or "
                 "carry"
             )
+
+    def curriculum_signal(self) -> str:
+        """The reward term the curriculum and the collapse metrics judge correctness on
+        (``curriculum.signal_reward``, or the only reward function); ConfigError when it is
+        not one of the configured terms or several terms leave it unnamed."""
+        labels = [f.label or f.name for f in self.rewards.functions]
+        named = self.curriculum.signal_reward
+        if named:
+            require(
+                named in labels,
+                "curriculum.signal_reward",
+                f"{named!r} is not a configured reward function {labels}",
+            )
+            return named
+        require(
+            len(labels) <= 1,
+            "curriculum.signal_reward",
+            f"{len(labels)} reward functions {labels}: name the one whose 0/1 values are the "
+            "curriculum's correctness signal (problems are retired on it)",
+        )
+        return labels[0] if labels else ""
 
     def resolve(self) -> None:
         """Fill the derived values in place, once, before the config is saved (the saved

@@ -30,7 +30,7 @@ import torch
 from megagrpo.algo.advantages import flat_group_advantages, group_advantages
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
-from megagrpo.metrics.names import required_metrics, swift_aliases
+from megagrpo.metrics.names import group_std_mean, required_metrics, swift_aliases
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
@@ -116,6 +116,7 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
     if groups:
         out["reward/mean"] = float(np.mean([r for g in groups for r in g.rewards]))
         out["reward/std"] = float(np.std([r for g in groups for r in g.rewards]))
+        out["reward/group_std_mean"] = group_std_mean([list(g.rewards) for g in groups])
         for name in ctx.reward_fn.names:
             values = [v for g in groups for v in g.reward_parts.get(name, [])]
             out[f"reward/{name}/mean"] = float(np.mean(values or [0.0]))
@@ -137,9 +138,9 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
         ctx.offload.for_generation()  # frozen weights + moments on the host (if configured)
         batch, gen = collect_batch(ctx, step)
-    if ctx.completions is not None:  # what was trained on, with rewards (rank 0)
-        ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of)
     adv = compute_advantages(ctx, batch.groups)  # 3
+    if ctx.completions is not None:  # what was trained on: rewards, advantages (rank 0)
+        ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of, advantages=adv)
     trained = len(batch.groups) > 0
     if trained:  # 4: free the engines' memory for training (the sync wakes them in stages)
         ctx.rollouts.sleep()
@@ -165,7 +166,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     row = complete_row(ctx, metrics)
     if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
         num = sum(g.size for g in batch.groups)
-        row.update(swift_aliases(row, ctx.reward_fn.names, num_completions=num))
+        scale = ctx.cfg.loss.resolved_advantage_scale()
+        row.update(swift_aliases(row, ctx.reward_fn.names, num, scale))
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
     every_save = ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)

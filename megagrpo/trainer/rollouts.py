@@ -227,11 +227,7 @@ class Rollouts(ABC):
         are generated in one engine call)."""
         counts = round_counts(n, len(problems))
         groups = self._generate_on_main(problems, counts, SamplingSpec(seed=seed))
-        for g in groups:
-            total, parts = self.reward_fn(
-                g.completions, g.problem, lengths=g.lengths, token_ids=g.token_ids
-            )
-            g.rewards, g.reward_parts = list(total), dict(parts)
+        self.reward_fn.score_groups(groups)  # ms-swift ORMs: once for the round
         shared = self.comm.broadcast_object(groups)
         for group, problem in zip(shared, problems):
             group.problem = problem

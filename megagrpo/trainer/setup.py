@@ -210,6 +210,25 @@ def fit_prompts(
     return result
 
 
+def check_golds_scorable(cfg: RunConfig, problems: list) -> None:
+    """mcq_accuracy scores option letters and numbers: a training problem whose solution is
+    free text (``\\frac{3}{4}``, a sentence) is a ConfigError before step 1, naming where,
+    not a reward error at every step."""
+    names = [f.name for f in cfg.rewards.functions]
+    if "mcq_accuracy" not in names:
+        return
+    free = [p for p in problems if not p.answer]
+    if free:
+        first = free[0]
+        raise ConfigError(
+            f"config key 'rewards.functions.{names.index('mcq_accuracy')}.name': mcq_accuracy "
+            f"scores option letters or numbers, but {len(free)} training problem(s) have a "
+            f"free-text solution, first {first.meta.get('source', first.id)}: "
+            f"{str(first.meta.get('solution', ''))[:60]!r}; use 'orms:accuracy' (ms-swift's "
+            "math_verify) for such golds, or fix the data"
+        )
+
+
 def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
     """``data.train`` / ``data.eval`` loaded, prompt lengths checked (before step 1, before
     any model is built); ConfigError when no training problem is left."""
@@ -287,7 +306,8 @@ def build_context(
             "temperature": cfg.rollout.temperature,
         },
     )
-    correctness = reward_fn.names[0]
+    check_golds_scorable(cfg, data.train)
+    correctness = cfg.curriculum_signal() or reward_fn.names[0]
     sampler, acr = _curriculum(cfg, data.train, correctness)
     ctx = TrainContext(
         cfg=cfg,

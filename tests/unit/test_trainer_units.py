@@ -193,8 +193,9 @@ def test_trainer_config_validation_names_the_key():
     with pytest.raises(ConfigError, match="trainer.old_logprobs"):
         TrainerConfig(ppo_epochs=2, old_logprobs="rollout").validate()
     assert TrainerConfig(ppo_epochs=2).resolved_old_logprobs() == "recompute"
-    assert TrainerConfig().resolved_old_logprobs(engine_has_logprobs=False) == "recompute"
-    assert TrainerConfig().resolved_old_logprobs() == "rollout"
+    assert TrainerConfig(old_logprobs="auto").resolved_old_logprobs(False) == "recompute"
+    assert TrainerConfig(old_logprobs="auto").resolved_old_logprobs() == "rollout"
+    assert TrainerConfig().resolved_old_logprobs() == "recompute"
 
 
 def test_round_seed_is_deterministic_and_distinct():
