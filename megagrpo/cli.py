@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megagrpo.commands.plan_memory",
         "per-GPU memory plan for a config's parallel layout (fits on 80 GB H100?)",
     ),
+    "preflight": (
+        "megagrpo.commands.preflight",
+        "the exact config on a 2-layer copy of the model: every phase, memory vs plan",
+    ),
     "score": (
         "megagrpo.commands.score",
         "official IgakuQA scoring of prediction files against gold files",

@@ -4,6 +4,9 @@
 #   bash slurm/submit.sh                             # mkdir -p logs, then sbatch this script
 #   bash slurm/submit.sh --nodes=16 -- trainer.max_steps=500   # sbatch flags -- overrides
 #   DRY_RUN=1 bash slurm/grpo_235b.sh                # print the commands the real path runs
+#   PREFLIGHT=1 bash slurm/submit.sh                 # `megagrpo preflight` first, on the same
+#                                                    # allocation and launcher; train if it passes
+#   PREFLIGHT=only bash slurm/submit.sh              # preflight alone
 #
 # Node count, TP/EP/PP and the vLLM layout come from the config (cluster.num_nodes,
 # cluster.gpus_per_node, parallel.*, rollout.tensor_parallel_size); the SBATCH --nodes below
@@ -34,6 +37,7 @@ CONFIG=${CONFIG:-configs/qwen3_235b_a22b.yaml}
 HF_CONFIG=${HF_CONFIG:-configs/qwen3_235b_a22b.hf_config.json}
 PYTHON=${PYTHON:-python}
 DRY_RUN=${DRY_RUN:-0}
+PREFLIGHT=${PREFLIGHT:-0}                      # 1: preflight, then train; only: preflight alone
 OVERRIDES=("$@")
 
 # --- what the config asks for -------------------------------------------------------------
@@ -86,6 +90,9 @@ export GPUS_PER_NODE
 SRUN=(srun --kill-on-bad-exit=1 --nodes="$NUM_NODES" --ntasks-per-node=1
   --cpus-per-task="$CPUS_PER_TASK" bash slurm/launch_node.sh "$CONFIG" "${RESUME[@]}"
   "${OVERRIDES[@]}")
+PRE_SRUN=(srun --kill-on-bad-exit=1 --nodes="$NUM_NODES" --ntasks-per-node=1
+  --cpus-per-task="$CPUS_PER_TASK" env MEGAGRPO_COMMAND=preflight
+  MEGAGRPO_PREFLIGHT_ID="$JOB_ID" bash slurm/launch_node.sh "$CONFIG" "${OVERRIDES[@]}")
 PLAN=("$PYTHON" -m megagrpo.cli plan-memory "$CONFIG" "${OVERRIDES[@]}" --hf-config "$HF_CONFIG")
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -97,7 +104,8 @@ if [ "$DRY_RUN" = 1 ]; then
        "WANDB_MODE=$WANDB_MODE"
   echo "mkdir -p $RUN_DIR"
   echo "${PLAN[*]} | tee $RUN_DIR/memory_plan.txt"
-  echo "${SRUN[*]}"
+  [ "$PREFLIGHT" != 0 ] && echo "${PRE_SRUN[*]}  # preflight: must exit 0"
+  [ "$PREFLIGHT" != only ] && echo "${SRUN[*]}"
   echo "# each node's task (slurm/launch_node.sh) runs:"
   for i in "${!NODES[@]}"; do
     echo "[${NODES[$i]}] $(SLURM_NODEID=$i SLURM_JOB_NUM_NODES=$NUM_NODES SLURM_JOB_ID=$JOB_ID \
@@ -121,6 +129,10 @@ trap 'on_signal TERM' TERM
 
 mkdir -p "$RUN_DIR"
 "${PLAN[@]}" | tee "$RUN_DIR/memory_plan.txt"
+if [ "$PREFLIGHT" != 0 ]; then  # the exact config on a 2-layer model, same launcher
+  "${PRE_SRUN[@]}" || { echo "grpo_235b.sh: preflight failed: not training" >&2; exit 1; }
+  [ "$PREFLIGHT" = only ] && exit 0
+fi
 "${SRUN[@]}" &
 STEP=$!
 rc=0

@@ -2,6 +2,7 @@
 # One node's launcher (run by srun from slurm/grpo_235b.sh, one task per node): torchrun
 # starts GPUS_PER_NODE training ranks, each hosting its colocated vLLM engine shard.
 #   bash slurm/launch_node.sh CONFIG [--resume] [key=value ...]
+#   MEGAGRPO_COMMAND=preflight bash slurm/launch_node.sh CONFIG [key=value ...]  # preflight
 #   DRY_RUN=1 SLURM_NODEID=0 SLURM_JOB_NUM_NODES=16 ... bash slurm/launch_node.sh ...  # print
 #
 # Signals: USR1 or TERM are forwarded to the training ranks (torchrun's children), which
@@ -16,7 +17,7 @@ CMD=(torchrun --nnodes="$NUM_NODES" --node-rank="$NODE_RANK"
   --nproc-per-node="${GPUS_PER_NODE:-8}"
   --rdzv-id="megagrpo-${SLURM_JOB_ID:-local}" --rdzv-backend=c10d
   --rdzv-endpoint="${MASTER_ADDR:?}:${MASTER_PORT:?}"
-  -m megagrpo.cli train "$CONFIG" "$@")
+  -m megagrpo.cli "${MEGAGRPO_COMMAND:-train}" "$CONFIG" "$@")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   echo "${CMD[*]}"

@@ -1,0 +1,309 @@
+"""`megagrpo preflight CONFIG [key=value ...] [--layers N] [--json]`: the run's exact config on
+its model truncated to N layers, before the real job.
+
+Every parallel dimension, the engine arguments, sync transport, offload and sleep levels stay
+as configured; the model keeps its widths and experts but only ``--layers`` layers (default 2;
+raised to a multiple of ``parallel.pp``), and nothing is read from disk: the trainer starts
+from seeded stand-in weights and the engines from ``rollout.load_format=dummy``, then get
+them through the run's verified sync. Phases (:mod:`megagrpo.trainer.preflight`): start,
+generate, sleep, wake, train, sync, skipped, checkpoint, resume, export. Run it like train
+(``torchrun ... -m megagrpo.cli preflight CONFIG``, or ``PREFLIGHT=1 sbatch
+slurm/grpo_235b.sh``).
+
+Prints, per phase, pass/fail, seconds and measured peak memory (GPU:
+``torch.cuda.max_memory_allocated``; CPU: the RSS high-water mark; max over ranks) next to
+``plan-memory``'s prediction for the truncated model, and extrapolates to the full depth with
+the planner's per-layer slope: ``measured + (L - N) x (plan(L) - plan(N)) / (L - N)``.
+Exit status 0 when every phase passes, 1 naming the failed phase, 2 for a bad config.
+
+Writes only into a directory it creates (``{trainer.output_dir}/.preflight-{trainer.name}-ID``,
+and a local copy of the model's config and tokenizer) and removes both at the end; ``--keep``
+keeps them for a look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = __doc__
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="run config YAML (the one the job will run)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the truncated model")
+    parser.add_argument("--json", action="store_true", help="print only one JSON object")
+    parser.add_argument("--keep", action="store_true", help="keep the preflight directory")
+
+
+# ------------------------------------------------------------------ pure helpers
+def truncated_hf_config(hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``hf`` with ``layers`` decoder layers (per-layer lists cut, layer indices filtered)."""
+    out = dict(hf)
+    out["num_hidden_layers"] = layers
+    for key in ("layer_types",):
+        if isinstance(out.get(key), list):
+            out[key] = out[key][:layers]
+    if isinstance(out.get("mlp_only_layers"), list):
+        out["mlp_only_layers"] = [i for i in out["mlp_only_layers"] if i < layers]
+    if isinstance(out.get("max_window_layers"), int):
+        out["max_window_layers"] = min(out["max_window_layers"], layers)
+    return out
+
+
+def preflight_layers(requested: int, pp: int, full: int) -> int:
+    """Layers to run: ``requested`` raised to a multiple of ``pp`` (each stage one or more
+    layers), at most the model's ``full`` depth."""
+    if requested < 1:
+        raise ValueError(f"--layers must be >= 1, got {requested}")
+    n = math.ceil(max(requested, pp) / pp) * pp
+    return min(n, full)
+
+
+def extrapolate(
+    measured_gib: float, plan_n_gib: float, plan_full_gib: float, n: int, full: int
+) -> dict[str, float]:
+    """The full-depth estimate of a phase measured at ``n`` layers: the planner's per-layer
+    slope ``(plan(full) - plan(n)) / (full - n)`` added ``full - n`` times to the measurement."""
+    slope = (plan_full_gib - plan_n_gib) / (full - n) if full != n else 0.0
+    return {
+        "slope_gib_per_layer": slope,
+        "extrapolated_gib": measured_gib + (full - n) * slope,
+    }
+
+
+def memory_rows(
+    phases: list[dict[str, Any]],
+    plan_n: dict[str, float],
+    plan_full: dict[str, float],
+    n: int,
+    full: int,
+) -> dict[str, dict[str, float]]:
+    """Per phase the planner predicts (``PLAN_PHASE``): measured, plan at ``n`` and at
+    ``full`` layers, and the extrapolation."""
+    from megagrpo.trainer.preflight import PLAN_PHASE
+
+    out: dict[str, dict[str, float]] = {}
+    for ph in phases:
+        key = PLAN_PHASE.get(ph["name"])
+        if key is None or not ph["ok"] or key not in plan_n:
+            continue
+        row = {
+            "measured_gib": ph["peak_gib"],
+            "plan_gib": plan_n[key],
+            "plan_full_gib": plan_full[key],
+        }
+        row.update(extrapolate(ph["peak_gib"], plan_n[key], plan_full[key], n, full))
+        out[ph["name"]] = row
+    return out
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The text table of a report (:func:`build_report`)."""
+    n, full = report["layers"], report["full_layers"]
+    lines = [
+        f"megagrpo preflight: {n} of {full} layers, {report['world_size']} rank(s), "
+        f"memory: {report['memory_kind']}",
+        f"{'phase':<11} {'result':<6} {'s':>7} {'peak GiB':>9} {'plan GiB':>9} "
+        f"{'-> ' + str(full) + ' layers':>13} {'plan':>8}",
+    ]
+    mem = report["memory"]
+    for ph in report["phases"]:
+        m = mem.get(ph["name"])
+        extra = (
+            f" {m['plan_gib']:>9.2f} {m['extrapolated_gib']:>13.2f} {m['plan_full_gib']:>8.2f}"
+            if m
+            else ""
+        )
+        lines.append(
+            f"{ph['name']:<11} {'ok' if ph['ok'] else 'FAIL':<6} {ph['seconds']:>7.1f} "
+            f"{ph['peak_gib']:>9.2f}{extra}"
+        )
+    for v in report.get("violations", []):
+        lines.append(f"compatibility: {v}")
+    if report["ok"]:
+        lines.append(f"preflight passed: all {len(report['phases'])} phases")
+    else:
+        lines.append(f"preflight FAILED in phase {report['failed_phase']}: {report['error']}")
+    return "\n".join(lines)
+
+
+def build_report(
+    phases: list[dict[str, Any]],
+    plan_n: dict[str, float],
+    plan_full: dict[str, float],
+    n: int,
+    full: int,
+    world: int,
+    memory_kind: str,
+    violations: list[str] | None = None,
+) -> dict[str, Any]:
+    """The JSON report: ``ok``, ``failed_phase``, ``error``, ``phases`` and ``memory``."""
+    failed = next((p for p in phases if not p["ok"]), None)
+    return {
+        "ok": failed is None and not violations,
+        "failed_phase": failed["name"] if failed else ("compat" if violations else None),
+        "error": failed["error"] if failed else ("; ".join(violations or []) or None),
+        "layers": n,
+        "full_layers": full,
+        "world_size": world,
+        "memory_kind": memory_kind,
+        "phases": phases,
+        "memory": memory_rows(phases, plan_n, plan_full, n, full),
+        "plan_gib": plan_n,
+        "plan_full_gib": plan_full,
+        "violations": violations or [],
+    }
+
+
+# ------------------------------------------------------------------ the run
+def _run_id() -> str:
+    """The same on every rank of one launch, different across launches."""
+    explicit = os.environ.get("MEGAGRPO_PREFLIGHT_ID")
+    if explicit:
+        return explicit
+    parts = [
+        os.environ.get("SLURM_JOB_ID", ""),
+        os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        os.environ.get("MASTER_PORT", ""),
+    ]
+    joined = "-".join(p for p in parts if p and p != "none")
+    return joined or str(os.getpid())
+
+
+def _model_copy(hf_dir: Path, layers: int, run_id: str) -> tuple[Path, bool]:
+    """``hf_dir``'s config (truncated) and tokenizer files, no weights, in a local directory
+    whose path is the same on every rank (checkpoints record it); returns it and whether this
+    process created it (the ranks of a node race: the first rename wins, the others use it)."""
+    from megagrpo.model.arch import load_hf_config
+
+    target = Path(tempfile.gettempdir()) / f"megagrpo-preflight-model-{run_id}"
+    mine = Path(tempfile.mkdtemp(prefix="megagrpo-preflight-model-tmp-"))
+    for f in hf_dir.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
+            if not f.name.endswith(".index.json"):
+                shutil.copy2(f, mine / f.name)
+    hf = truncated_hf_config(load_hf_config(hf_dir), layers)
+    (mine / "config.json").write_text(json.dumps(hf, indent=1), encoding="utf-8")
+    try:
+        os.rename(mine, target)
+        return target, True
+    except OSError:  # another rank of this node was first (same contents)
+        shutil.rmtree(mine, ignore_errors=True)
+        return target, False
+
+
+def _plan(cfg: Any, hf: dict[str, Any], world: int) -> dict[str, float]:
+    from megagrpo.plan.memory import memory_plan
+    from megagrpo.plan.scenario import Assumptions, scenario_from_config
+
+    sc = scenario_from_config(cfg, hf).with_(num_gpus=world)
+    return dict(memory_plan(sc, Assumptions())["phase_peak_gib"])
+
+
+def _violations(cfg: Any, hf: dict[str, Any], world: int) -> list[str]:
+    """The compatibility gate's violations (``megagrpo.config.compat`` where it exists)."""
+    try:
+        from megagrpo.config.compat import check_run  # type: ignore[import-not-found]
+    except ImportError:
+        return []
+    return [str(v) for v in check_run(cfg, hf, world)]
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """With ``--json``: whatever the phases print (vLLM logs to stdout) goes to stderr."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megagrpo.commands.train import _env_defaults
+
+    _env_defaults()
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` prints where a rank waits
+    if args.json:
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    import torch
+
+    from megagrpo.config import load_config
+    from megagrpo.model.arch import load_hf_config
+    from megagrpo.model.pretrained import resolve_model_path
+    from megagrpo.trainer.config import RunConfig
+    from megagrpo.trainer.preflight import as_dict, run_phases
+
+    base = load_config(RunConfig, [args.config], args.overrides)
+    hf_dir = resolve_model_path(base.model.hf_path)
+    hf_full = load_hf_config(hf_dir)
+    full = int(hf_full["num_hidden_layers"])
+    n = preflight_layers(args.layers, base.parallel.pp, full)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir = Path(base.trainer.output_dir) / f".preflight-{base.trainer.name}-{_run_id()}"
+    if rank == 0 and run_dir.exists():
+        print(f"megagrpo preflight: error: {run_dir} exists (not ours)", file=sys.stderr)
+        return 2
+    model_dir, own_model_dir = _model_copy(hf_dir, n, _run_id())
+    try:
+        cfg = load_config(
+            RunConfig,
+            [args.config],
+            [
+                *args.overrides,
+                f"model.hf_path={model_dir}",
+                "rollout.load_format=dummy",
+                f"trainer.output_dir={run_dir.parent}",
+                f"trainer.name={run_dir.name}",
+                "metrics.wandb_mode=disabled",
+            ],
+        )
+        hf_n = load_hf_config(model_dir)
+        violations = _violations(base, hf_full, world)
+        phases: list[dict[str, Any]] = []
+        if not violations:
+            with _stdout_to_stderr(args.json):
+                phases = [as_dict(r) for r in run_phases(cfg)]
+        kind = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "RSS high-water"
+        report = build_report(
+            phases,
+            _plan(cfg, hf_n, world),
+            _plan(base, hf_full, world),
+            n,
+            full,
+            world,
+            kind,
+            violations,
+        )
+    finally:
+        if own_model_dir:
+            shutil.rmtree(model_dir, ignore_errors=True)
+        if rank == 0 and not args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    if rank == 0:
+        print(json.dumps(report) if args.json else format_report(report), flush=True)
+    return 0 if report["ok"] else 1
