@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from megagrpo.config import load_config
+from megagrpo.config import compat, load_config
 from megagrpo.errors import ConfigError
 from megagrpo.model.plan_memory import hf_config_for
 from megagrpo.model.plan_scenario import (
@@ -87,6 +87,8 @@ def plan_run(cfg: RunConfig, hf: dict, planned: dict | None = None, **kw) -> dic
 def run(args: argparse.Namespace) -> int:
     cfg, planned = load_with_planned(args.config, args.overrides)
     hf = hf_config_for(cfg.model.hf_path, args.hf_config)
+    if not args.gpus:  # the pinned upstream rules for this model (the loader had no model)
+        compat.enforce(cfg, hf)
     a = parse_assignments(args.assume, Assumptions(), "--assume")
     hw = parse_assignments(args.hw, Hardware(), "--hw")
     sc = scenario_from_config(cfg, hf, planned)

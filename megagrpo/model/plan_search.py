@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from megagrpo.config.compat import serves_moe_lora
 from megagrpo.model.plan_memory import GIB, memory_plan, shapes_of
 from megagrpo.model.plan_scenario import Assumptions, Hardware, Scenario
 from megagrpo.model.plan_time import step_time
@@ -54,11 +55,19 @@ def candidates(sc: Scenario, gpus: int):
             for ep in eps if s.experts else [1]:
                 if gpus % (tp * pp) or gpus % (ep * pp):
                     continue
-                for vtp in (t for t in (4, 8, 16) if gpus % t == 0 and s.heads % t == 0):
+                for vtp in (t for t in (1, 2, 4, 8, 16) if gpus % t == 0 and s.heads % t == 0):
                     for replicas in ("lockstep", "independent"):
                         for quant in ("none", "fp8"):
                             for offload in (False, True):
                                 for sync, transport in SYNCS:
+                                    if s.experts and not serves_moe_lora(
+                                        lora=sync == "adapter",
+                                        expert_parallel=True,
+                                        quantization=quant,
+                                        tp=vtp,
+                                        dp=gpus // vtp if replicas == "lockstep" else 1,
+                                    ):
+                                        continue  # vLLM 0.33 refuses it (config.compat)
                                     yield sc.with_(
                                         num_gpus=gpus,
                                         tp=tp,

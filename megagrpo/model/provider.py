@@ -77,11 +77,7 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
         perform_initialization=False,
     )
     kw.update(recompute_kwargs(arch, model_cfg, groups, spec))
-    if groups.pp_size > 1:  # megagrpo.model.pipeline: Megatron's schedule drives the stages
-        # micro-batches of different lengths: the schedule sends each activation's shape
-        # first; and the loss arrives weighted by the trainer, so the schedule must not
-        # divide it by the number of micro-batches (Megatron does unless per-token loss)
-        kw.update(variable_seq_lengths=True, calculate_per_token_loss=True)
+    kw.update(pipeline_kwargs(groups.pp_size))
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,
@@ -99,6 +95,25 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
             moe_enable_routing_replay=True,
         )
     return TransformerConfig(**kw)
+
+
+def pipeline_kwargs(pp: int) -> dict[str, Any]:
+    """``TransformerConfig`` keys for ``pp`` pipeline stages (pure: no megatron import).
+
+    With pp > 1 (megagrpo.model.pipeline: Megatron's schedule drives the stages) the
+    micro-batches have different lengths, so the schedule sends each activation's shape
+    first (``variable_seq_lengths``); the loss arrives weighted by the trainer, so the
+    schedule must not divide it by the number of micro-batches (Megatron does unless
+    ``calculate_per_token_loss``). megatron-core 0.16.1 refuses ``variable_seq_lengths``
+    with the allgather token dispatcher, its default even for dense models
+    (``transformer_config.py`` ``__post_init__``): alltoall is set for every model."""
+    if pp == 1:
+        return {}
+    return dict(
+        variable_seq_lengths=True,
+        calculate_per_token_loss=True,
+        moe_token_dispatcher_type="alltoall",
+    )
 
 
 def recompute_kwargs(

@@ -24,6 +24,11 @@ class ParallelConfig:
     """Expert tensor parallel size (each expert's FFN split over it)."""
     pp: int = 1
     """Pipeline parallel size (layers split into pp stages)."""
+    num_layers_in_first_pipeline_stage: int = 0
+    """Layers of the first pipeline stage (0: an even split); the stages between the first
+    and the last share the rest evenly (megatron-core's uneven pipeline)."""
+    num_layers_in_last_pipeline_stage: int = 0
+    """Layers of the last pipeline stage (0: an even split)."""
     sequence_parallel: bool = False
     """Sequence parallelism inside TP groups. Required for MoE models when tp > 1."""
     seed: int = 1234
@@ -34,6 +39,8 @@ class ParallelConfig:
     def validate(self, path: str = "parallel") -> None:
         for key in ("tp", "ep", "etp", "pp"):
             require(getattr(self, key) >= 1, f"{path}.{key}", "must be >= 1")
+        for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0 (0: even split)")
         require(self.timeout_minutes >= 1, f"{path}.timeout_minutes", "must be >= 1")
 
 

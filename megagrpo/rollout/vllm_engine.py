@@ -205,6 +205,8 @@ class VLLMEngine:
                 enable_expert_parallel=cfg.enable_expert_parallel,
                 enforce_eager=False,
             )
+            if cfg.enable_expert_parallel:
+                kwargs.update(all2all_backend=cfg.all2all_backend)
         external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and in_distributed_world())
         if external:
             dp, replica = external_dp_size(cfg.tensor_parallel_size)
@@ -226,6 +228,8 @@ class VLLMEngine:
             )
         if self.lora_enabled:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+            if cfg.fully_sharded_loras and self.on_gpu:
+                kwargs.update(fully_sharded_loras=True)
         if self.returns_routing:  # vLLM's AuxOutput connector needs prefix caching
             kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         return kwargs
