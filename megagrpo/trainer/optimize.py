@@ -157,7 +157,7 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def logprob_mismatch(
-    ctx: TrainContext, old: list[torch.Tensor | None], mbs: list[MicroBatch]
+    ctx: TrainContext, old: Sequence[torch.Tensor | None], mbs: list[MicroBatch]
 ) -> dict[str, float]:
     """Mean and max |recomputed - engine| log-prob over the loss tokens of every rank
     (collective): the train/inference mismatch routing replay reduces. Under pipeline
