@@ -77,11 +77,13 @@ from megagrpo.rollout.vllm_support import (
     NameMap,
     agree,
     configure_env,
+    cpu_sleep_poisons,
     describe_model,
     explain_error,
     external_dp_size,
     in_distributed_world,
     param_stats,
+    poison_weights,
     quiet_vllm_logs,
     repack_cpu_moe,
     sleep_level_for,
@@ -548,11 +550,22 @@ class VLLMEngine:
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
         """GPU: vLLM sleep at ``self.sleep_level`` (2 drops the weights: the next call must be
-        a weight sync). CPU: no-op besides the flag."""
+        a weight sync). CPU: no-op besides the flag, unless CPU sleeps poison
+        (:func:`~megagrpo.rollout.vllm_support.cpu_sleep_poisons`, the test suite's setting):
+        then level 2 NaN-fills the weights as a GPU's level 2 loses them."""
         if self.sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._weights_dropped = self.sleep_level >= 2
+        elif not self.on_gpu and not self._asleep and self.sleep_level >= 2:
+            if cpu_sleep_poisons():
+                self.llm.apply_model(poison_weights)
+                self._weights_dropped = True
         self._asleep = True
+
+    @property
+    def weights_dropped(self) -> bool:
+        """True after a level-2 sleep until the next full weight sync (generate refuses)."""
+        return self._weights_dropped
 
     def wake_up(self) -> None:
         """Re-allocate everything :meth:`sleep` freed (before a sync, prefer calling

@@ -389,6 +389,30 @@ def repack_cpu_moe(model: torch.nn.Module) -> int:
     return count
 
 
+CPU_SLEEP_ENV = "MEGAGRPO_CPU_SLEEP"
+"""CPU only: ``poison`` makes a level-2 sleep NaN-fill the engine's parameters (what vLLM's
+level-2 sleep does to them on a GPU: they are gone until the next full sync), so CPU tests
+see a forgotten re-sync; ``noop`` (the default outside tests) leaves them. The test suite
+sets ``poison`` (tests/conftest.py)."""
+
+
+def cpu_sleep_poisons() -> bool:
+    """True when CPU level-2 sleeps poison the weights (:data:`CPU_SLEEP_ENV`)."""
+    return os.environ.get(CPU_SLEEP_ENV, "noop").strip().lower() == "poison"
+
+
+def poison_weights(model: torch.nn.Module) -> int:
+    """NaN-fill every floating-point parameter of ``model`` in place (buffers, which vLLM
+    keeps across a level-2 sleep, are left); returns how many were filled."""
+    count = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(float("nan"))
+                count += 1
+    return count
+
+
 def sleep_level_for(cfg: RolloutConfig, lora_enabled: bool) -> int:
     """``rollout.sleep_level``, 0 resolved: 1 when adapters are synced alone (the base
     weights must survive the sleep), 2 when every sync re-sends all weights."""
