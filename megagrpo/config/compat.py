@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megagrpo.errors import ConfigError
+from megagrpo.parallel.config import stage_layers
 
 if TYPE_CHECKING:
     from megagrpo.trainer.config import RunConfig
@@ -246,36 +247,6 @@ def _fp8_moe_lora(f: Facts) -> str | None:
 
 
 # ----------------------------------------------------------------- megatron-core rules
-def stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
-    """Layers of each pipeline stage as megatron-core 0.16.1 splits them
-    (``transformer/transformer_config.py`` uneven PP; ``first``/``last`` 0 = even split).
-    Raises ValueError with megatron's reason when the split is impossible."""
-    if pp == 1:
-        return [num_layers]
-    middle_layers, middle = num_layers, pp
-    for n in (first, last):
-        if n:
-            if n < 0:
-                raise ValueError("a first/last stage needs more than 0 layers")
-            middle_layers -= n
-            middle -= 1
-    if bool(middle_layers) != bool(middle) or middle_layers < 0:
-        raise ValueError(
-            f"{middle_layers} middle layers remain for {middle} middle pipeline stages"
-        )
-    if middle and middle_layers % middle:
-        raise ValueError(
-            f"the {middle_layers} middle layers do not divide over {middle} middle stages"
-        )
-    each = middle_layers // middle if middle else 0
-    out = [each] * pp
-    if first:
-        out[0] = first
-    if last:
-        out[-1] = last
-    return out
-
-
 def _stages(f: Facts) -> list[int] | None:
     p = f.cfg.parallel
     n = int(f.hf.get("num_hidden_layers") or 0) if f.hf else 0

@@ -78,6 +78,10 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
     )
     kw.update(recompute_kwargs(arch, model_cfg, groups, spec))
     kw.update(pipeline_kwargs(groups.pp_size))
+    if groups.first_stage_layers:  # megatron-core's uneven pipeline
+        kw.update(num_layers_in_first_pipeline_stage=groups.first_stage_layers)
+    if groups.last_stage_layers:
+        kw.update(num_layers_in_last_pipeline_stage=groups.last_stage_layers)
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,
@@ -131,7 +135,7 @@ def recompute_kwargs(
                 "(model.spec=te, model.moe_grouped_gemm=true)"
             )
         return dict(recompute_granularity="selective", recompute_modules=mods)
-    per_stage = arch.num_layers // groups.pp_size
+    per_stage = groups.layer_span(arch.num_layers)[1]
     k = model_cfg.recompute_num_layers
     if model_cfg.recompute_method == "uniform" and per_stage % k:
         raise ConfigError(
