@@ -15,7 +15,15 @@ from megagrpo.model.config import ModelConfig
 
 def _groups(pp: int):
     return SimpleNamespace(
-        tp_size=1, pp_size=pp, ep_size=1, etp_size=1, sequence_parallel=False, fake=True
+        tp_size=1,
+        pp_size=pp,
+        ep_size=1,
+        etp_size=1,
+        sequence_parallel=False,
+        fake=True,
+        first_stage_layers=0,
+        last_stage_layers=0,
+        layer_span=lambda n: (0, n // pp),
     )
 
 
