@@ -160,6 +160,13 @@ def format_plan(p: dict) -> str:
     if "time" in p:
         lines += _format_time(p["time"], p["num_gpus"])
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    host = p.get("host")
+    if host and host["pinned_gib_per_gpu"]:
+        lines.append(
+            f"  host (pinned): {host['pinned_gib_per_gpu']} GiB per GPU, "
+            f"{host['pinned_gib_per_node']} GiB per node ({host['exact_gib_per_gpu']} GiB of "
+            "tensors; pinned buffers round up to powers of two)"
+        )
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]
     if p.get("planned_keys"):

@@ -174,3 +174,19 @@ def test_auto_weight_sync_is_planned_as_the_trainer_picks_it(repo_root, hf235, s
     got = plan_run(cfg, hf235, planned)["time"]["phases"]["sync"]["bytes_per_gpu"]
     want = plan_run(explicit, hf235, planned)["time"]["phases"]["sync"]["bytes_per_gpu"]
     assert got == want
+
+
+def test_host_memory_counts_offload_and_sleep_backup_with_pinned_rounding(repo_root, hf235):
+    """Host memory per GPU: the offloaded trainer weights + moments and vLLM's level-1
+    backup of its weights (adapter sync) add up to the GPU lines they mirror; torch's pinned
+    buffers round each tensor up to a power of two (more, never more than twice)."""
+    cfg, planned = _two_node(repo_root)
+    p = plan_run(cfg, hf235, planned)
+    b, host = p["breakdown_gib"], p["host"]
+    mirrored = b["base_weights"] + b["vllm_weights_share"]  # + moments (8 B per LoRA param)
+    mirrored += p["lora_params_per_gpu"] * 8 / GIB
+    assert host["exact_gib_per_gpu"] == pytest.approx(mirrored, rel=0.01)
+    assert host["exact_gib_per_gpu"] < host["pinned_gib_per_gpu"] <= 2 * host["exact_gib_per_gpu"]
+    assert host["pinned_gib_per_node"] == pytest.approx(8 * host["pinned_gib_per_gpu"], rel=1e-3)
+    off = plan_run(cfg, hf235, dict(planned, **{"trainer.offload_during_rollout": False}))
+    assert off["host"]["exact_gib_per_gpu"] == pytest.approx(b["vllm_weights_share"], rel=0.01)
