@@ -1,4 +1,6 @@
-"""megagrpo/Megatron checkpoints: per-rank safetensors shards + metadata; HF ⇄ Megatron.
+"""The converter's Megatron checkpoint format (``tools/convert_ckpt.py``): per-rank safetensors
+shards + metadata; HF ⇄ Megatron. Not the training checkpoints of a run
+(:mod:`megagrpo.trainer.checkpoint`).
 
 Layout of a checkpoint directory::
 
