@@ -25,16 +25,20 @@
 #   bash scripts/gpu_check.sh                     # on the GPU machine
 #   GPU_CHECK_MODE=cpu bash scripts/gpu_check.sh  # the same parts on CPU, small (control flow)
 #   DRY_RUN=1 bash scripts/gpu_check.sh           # print the commands, run nothing
-# Knobs: GPU_CHECK_OUT (default gpu_check_out), GPU_CHECK_BUDGET_S (default 460: parts that
-# would start later are skipped), GPU_CHECK_ONLY=part,part, MEGAGRPO_WHEELS (default .whl),
-# PYTHON. GPU_CHECK_FAIL=part makes that part fail on purpose (tests this script).
+# Knobs: GPU_CHECK_OUT (default gpu_check_out), GPU_CHECK_BUDGET_S (default 460, CPU mode
+# 460 x GPU_CHECK_SLOWDOWN: parts that would start later are skipped), GPU_CHECK_SLOWDOWN
+# (CPU mode: every part's time limit x this, default 6: a shared 2-core machine imports
+# megatron in ~60 s), GPU_CHECK_ONLY=part,part, MEGAGRPO_WHEELS (default .whl), PYTHON.
+# GPU_CHECK_FAIL=part makes that part fail on purpose (tests this script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 MODE=${GPU_CHECK_MODE:-cuda}
 DRY=${DRY_RUN:-0}
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
-BUDGET=${GPU_CHECK_BUDGET_S:-460}
+SLOW=1
+[ "${GPU_CHECK_MODE:-cuda}" = cpu ] && SLOW=${GPU_CHECK_SLOWDOWN:-6}
+BUDGET=${GPU_CHECK_BUDGET_S:-$((460 * SLOW))}
 WHEELS=${MEGAGRPO_WHEELS:-.whl}
 PY=${PYTHON:-python3}
 ONLY=${GPU_CHECK_ONLY:-}
@@ -69,8 +73,8 @@ print(json.dumps({"part": name, "status": status, "rc": int(rc), "seconds": floa
 PYEOF
 }
 
-part() { # part NAME LIMIT_S CMD...
-  local name=$1 limit=$2
+part() { # part NAME LIMIT_S CMD...   (LIMIT_S: on the GPU; CPU mode x GPU_CHECK_SLOWDOWN)
+  local name=$1 limit=$(($2 * SLOW))
   shift 2
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
   local left=$((BUDGET - ($(date +%s) - START)))
