@@ -5,14 +5,17 @@
 #   env          torch / CUDA / NCCL / GPU facts (fails without CUDA in cuda mode)
 #   wheels       pip install --no-index of scripts/gpu_check_requirements.txt from .whl/
 #                (scripts/gpu_wheels.sh fills it on a machine with PyPI); skipped when
-#                everything imports already
+#                everything imports already; fails naming both versions when .whl/ holds
+#                CPython-specific wheels (cpXY tags) built for another CPython than $PYTHON
 #   imports      megagrpo, megatron.core, transformers import
 #   gpu_tests    pytest tests/gpu: native Triton loss kernels vs torch, strict device checks
 #                on NCCL, TE-vs-local LoRA grads (skipped without TE), vLLM (skipped without)
 #   bench_loss   tools/bench_loss.py --device cuda: fused loss vs naive (and Liger if there)
 #   tiny_model   a random tiny Qwen3 checkpoint for the training runs
 #   train        megagrpo train (Megatron local spec on CUDA + NCCL, world 1, HF rollouts),
-#                3 steps, every weight sync verified
+#                3 steps, every weight sync verified; reward toy_first_token (1 when the
+#                first sampled token id is 0 mod 4: it varies within a group even on the
+#                random model, so the LoRA update and the sync's change test really run)
 #   train_strict the same, 1 step, with MEGAGRPO_STRICT_DEVICES=1 (collectives and loss inputs
 #                must be CUDA tensors; needs the trainer to honour the variable)
 #   recompute    tools/bench_recompute.py --device cuda: peak memory, recompute none vs full
@@ -22,16 +25,20 @@
 #   bash scripts/gpu_check.sh                     # on the GPU machine
 #   GPU_CHECK_MODE=cpu bash scripts/gpu_check.sh  # the same parts on CPU, small (control flow)
 #   DRY_RUN=1 bash scripts/gpu_check.sh           # print the commands, run nothing
-# Knobs: GPU_CHECK_OUT (default gpu_check_out), GPU_CHECK_BUDGET_S (default 460: parts that
-# would start later are skipped), GPU_CHECK_ONLY=part,part, MEGAGRPO_WHEELS (default .whl),
-# PYTHON. GPU_CHECK_FAIL=part makes that part fail on purpose (tests this script).
+# Knobs: GPU_CHECK_OUT (default gpu_check_out), GPU_CHECK_BUDGET_S (default 460, CPU mode
+# 460 x GPU_CHECK_SLOWDOWN: parts that would start later are skipped), GPU_CHECK_SLOWDOWN
+# (CPU mode: every part's time limit x this, default 6: a shared 2-core machine imports
+# megatron in ~60 s), GPU_CHECK_ONLY=part,part, MEGAGRPO_WHEELS (default .whl), PYTHON.
+# GPU_CHECK_FAIL=part makes that part fail on purpose (tests this script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 MODE=${GPU_CHECK_MODE:-cuda}
 DRY=${DRY_RUN:-0}
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
-BUDGET=${GPU_CHECK_BUDGET_S:-460}
+SLOW=1
+[ "${GPU_CHECK_MODE:-cuda}" = cpu ] && SLOW=${GPU_CHECK_SLOWDOWN:-6}
+BUDGET=${GPU_CHECK_BUDGET_S:-$((460 * SLOW))}
 WHEELS=${MEGAGRPO_WHEELS:-.whl}
 PY=${PYTHON:-python3}
 ONLY=${GPU_CHECK_ONLY:-}
@@ -66,8 +73,8 @@ print(json.dumps({"part": name, "status": status, "rc": int(rc), "seconds": floa
 PYEOF
 }
 
-part() { # part NAME LIMIT_S CMD...
-  local name=$1 limit=$2
+part() { # part NAME LIMIT_S CMD...   (LIMIT_S: on the GPU; CPU mode x GPU_CHECK_SLOWDOWN)
+  local name=$1 limit=$(($2 * SLOW))
   shift 2
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi
   local left=$((BUDGET - ($(date +%s) - START)))
@@ -130,6 +137,16 @@ wheels() {
     echo "no wheel directory $WHEELS (run scripts/gpu_wheels.sh on a machine with PyPI)"
     return 1
   fi
+  local want other
+  want=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  # CPython-specific wheels name their interpreter: name-ver-cpXY-abi-platform.whl
+  other=$(ls "$WHEELS" | sed -n 's/^[^-]*-[^-]*-\(cp[0-9]*\)-.*\.whl$/\1/p' | sort -u | grep -v "^$want\$" || true)
+  if [ -n "$other" ]; then
+    echo "$WHEELS holds wheels built for CPython $(echo $other | tr '\n' ' ')but this machine's" \
+      "$PY is $want ($("$PY" -c 'import platform; print(platform.python_version())')):" \
+      "rebuild them here with PYTHON=$PY scripts/gpu_wheels.sh (or on a machine with the same CPython)"
+    return 1
+  fi
   timeout 80 "$PY" -m pip install --no-index --find-links "$WHEELS" --no-deps \
     -r scripts/gpu_check_requirements.txt
 }
@@ -137,7 +154,7 @@ wheels() {
 TINY="$OUT/tiny_model"
 TRAIN_ARGS=(configs/demo_cpu.yaml rollout.engine=hf "model.hf_path=$TINY" "trainer.output_dir=$OUT/runs"
   trainer.eval_every=0 trainer.save_every=0 trainer.export_adapter=false metrics.wandb_mode=disabled
-  dynamic.enabled=false)
+  dynamic.enabled=false "rewards.functions=[{name: toy_first_token}]")
 if [ "$MODE" = cpu ]; then
   LOSS_ARGS=(--tokens 256 --vocab 2048 --seq-len 128 --methods naive,fused)
   RECOMPUTE_ARGS=(--layers 2 --hidden 128 --ffn 256 --seq 128)
@@ -200,7 +217,8 @@ for name in ("train", "train_strict"):
     runs = sorted((out / "runs").glob(f"{'gpu_check_strict' if name.endswith('strict') else 'gpu_check'}/metrics.jsonl"))
     if name in parts and runs:
         rows = [json.loads(l) for l in runs[0].read_text().splitlines() if l.strip()]
-        keep = ("step", "loss/policy", "sync/probe_max_diff", "perf/step_s", "reward/mean")
+        keep = ("step", "loss/policy", "reward/mean", "reward/std", "train/grad_norm",
+                "sync/probe_max_diff", "perf/step_s")
         parts[name]["result"] = [{k: r[k] for k in keep if k in r} for r in rows]
 bad = [n for n, p in parts.items() if p["status"] in ("failed", "timeout")]
 summary = {"gpu_check": "megagrpo issue 11", "mode": mode, "ok": not bad, "failed": bad,

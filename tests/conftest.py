@@ -14,6 +14,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vllm-cpu's level-2 sleep NaN-fills the weights, as a GPU's drops them (rollout.vllm_support)
+os.environ.setdefault("MEGAGRPO_CPU_SLEEP", "poison")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEGAGRPO_SHARED", REPO_ROOT.parent / "shared"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megagrpo.config import load_config
+from megagrpo.config import compat, load_config
 from megagrpo.plan.memory import hf_config_for
 from megagrpo.plan.scenario import (
     Assumptions,
@@ -50,6 +50,8 @@ def plan_run(cfg: RunConfig, hf: dict, **kw) -> dict:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(RunConfig, [args.config], args.overrides)
     hf = hf_config_for(cfg.model.hf_path, args.hf_config)
+    if not args.gpus:  # the pinned upstream rules for this model (the loader had no model)
+        compat.enforce(cfg, hf)
     a = parse_assignments(args.assume, Assumptions(), "--assume")
     hw = parse_assignments(args.hw, Hardware(), "--hw")
     sc = scenario_from_config(cfg, hf)

@@ -29,6 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--world", type=int, default=0, help="number of ranks (default: lcm(tp, ep*etp) * pp)"
     )
+    p.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=-1,
+        help="layers of the first pipeline stage (default: an even split, or, when --pp does "
+        "not divide the layers, the rest after the other stages' layers // pp each)",
+    )
+    p.add_argument(
+        "--last-stage-layers", type=int, default=0, help="layers of the last pipeline stage"
+    )
     p.add_argument("--no-sp", action="store_true", help="disable sequence parallel (dense only)")
     p.add_argument("--seq", type=int, default=16, help="tokens per row of the fixed input")
     p.add_argument(
@@ -56,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
         if not (args.hf_config or args.hf):
             raise ConfigError("--meta needs --hf-config FILE (or --hf DIR)")
+        from megagrpo.model.arch import load_hf_config
+
+        layers = int(load_hf_config(args.hf_config or args.hf)["num_hidden_layers"])
         report = meta_report(
-            args.hf_config or args.hf, _layout(args), _world(args), args.rank, args.dtype
+            args.hf_config or args.hf, _layout(args, layers), _world(args), args.rank, args.dtype
         )
         _print(report, args.json)
         return 0
@@ -70,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # a directory, or a bundled name (smollm2-135m); parity needs the weights only
     args.hf = str(resolve_model_path(args.hf, need_tokenizer=False))
     arch = arch_from_hf(load_hf_config(args.hf))
-    layout, world = _layout(args, arch.is_moe), _world(args)
+    layout, world = _layout(args, arch.num_layers), _world(args)
     validate_layout(ParallelConfig(**layout), arch.raw, world)
     ids = fixed_inputs(min(arch.vocab_size, 32000), seq=args.seq)
     rep = run_layout(args.hf, layout, world, ids)
@@ -92,12 +105,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if out["ok"] else 1
 
 
-def _layout(args, moe: bool = True) -> dict:
+def _layout(args, num_layers: int) -> dict:
     from megagrpo.parallel import ParallelConfig
+    from megagrpo.parallel.config import uneven_split
 
     sp = args.tp > 1 and not args.no_sp
+    first = args.first_stage_layers
+    if first < 0:
+        first = 0 if args.last_stage_layers else uneven_split(num_layers, args.pp)
     return asdict(
-        ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, sequence_parallel=sp)
+        ParallelConfig(
+            tp=args.tp,
+            ep=args.ep,
+            etp=args.etp,
+            pp=args.pp,
+            num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=args.last_stage_layers,
+            sequence_parallel=sp,
+        )
     )
 
 

@@ -213,7 +213,7 @@ class _Planner:
 
     def build(self) -> dict[str, list[Piece]]:
         a, g = self.a, self.g
-        per_stage = a.num_layers // g.pp_size
+        offset, per_stage = g.layer_span(a.num_layers)
         v = a.vocab_size
         if g.is_first_stage:
             self.col(
@@ -224,7 +224,7 @@ class _Planner:
                 g.tp_size,
             )
         for local in range(per_stage):
-            self.layer(g.pp_rank * per_stage + local, local)
+            self.layer(offset + local, local)
         if g.is_last_stage:
             self.rep("model.norm.weight", "decoder.final_layernorm.weight")
             if not a.tie_word_embeddings:

@@ -57,7 +57,7 @@ def meta_report(
         "layout": layout,
         "dp": groups.dp_size,
         "expert_dp": groups.expert_dp_size,
-        "layers_on_rank": arch.num_layers // groups.pp_size,
+        "layers_on_rank": groups.layer_span(arch.num_layers)[1],
         "experts_on_rank": arch.num_experts // groups.ep_size if arch.is_moe else 0,
         "rank_params": n_base,
         "rank_expert_params": expert,

@@ -58,6 +58,8 @@ def layout_of(groups: ParallelGroups) -> ParallelConfig:
         ep=groups.ep_size,
         etp=groups.etp_size,
         pp=groups.pp_size,
+        num_layers_in_first_pipeline_stage=groups.first_stage_layers,
+        num_layers_in_last_pipeline_stage=groups.last_stage_layers,
         sequence_parallel=groups.sequence_parallel,
     )
 
@@ -119,7 +121,7 @@ def adapter_sites(
 ) -> list[AdapterSite]:
     """The linears of ``model`` (this rank's stage) that ``lora.targets`` adapts, in module
     order, with layout-independent keys (global layer and expert indices)."""
-    offset = g.pp_rank * (arch.num_layers // g.pp_size)
+    offset = g.layer_span(arch.num_layers)[0]
     n_local = arch.num_experts // g.ep_size if arch.is_moe else 0
     sites = []
     for name, mod in model.named_modules():

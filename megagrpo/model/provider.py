@@ -77,11 +77,11 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
         perform_initialization=False,
     )
     kw.update(recompute_kwargs(arch, model_cfg, groups, spec))
-    if groups.pp_size > 1:  # megagrpo.model.pipeline: Megatron's schedule drives the stages
-        # micro-batches of different lengths: the schedule sends each activation's shape
-        # first; and the loss arrives weighted by the trainer, so the schedule must not
-        # divide it by the number of micro-batches (Megatron does unless per-token loss)
-        kw.update(variable_seq_lengths=True, calculate_per_token_loss=True)
+    kw.update(pipeline_kwargs(groups.pp_size))
+    if groups.first_stage_layers:  # megatron-core's uneven pipeline
+        kw.update(num_layers_in_first_pipeline_stage=groups.first_stage_layers)
+    if groups.last_stage_layers:
+        kw.update(num_layers_in_last_pipeline_stage=groups.last_stage_layers)
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,
@@ -101,6 +101,25 @@ def transformer_config(arch: Arch, model_cfg: ModelConfig, groups: ParallelGroup
     return TransformerConfig(**kw)
 
 
+def pipeline_kwargs(pp: int) -> dict[str, Any]:
+    """``TransformerConfig`` keys for ``pp`` pipeline stages (pure: no megatron import).
+
+    With pp > 1 (megagrpo.model.pipeline: Megatron's schedule drives the stages) the
+    micro-batches have different lengths, so the schedule sends each activation's shape
+    first (``variable_seq_lengths``); the loss arrives weighted by the trainer, so the
+    schedule must not divide it by the number of micro-batches (Megatron does unless
+    ``calculate_per_token_loss``). megatron-core 0.16.1 refuses ``variable_seq_lengths``
+    with the allgather token dispatcher, its default even for dense models
+    (``transformer_config.py`` ``__post_init__``): alltoall is set for every model."""
+    if pp == 1:
+        return {}
+    return dict(
+        variable_seq_lengths=True,
+        calculate_per_token_loss=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+
+
 def recompute_kwargs(
     arch: Arch, model_cfg: ModelConfig, groups: ParallelGroups, spec: str
 ) -> dict[str, Any]:
@@ -116,7 +135,7 @@ def recompute_kwargs(
                 "(model.spec=te, model.moe_grouped_gemm=true)"
             )
         return dict(recompute_granularity="selective", recompute_modules=mods)
-    per_stage = arch.num_layers // groups.pp_size
+    per_stage = groups.layer_span(arch.num_layers)[1]
     k = model_cfg.recompute_num_layers
     if model_cfg.recompute_method == "uniform" and per_stage % k:
         raise ConfigError(

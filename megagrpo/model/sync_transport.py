@@ -236,6 +236,17 @@ def sliced_tensor(
     return full
 
 
+def warm_up_groups(groups: ParallelGroups) -> None:
+    """One tiny all-reduce over ``mp`` and ``expert_mp`` (every rank of each takes part)
+    before the sliced transport's ``batch_isend_irecv``: torch leaves a group's first
+    collective undefined when it is a batched P2P call that only some of the group's ranks
+    join (``torch.distributed.batch_isend_irecv`` docs), and the sliced transport's first
+    exchange on ``expert_mp`` involves only the ranks that hold or need a tensor's pieces."""
+    for group in (groups.mp, groups.expert_mp):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(torch.zeros(1, device=groups.device), group=group)
+
+
 def transported(
     names: Iterator[tuple[str, tuple[int, ...]]],
     local_pieces: Callable[[str], list[torch.Tensor]],
@@ -248,6 +259,8 @@ def transported(
     """``(name, tensor)`` for every HF tensor this rank receives under ``transport``
     (broadcast: all of them; sliced: the ones it needs), collective over the world."""
     fn = broadcast_tensor if transport == "broadcast" else sliced_tensor
+    if transport == "sliced":
+        warm_up_groups(groups)
     for name, shape in names:
         group = groups.expert_mp if ".mlp.experts." in name else groups.mp
         t = fn(name, shape, local_pieces(name), layout, group, dtype, groups.device, counter)

@@ -10,6 +10,7 @@ full-size layout on the meta device instead and reports parameter counts and sha
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,11 +63,11 @@ def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
         ids = job["input_ids"]
         report: dict[str, Any] = {"world_size": groups.world_size, "layout": job["layout"]}
         with torch.no_grad():
-            logits = gather_vocab(policy.forward_logits(ids), groups)
+            logits = full_logits(policy, ids, groups)
             scales = {k: a.scaling for k, a in policy.adapters.items()}
             for a in policy.adapters.values():
                 a.scaling = 0.0  # adapters off: the base model
-            base = gather_vocab(policy.forward_logits(ids), groups)
+            base = full_logits(policy, ids, groups)
             for k, a in policy.adapters.items():
                 a.scaling = scales[k]
         report["logits"] = logits
@@ -87,6 +88,28 @@ def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
         return report if rank == 0 else None
     finally:
         destroy_parallel(keep_process_group=keep)
+
+
+@dataclass
+class _Rows:
+    """``ids`` as one micro-batch of the pipeline schedule."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def full_logits(policy, ids: torch.Tensor, groups) -> torch.Tensor:
+    """Logits ``[B, T, V]`` (vocab gathered over TP) on every rank; with pp > 1 through
+    Megatron's schedule (forward only), computed on the last stage and broadcast."""
+    if groups.pp_size == 1:
+        return gather_vocab(policy.forward_logits(ids), groups)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+    def keep(logits: torch.Tensor, i: int):
+        return None, gather_vocab(logits, groups).detach().cpu()
+
+    (out,) = policy.forward_backward([_Rows(ids, pos)], keep, forward_only=True)
+    return out
 
 
 def _train(policy, groups, ids, job) -> dict:

@@ -24,6 +24,11 @@ class ParallelConfig:
     """Expert tensor parallel size (each expert's FFN split over it)."""
     pp: int = 1
     """Pipeline parallel size (layers split into pp stages)."""
+    num_layers_in_first_pipeline_stage: int = 0
+    """Layers of the first pipeline stage (0: an even split); the stages between the first
+    and the last share the rest evenly (megatron-core's uneven pipeline)."""
+    num_layers_in_last_pipeline_stage: int = 0
+    """Layers of the last pipeline stage (0: an even split)."""
     sequence_parallel: bool = False
     """Sequence parallelism inside TP groups. Required for MoE models when tp > 1."""
     seed: int = 1234
@@ -34,6 +39,8 @@ class ParallelConfig:
     def validate(self, path: str = "parallel") -> None:
         for key in ("tp", "ep", "etp", "pp"):
             require(getattr(self, key) >= 1, f"{path}.{key}", "must be >= 1")
+        for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            require(getattr(self, key) >= 0, f"{path}.{key}", "must be >= 0 (0: even split)")
         require(self.timeout_minutes >= 1, f"{path}.timeout_minutes", "must be >= 1")
 
 
@@ -58,3 +65,42 @@ class ClusterConfig:
         require(self.gpus_per_node >= 1, f"{path}.gpus_per_node", "must be >= 1")
         require_finite(self.gpu_memory_gib, f"{path}.gpu_memory_gib")
         require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")
+
+
+def stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
+    """Layers of each pipeline stage as megatron-core 0.16.1 splits them
+    (``transformer/transformer_config.py`` uneven PP; ``first``/``last`` 0 = even split).
+    Raises ValueError with megatron's reason when the split is impossible."""
+    if pp == 1:
+        return [num_layers]
+    middle_layers, middle = num_layers, pp
+    for n in (first, last):
+        if n:
+            if n < 0:
+                raise ValueError("a first/last stage needs more than 0 layers")
+            middle_layers -= n
+            middle -= 1
+    if bool(middle_layers) != bool(middle) or middle_layers < 0:
+        raise ValueError(
+            f"{middle_layers} middle layers remain for {middle} middle pipeline stages"
+        )
+    if middle and middle_layers % middle:
+        raise ValueError(
+            f"the {middle_layers} middle layers do not divide over {middle} middle stages"
+        )
+    each = middle_layers // middle if middle else 0
+    out = [each] * pp
+    if first:
+        out[0] = first
+    if last:
+        out[-1] = last
+    return out
+
+
+def uneven_split(num_layers: int, pp: int) -> int:
+    """``num_layers_in_first_pipeline_stage`` for ``pp`` stages that do not divide
+    ``num_layers`` (0 when they do): the other stages get ``num_layers // pp`` each, the
+    first the rest (megatron-core's middle stages must be equal)."""
+    if pp <= 1 or num_layers % pp == 0:
+        return 0
+    return num_layers - (pp - 1) * (num_layers // pp)

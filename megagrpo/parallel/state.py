@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.errors import ConfigError, require
-from megagrpo.parallel.config import ParallelConfig
+from megagrpo.parallel.config import ParallelConfig, stage_layers
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -65,6 +65,18 @@ class ParallelGroups:
     pg_collection: ProcessGroupCollection | None = None
     fake: bool = False
     """True for a meta-device layout built on torch's fake backend (no real collectives)."""
+    first_stage_layers: int = 0
+    """``parallel.num_layers_in_first_pipeline_stage`` (0: an even split)."""
+    last_stage_layers: int = 0
+    """``parallel.num_layers_in_last_pipeline_stage`` (0: an even split)."""
+
+    def layer_span(self, num_layers: int) -> tuple[int, int]:
+        """``(first global layer, number of layers)`` of this rank's pipeline stage, split as
+        megatron-core splits them (uneven first/last stages included)."""
+        sizes = stage_layers(
+            num_layers, self.pp_size, self.first_stage_layers, self.last_stage_layers
+        )
+        return sum(sizes[: self.pp_rank]), sizes[self.pp_rank]
 
     @property
     def is_first_stage(self) -> bool:
@@ -112,11 +124,23 @@ def validate_layout(parallel_cfg: ParallelConfig, hf_config: Any, world_size: in
     vocab = _hf(hf_config, "vocab_size")
     require(vocab % p.tp == 0, "parallel.tp", f"vocab_size={vocab} is not divisible by tp={p.tp}")
     layers = _hf(hf_config, "num_hidden_layers")
-    require(
-        layers % p.pp == 0,
-        "parallel.pp",
-        f"num_hidden_layers={layers} is not divisible by pp={p.pp}",
-    )
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if first or last:
+        try:
+            stage_layers(layers, p.pp, first, last)
+        except ValueError as exc:
+            raise ConfigError(
+                f"config key 'parallel.num_layers_in_first_pipeline_stage': {exc} "
+                f"(num_hidden_layers={layers}, pp={p.pp})"
+            ) from exc
+    else:
+        require(
+            layers % p.pp == 0,
+            "parallel.pp",
+            f"num_hidden_layers={layers} is not divisible by pp={p.pp}: set "
+            "parallel.num_layers_in_first_pipeline_stage="
+            f"{layers - (p.pp - 1) * (layers // p.pp)} (an uneven first stage)",
+        )
     experts = _hf(hf_config, "num_experts", None) or _hf(hf_config, "num_local_experts", 0) or 0
     if experts:
         require(
@@ -285,6 +309,8 @@ def _collect_groups(cfg: ParallelConfig, fake: bool) -> ParallelGroups:
         device=device,
         pg_collection=pgc,
         fake=fake,
+        first_stage_layers=cfg.num_layers_in_first_pipeline_stage,
+        last_stage_layers=cfg.num_layers_in_last_pipeline_stage,
     )
 
 

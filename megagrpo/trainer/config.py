@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from megagrpo.algo.config import LossConfig
+from megagrpo.config import compat
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
@@ -248,7 +249,9 @@ class RunConfig:
         generation budget ``rollout.max_tokens``), and bundled data paths
         (``megagrpo/assets/...`` found inside the installed package from any directory), the
         soft overlong reward's ``max_len`` (``rollout.max_tokens`` unless given; a longer one
-        is an error) and the prompt budget (``data.max_prompt_tokens``). Idempotent."""
+        is an error) and the prompt budget (``data.max_prompt_tokens``). Then the
+        compatibility gate (:mod:`megagrpo.config.compat`: the pinned vLLM / megatron-core /
+        TE rules, on ``cluster``'s GPUs; CompatError lists every violation). Idempotent."""
         self.loss.loss_agg = self.loss.resolved_loss_agg()
         self.loss.advantage_scale = self.loss.resolved_advantage_scale()
         if self.loss.loss_agg == "seq_mean_token_sum_norm" and self.loss.max_tokens == 0:
@@ -268,6 +271,7 @@ class RunConfig:
             f"must be 0 or >= rollout.max_model_len={self.rollout.max_model_len} (a sample "
             "must fit one packed row)",
         )
+        compat.enforce(self, compat.read_hf_config(self.model.hf_path))
 
     def _check_routing_replay(self) -> None:
         """What MoE routing replay cannot run with, named at load time (not at step 1)."""

@@ -185,10 +185,17 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
 
 
 def _no_sync(ctx: TrainContext, slept: bool) -> dict[str, float]:
-    """The weights did not change (nothing trained, or a non-finite update was skipped): no
-    sync; engines put to sleep for the skipped update wake up as they were."""
-    if slept:
-        ctx.rollouts.wake_up()
+    """The weights did not change (nothing trained, or a non-finite update was skipped).
+    Engines put to sleep for the update wake up as they were, after the trainer's weights
+    left the device again (``trainer.offload_during_rollout``: the engines wake into that
+    memory); engines whose level-2 sleep dropped their weights get the unchanged weights
+    back through a full, verified sync instead (waking alone leaves them without any)."""
+    if not slept:
+        return {"perf/sync_bytes": 0.0}
+    if ctx.rollouts.weights_dropped():
+        return sync_weights(ctx)
+    ctx.offload.for_generation()
+    ctx.rollouts.wake_up()
     return {"perf/sync_bytes": 0.0}
 
 

@@ -157,12 +157,16 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def logprob_mismatch(
-    ctx: TrainContext, old: list[torch.Tensor], mbs: list[MicroBatch]
+    ctx: TrainContext, old: Sequence[torch.Tensor | None], mbs: list[MicroBatch]
 ) -> dict[str, float]:
     """Mean and max |recomputed - engine| log-prob over the loss tokens of every rank
-    (collective): the train/inference mismatch routing replay reduces."""
+    (collective): the train/inference mismatch routing replay reduces. Under pipeline
+    parallelism only the last stage has recomputed log-probs (``None`` elsewhere): the other
+    stages add nothing but still take part in the reductions."""
     diff_sum = tokens = diff_max = 0.0
     for lp, mb in zip(old, mbs):
+        if lp is None:  # not the last pipeline stage
+            continue
         diff = (lp - mb.rollout_logprobs).abs() * mb.mask
         diff_sum += float(diff.sum())
         tokens += float(mb.mask.sum())

@@ -296,6 +296,12 @@ class Rollouts(ABC):
         if self.engine is not None:
             self.engine.wake_up()
 
+    def weights_dropped(self) -> bool:
+        """Collective: True when any engine lost its weights in a level-2 sleep (waking it
+        is not enough: it needs a full weight sync before it can generate)."""
+        mine = bool(getattr(self.engine, "weights_dropped", False))
+        return any(self.comm.all_gather_object(mine))
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megagrpo.config import save_config
+from megagrpo.config import compat, save_config
 from megagrpo.config.loader import written
 from megagrpo.curriculum.budget_rounds import BudgetPlanner
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
@@ -365,6 +365,8 @@ def _build(
     model_path = comm.broadcast_object(
         str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
     )
+    # the pinned upstream rules for this world and model, before any model or engine starts
+    compat.enforce(cfg, compat.read_hf_config(model_path), comm.world_size)
     tokenizer = load_tokenizer(model_path)
     data = load_run_data(cfg, tokenizer)
     if point is not None:

@@ -130,3 +130,19 @@ def test_uneven_data_parallel_shares_run_the_same_micro_batches(tiny_moe_dir, tm
     one, two = (read_metrics(out / n / "metrics.jsonl")[0] for n in ("one", "ep2"))
     assert two["loss/policy"] == pytest.approx(one["loss/policy"], rel=1e-4, abs=1e-6)
     assert two["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=1e-4)
+
+
+def test_pp2_recomputed_old_logprobs(tiny_moe_dir, tmp_path):
+    """PP2 with ``trainer.old_logprobs=recompute``: only the last stage has the recomputed
+    log-probs; the others take part in the mismatch metric's reductions with nothing (they
+    used to raise TypeError on rank 0 while rank 1 waited in the reduction). Step 1 equals
+    the single-process run, the mismatch metric included."""
+    trainer = {"old_logprobs": "recompute", "max_steps": 2}
+    for name, layout, nproc in (("w1r", {}, 1), ("pp2r", {"pp": 2}, 2)):
+        cfg = _config(tmp_path / f"{name}.yaml", tiny_moe_dir, tmp_path, name, trainer, **layout)
+        _run(cfg, nproc, timeout=240)
+    one = read_metrics(tmp_path / "w1r" / "metrics.jsonl")[0]
+    two = read_metrics(tmp_path / "pp2r" / "metrics.jsonl")[0]
+    assert one["train/logprob_mismatch"] > 0
+    for key in ("loss/policy", "train/logprob_mismatch", "train/logprob_mismatch_max"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key

@@ -63,6 +63,10 @@ def _factories(rec: Recorder):
             rec.snap("push")
             return super().update_weights(named_tensors, *args, **kwargs)
 
+        def wake_up(self):
+            rec.snap("wake_up")
+            return super().wake_up()
+
     def policy_factory(model_cfg, pgs):
         policy = build_policy(model_cfg, pgs)
         rec.policy = policy
@@ -80,7 +84,7 @@ def _factories(rec: Recorder):
     return policy_factory, RecordingEngine
 
 
-def _run(tmp_path, model_dir, name: str, offload: bool, monkeypatch):
+def _run(tmp_path, model_dir, name: str, offload: bool, monkeypatch, max_steps: int = 2):
     from megagrpo.commands.train import host_modules
     from megagrpo.trainer import offload as offload_mod
     from megagrpo.trainer.loop import train
@@ -101,7 +105,7 @@ def _run(tmp_path, model_dir, name: str, offload: bool, monkeypatch):
         dynamic={"enabled": False},
         rollout={"max_tokens": 4},
         trainer={
-            "max_steps": 2,
+            "max_steps": max_steps,
             "batch_groups": 2,
             "export_adapter": False,
             "offload_during_rollout": offload,
@@ -195,6 +199,31 @@ def test_offload_changes_no_value_and_moves_the_planned_bytes(runs):
     # step 2: back to the device for training, to the host for the sync (generation: none)
     assert on[1]["perf/offload_gb"] == pytest.approx(2 * (weights + moments) / 1e9, rel=1e-12)
     assert torch.cuda.is_available() or on[1]["perf/offload_s"] >= 0.0
+
+
+@pytest.mark.slow
+def test_a_skipped_update_wakes_the_engines_into_offloaded_memory(
+    tiny_moe_dir, tmp_path, monkeypatch
+):
+    """A non-finite update is skipped (no sync): the engines wake up as they were, after the
+    trainer's weights and moments left the device again (they used to wake while training
+    had everything on the device)."""
+    from megagrpo.trainer import loop
+
+    real = loop.compute_advantages
+
+    def nan_at_step_2(ctx, groups):
+        adv = real(ctx, groups)
+        return [torch.full_like(a, float("nan")) for a in adv] if ctx.step + 1 == 2 else adv
+
+    monkeypatch.setattr(loop, "compute_advantages", nan_at_step_2)
+    rows, rec, _ = _run(tmp_path, tiny_moe_dir, "skip", True, monkeypatch)
+    assert [r["train/skipped_nonfinite"] for r in rows] == [0.0, 1.0]
+    wakes = rec.phases("wake_up")
+    assert wakes, "the skipped update did not wake the engines"
+    for placement in wakes:
+        assert _kinds(placement, "weights.") == {"host"}
+        assert _kinds(placement, "optimizer.") <= {"host"}
 
 
 def test_strict_mode_sees_a_parameter_move_with_its_data():

@@ -27,8 +27,8 @@ def _run(repo_root, tmp_path, **env):
         PYTHON=sys.executable,
         GPU_CHECK_OUT=str(tmp_path / "out"),
         PYTHONPATH=str(repo_root),
-        **env,
     )
+    full.update(env)
     proc = subprocess.run(
         ["bash", str(repo_root / "scripts/gpu_check.sh")],
         capture_output=True,
@@ -71,3 +71,29 @@ def test_a_failing_part_is_recorded_and_the_rest_runs(repo_root, tmp_path):
 def test_time_budget_skips_late_parts(repo_root, tmp_path):
     rc, summary, _ = _run(repo_root, tmp_path, GPU_CHECK_MODE="cpu", GPU_CHECK_BUDGET_S="5")
     assert rc == 0 and all(p["status"] == "skipped" for p in summary["parts"].values())
+
+
+def test_wheels_built_for_another_cpython_are_named(repo_root, tmp_path):
+    """.whl/ with CPython-specific wheels of another version: the wheels part fails saying
+    which CPython they were built for and which one this machine has."""
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    other = "cp39" if sys.version_info[:2] != (3, 9) else "cp310"
+    (wheels / f"numpy-2.0.0-{other}-{other}-linux_x86_64.whl").write_bytes(b"")
+    (wheels / "omegaconf-2.3.0-py3-none-any.whl").write_bytes(b"")
+    broken = tmp_path / "broken"  # megatron that does not import: the wheels part must act
+    (broken / "megatron").mkdir(parents=True)
+    (broken / "megatron" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    rc, summary, _ = _run(
+        repo_root,
+        tmp_path,
+        GPU_CHECK_MODE="cpu",
+        GPU_CHECK_ONLY="wheels",
+        MEGAGRPO_WHEELS=str(wheels),
+        PYTHONPATH=f"{broken}{os.pathsep}{repo_root}",
+    )
+    part = summary["parts"]["wheels"]
+    assert rc == 1 and part["status"] == "failed"
+    log = (tmp_path / "out" / "logs" / "wheels.log").read_text()
+    here = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert f"built for CPython {other}" in log and f"is {here}" in log

@@ -55,7 +55,40 @@ def test_meta_rejects_layout_that_does_not_divide(repo_root):
         str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
         "--pp",
         "4",
+        "--first-stage-layers",
+        "20",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2
-    assert "num_hidden_layers=94 is not divisible by pp=4" in out.stderr
+    assert "74 middle layers do not divide over 3 middle stages" in out.stderr
+
+
+def test_meta_235b_uneven_pp4_first_stage(repo_root):
+    """94 layers on 4 stages (megatron-core's uneven pipeline): 25 + 23 + 23 + 23; rank 0
+    of TP4 x EP8 x PP4 builds the first 25 (closed form as above)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "megagrpo.cli",
+        "verify-model",
+        "--meta",
+        "--hf-config",
+        str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
+        "--tp",
+        "4",
+        "--ep",
+        "8",
+        "--pp",
+        "4",
+        "--json",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rep = json.loads(out.stdout[out.stdout.index("{") :])
+    assert rep["layers_on_rank"] == 25 and rep["world_size"] == 32
+    h, hd = 4096, 128
+    attn = (h * hd * (64 + 8) + 64 * hd * h) // 4 + 2 * h + 2 * hd + 128 * h
+    experts = 16 * 3 * h * 1536
+    assert rep["rank_params"] == 25 * (attn + experts) + 151936 * h // 4
+    assert rep["hf_mapping_covers_rank"]

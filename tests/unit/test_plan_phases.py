@@ -87,10 +87,18 @@ def test_engine_weights_closed_form(repo_root, hf235):
     p = plan_run(cfg, hf235)
     nonexp = s.layers * (s.attn_params + s.experts * s.h)
     emb = 2 * s.vocab * s.h
-    want = (nonexp * 2 + emb * 2) / 4 + s.moe_layers * s.expert_layer_params * 2 / 16
+    tp = cfg.rollout.tensor_parallel_size  # the shipped layout: 1 (vLLM 0.33 + MoE LoRA)
+    want = (nonexp * 2 + emb * 2) / tp + s.moe_layers * s.expert_layer_params * 2 / 16
     assert p["breakdown_gib"]["vllm_weights_share"] == pytest.approx(want / GIB, abs=0.01)
-    fp8 = plan_run(_two_node(repo_root, "rollout.quantization=fp8"), hf235)
-    want8 = (nonexp + emb * 2) / 4 + s.moe_layers * s.expert_layer_params / 16
+    # FP8 + LoRA on MoE layers is refused by the gate (vllm.fp8_moe_lora): merged sync
+    fp8_cfg = _two_node(
+        repo_root,
+        "rollout.quantization=fp8",
+        "rollout.enable_lora=false",
+        "trainer.weight_sync=merged",
+    )
+    fp8 = plan_run(fp8_cfg, hf235)
+    want8 = (nonexp + emb * 2) / tp + s.moe_layers * s.expert_layer_params / 16
     assert fp8["breakdown_gib"]["vllm_weights_share"] == pytest.approx(want8 / GIB, abs=0.01)
 
 
@@ -202,3 +210,18 @@ def test_planner_and_trainer_resolve_weight_sync_alike(
     assert planned_weight_sync(cfg, hf235) == trainer
     want = setting if setting != "auto" else ("adapter" if serves else "merged")
     assert trainer == want
+
+
+def test_host_memory_counts_offload_and_sleep_backup_with_pinned_rounding(repo_root, hf235):
+    """Host memory per GPU: the offloaded trainer weights + moments and vLLM's level-1
+    backup of its weights (adapter sync) add up to the GPU lines they mirror; torch's pinned
+    buffers round each tensor up to a power of two (more, never more than twice)."""
+    p = plan_run(_two_node(repo_root), hf235)
+    b, host = p["breakdown_gib"], p["host"]
+    mirrored = b["base_weights"] + b["vllm_weights_share"]  # + moments (8 B per LoRA param)
+    mirrored += p["lora_params_per_gpu"] * 8 / GIB
+    assert host["exact_gib_per_gpu"] == pytest.approx(mirrored, rel=0.01)
+    assert host["exact_gib_per_gpu"] < host["pinned_gib_per_gpu"] <= 2 * host["exact_gib_per_gpu"]
+    assert host["pinned_gib_per_node"] == pytest.approx(8 * host["pinned_gib_per_gpu"], rel=1e-3)
+    off = plan_run(_two_node(repo_root, "trainer.offload_during_rollout=false"), hf235)
+    assert off["host"]["exact_gib_per_gpu"] == pytest.approx(b["vllm_weights_share"], rel=0.01)

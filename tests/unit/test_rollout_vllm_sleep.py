@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from megagrpo.rollout import EngineError, RolloutConfig, build_engine  # noqa: E402
 from megagrpo.rollout.hf_engine import sequence_logprobs  # noqa: E402
-from megagrpo.rollout.vllm_support import sleep_level_for  # noqa: E402
+from megagrpo.rollout.vllm_support import CPU_SLEEP_ENV, sleep_level_for  # noqa: E402
 
 
 class RecordingLLM:
@@ -139,3 +139,31 @@ def test_adapter_sync_refuses_level2(engine):
         engine.lora_enabled = False
         engine.wake_up()
         engine._weights_dropped = False
+
+
+def _all_nan(model) -> bool:
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    return bool(params) and all(bool(torch.isnan(p).all()) for p in params)
+
+
+def test_cpu_level2_sleep_poisons_the_weights_until_a_full_sync(
+    engine, tiny_dense_dir, monkeypatch
+):
+    """What CPU tests see of a GPU's level-2 sleep: the weights are gone (NaN) after a plain
+    wake-up, generate refuses, and one full verified sync brings them back."""
+    monkeypatch.setenv(CPU_SLEEP_ENV, "poison")
+    engine.sleep_mode = False  # the CPU engine as it runs in the trainer
+    try:
+        engine.sleep()
+        engine.wake_up()
+        assert engine.weights_dropped
+        assert engine.llm.apply_model(_all_nan)[0]
+        with pytest.raises(EngineError, match="level 2"):
+            engine.generate([], n=1)
+        trainer = _new_weights(tiny_dense_dir, seed=3)
+        expected = sequence_logprobs(trainer, engine.probe_token_ids)
+        report = engine.update_weights(iter(trainer.state_dict().items()), expected_probe=expected)
+        assert report.verified and report.max_probe_diff < 1e-4
+        assert not engine.weights_dropped and engine.generate([], n=1) == []
+    finally:
+        engine.sleep_mode = True

@@ -73,3 +73,37 @@ def test_tp_sharded_experts_without_expert_parallelism():
     assert needs("model.layers.0.mlp.experts.2.down_proj.weight", (H, INTER)) == [
         (slice(None), slice(half, INTER))
     ]
+
+
+def test_experts_nested_as_vllm_builds_them_and_sharded_over_dp_x_tp():
+    """describe_shards on a module tree named as vLLM 0.32+/0.33 builds Qwen3-MoE
+    (``mlp.experts.routed_experts.w13_weight``) keys the experts by the HF prefix; without
+    expert parallelism the loader's rank is the MoE config's DP x TP rank (here DP rank 1 of
+    TP 2, rank 1 -> flattened rank 3 of 4: ``fused_moe/config.py`` flatten_tp_across_dp)."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from megagrpo.rollout.vllm_regions import describe_shards
+
+    inter_local = INTER // 4
+    routed = nn.Module()
+    routed.w13_weight = nn.Parameter(torch.zeros(EXPERTS, 2 * inter_local, H))
+    routed.w2_weight = nn.Parameter(torch.zeros(EXPERTS, H, inter_local))
+    routed.expert_map = None
+    routed.moe_config = SimpleNamespace(tp_rank=3)
+    root = nn.Module()
+    root.model = nn.Module()
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.Module()
+    layer.mlp.experts.routed_experts = routed
+    root.model.layers = nn.ModuleList([layer])
+    desc = describe_shards(root)
+    assert set(desc["modules"]) == {"model.layers.0.mlp.experts"}
+    needs = region_fn(desc)
+    (gate,) = needs("model.layers.0.mlp.experts.1.gate_proj.weight", (INTER, H))
+    assert gate == (slice(3 * inter_local, 4 * inter_local),)
+    (down,) = needs("model.layers.0.mlp.experts.1.down_proj.weight", (H, INTER))
+    assert down == (slice(None), slice(3 * inter_local, 4 * inter_local))

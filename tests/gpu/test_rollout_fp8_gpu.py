@@ -1,0 +1,67 @@
+"""What only a GPU shows of ``rollout.quantization=fp8`` (vLLM's online FP8,
+``model_executor/layers/quantization/online/fp8.py``): a merged sync into the real engine
+passes coverage and checksums on the quantized layout (float8 weights transposed, derived
+``weight_scale``), its probe within bf16's tolerance; and a skipped update after a level-2
+sleep is restored by a full sync (the engine really dropped its weights). Skipped without
+CUDA; the CPU tests of the same rules: tests/unit/test_rollout_fp8_layout.py,
+test_trainer_skip_resync.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(tiny_moe_dir, tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 needs compute capability >= 8.9")
+    pytest.importorskip("vllm")
+    for key, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29533"),
+    ):
+        os.environ.setdefault(key, value)
+    from megagrpo.rollout import RolloutConfig, build_engine
+
+    cfg = RolloutConfig(
+        engine="vllm",
+        max_tokens=8,
+        max_model_len=256,
+        dtype="bfloat16",
+        quantization="fp8",
+        gpu_memory_utilization=0.2,
+        colocate=True,
+        full_check_every=1,
+        cache_dir=str(tmp_path_factory.mktemp("vcache")),
+    )
+    eng = build_engine(cfg, str(tiny_moe_dir), seed=0)
+    yield eng
+    eng.close()
+
+
+def test_fp8_merged_sync_after_a_level2_sleep(fp8_engine, tiny_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megagrpo.rollout.hf_engine import sequence_logprobs
+
+    assert fp8_engine.sleep_level == 2
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    fp8_engine.sleep()
+    fp8_engine.wake_up()  # the weights are gone: a wake-up alone must not generate
+    with pytest.raises(Exception, match="level 2"):
+        fp8_engine.generate([], n=1)
+    expected = sequence_logprobs(hf, fp8_engine.probe_token_ids)
+    report = fp8_engine.update_weights(
+        iter(hf.state_dict().items()), expected_probe=expected, full_check=True
+    )
+    assert report.verified
