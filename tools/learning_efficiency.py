@@ -196,10 +196,11 @@ def train(cond: Condition, seed: int, args: argparse.Namespace, levels: Path, da
         stopped = False
         while proc.poll() is None:
             time.sleep(2.0)
-            if not stopped and _done(_rows(run_dir), args.tokens):
+            rows = _rows(run_dir)
+            if not stopped and _done(rows, args.tokens) and rows[-1]["step"] < args.max_steps:
                 proc.send_signal(signal.SIGTERM)  # checkpoints the step it finished, exits
                 stopped = True
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not (stopped and _done(_rows(run_dir), args.tokens)):
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
         raise SystemExit(f"train {name} failed (log {log}):\n{tail}")
     return run_dir

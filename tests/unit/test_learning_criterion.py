@@ -189,3 +189,15 @@ def test_report_and_eval_show_the_guessing_baselines(tmp_path):
     assert guess["beats_constant"] is False and guess["best_answer"] == "b"
     assert guess["correct"] == sum(p.answer == ["b"] for p in problems)
     assert "does not beat the best constant answer ('b'" in format_guess(guess)
+
+
+def test_step_logs_the_first_rounds_answer_bias():
+    from megagrpo.trainer.loop import GenStats
+
+    golds = _golds(16)
+    stats = GenStats()
+    stats.add(_groups(golds, lambda p, i: "Answer: c"))  # the raw round: a constant letter
+    stats.add(_groups(golds, lambda p, i: f"Answer: {p.answer[0]}"))  # a resample round
+    assert stats.answer_bias["collapse/answer_bias"] == 1.0
+    assert stats.answer_bias["collapse/answer_bias_letter"] == 2.0
+    assert "'c'" in (answer_bias_warning(stats.answer_bias) or "")
