@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -379,7 +380,11 @@ def plot(result: dict, png: Path) -> Path:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     budget = result["setup"]["budget_tokens"]
-    grid = np.linspace(0, budget, 41)
+    longest = max(
+        (rec["tokens"][-1] for c in result["conditions"].values() for rec in c["runs"].values()),
+        default=budget,
+    )
+    grid = np.linspace(0, max(budget, longest), 61)
     for c in result["conditions"].values():
         curves = {"acc": [], "margin": [], "acr": [], "zstd": []}
         for rec in c["runs"].values():
@@ -400,13 +405,13 @@ def plot(result: dict, png: Path) -> Path:
             if not curves[key]:
                 continue
             ys = np.array(curves[key], dtype=float)
-            with np.errstate(all="ignore"):
+            with warnings.catch_warnings():  # a grid point past every seed's run: NaN
+                warnings.simplefilter("ignore", RuntimeWarning)
                 mean = np.nanmean(ys, axis=0)
+                low, high = np.nanmin(ys, 0), np.nanmax(ys, 0)
             (line,) = ax.plot(grid, mean, label=c["label"])
             if len(ys) > 1:
-                ax.fill_between(
-                    grid, np.nanmin(ys, 0), np.nanmax(ys, 0), alpha=0.15, color=line.get_color()
-                )
+                ax.fill_between(grid, low, high, alpha=0.15, color=line.get_color())
     titles = (
         "held-out accuracy",
         "accuracy minus best constant answer",
@@ -414,6 +419,7 @@ def plot(result: dict, png: Path) -> Path:
         "post-filter frac_reward_zero_std",
     )
     for ax, title in zip(axes.flat, titles):
+        ax.axvline(budget, color="gray", ls=":", lw=1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("generated tokens")
     axes[0, 1].axhline(0, color="black", lw=0.8)
@@ -481,7 +487,7 @@ def calibration_table(result: dict) -> str:
             for lv in sorted(cal["measured"], key=lambda x: int(str(x).lstrip("L"))):
                 lines.append(
                     f"| {slug} s{seed} | L{str(lv).lstrip('L')} | {cal['measured'][lv]:.3f} | "
-                    f"{cal['weight'][lv]:.0f} | {cal['predicted_before'][lv]:.3f} | "
+                    f"{cal['observations'][lv]:.0f} | {cal['predicted_before'][lv]:.3f} | "
                     f"{cal['predicted_after'][lv]:.3f} |"
                 )
     return "\n".join(lines)
