@@ -299,13 +299,18 @@ def _draw_eval_vs_guessing(ax: Any, rows: list[dict]) -> None:
         highs.append(hi - acc)
     ax.errorbar(x, y, yerr=[lows, highs], fmt="o", ms=6, color="black", capsize=3,
                 label="eval/accuracy (held-out, 95% CI)")  # fmt: skip
-    for key, color, label in (
-        ("eval/best_constant", "tab:purple", "best constant answer (held-out)"),
-        ("eval/chance", "tab:gray", "chance (held-out)"),
+    for key, color, ls, label in (
+        ("eval/chance", "tab:gray", "--", "chance (held-out)"),
+        ("eval/best_constant", "tab:purple", "-.", "best constant answer (held-out)"),
     ):
         value = evals[-1].get(key)
         if value is not None:
-            ax.axhline(float(value), color=color, ls="--", lw=1.2, label=label)
+            ax.axhline(float(value), color=color, ls=ls, lw=1.5, label=label)
+    verdict = learning_summary(rows).get("learned")
+    if verdict is not None:
+        text = "learned" if verdict else "not beyond the best constant answer / start"
+        ax.annotate(text, (x[-1], y[-1]), xytext=(-6, 10), textcoords="offset points",
+                    ha="right", fontsize=8)  # fmt: skip
 
 
 def _running(values: list[float], weights: list[float], window: int) -> list[float]:
