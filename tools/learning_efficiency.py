@@ -27,7 +27,7 @@ range, the Wilson interval of each seed), raw ACR and post-filter ``frac_reward_
 in the first and last third of the run. Each run is calibrated with ``megagrpo plan
 --calibrate``: planner prediction vs measured raw ACR per level.
 
-    python tools/learning_efficiency.py --quick            # smoke: 2 conditions x 1 seed x 2 steps
+    python tools/learning_efficiency.py --quick   # smoke: 2 conditions x 1 seed x 2 steps, in runs/
     python tools/learning_efficiency.py --seeds 0 1 2      # the full experiment (hours on 2 cores)
     python tools/learning_efficiency.py --plot-only        # redraw from the committed JSON
 """
@@ -507,8 +507,10 @@ QUICK = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--out", default="runs/learning_efficiency", help="work dir (cached)")
-    parser.add_argument("--figure-dir", type=Path, default=FIGURE_DIR)
+    parser.add_argument("--out", default=None, help="work dir (cached; default runs/...)")
+    parser.add_argument(
+        "--figure-dir", type=Path, default=None, help=f"default {FIGURE_DIR} (--quick: in --out)"
+    )
     parser.add_argument("--tokens", type=float, default=60000.0, help="generated-token budget")
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy target")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -524,6 +526,9 @@ def main() -> None:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    args.out = args.out or ("runs/learning_efficiency" + ("_quick" if args.quick else ""))
+    if args.figure_dir is None:  # a smoke run never overwrites the committed figure
+        args.figure_dir = Path(args.out) / "figure" if args.quick else FIGURE_DIR
     source = args.figure_dir / "learning_efficiency.json"
     if args.plot_only:
         result = json.loads(source.read_text(encoding="utf-8"))
