@@ -173,9 +173,11 @@ def cumulative_tokens(rows: list[dict]) -> list[float]:
 
 
 def _done(rows: list[dict], budget: float) -> bool:
-    """The run reached the budget and evaluated since."""
-    tokens = cumulative_tokens(rows)
-    return bool(rows) and tokens[-1] >= budget and rows[-1].get("eval/accuracy") is not None
+    """The run evaluated after reaching the budget (a stopped run may log a step after it)."""
+    return any(
+        t >= budget and r.get("eval/accuracy") is not None
+        for t, r in zip(cumulative_tokens(rows), rows)
+    )
 
 
 def train(cond: Condition, seed: int, args: argparse.Namespace, levels: Path, data) -> Path:

@@ -52,6 +52,7 @@ def test_tokens_interpolation_and_target(tool):
     rows = _rows()
     assert tool.cumulative_tokens(rows) == [0.0, 100.0, 300.0, 600.0, 1000.0]
     assert tool._done(rows, 1000.0) and not tool._done(rows[:4], 500.0)  # step 3: no eval
+    assert tool._done([*rows, {"step": 5, "perf/gen_tokens": 1.0}], 1000.0)  # a step after
     pts = [(0.0, 0.1), (300.0, 0.3), (1000.0, 0.5)]
     assert tool.at_tokens(pts, 650.0) == pytest.approx(0.4)
     assert math.isnan(tool.at_tokens(pts, 2000.0))
