@@ -11,13 +11,14 @@ scores 0.25: a policy that beats it reads the question. The held-out questions a
 instances of the same templates (no question text is shared with the training set).
 
 SmolLM2-135M-Instruct answers most of them at chance and often in no readable form
-(docs/learning.md gives the measured base accuracy per template and the AlphaMed levels);
+(docs/learning.md gives the measured base accuracy and the AlphaMed levels);
 GRPO with a 0/1 accuracy reward teaches it the answer form and the easy rules, while the
 groups of questions it cannot yet or can already answer collapse.
 
     python tools/make_demo_mcq.py                 # rewrites the two files, byte-identical
     python tools/make_demo_mcq.py --train 400 --eval 240 --out DIR   (the defaults)
     python tools/make_demo_mcq.py --task easy --options 2            (the earlier demo set)
+    python tools/make_demo_mcq.py --quick         # writes nothing: do they still regenerate?
 
 tests/unit/test_demo_mcq_assets.py checks that the defaults regenerate the shipped files byte
 for byte. :func:`build` (the earlier easy templates, :data:`TEMPLATES` and
@@ -310,16 +311,27 @@ def main() -> None:
     parser.add_argument("--options", type=int, default=2, choices=(2, 3, 4), help="--task easy")
     default_out = Path(__file__).resolve().parents[1] / "megagrpo" / "assets"
     parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="write nothing: exit 1 unless the defaults regenerate the shipped files",
+    )
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.task == "rule":
         train, evals = build_rule(args.train, args.eval, args.seed)
     else:
         train, evals = build(args.train, args.eval, args.seed, num_options=args.options)
-    for name, recs in (("demo_mcq_train.jsonl", train), ("demo_mcq_eval.jsonl", evals)):
+    files = {"demo_mcq_train.jsonl": train, "demo_mcq_eval.jsonl": evals}
+    texts = {n: "".join(json.dumps(r) + "\n" for r in recs) for n, recs in files.items()}
+    if args.quick:
+        same = all((default_out / n).read_text(encoding="utf-8") == t for n, t in texts.items())
+        print(f"quick: the shipped demo_mcq files regenerate byte for byte: {same}")
+        raise SystemExit(0 if same else 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
         path = args.out / name
-        path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
-        print(f"{path}: {len(recs)} problems")
+        path.write_text(text, encoding="utf-8")
+        print(f"{path}: {len(files[name])} problems")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.errors import ConfigError
 
 DESCRIPTION = (
@@ -222,9 +223,7 @@ def write_predictions(
             {"problem_id": pid, "prediction": preds[pid][0], "explanation": preds[pid][1]}
             for pid in pids
         ]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
-        os.replace(tmp, path)
+        fileio.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         written.append(path)
     return written
 

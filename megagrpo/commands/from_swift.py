@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from megagrpo import fileio
 from megagrpo.commands.swift_flags import (
     DIFFERS,
     EXACT,
@@ -253,11 +253,7 @@ def run(args: argparse.Namespace) -> int:
     source = " ".join(f"--{k} {v}" for k, v in flags.items())
     text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n" + to_yaml(cfg)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
+        out = fileio.write_text(args.out, text)
         print(f"wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.types import Group
 
 COLUMNS = (
@@ -104,9 +105,7 @@ class CompletionsLog:
                         continue  # a torn last line from a kill mid-write
                     if row.get("step", 0) <= step:
                         kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        fileio.write_text(self.path, "".join(kept))
         self._fh = open(self.path, "a", encoding="utf-8")
         return len(kept)
 

@@ -50,7 +50,7 @@ def missing_metrics(row: dict, reward_names: list[str]) -> list[str]:
     return [n for n in required_metrics(reward_names) if n not in row]
 
 
-# ms-swift / TRL dashboard names -> the megagrpo name each is read from (issue 12.3).
+# ms-swift / TRL dashboard names -> the megagrpo name each is read from.
 # Differences in meaning, where there are any:
 # - frac_reward_zero_std: post-filter (the trained batch), as ms-swift logs it after dynamic
 #   sampling; the pre-filter value is collapse/frac_reward_zero_std_raw (no TRL name).

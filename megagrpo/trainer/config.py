@@ -3,30 +3,25 @@ nests every component's config (mirrored by configs/*.yaml)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Literal
 
 from megagrpo.algo.config import LossConfig
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
-from megagrpo.errors import ConfigError, require, require_finite
+from megagrpo.errors import ConfigError, require, require_choice, require_finite
 from megagrpo.metrics.config import MetricsConfig
-from megagrpo.model.config import ModelConfig
+from megagrpo.model.config import ModelConfig, SyncTransport
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
-from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.config import RolloutConfig, WeightSync
 from megagrpo.rollout.verify import thresholds_for
 
 log = logging.getLogger(__name__)
-
-OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-WEIGHT_SYNCS = ("auto", "merged", "adapter")
-SYNC_TRANSPORTS = ("allreduce", "broadcast", "sliced")
 
 
 @dataclass
@@ -46,7 +41,7 @@ class TrainerConfig:
     rollout.max_tokens, never by the batch size (gradients accumulate over micro-batches)."""
     ppo_epochs: int = 1
     """Optimiser updates per generated batch (>1 needs old log-probs: recomputed)."""
-    old_logprobs: str = "auto"
+    old_logprobs: Literal["auto", "rollout", "recompute", "none"] = "auto"
     """auto | rollout | recompute | none. Behaviour log-probs for the ratio: the engine's
     sampled-token log-probs, a trainer forward before the update, or none (ratio 1).
     auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout."""
@@ -61,7 +56,7 @@ class TrainerConfig:
     warmup_ratio: float = 0.0
     """Warm-up as a fraction of the optimiser steps (ms-swift's warmup_ratio); the larger of
     this and ``warmup_steps`` applies."""
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """constant | linear | cosine: the learning rate after warm-up, over max_steps x
     ppo_epochs optimiser steps, from ``lr`` down to ``min_lr`` (transformers' schedulers).
     ms-swift's default is cosine; constant keeps early and late steps equally weighted."""
@@ -92,14 +87,14 @@ class TrainerConfig:
     """Pack samples into rows of at most this many tokens, one row per micro-batch
     (padding-free; must be >= rollout.max_model_len); 0: padded micro-batches of
     micro_batch_size samples."""
-    weight_sync: str = "auto"
+    weight_sync: WeightSync = "auto"
     """auto | merged | adapter. merged: stream base + LoRA merged HF tensors into the engine
     every step (works for every engine and target, but a bf16 base keeps only part of a small
     update: ``sync/lora_survival``); adapter: write the PEFT adapter (a few MB) and let the
     engine serve it on its base weights, exactly (needs rollout.enable_lora and vLLM LoRA
     support for the targeted modules). auto: adapter where the engine serves LoRA, else
     merged. Both are verified against the trainer's probe log-probs."""
-    sync_transport: str = "allreduce"
+    sync_transport: SyncTransport = "allreduce"
     """allreduce | broadcast | sliced: how merged tensors travel between the trainer's ranks
     (:func:`megagrpo.model.weights.export_hf_tensors`). allreduce: every rank zero-fills each
     full tensor and sums it over its model-parallel group (2x the tensor's bytes per rank on a
@@ -138,11 +133,7 @@ class TrainerConfig:
         require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")
         require(self.micro_batch_size >= 1, f"{path}.micro_batch_size", "must be >= 1")
         require(self.ppo_epochs >= 1, f"{path}.ppo_epochs", "must be >= 1")
-        require(
-            self.old_logprobs in OLD_LOGPROBS,
-            f"{path}.old_logprobs",
-            f"must be one of {OLD_LOGPROBS}",
-        )
+        require_choice(self, "old_logprobs", path)
         require(
             not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
             f"{path}.old_logprobs",
@@ -153,16 +144,8 @@ class TrainerConfig:
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.lr > 0, f"{path}.lr", "must be > 0")
         require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0")
-        require(
-            self.weight_sync in WEIGHT_SYNCS,
-            f"{path}.weight_sync",
-            f"must be one of {WEIGHT_SYNCS}",
-        )
-        require(
-            self.sync_transport in SYNC_TRANSPORTS,
-            f"{path}.sync_transport",
-            f"must be one of {SYNC_TRANSPORTS}",
-        )
+        require_choice(self, "weight_sync", path)
+        require_choice(self, "sync_transport", path)
         require(
             self.adam_betas is None or len(self.adam_betas) == 2,
             f"{path}.adam_betas",
@@ -174,11 +157,7 @@ class TrainerConfig:
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
         require_finite(self.warmup_ratio, f"{path}.warmup_ratio")
         require(0.0 <= self.warmup_ratio < 1.0, f"{path}.warmup_ratio", "must be in [0, 1)")
-        require(
-            self.lr_schedule in LR_SCHEDULES,
-            f"{path}.lr_schedule",
-            f"must be one of {LR_SCHEDULES}",
-        )
+        require_choice(self, "lr_schedule", path)
         require_finite(self.min_lr, f"{path}.min_lr")
         require(0.0 <= self.min_lr <= self.lr, f"{path}.min_lr", "must be in [0, lr]")
         require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
@@ -202,26 +181,33 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def budget_config(self) -> BudgetConfig:
-        """The rollout budget (``rollout.budget``, ``rollout.min_samples``, ...) as the
-        curriculum's :class:`BudgetConfig`."""
-        names = [f.name for f in dataclasses.fields(BudgetConfig)]
-        return BudgetConfig(**{name: getattr(self.rollout, name) for name in names})
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "rollout.budget": "budget.mode",
+        "rollout.min_samples": "budget.min_samples",
+        "rollout.max_samples": "budget.max_samples",
+        "rollout.round_samples": "budget.round_samples",
+        "rollout.trained_size": "budget.trained_size",
+        "rollout.budget_objective": "budget.objective",
+        "rollout.budget_price": "budget.price",
+        "rollout.sequential_gate": "budget.sequential_gate",
+        "rollout.advantage_baseline": "budget.advantage_baseline",
+    }
+    """Old key -> its new name: the loader refuses an old key with a ConfigError naming both."""
 
     def validate(self, path: str = "") -> None:
         """Checks across sections (each section validated itself first): the rollout budget
         keys, and that a budget other than uniform runs with a dynamic-sampling policy that
         trains on the groups it finished (partial | carry). ConfigError names the key."""
-        budget = self.budget_config()
-        budget.validate("rollout")
-        budget.resolved(self.rollout.group_size, "rollout")
-        if budget.budget != "uniform" and self.dynamic.policy == "original":
+        budget = self.budget
+        budget.resolved(self.rollout.group_size, "budget")
+        if budget.mode != "uniform" and self.dynamic.policy == "original":
             raise ConfigError(
                 f"config key 'dynamic.policy': 'original' (ms-swift's fallback: train on the "
                 f"first round, collapsed groups included) has no meaning with "
-                f"rollout.budget={budget.budget} (groups of different sizes); use partial or "
+                f"budget.mode={budget.mode} (groups of different sizes); use partial or "
                 "carry"
             )
 

@@ -123,6 +123,16 @@ class Comm:
         return float(t.item())
 
 
+class _EnginesNotStarted:
+    """``TrainContext.rollouts`` before the engines start: any use is an error naming why."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"ctx.rollouts.{name}: the rollout engines have not started yet "
+            "(megagrpo.trainer.setup.start_rollouts starts them after a resume)"
+        )
+
+
 @dataclass
 class TrainContext:
     """The run's components (see module docstring)."""
@@ -136,11 +146,12 @@ class TrainContext:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     """Learning-rate scheduler stepped after each optimiser step (None: constant)."""
-    rollouts: Rollouts
-    """Where generation runs: rank 0 only, or sharded engine replicas."""
     sampler: CurriculumSampler
     dynamic: DynamicSampler
     reward_fn: CompositeReward
+    rollouts: Rollouts = field(default_factory=lambda: _EnginesNotStarted())  # type: ignore[assignment]
+    """Where generation runs: rank 0 only, or sharded engine replicas. The engines start after
+    the context is built (a resume restores it first); until then any use raises."""
     logger: MetricLogger = field(default_factory=NullLogger)
     """Metrics of the step rows (rank 0; a NullLogger elsewhere)."""
     completions: CompletionsLog | None = None

@@ -32,12 +32,12 @@ from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.answers import answer_bias, answer_bias_warning
 from megagrpo.metrics.names import required_metrics, swift_aliases
-from megagrpo.trainer.checkpoint import save_checkpoint
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
 from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
+from megagrpo.trainer.train_state import save_checkpoint
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class GenStats:
 
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     """Phases 1-2: generate and score rounds until the dynamic sampler has decided the batch
-    (at most 1 + R rounds: :class:`megagrpo.curriculum.dynamic.Rounds`)."""
+    (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
     while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n
@@ -85,17 +85,17 @@ def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Ten
     """Group-normalised advantages of the batch, one ``[G_n]`` row per group ([] for an
     empty batch). Groups of different sizes (rollout budgets) are normalised each by its
     own statistics, or by those of every answer generated for its problem in the step
-    (``rollout.advantage_baseline: pool``, Reinforce-Ada)."""
+    (``budget.advantage_baseline: pool``, Reinforce-Ada)."""
     if not groups:
         return []
     scale = ctx.cfg.loss.resolved_advantage_scale()
     sizes = [g.size for g in groups]
-    if ctx.cfg.rollout.advantage_baseline != "pool" and len(set(sizes)) == 1:
+    if ctx.cfg.budget.advantage_baseline != "pool" and len(set(sizes)) == 1:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         return list(group_advantages(rewards, scale=scale).unbind(0))
     flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     mean = std = None
-    if ctx.cfg.rollout.advantage_baseline == "pool":
+    if ctx.cfg.budget.advantage_baseline == "pool":
         mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
     flat = flat_group_advantages(flat_rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
     return list(torch.split(flat, sizes))

@@ -44,13 +44,14 @@ from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
-from megagrpo.trainer.checkpoint import problem_set, restore_checkpoint, rng_state, set_rng_state
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
-from megagrpo.trainer.rollouts import EngineFactory, Rank0Rollouts, build_rollouts
+from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import prepare_run_dir
 from megagrpo.trainer.sync import first_probes, start_engines
+from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -93,11 +94,11 @@ def _curriculum(
 
 
 def _dynamic(cfg: RunConfig, correctness_key: str, acr: float | None) -> DynamicSampler:
-    """The dynamic sampler, with the rollout budget's planner unless ``rollout.budget`` is
+    """The dynamic sampler, with the rollout budget's planner unless ``budget.mode`` is
     uniform (G answers per problem)."""
-    budget = cfg.budget_config()
+    budget = cfg.budget
     planner = None
-    if budget.budget != "uniform":
+    if budget.mode != "uniform":
         planner = BudgetPlanner(
             budget,
             cfg.rollout.group_size,
@@ -184,7 +185,7 @@ class RunData:
     train: list[Problem]
     eval: list[Problem]
     problem_set: dict[str, Any]
-    """The training set as checkpoints record it (:func:`checkpoint.problem_set`)."""
+    """The training set as checkpoints record it (:func:`train_state.problem_set`)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """``data/prompts_dropped`` / ``data/prompts_truncated`` of the training set."""
 
@@ -296,7 +297,6 @@ def build_context(
         policy=policy,
         optimizer=optimizer,
         scheduler=scheduler,
-        rollouts=Rank0Rollouts(None, comm, reward_fn),  # the engines start below
         sampler=sampler,
         dynamic=_dynamic(cfg, correctness, acr),
         reward_fn=reward_fn,

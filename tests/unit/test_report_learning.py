@@ -1,5 +1,6 @@
 """`megagrpo report`: the learning summary (raw reward first vs last fifth, held-out accuracy
-at step 0 vs the end against the best constant answer) and the calibration plot (predicted vs measured raw ACR per level)."""
+at step 0 vs the end against the best constant answer) and the calibration plot (predicted vs
+measured raw ACR per level)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The rest is real: config loading and resolution, parallel state (one gloo rank),
 dynamic samplers, composite reward, micro-batching, the fused loss (torch backend), the
 optimiser, verified weight sync (the engine checks its probe against the trainer's), metrics
 rows, checkpoints and resume. This is the fast-tier guard of the loop's wiring; the end-to-end
-runs on the real stack are in test_trainer_e2e.py (slow).
+runs on the real stack are in tests/integration/test_trainer_e2e.py (slow).
 """
 
 from __future__ import annotations
