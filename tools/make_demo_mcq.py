@@ -1,26 +1,28 @@
 """Generate the demo's problem set (megagrpo/assets/demo_mcq_{train,eval}.jsonl).
 
-Easy English multiple-choice questions in ms-swift GRPO format (``messages`` + ``solution``
-+ ``choices``), written from eight templates with a fixed seed (free to ship): one-digit
-sums, the successor of a number, the largest / smallest of four numbers, the one even number,
-which word is an animal / fruit / colour / ..., the capital of a well-known country, which word
-starts with a given letter. The held-out questions are new instances of the same templates
-(other numbers, other option sets; no question text is shared with the training set).
+English four-option questions in ms-swift GRPO format (``messages`` + ``solution`` +
+``choices``) whose right option follows from a rule stated in the question, on a ladder of
+difficulty for a small model (:data:`RULE_TEMPLATES`): the question names the option's
+letter ("Choose option c."), its position ("Choose the third option."), its text ("Which
+option is the number 47?"), a one-digit sum, the largest of four numbers. The gold letters
+are balanced: every template puts its right option at a, b, c, d in turn, so on each split
+every letter is the gold of exactly a quarter of the questions and the best constant answer
+scores 0.25: a policy that beats it reads the question. The held-out questions are new
+instances of the same templates (no question text is shared with the training set).
 
-What SmolLM2-135M-Instruct does with them (measured, `megagrpo profile`, 8 samples at
-temperature 1): about 15% of its answers are right; about 40% name no readable answer at
-all (it lists the options again or keeps talking after the letter) and the letters it does
-name are right about a quarter of the time. GRPO with a 0/1 accuracy reward first teaches it
-to answer in the requested form (the answer on its own line, then stop), which is what the
-demo shows learning.
+SmolLM2-135M-Instruct answers most of them at chance and often in no readable form
+(docs/learning.md gives the measured base accuracy and the AlphaMed levels);
+GRPO with a 0/1 accuracy reward teaches it the answer form and the easy rules, while the
+groups of questions it cannot yet or can already answer collapse.
 
     python tools/make_demo_mcq.py                 # rewrites the two files, byte-identical
-    python tools/make_demo_mcq.py --train 400 --eval 256 --options 2 --out DIR   (the defaults)
+    python tools/make_demo_mcq.py --train 400 --eval 240 --out DIR   (the defaults)
+    python tools/make_demo_mcq.py --task easy --options 2            (the earlier demo set)
     python tools/make_demo_mcq.py --quick         # writes nothing: do they still regenerate?
 
-The shipped files hold 400 training and 256 held-out questions with two options each (the
-right one and the first wrong one of the template); tests/unit/test_demo_mcq_assets.py
-checks that the defaults regenerate them byte for byte.
+tests/unit/test_demo_mcq_assets.py checks that the defaults regenerate the shipped files byte
+for byte. :func:`build` (the earlier easy templates, :data:`TEMPLATES` and
+:data:`OTHER_TEMPLATES`) stays for tools/repro_article.py.
 """
 
 from __future__ import annotations
@@ -206,12 +208,107 @@ def build(
     return out[:num_train], out[num_train:]
 
 
+ORDINALS = ("first", "second", "third", "fourth")
+
+
+def _numbers(rng: random.Random, pos: int, k: int = 4) -> list[str]:
+    return [str(x) for x in rng.sample(range(10, 100), k)]
+
+
+def _rule_letter(rng: random.Random, pos: int) -> tuple[str, list[str]]:
+    return f"Choose option {LETTERS[pos]}.", _numbers(rng, pos)
+
+
+def _rule_ordinal(rng: random.Random, pos: int) -> tuple[str, list[str]]:
+    return f"Choose the {ORDINALS[pos]} option.", _numbers(rng, pos)
+
+
+def _rule_number(rng: random.Random, pos: int) -> tuple[str, list[str]]:
+    options = _numbers(rng, pos)
+    return f"Which option is the number {options[pos]}?", options
+
+
+def _rule_sum(rng: random.Random, pos: int) -> tuple[str, list[str]]:
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    wrong = rng.sample([x for x in range(2, 19) if x != a + b], 3)
+    options = [str(x) for x in wrong]
+    options.insert(pos, str(a + b))
+    return f"What is {a} + {b}?", options
+
+
+def _rule_largest(rng: random.Random, pos: int) -> tuple[str, list[str]]:
+    xs = sorted(rng.sample(range(10, 100), 4))
+    top, rest = xs[-1], xs[:-1]
+    rng.shuffle(rest)
+    rest.insert(pos, top)
+    return "Which number is the largest?", [str(x) for x in rest]
+
+
+RuleQuestion = tuple[str, list[str]]
+"""(question, four options); the right one at the position the template was given."""
+RULE_TEMPLATES: dict[str, Callable[[random.Random, int], RuleQuestion]] = {
+    "letter": _rule_letter,
+    "ordinal": _rule_ordinal,
+    "number": _rule_number,
+    "sum": _rule_sum,
+    "largest": _rule_largest,
+}
+"""The demo's ladder, easiest first for a reader of the question: copy the named letter,
+map a position to a letter, find a number among the options, add, compare."""
+
+
+def build_rule(
+    num_train: int,
+    num_eval: int,
+    seed: int = 0,
+    templates: dict[str, Callable[[random.Random, int], RuleQuestion]] | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """(train, eval) four-option records: templates in turn, template t's j-th question with
+    its right option at letter j mod 4 (each split balanced when its size is a multiple of
+    4 x templates), every prompt distinct, none shared between the splits."""
+    templates = templates or RULE_TEMPLATES
+    rng = random.Random(seed)
+    names = list(templates)
+    seen: set[str] = set()
+    splits: list[list[dict]] = []
+    for size in (num_train, num_eval):
+        out: list[dict] = []
+        attempts = 0
+        while len(out) < size:
+            attempts += 1
+            if attempts > 100 * size:
+                raise RuntimeError("not enough distinct questions for the requested sizes")
+            name = names[len(out) % len(names)]
+            pos = (len(out) // len(names)) % len(LETTERS)
+            question, options = templates[name](rng, pos)
+            body = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(options))
+            content = f"{question}\n{body}"
+            if content in seen or len(set(options)) != len(options):
+                continue
+            seen.add(content)
+            out.append(
+                {
+                    "id": f"{name}{len(seen):04d}",
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": content},
+                    ],
+                    "solution": LETTERS[pos],
+                    "choices": options,
+                }
+            )
+        rng.shuffle(out)
+        splits.append(out)
+    return splits[0], splits[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--train", type=int, default=400)
-    parser.add_argument("--eval", type=int, default=256)
+    parser.add_argument("--eval", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--options", type=int, default=2, choices=(2, 3, 4))
+    parser.add_argument("--task", default="rule", choices=("rule", "easy"))
+    parser.add_argument("--options", type=int, default=2, choices=(2, 3, 4), help="--task easy")
     default_out = Path(__file__).resolve().parents[1] / "megagrpo" / "assets"
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument(
@@ -220,7 +317,10 @@ def main() -> None:
         help="write nothing: exit 1 unless the defaults regenerate the shipped files",
     )
     args = parser.parse_args()
-    train, evals = build(args.train, args.eval, args.seed, num_options=args.options)
+    if args.task == "rule":
+        train, evals = build_rule(args.train, args.eval, args.seed)
+    else:
+        train, evals = build(args.train, args.eval, args.seed, num_options=args.options)
     files = {"demo_mcq_train.jsonl": train, "demo_mcq_eval.jsonl": evals}
     texts = {n: "".join(json.dumps(r) + "\n" for r in recs) for n, recs in files.items()}
     if args.quick:

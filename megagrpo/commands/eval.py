@@ -7,8 +7,10 @@ checkpoint of step N, exported on the fly as ``megagrpo export --adapter`` does)
 the answer with megagrpo's extractor, writes predictions in IgakuQA's ``baseline_results``
 format (``OUT/YEAR/EXAM-BLOCK_NAME.jsonl``: ``problem_id``,
 ``prediction``, ``explanation`` = the raw completion) and prints the official score per exam
-file (points and accuracy, exactly as ``megagrpo score`` computes them on those files) and the
-contraindicated choices (禁忌肢) selected.
+file (points and accuracy, exactly as ``megagrpo score`` computes them on those files), the
+contraindicated choices (禁忌肢) selected, and the accuracy against guessing (``guessing`` in
+``score.json``): its 95% interval, the best constant answer and chance on the same questions,
+the share of each answer given.
 
 The question set is every question of the exam files (``--limit N``: only the first N
 questions of *each exam file* are answered and scored). Image questions
@@ -284,6 +286,49 @@ def write_predictions(
     return written
 
 
+def guess_report(gold: dict, problems: list, preds: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Accuracy against guessing on the scored questions (a missing prediction counts wrong):
+    its 95% Wilson interval, the best constant answer and chance
+    (:func:`megagrpo.metrics.answers.guess_baselines`; a question without a loaded problem
+    has options a-e), the share of each answer given, and ``beats_constant``: the interval's
+    lower end above the best constant answer."""
+    from megagrpo.metrics.answers import answer_shares, guess_baselines, learning_verdict
+    from megagrpo.rewards.mcq import answers_match, valid_letters
+
+    letters = {p.id: valid_letters(p) for p in problems}
+    ids = list(gold)
+    answers = [preds.get(pid, ("", ""))[0] for pid in ids]
+    base = guess_baselines(
+        [gold[pid].answer for pid in ids], [letters.get(pid, "abcde") for pid in ids]
+    )
+    correct = sum(
+        answers_match(a.split(",") if a else None, gold[pid].answer) for pid, a in zip(ids, answers)
+    )
+    verdict = learning_verdict(correct, len(ids), base.best_constant)
+    return {
+        "questions": len(ids),
+        "correct": correct,
+        "interval": verdict["interval"],
+        "best_constant": base.best_constant,
+        "best_answer": base.best_answer,
+        "chance": base.chance,
+        "answers": answer_shares(answers),
+        "beats_constant": verdict["learned"],
+    }
+
+
+def format_guess(guess: dict[str, Any]) -> str:
+    """One line of :func:`guess_report` for the terminal."""
+    lo, hi = guess["interval"]
+    answers = ", ".join(f"{k} {v:.2f}" for k, v in list(guess["answers"].items())[:5])
+    verdict = "beats" if guess["beats_constant"] else "does not beat"
+    return (
+        f"accuracy {guess['correct']}/{guess['questions']} (95% CI {lo:.3f}-{hi:.3f}) "
+        f"{verdict} the best constant answer ('{guess['best_answer']}': "
+        f"{guess['best_constant']:.3f}; chance {guess['chance']:.3f}); answers: {answers}"
+    )
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -365,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
         "adapter": str(adapter) if adapter else None,
         "sync": sync,
         "skipped": skipped,
+        "guessing": guess_report(gold, problems, preds),
     }
     (out_dir / "score.json").write_text(json.dumps(result, ensure_ascii=False, indent=1), "utf-8")
     if args.json:
@@ -375,5 +421,6 @@ def run(args: argparse.Namespace) -> int:
     for reason, ids in skipped.items():
         print(f"no prediction ({reason}, counted wrong): {len(ids)}")
     print(f"contraindicated choices selected: {len(report.kinki)} {report.kinki[:10]}")
+    print(format_guess(result["guessing"]))
     print(f"predictions: {out_dir}")
     return 0

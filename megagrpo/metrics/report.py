@@ -10,8 +10,9 @@
   visible here, where the post-filter curve reads 0 by construction) and the steps where it
   filled the batch (``dynamic/success``). The article's Figure 1 showed only the post-filter
   curve; the raw curve is what it could not show.
-- ``reward.png``: mean total reward and each reward function's mean (+ eval/accuracy, step 0
-  included when the run evaluated before training), the means of the raw reward over the
+- ``reward.png``: mean total reward and each reward function's mean (+ eval/accuracy with
+  its 95% interval, step 0 included when the run evaluated before training, against the
+  best constant answer and chance on the same questions), the means of the raw reward over the
   first and the last fifth of the steps (:func:`learning_summary`), and the reward
   errors/timeouts per step (a broken reward plugin shows here).
 - ``calibration.png`` (runs with a levels file): the planner's predicted raw ACR per profile
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo.errors import DataError
+from megagrpo.metrics.answers import answer_bias_warning, learning_verdict, wilson_interval
 from megagrpo.metrics.logger import read_metrics
 
 log = logging.getLogger(__name__)
@@ -120,11 +122,20 @@ def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
 
 
 def learning_summary(rows: list[dict]) -> dict[str, Any]:
-    """Did the run learn? Mean raw reward (``reward/mean_raw``: the first generation of each
-    step, before any filtering) over the first and the last fifth of the steps and their
-    ratio, and held-out accuracy at the first and the last evaluation (step 0 when the run
-    evaluated before training). ``learned``: ratio >= 1.5 and the last accuracy above the
-    first (the demo's criterion); None when a figure is missing."""
+    """Did the run learn, or learn to guess? Mean raw reward (``reward/mean_raw``: the first
+    generation of each step, before any filtering) over the first and the last fifth of the
+    steps and their ratio; held-out accuracy at the first and the last evaluation (step 0
+    when the run evaluated before training); what guessing scores on the same questions
+    (``best_constant``, ``chance``), the answers given at the first and the last evaluation
+    (``answers_first``/``answers_last``: share per answer), and the steps whose first round
+    showed an answer-bias collapse (:func:`megagrpo.metrics.answers.answer_bias_warning`).
+
+    ``learned`` (:func:`megagrpo.metrics.answers.learning_verdict`): the lower end of the
+    95% Wilson interval of the last held-out accuracy lies above both the best constant
+    answer and the first evaluation's accuracy. A raw reward that rises only because the
+    policy found the answer form and one letter cannot pass. None when there is no
+    evaluation, or its rows lack ``eval/best_constant`` (a run logged by an older megagrpo).
+    """
     steps = [r for r in rows if r.get("step", 0) >= 1 and r.get("reward/mean_raw") is not None]
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     out: dict[str, Any] = {"steps": len(steps)}
@@ -142,7 +153,7 @@ def learning_summary(rows: list[dict]) -> dict[str, Any]:
         )
         if first > 0 and last >= 0:  # a ratio of rewards means something only then
             out["raw_ratio"] = last / first
-    if len(evals) >= 2:
+    if evals:
         out.update(
             eval_first_step=evals[0]["step"],
             eval_first=float(evals[0]["eval/accuracy"]),
@@ -150,12 +161,36 @@ def learning_summary(rows: list[dict]) -> dict[str, Any]:
             eval_last=float(evals[-1]["eval/accuracy"]),
             eval_problems=evals[-1].get("eval/num_problems"),
         )
-    learned = None
-    if "raw_delta" in out and "eval_last" in out:
-        up = out["raw_ratio"] >= 1.5 if "raw_ratio" in out else out["raw_delta"] > 0
-        learned = bool(up and out["eval_last"] > out["eval_first"])
-    out["learned"] = learned
+    out.update(_guess_summary(evals))
+    out["answer_bias_steps"] = [r["step"] for r in steps if answer_bias_warning(r)]
     return out
+
+
+def _guess_summary(evals: list[dict]) -> dict[str, Any]:
+    """The constant-answer part of :func:`learning_summary` (``learned`` included)."""
+    if not evals or evals[-1].get("eval/best_constant") is None:
+        return {"learned": None}
+    last = evals[-1]
+    total = int(last.get("eval/num_problems") or 0)
+    correct = last.get("eval/correct")
+    correct = int(round(correct if correct is not None else last["eval/accuracy"] * total))
+    start = float(evals[0]["eval/accuracy"]) if len(evals) >= 2 else None
+    verdict = learning_verdict(correct, total, float(last["eval/best_constant"]), start)
+    return {
+        "best_constant": float(last["eval/best_constant"]),
+        "chance": last.get("eval/chance"),
+        "eval_correct": correct,
+        "eval_interval": verdict["interval"],
+        "margin": verdict["margin"],
+        "answers_first": _shares(evals[0]),
+        "answers_last": _shares(last),
+        "learned": verdict["learned"],
+    }
+
+
+def _shares(row: dict) -> dict[str, float]:
+    pre = "eval/answer_share/"
+    return {k[len(pre) :]: float(v) for k, v in row.items() if k.startswith(pre) and v}
 
 
 def format_learning(summary: dict[str, Any]) -> str:
@@ -175,8 +210,23 @@ def format_learning(summary: dict[str, Any]) -> str:
             f" -> {summary['eval_last']:.3f} (step {summary['eval_last_step']})"
             + (f" on {int(num)} questions" if num else "")
         )
+    if "best_constant" in summary:
+        lo, hi = summary["eval_interval"]
+        answers = ", ".join(f"{k} {v:.2f}" for k, v in list(summary["answers_last"].items())[:4])
+        text += (
+            f" (95% CI {lo:.3f}-{hi:.3f}); best constant answer {summary['best_constant']:.3f}"
+            + (f", chance {summary['chance']:.3f}" if summary.get("chance") is not None else "")
+            + f"; answers {answers}"
+        )
+    if summary.get("answer_bias_steps"):
+        text += f"; answer-bias collapse at {len(summary['answer_bias_steps'])} steps"
     if summary.get("learned") is not None:
-        text += "; learned" if summary["learned"] else "; did not learn (criterion: x1.5, eval up)"
+        text += (
+            "; learned"
+            if summary["learned"]
+            else "; did not learn (criterion: the CI's lower end above the best constant "
+            "answer and the first accuracy)"
+        )
     return text
 
 
@@ -210,9 +260,7 @@ def figure_reward(rows: list[dict]) -> Any:
         x, y = _series(rows, key)
         if x:
             ax.plot(x, y, ls=ls, lw=lw, label=key)
-    x, y = _series(rows, "eval/accuracy")
-    if x:
-        ax.plot(x, y, "o", ms=6, color="black", label="eval/accuracy (held-out)")
+    _draw_eval_vs_guessing(ax, rows)
     summary = learning_summary(rows)
     if "raw_delta" in summary:
         for key, span in (
@@ -241,6 +289,36 @@ def figure_reward(rows: list[dict]) -> Any:
     fig.tight_layout()
     _legend(fig, [ax, ax_err])
     return fig
+
+
+def _draw_eval_vs_guessing(ax: Any, rows: list[dict]) -> None:
+    """Held-out accuracy with its 95% Wilson interval, and what guessing scores on the same
+    questions: the best constant answer and chance (dashed, across the steps)."""
+    x, y = _series(rows, "eval/accuracy")
+    if not x:
+        return
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    lows, highs = [], []
+    for r, acc in zip(evals, y):
+        total = int(r.get("eval/num_problems") or 0)
+        k = r.get("eval/correct")
+        lo, hi = wilson_interval(int(round(k if k is not None else acc * total)), total)
+        lows.append(acc - lo)
+        highs.append(hi - acc)
+    ax.errorbar(x, y, yerr=[lows, highs], fmt="o", ms=6, color="black", capsize=3,
+                label="eval/accuracy (held-out, 95% CI)")  # fmt: skip
+    for key, color, ls, label in (
+        ("eval/chance", "tab:gray", "--", "chance (held-out)"),
+        ("eval/best_constant", "tab:purple", "-.", "best constant answer (held-out)"),
+    ):
+        value = evals[-1].get(key)
+        if value is not None:
+            ax.axhline(float(value), color=color, ls=ls, lw=1.5, label=label)
+    verdict = learning_summary(rows).get("learned")
+    if verdict is not None:
+        text = "learned" if verdict else "not beyond the best constant answer / start"
+        ax.annotate(text, (x[-1], y[-1]), xytext=(-6, 10), textcoords="offset points",
+                    ha="right", fontsize=8)  # fmt: skip
 
 
 def _running(values: list[float], weights: list[float], window: int) -> list[float]:

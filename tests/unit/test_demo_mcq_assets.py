@@ -1,5 +1,7 @@
 """The demo's problem set (megagrpo/assets/demo_mcq_*.jsonl) is what tools/make_demo_mcq.py
-writes with its defaults, byte for byte, and stays small; no held-out question is a training one."""
+writes with its defaults, byte for byte, and stays small; no held-out question is a training one;
+every gold follows from the question's rule (checked by an independent solver) and the gold
+letters are balanced, overall and per template, so the best constant answer scores 1/4."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections import Counter
 
 
 def test_make_demo_mcq_regenerates_the_shipped_files(tmp_path, repo_root):
@@ -31,10 +34,42 @@ def test_demo_mcq_sets_are_disjoint_and_answerable(repo_root):
         [json.loads(x) for x in (assets / f"demo_mcq_{n}.jsonl").read_text().splitlines()]
         for n in ("train", "eval")
     )
-    assert (len(train), len(evals)) == (400, 256)
+    assert (len(train), len(evals)) == (400, 240)
     prompts = {r["messages"][-1]["content"] for r in train}
     assert not prompts & {r["messages"][-1]["content"] for r in evals}
     for rec in train + evals:  # the gold letter names one of the listed options
         letter = rec["solution"]
         idx = mod.LETTERS.index(letter)
         assert f"\n{letter}. {rec['choices'][idx]}" in rec["messages"][-1]["content"]
+        assert len(rec["choices"]) == 4 == len(set(rec["choices"]))
+
+
+def _right(rec: dict) -> bool:
+    """Whether the gold follows from the question's rule (an independent solver)."""
+    question, *options = rec["messages"][-1]["content"].split("\n")
+    values = [o.split(". ", 1)[1] for o in options]
+    gold = "abcd".index(rec["solution"])
+    words = question.rstrip(".?").split()
+    if question.startswith("Choose option"):
+        return words[-1] == rec["solution"]
+    if question.startswith("Choose the"):
+        return words[2] == ["first", "second", "third", "fourth"][gold]
+    if question.startswith("Which option is the number"):
+        return values[gold] == words[-1]
+    if question.startswith("What is"):
+        return int(values[gold]) == int(words[2]) + int(words[4])
+    assert question == "Which number is the largest?", question
+    return int(values[gold]) == max(int(v) for v in values)
+
+
+def test_demo_mcq_golds_follow_the_rule_and_are_balanced(repo_root):
+    assets = repo_root / "megagrpo" / "assets"
+    for split in ("train", "eval"):
+        recs = [
+            json.loads(x) for x in (assets / f"demo_mcq_{split}.jsonl").read_text().splitlines()
+        ]
+        assert all(_right(r) for r in recs)
+        counts = Counter(r["solution"] for r in recs)
+        assert counts == dict.fromkeys("abcd", len(recs) // 4), (split, counts)  # best constant 1/4
+        per_template = Counter((r["id"].rstrip("0123456789"), r["solution"]) for r in recs)
+        assert len(set(per_template.values())) == 1, per_template  # each template balanced

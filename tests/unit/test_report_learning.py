@@ -1,5 +1,6 @@
-"""`megagrpo report`: the learning criterion (raw reward first vs last fifth, held-out accuracy
-at step 0 vs the end) and the calibration plot (predicted vs measured raw ACR per level)."""
+"""`megagrpo report`: the learning summary (raw reward first vs last fifth, held-out accuracy
+at step 0 vs the end against the best constant answer) and the calibration plot (predicted vs
+measured raw ACR per level)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ def _rows(raw, evals=None, levels=False):
     rows = []
     if evals and 0 in evals:
         rows.append({"step": 0, "eval/accuracy": evals[0], "eval/num_problems": 64.0})
+        rows[-1]["eval/best_constant"] = 0.25
     for step, r in enumerate(raw, start=1):
         row = {"step": step, "reward/mean_raw": r, "reward/mean": r}
         if evals and step in evals:
             row.update({"eval/accuracy": evals[step], "eval/num_problems": 64.0})
+            row["eval/best_constant"] = 0.25
         if levels:
             for lv in (1, 3, 6):
                 row[f"collapse/acr_predicted_by_level/L{lv}"] = 0.2 * lv / 6 + 0.5
@@ -35,7 +38,7 @@ def _rows(raw, evals=None, levels=False):
 
 def test_learning_summary_fifths_ratio_and_eval():
     raw = [0.1, 0.2, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.3, 0.3, 0.4, 0.5]  # 12 steps: fifth = 2
-    s = learning_summary(_rows(raw, {0: 0.125, 6: 0.2, 12: 0.3}))
+    s = learning_summary(_rows(raw, {0: 0.125, 6: 0.2, 12: 0.6}))
     assert (
         s["fifth"] == 2 and s["first_fifth_steps"] == [1, 2] and s["last_fifth_steps"] == [11, 12]
     )
@@ -49,6 +52,9 @@ def test_learning_summary_fifths_ratio_and_eval():
     assert "x3.00" in line and "step 0" in line and "on 64 questions" in line and "learned" in line
     flat = learning_summary(_rows([0.2] * 10, {0: 0.3, 10: 0.3}))
     assert flat["raw_ratio"] == pytest.approx(1.0) and flat["learned"] is False
+    # the raw reward x3 but held-out 0.3 on 64 questions: within noise of the constant 0.25
+    guess = learning_summary(_rows(raw, {0: 0.125, 12: 0.3}))
+    assert guess["raw_ratio"] == pytest.approx(3.0) and guess["learned"] is False
     assert "did not learn" in format_learning(flat)
     noeval = learning_summary(_rows([0.0, 0.0, 0.0, 0.0, 0.0, 0.5]))
     assert noeval["learned"] is None and "raw_ratio" not in noeval  # no ratio of a 0 start
