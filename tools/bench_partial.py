@@ -46,7 +46,11 @@ class NoReward:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps per side, 2 x 2 answers of <= 32 tokens")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 steps per side, 2 x 2 answers of <= 32 tokens",
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)

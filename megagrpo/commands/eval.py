@@ -292,7 +292,8 @@ def guess_report(gold: dict, problems: list, preds: dict[str, tuple[str, str]]) 
     (:func:`megagrpo.metrics.answers.guess_baselines`; a question without a loaded problem
     has options a-e), the share of each answer given, and ``beats_constant``: the interval's
     lower end above the best constant answer."""
-    from megagrpo.metrics.answers import answer_shares, guess_baselines, learning_verdict
+    from megagrpo.metrics.answers import answer_shares, learning_verdict
+    from megagrpo.rewards.answers import guess_baselines
     from megagrpo.rewards.mcq import answers_match, valid_letters
 
     letters = {p.id: valid_letters(p) for p in problems}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megagrpo.config import compat, load_config
+from megagrpo.config import load_config
 from megagrpo.plan.memory import hf_config_for
 from megagrpo.plan.scenario import (
     Assumptions,
@@ -21,6 +21,7 @@ from megagrpo.plan.scenario import (
     scenario_from_config,
 )
 from megagrpo.plan.search import format_plan, full_plan, search
+from megagrpo.trainer import compat
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__

@@ -214,9 +214,9 @@ def _plan(cfg: Any, hf: dict[str, Any], world: int) -> dict[str, float]:
 
 
 def _violations(cfg: Any, hf: dict[str, Any], world: int) -> list[str]:
-    """The compatibility gate's violations (``megagrpo.config.compat`` where it exists)."""
+    """The compatibility gate's violations (``megagrpo.trainer.compat`` where it exists)."""
     try:
-        from megagrpo.config.compat import check_run  # type: ignore[import-not-found]
+        from megagrpo.trainer.compat import check_run  # type: ignore[import-not-found]
     except ImportError:
         return []
     return [str(v) for v in check_run(cfg, hf, world)]

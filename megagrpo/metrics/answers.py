@@ -1,15 +1,16 @@
 """Learning, not guessing: what a policy that ignores the question would score, and whether
 a measured accuracy beats it beyond noise.
 
-- :func:`guess_baselines`: on a set of multiple-choice questions, the accuracy of the best
-  *constant answer* (always the same letter, chosen knowing the golds: the best any
-  question-blind policy can do) and *chance* (one option uniformly at random).
+- :func:`megagrpo.rewards.answers.guess_baselines`: on a set of multiple-choice questions,
+  the accuracy of the best *constant answer* (always the same letter, chosen knowing the
+  golds: the best any question-blind policy can do) and *chance* (one option uniformly at
+  random); it reads answers as the rewards do, so it lives beside them.
 - :func:`answer_shares`: how often each answer was given (``"none"``: no readable answer).
 - :func:`wilson_interval` and :func:`learning_verdict`: ``learned`` only when the lower end
   of a 95% binomial interval on the held-out count lies above the best constant answer (and
   above the accuracy the run started from).
-- :func:`answer_bias`: the share of one answer across a step's completions next to the share
-  of problems that answer is right for (``collapse/answer_bias``,
+- :func:`megagrpo.rewards.answers.answer_bias`: the share of one answer across a step's
+  completions next to the share of problems that answer is right for (``collapse/answer_bias``,
   ``collapse/answer_bias_gold``): when completions converge to one letter across problems
   although the golds do not, the groups collapse because the policy guesses, not because
   the problems are solved; :func:`answer_bias_warning` words it.
@@ -29,7 +30,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 Z95 = 1.959963984540054
@@ -53,41 +53,6 @@ def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
     return max(0.0, centre - half), min(1.0, centre + half)
-
-
-@dataclass(frozen=True)
-class GuessBaselines:
-    """What question-blind answering scores on a question set."""
-
-    best_constant: float
-    """Accuracy of the best single answer given to every question."""
-    best_answer: str
-    """That answer (``""`` when no single letter is right for any question)."""
-    chance: float
-    """Expected accuracy of one option drawn uniformly per question."""
-
-
-def guess_baselines(golds: Sequence[Sequence[str]], options: Sequence[str]) -> GuessBaselines:
-    """Baselines for questions with gold answer sets ``golds`` and option letters
-    ``options[i]`` (``"abcd"``). A single letter counts as right where
-    :func:`megagrpo.rewards.mcq.answers_match` accepts it (a multi-answer gold: never)."""
-    from megagrpo.rewards.mcq import answers_match
-
-    if len(golds) != len(options):
-        raise ValueError(f"{len(golds)} golds but {len(options)} option sets")
-    if not golds:
-        return GuessBaselines(0.0, "", 0.0)
-    hits: Counter[str] = Counter()
-    chance = 0.0
-    for gold, letters in zip(golds, options):
-        right = [c for c in letters if answers_match([c], list(gold))]
-        hits.update(right)
-        chance += len(right) / len(letters) if letters else 0.0
-    n = len(golds)
-    if not hits:
-        return GuessBaselines(0.0, "", chance / n)
-    letter, count = min(hits.items(), key=lambda kv: (-kv[1], kv[0]))
-    return GuessBaselines(count / n, letter, chance / n)
 
 
 def answer_shares(predictions: Sequence[str]) -> dict[str, float]:
@@ -118,39 +83,6 @@ def learning_verdict(
     }
 
 
-def answer_bias(groups: Sequence[Any]) -> dict[str, float]:
-    """``collapse/answer_bias``: share of the most common answer among the completions of
-    ``groups`` (multiple-choice problems only; unreadable answers count in the total), and
-    ``collapse/answer_bias_gold``: the share of those completions whose problem that answer
-    is right for (what a policy that solves every problem would show);
-    ``collapse/answer_bias_letter``: that answer as an index (0 = ``a``; NaN for a
-    multi-letter answer). NaN without multiple-choice completions."""
-    from megagrpo.rewards.mcq import answers_match, extract_answer
-
-    answers: list[str] = []
-    golds: list[list[str]] = []
-    for g in groups:
-        if not g.problem.meta.get("choices"):
-            continue
-        for text in g.completions:
-            letters = extract_answer(text, g.problem)
-            answers.append(",".join(letters) if letters else "")
-            golds.append(list(g.problem.answer))
-    given = [a for a in answers if a]
-    if not given:
-        return dict.fromkeys(
-            ("collapse/answer_bias", "collapse/answer_bias_gold", "collapse/answer_bias_letter"),
-            math.nan,
-        )
-    top, count = min(Counter(given).items(), key=lambda kv: (-kv[1], kv[0]))
-    right = sum(answers_match(top.split(","), gold) for gold in golds)
-    return {
-        "collapse/answer_bias": count / len(answers),
-        "collapse/answer_bias_gold": right / len(answers),
-        "collapse/answer_bias_letter": float(LETTERS.index(top)) if top in LETTERS else math.nan,
-    }
-
-
 def answer_bias_warning(row: dict[str, Any]) -> str | None:
     """The warning for an answer-bias collapse in a metrics row, else None: one answer makes
     up at least :data:`BIAS_MIN_SHARE` of the answers and exceeds its gold share by
@@ -171,22 +103,3 @@ def answer_bias_warning(row: dict[str, Any]) -> str | None:
         f"right for only {gold:.0%} of them: groups collapse because the policy answers a "
         "constant, not because it solves the problems"
     )
-
-
-def eval_guess_metrics(problems: Sequence[Any], predictions: Sequence[str]) -> dict[str, float]:
-    """Held-out metrics next to ``eval/accuracy``: ``eval/best_constant`` and
-    ``eval/chance`` (:func:`guess_baselines` on the multiple-choice ``problems``),
-    ``eval/answer_share/<x>`` per answer given (``predictions``: ``"c"``, ``"c,d"``, ``""``;
-    ``none``: unreadable) and ``eval/answer_top_share`` (the most common one). Empty when no
-    problem has choices."""
-    from megagrpo.rewards.mcq import valid_letters
-
-    pairs = [(p, a) for p, a in zip(problems, predictions) if p.meta.get("choices")]
-    if not pairs:
-        return {}
-    base = guess_baselines([p.answer for p, _ in pairs], [valid_letters(p) for p, _ in pairs])
-    shares = answer_shares([a for _, a in pairs])
-    out = {"eval/best_constant": base.best_constant, "eval/chance": base.chance}
-    out["eval/answer_top_share"] = max((v for k, v in shares.items() if k != "none"), default=0.0)
-    out.update({f"eval/answer_share/{k}": v for k, v in shares.items()})
-    return out

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 
-from megagrpo.config.compat import serves_moe_lora
 from megagrpo.plan.memory import GIB, memory_plan, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 from megagrpo.plan.time import step_time
+from megagrpo.rollout.config import serves_moe_lora
 
 SYNCS = (("merged", "allreduce"), ("merged", "sliced"), ("adapter", "sliced"))
 
@@ -66,7 +66,7 @@ def candidates(sc: Scenario, gpus: int):
                                         tp=vtp,
                                         dp=gpus // vtp if replicas == "lockstep" else 1,
                                     ):
-                                        continue  # vLLM 0.33 refuses it (config.compat)
+                                        continue  # vLLM 0.33 refuses it (trainer.compat)
                                     yield sc.with_(
                                         num_gpus=gpus,
                                         tp=tp,

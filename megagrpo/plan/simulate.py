@@ -83,6 +83,8 @@ class BernoulliEngine:
             out.append(group)
         return out
 
+    weights_dropped = False  # its sleep keeps the (imaginary) weights
+
     def sleep(self) -> None:
         """No-op (protocol)."""
 

@@ -178,6 +178,12 @@ class RolloutEngine(Protocol):
         """Undo :meth:`sleep` before the next :meth:`generate`."""
         ...
 
+    @property
+    def weights_dropped(self) -> bool:
+        """True while a sleep has dropped the weights (vLLM level 2): waking is not enough,
+        the engine needs a full weight sync before it can generate."""
+        ...
+
     def close(self) -> None:
         """Release everything; the engine cannot be used afterwards."""
         ...

@@ -253,3 +253,34 @@ class RolloutConfig:
             "must be a list of plugin names (no commas)",
         )
         require(self.probe_len >= 2, f"{path}.probe_len", "must be >= 2")
+
+
+SP_MOE_BACKENDS = (
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "flashinfer_nvlink_one_sided",
+    "passthrough",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "nixl_ep",
+)
+"""All-to-all backends for which vLLM turns on MoE sequence parallelism
+(``vllm/config/parallel.py`` ``ParallelConfig.use_sequence_parallel_moe``)."""
+
+
+def moe_sequence_parallel(backend: str, expert_parallel: bool, tp: int, dp: int) -> bool:
+    """vLLM's ``ParallelConfig.use_sequence_parallel_moe`` for one engine."""
+    return backend in SP_MOE_BACKENDS and expert_parallel and tp > 1 and dp > 1
+
+
+def serves_moe_lora(
+    *, lora: bool, expert_parallel: bool, quantization: str, tp: int, dp: int
+) -> bool:
+    """Whether vLLM 0.33 can serve LoRA on the MoE layers of an engine of ``tp`` x ``dp``
+    GPUs (the planner's search skips layouts it cannot; the gate names the rule)."""
+    if not lora:
+        return True
+    sp = moe_sequence_parallel("allgather_reducescatter", expert_parallel, tp, dp)
+    return not sp and quantization != "fp8"

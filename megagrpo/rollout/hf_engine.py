@@ -405,6 +405,11 @@ class HFEngine:
             "(or rollout.engine=vllm with rollout.enable_lora=true)"
         )
 
+    @property
+    def weights_dropped(self) -> bool:
+        """Never: the HF engine's sleep keeps its weights."""
+        return False
+
     def sleep(self) -> None:
         """GPU: move weights to CPU. CPU: no-op."""
         if self.model is not None and self.model.device.type == "cuda":

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from megagrpo.algo.config import LossConfig
-from megagrpo.config import compat
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
@@ -21,6 +20,7 @@ from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig, WeightSync
 from megagrpo.rollout.verify import thresholds_for
+from megagrpo.trainer import compat
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class RunConfig:
         (``megagrpo/assets/...`` found inside the installed package from any directory), the
         soft overlong reward's ``max_len`` (``rollout.max_tokens`` unless given; a longer one
         is an error) and the prompt budget (``data.max_prompt_tokens``). Then the
-        compatibility gate (:mod:`megagrpo.config.compat`: the pinned vLLM / megatron-core /
+        compatibility gate (:mod:`megagrpo.trainer.compat`: the pinned vLLM / megatron-core /
         TE rules, on ``cluster``'s GPUs; CompatError lists every violation). Idempotent."""
         self.loss.loss_agg = self.loss.resolved_loss_agg()
         self.loss.advantage_scale = self.loss.resolved_advantage_scale()

@@ -30,8 +30,9 @@ import torch
 from megagrpo.algo.advantages import flat_group_advantages, group_advantages
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
-from megagrpo.metrics.answers import answer_bias, answer_bias_warning
+from megagrpo.metrics.answers import answer_bias_warning
 from megagrpo.metrics.names import group_std_mean, required_metrics, swift_aliases
+from megagrpo.rewards.answers import answer_bias
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
@@ -54,7 +55,7 @@ class GenStats:
     raw_reward_mean: float = 0.0
     """Mean reward of the first (raw, pre-filter) round."""
     answer_bias: dict[str, float] = field(default_factory=dict)
-    """``collapse/answer_bias*`` of the first round (:mod:`megagrpo.metrics.answers`)."""
+    """``collapse/answer_bias*`` of the first round (:mod:`megagrpo.rewards.answers`)."""
 
     def add(self, groups: list[Group]) -> None:
         if self.rounds == 0:

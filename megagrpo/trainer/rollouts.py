@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.errors import ConfigError
-from megagrpo.metrics.answers import eval_guess_metrics
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.rewards import CompositeReward, extract_answer
+from megagrpo.rewards.answers import eval_guess_metrics
 from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
 from megagrpo.rollout.base import WeightSyncError, decode_completion
@@ -300,7 +300,7 @@ class Rollouts(ABC):
     def weights_dropped(self) -> bool:
         """Collective: True when any engine lost its weights in a level-2 sleep (waking it
         is not enough: it needs a full weight sync before it can generate)."""
-        mine = bool(getattr(self.engine, "weights_dropped", False))
+        mine = self.engine is not None and self.engine.weights_dropped
         return any(self.comm.all_gather_object(mine))
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megagrpo.config import compat, save_config
+from megagrpo.config import save_config
 from megagrpo.config.loader import written
 from megagrpo.curriculum.budget_rounds import BudgetPlanner
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
@@ -45,6 +45,7 @@ from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
+from megagrpo.trainer import compat
 from megagrpo.trainer.checkpoint import ResumePoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext

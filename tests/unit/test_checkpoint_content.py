@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_pieces import whole_lora_pieces
 
 from megagrpo.commands.export import export_adapter
 from megagrpo.errors import CheckpointError
 from megagrpo.model.config import LoraConfig
-from megagrpo.testing import whole_lora_pieces
 from megagrpo.trainer import checkpoint
 from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
 from megagrpo.trainer.context import Comm

@@ -1,4 +1,4 @@
-"""The compatibility gate (megagrpo.config.compat): one test per rule (a violating config is
+"""The compatibility gate (megagrpo.trainer.compat): one test per rule (a violating config is
 refused naming the rule, the nearest fixed config is accepted), the shipped 235B configs
 pass, today's layout is refused, and the rules that restate upstream code are checked against
 the installed upstream (megatron-core 0.16.1 on CPU; vLLM's ParallelConfig, slow)."""
@@ -10,9 +10,9 @@ import json
 import pytest
 
 from megagrpo.cli import main
-from megagrpo.config import compat
 from megagrpo.config.loader import load_config
 from megagrpo.errors import ConfigError
+from megagrpo.trainer import compat
 from megagrpo.trainer.config import RunConfig
 
 MOE = {

@@ -9,12 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from lora_pieces import whole_lora_pieces
 
 from megagrpo import fileio
 from megagrpo.cli import main
 from megagrpo.errors import ConfigError
 from megagrpo.model.config import LoraConfig
-from megagrpo.testing import whole_lora_pieces
 from megagrpo.trainer import checkpoint
 
 LORA = LoraConfig(rank=4)

@@ -17,12 +17,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "megagrpo"
 
 LAYERS: list[set[str]] = [
-    {"errors", "types", "fileio"},  # 0: ground
-    {"config", "algo", "parallel", "data", "metrics", "testing"},  # 1: components
-    # 2: built on components below; the Megatron policy (model) never imports rollout
+    {"errors"},  # 0: ground: the error types everything raises
+    {"types", "fileio"},  # 1: the data types, atomic file writes
+    {"config", "algo", "parallel", "data", "metrics", "testing"},  # 2: components
+    # 3: built on components below; the Megatron policy (model) never imports rollout
     {"kernels", "rewards", "rollout", "curriculum", "model"},
-    {"trainer", "plan"},  # 3: the loop; the before-you-rent-a-GPU predictors
-    {"commands", "cli"},  # 4: the command line
+    {"trainer", "plan"},  # 4: the loop; the before-you-rent-a-GPU predictors
+    {"commands", "cli"},  # 5: the command line
 ]
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

@@ -12,14 +12,13 @@ import pytest
 
 from megagrpo.commands.eval import format_guess, guess_report
 from megagrpo.metrics.answers import (
-    answer_bias,
     answer_bias_warning,
     answer_shares,
-    guess_baselines,
     learning_verdict,
     wilson_interval,
 )
 from megagrpo.metrics.report import format_learning, learning_summary, make_report
+from megagrpo.rewards.answers import answer_bias, guess_baselines
 from megagrpo.rewards.igakuqa import GoldItem
 from megagrpo.trainer.rollouts import evaluate
 from megagrpo.types import Group, Problem

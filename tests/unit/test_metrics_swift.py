@@ -181,9 +181,10 @@ def test_completions_log_rows_resume_and_wandb_table(tmp_path, monkeypatch):
     assert len(tables) == 1  # step 2 only (every 2 steps)
     table = json.loads(tables[0].read_text())
     assert len(table["data"]) == 12
+    # ms-swift's _build_log_table: gen_step, prompt, completion, each reward, advantages
     assert table["columns"][:6] == [
         "step", "prompt", "completion", "mcq_accuracy", "soft_overlong", "advantages"
-    ]  # ms-swift's _build_log_table: gen_step, prompt, completion, each reward, advantages  # fmt: skip
+    ]  # fmt: skip
     assert table["data"][0][1] == "問題0\na. x\nb. y" and table["data"][0][5] is None
     again = CompletionsLog(tmp_path / "completions.jsonl")
     assert again.truncate_after(2) == 24

@@ -184,6 +184,8 @@ class BigramEngine:
     def update_adapter(self, adapter, expected_probe=None, expected_before=None):
         raise AssertionError("not used")
 
+    weights_dropped = False  # the RolloutEngine protocol: a sleep that keeps weights
+
     def sleep(self):
         self.calls.append("sleep")
 
