@@ -4,7 +4,13 @@ The Triton module (``triton_loss``) is imported lazily, only when the Triton bac
 ``TRITON_INTERPRET=1`` can still be set before it is imported (CPU tests).
 """
 
-from megagrpo.kernels.fused_linear import fused_linear_policy_loss
+from megagrpo.kernels.fused_linear import fused_linear_policy_loss, fused_linear_token_stats
 from megagrpo.kernels.fused_loss import fused_policy_loss, resolve_backend, token_stats
 
-__all__ = ["fused_linear_policy_loss", "fused_policy_loss", "resolve_backend", "token_stats"]
+__all__ = [
+    "fused_linear_policy_loss",
+    "fused_linear_token_stats",
+    "fused_policy_loss",
+    "resolve_backend",
+    "token_stats",
+]

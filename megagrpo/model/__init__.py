@@ -73,6 +73,12 @@ class Policy(Protocol):
         """All-reduce gradients over the parallel groups after backward (collective)."""
         ...
 
+    def hidden_output(self) -> AbstractContextManager[torch.Tensor | None]:
+        """Inside the block forwards hand ``loss_fn`` the final hidden states ``[B, T, H]`` in
+        place of the logits; yields the output weight ``[V/TP, H]`` (None: logits as usual,
+        e.g. a pipeline stage without the output layer)."""
+        ...
+
     def scoring(self) -> AbstractContextManager[None]:
         """Deterministic, gradient-free forwards inside (eval mode: no LoRA dropout): every
         forward whose result is compared or reused rather than trained on."""

@@ -29,6 +29,7 @@ from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import build_plan, hf_weight_shapes
+from megagrpo.model.lm_head import hidden_instead_of_logits
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.model_inputs import LossFn, ModelInputs, model_inputs
@@ -288,6 +289,16 @@ class MegatronPolicy(nn.Module):
         return forward_backward(
             self, batches, loss_fn, forward_only=forward_only, broadcast=broadcast, routing=routing
         )
+
+    @contextlib.contextmanager
+    def hidden_output(self) -> Iterator[torch.Tensor | None]:
+        """Inside the block :meth:`forward_logits` / :meth:`forward_backward` hand ``loss_fn``
+        the final hidden states ``[B, T, H]`` (gathered over TP) in place of the logits, and
+        the block yields the output weight ``[V/TP, H]`` the loss multiplies them by, chunk by
+        chunk (None, nothing changed, on a pipeline stage without the output layer). See
+        :mod:`megagrpo.model.lm_head`."""
+        with hidden_instead_of_logits(self.model) as weight:
+            yield weight
 
     @contextlib.contextmanager
     def scoring(self) -> Iterator[None]:

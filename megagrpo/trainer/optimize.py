@@ -34,11 +34,9 @@ from torch import nn
 from megagrpo.algo.advantages import sequence_weights
 from megagrpo.algo.config import LossConfig
 from megagrpo.errors import MegagrpoError
-from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
 from megagrpo.model.routing import ReplayPlan, step_plan
 from megagrpo.parallel.state import ParallelGroups
-from megagrpo.parallel.strict import check_on_device
 from megagrpo.trainer.batch import (
     BatchTotals,
     MicroBatch,
@@ -51,6 +49,7 @@ from megagrpo.trainer.batch import (
     padding_micro_batch,
 )
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.loss_head import micro_batch_logprobs, micro_batch_loss, model_output
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -130,30 +129,18 @@ def policy_logprobs(
     ``plan`` gives each forward its MoE routing; of logits / ``temperature``
     (:meth:`RolloutConfig.logprob_temperature`)."""
     base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
-
-    def logp(logits: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
-        mb = mbs[i]
-        check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
-        lp, *_ = token_stats(
-            tempered(logits, temperature),
-            mb.target_ids,
-            tp_group=tp_group,
-            backend=loss_cfg.backend,
-            chunk_bytes=loss_cfg.chunk_bytes,
-        )
-        return None, lp.reshape(mb.target_ids.shape).float() * mb.mask
-
     routing = None if plan is None else plan.reference if base_only else plan.policy
-    with policy.scoring(), base:  # pipeline: on the last stage only (None elsewhere, unread)
+    with policy.scoring(), base, model_output(policy, loss_cfg) as weight:
+
+        def logp(output: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
+            return None, micro_batch_logprobs(
+                output, weight, mbs[i], loss_cfg, tp_group, temperature
+            )
+
+        # pipeline: on the last stage only (None elsewhere, unread)
         return policy.forward_backward(
             mbs, logp, forward_only=True, broadcast=False, routing=routing
         )
-
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature`` (``rollout.logprobs=sampling``; one more logits-sized tensor
-    in the model's dtype), ``logits`` itself at 1."""
-    return logits if temperature == 1.0 else logits / temperature
 
 
 def logprob_mismatch(
@@ -224,39 +211,28 @@ def _backward_pass(
     agg = cfg.resolved_loss_agg()
     temperature = ctx.cfg.rollout.logprob_temperature()
 
-    def loss_fn(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, dict[str, float]]:
-        mb = mbs[i]
-        check_on_device(
-            "loss",
-            logits=logits,
-            target_ids=mb.target_ids,
-            old_logprobs=None if old is None else old[i],
-            advantages=mb.advantages,
-            mask=mb.mask,
-            ref_logprobs=None if ref is None else ref[i],
-            rollout_logprobs=mb.rollout_logprobs,
-        )
-        loss, metrics = fused_policy_loss(
-            tempered(logits, temperature),
-            mb.target_ids,
-            None if old is None else old[i],
-            mb.advantages,
-            mb.mask,
-            cfg,
-            ref_logprobs=None if ref is None else ref[i],
-            tp_group=ctx.tp_group,
-            rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None,
-            seq_ids=mb.seq_ids,
-            seq_weights=mb.seq_weights,
-        )
-        weight = microbatch_weight(mb, agg, totals)
-        return loss * weight, {k: weight * float(v) for k, v in metrics.items()}
-
     sums: dict[str, float] = {}
     routing = None if plan is None else plan.policy
-    for metrics in ctx.policy.forward_backward(mbs, loss_fn, routing=routing):
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v
+    with model_output(ctx.policy, cfg) as weight:
+
+        def loss_fn(output: torch.Tensor, i: int) -> tuple[torch.Tensor, dict[str, float]]:
+            mb = mbs[i]
+            loss, metrics = micro_batch_loss(
+                output,
+                weight,
+                mb,
+                None if old is None else old[i],
+                None if ref is None else ref[i],
+                cfg,
+                ctx.tp_group,
+                temperature,
+            )
+            w = microbatch_weight(mb, agg, totals)
+            return loss * w, {k: w * float(v) for k, v in metrics.items()}
+
+        for metrics in ctx.policy.forward_backward(mbs, loss_fn, routing=routing):
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
     return sums
 
 

@@ -73,6 +73,10 @@ class BigramPolicy:
         pass
 
     @contextlib.contextmanager
+    def hidden_output(self):  # no output layer of its own: the loss takes the logits
+        yield None
+
+    @contextlib.contextmanager
     def scoring(self):
         with torch.no_grad():
             yield
