@@ -291,40 +291,47 @@ def train_on_batch(
     old = None
     extra: dict[str, float] = {}
     if source == "recompute":
-        old = policy_logprobs(
-            ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
-        )
+        with ctx.timed("train/old_logprobs"):
+            old = policy_logprobs(
+                ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
+            )
         if has_rollout_logprobs(groups):
-            extra = logprob_mismatch(ctx, old, mbs)
+            with ctx.timed("train/checks"):
+                extra = logprob_mismatch(ctx, old, mbs)
     elif source == "rollout":
         old = [mb.rollout_logprobs for mb in mbs]
     ref = None
     if ctx.cfg.loss.kl_coef > 0:
-        ref = policy_logprobs(
-            ctx.policy,
-            mbs,
-            ctx.cfg.loss,
-            ctx.tp_group,
-            base_only=True,
-            plan=plan,
-            temperature=temperature,
-        )
+        with ctx.timed("train/ref_logprobs"):
+            ref = policy_logprobs(
+                ctx.policy,
+                mbs,
+                ctx.cfg.loss,
+                ctx.tp_group,
+                base_only=True,
+                plan=plan,
+                temperature=temperature,
+            )
     sums: dict[str, float] = {}
     grad_norm, steps, skipped = 0.0, 0, False
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
-        sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
-        ctx.policy.finish_grad_sync()
-        grad_norm = clip_grad_norm(
-            ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
-        )
-        skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
+        with ctx.timed("train/fwd_bwd"):
+            sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
+        with ctx.timed("train/optim"):
+            ctx.policy.finish_grad_sync()
+            grad_norm = clip_grad_norm(
+                ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
+            )
+        with ctx.timed("train/checks"):
+            skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
         if skipped:  # nothing of this update may reach the weights or the Adam moments
             ctx.optimizer.zero_grad(set_to_none=True)
             break
-        ctx.optimizer.step()
-        if ctx.scheduler is not None:
-            ctx.scheduler.step()
+        with ctx.timed("train/optim"):
+            ctx.optimizer.step()
+            if ctx.scheduler is not None:
+                ctx.scheduler.step()
         steps += 1
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums
     metrics = ctx.comm.mean_over(metrics, pgs.dp)

@@ -150,8 +150,10 @@ def push_weights(
 def sync_weights(ctx: TrainContext) -> dict[str, float]:
     """The trainer's probe of the new weights, then :func:`push_weights` (the engines wake in
     stages); returns ``perf/sync_bytes``, ``sync/*``."""
-    expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
-    return push_weights(ctx, sync_mode(ctx), expected)
+    with ctx.timed("sync/probe"):
+        expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
+    with ctx.timed("sync/push"):
+        return push_weights(ctx, sync_mode(ctx), expected)
 
 
 @dataclass
