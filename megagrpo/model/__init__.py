@@ -131,6 +131,11 @@ class Policy(Protocol):
         (:mod:`megagrpo.model.sync_transport`)."""
         ...
 
+    def stream_adapter(self, dtype: torch.dtype, dst: int | None) -> dict[str, torch.Tensor] | None:
+        """The PEFT state dict of the adapter in ``dtype`` on global rank ``dst`` (None: every
+        rank), None elsewhere; collective (bucketed, no files)."""
+        ...
+
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
         """Write a PEFT adapter directory (collective; rank 0 writes and gets the path)."""
         ...

@@ -481,6 +481,18 @@ class MegatronPolicy(nn.Module):
         """Bytes this rank received in the last :meth:`export_hf_weights` (any transport)."""
         return self.export_counter.received
 
+    def stream_adapter(self, dtype: torch.dtype, dst: int | None) -> dict[str, torch.Tensor] | None:
+        """The PEFT state dict :meth:`export_peft_adapter` writes (same names and layout), in
+        ``dtype``, built from bucketed collectives on global rank ``dst`` (None: every rank);
+        None elsewhere. Collective (:func:`megagrpo.model.peft_export.stream_lora`)."""
+        from megagrpo.model.peft_export import check_exportable, peft_tensors, stream_lora
+
+        check_exportable(self.cfg.lora, self.arch.is_moe)
+        lora = stream_lora(self, dtype, dst)
+        if not lora:
+            return None
+        return peft_tensors(lora, self.arch.num_experts)[0]
+
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
         """Write a PEFT adapter (adapter_config.json + adapter_model.safetensors) that peft
         loads onto the HF model; collective, rank 0 writes. Returns the dir on rank 0."""
