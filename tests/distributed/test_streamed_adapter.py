@@ -5,7 +5,8 @@ gather, files written and read back) bitwise once cast to the engine's dtype, un
 one engine on rank 0 (a reduce) and for an engine on every rank (an all-reduce).
 
 The engine side (vLLM taking the adapter in memory, verified, serving what the PEFT
-directory serves) is tests/unit/test_rollout_lora.py::test_in_memory_adapter_equals_the_peft_directory.
+directory serves) is ``test_in_memory_adapter_equals_the_peft_directory`` in
+tests/unit/test_rollout_lora.py.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _worker(rank: int, hf_dir: str) -> list[dict]:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             comm = Comm(groups)
 
-            def update(transport, dtype=None, dst=0):
+            def update(transport, dtype=None, dst=0, policy=policy, comm=comm, lora=lora):
                 return weight_update(
                     policy,
                     "adapter",
