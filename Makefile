@@ -14,7 +14,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -ra --durations=15
 
-# Unit tests without the slow and multi-process ones: the edit-test loop (README: its budget).
+# Unit tests without the slow and multi-process ones: the edit-test loop (budget: docs/architecture.md).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not distributed" tests/unit --durations=10
 

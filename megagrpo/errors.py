@@ -1,7 +1,9 @@
 """Project error types: user errors name the offending key, file or line."""
 
+import functools
 import math
 import os
+import typing
 from pathlib import Path
 
 
@@ -44,6 +46,19 @@ def require(cond: bool, key: str, msg: str) -> None:
     """Raise ConfigError for ``key`` unless ``cond``: the one-liner config validators use."""
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
+
+
+@functools.cache
+def choices(cls: type, key: str) -> tuple:
+    """The allowed values of config field ``key`` of dataclass ``cls``: the values of its
+    ``Literal[...]`` annotation (the one place a key's choices are written)."""
+    return typing.get_args(typing.get_type_hints(cls)[key])
+
+
+def require_choice(obj: object, key: str, path: str) -> None:
+    """Raise ConfigError for ``path.key`` unless ``obj.key`` is one of :func:`choices`."""
+    allowed, value = choices(type(obj), key), getattr(obj, key)
+    require(value in allowed, f"{path}.{key}", f"must be one of {allowed}, got {value!r}")
 
 
 def require_finite(value: object, key: str) -> None:

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from megagrpo.model.routing_verify import target_logprobs
+from routing_verify import target_logprobs
 
 
 def routing_report(policy: Any, groups: list, micro_batch_size: int = 8) -> dict[str, float]:

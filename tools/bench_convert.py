@@ -7,6 +7,7 @@ them) and ``export`` (gather shards, write HF safetensors), and prints per-rank 
 to the peer: transformers ``from_pretrained`` + ``save_pretrained`` of the whole model.
 
     python tools/bench_convert.py [--layouts 1,ep2,tp2] [--work /tmp/megagrpo-bench]
+    python tools/bench_convert.py --quick   # the tiny test MoE, one rank, a temp dir
 
 MB/s = HF checkpoint bytes / wall seconds of the phase (rank-local load time in brackets);
 peak RSS is VmHWM of each rank process ("after imports": a process with torch + megatron
@@ -22,6 +23,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,13 +39,14 @@ m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 t_load = time.perf_counter() - t
 t = time.perf_counter()
 m.save_pretrained(sys.argv[2])
-from megagrpo.model.checkpoint_io import _peak_rss_mb
+from megagrpo.model.megatron_ckpt import _peak_rss_mb
 print(t_load, time.perf_counter() - t, _peak_rss_mb())
 """
 
 
-def build_model(work: Path) -> Path:
-    """A ~460 MB fp32 Qwen3-MoE (6 layers, hidden 768, 8 experts, vocab 32000)."""
+def build_model(work: Path, quick: bool = False) -> Path:
+    """A ~460 MB fp32 Qwen3-MoE (6 layers, hidden 768, 8 experts, vocab 32000); ``quick``:
+    the tiny test MoE of megagrpo.testing."""
     out = work / "hf"
     if (out / "config.json").is_file():
         return out
@@ -52,18 +55,22 @@ def build_model(work: Path) -> Path:
 
     from megagrpo.testing import tiny_config
 
-    cfg = tiny_config(
-        "moe",
-        vocab_size=32000,
-        hidden_size=768,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        num_hidden_layers=6,
-        intermediate_size=2048,
-        moe_intermediate_size=512,
-        num_experts=8,
-        num_experts_per_tok=2,
+    cfg = (
+        tiny_config("moe")
+        if quick
+        else tiny_config(
+            "moe",
+            vocab_size=32000,
+            hidden_size=768,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_hidden_layers=6,
+            intermediate_size=2048,
+            moe_intermediate_size=512,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -78,7 +85,7 @@ def size_mb(path: Path) -> float:
 def baseline_rss_mb() -> float:
     code = (
         "import megagrpo.model.policy, megatron.core.models.gpt; "
-        "from megagrpo.model.checkpoint_io import _peak_rss_mb; print(_peak_rss_mb())"
+        "from megagrpo.model.megatron_ckpt import _peak_rss_mb; print(_peak_rss_mb())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -129,19 +136,28 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/megagrpo-bench")
     p.add_argument("--json", action="store_true")
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="tiny model, layout 1, temp dir")
     args = p.parse_args()
+    if args.quick and not args.build_only:
+        with tempfile.TemporaryDirectory(prefix="bench_convert_") as tmp:
+            return run(args, Path(tmp), "1")
+    return run(args, Path(args.work), args.layouts)
+
+
+def run(args: argparse.Namespace, work: Path, layouts: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if (
         not args.build_only and not (work / "hf" / "config.json").is_file()
     ):  # build in a child: keep this RSS small
-        subprocess.run([sys.executable, __file__, "--build-only", "--work", str(work)], check=True)
-    hf = build_model(work)
+        quick = ["--quick"] if args.quick else []
+        cmd = [sys.executable, __file__, "--build-only", "--work", str(work), *quick]
+        subprocess.run(cmd, check=True)
+    hf = build_model(work, args.quick)
     if args.build_only:
         return 0
     mb = size_mb(hf)
-    rows = [run_layout(n, hf, work) for n in args.layouts.split(",")]
+    rows = [run_layout(n, hf, work) for n in layouts.split(",")]
     peer_out = work / "peer_out"
     shutil.rmtree(peer_out, ignore_errors=True)
     res = subprocess.run(

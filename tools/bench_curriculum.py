@@ -8,6 +8,7 @@
    statistics.pstdev filter + per-group dict bookkeeping, as a peer trainer loop does.
 
     python tools/bench_curriculum.py [--problems 100000] [--steps 1000] [--groups 1000]
+    python tools/bench_curriculum.py --quick     # 2,000 problems, 20 steps, 50 groups: does it run?
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import BernoulliEngine, run_plan, synthetic_population
+from megagrpo.plan.simulate import BernoulliEngine, run_plan, synthetic_population
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
 
@@ -78,7 +79,9 @@ def bench_overhead(num_problems: int, num_groups: int, repeats: int = 50) -> flo
     sampler = CurriculumSampler(
         problems, CurriculumConfig(keep_levels=[1, 2, 3, 4, 5, 6]), levels, "correct"
     )
-    ds = DynamicSampler(DynamicSamplingConfig(policy="carry", max_resample=0), "correct")
+    ds = DynamicSampler(
+        DynamicSamplingConfig(policy="carry", max_resample=0), "correct", group_size=8
+    )
     cache = BernoulliEngine(ps).generate(problems[:num_groups], 8)
 
     def generate(batch):
@@ -90,8 +93,11 @@ def bench_overhead(num_problems: int, num_groups: int, repeats: int = 50) -> flo
 
     step = iter(range(10**9))
 
-    def ours():
-        ds.fill(sampler, generate, num_groups, next(step))
+    def ours():  # the trainer's collect_batch, generation excluded
+        rounds = ds.start(sampler, num_groups, next(step))
+        while (requests := rounds.next_requests()) is not None:
+            rounds.add(generate([r.problem for r in requests]))
+        rounds.finish()
         sampler.metrics()
 
     counts: dict = {}
@@ -108,7 +114,7 @@ def bench_overhead(num_problems: int, num_groups: int, repeats: int = 50) -> flo
     print(f"  {'':<58}{'median':>8}{'min':>8}{'cpu':>8}  (ms)")
     m, lo, cpu = _timed(ours, repeats)
     print(
-        f"  {'megagrpo CurriculumSampler + DynamicSampler.fill + metrics':<58}"
+        f"  {'megagrpo CurriculumSampler + DynamicSampler rounds + metrics':<58}"
         f"{m:>8.2f}{lo:>8.2f}{cpu:>8.2f}"
     )
     nm, nlo, ncpu = _timed(naive, repeats)
@@ -125,7 +131,10 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=100_000)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--groups", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.problems, args.steps, args.groups = 2000, 20, 50
     logging.basicConfig(level=logging.WARNING)
     bench_overhead(args.problems, args.groups)
     bench_planner(args.problems, args.steps)

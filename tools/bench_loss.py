@@ -23,6 +23,7 @@ fused_linear (megagrpo.kernels.fused_linear) and Liger's LigerFusedLinearGRPOLos
 and W (so they also do the projection; their gradient error is measured on hidden states).
 
 Usage: python tools/bench_loss.py [--device cpu|cuda] [--tokens T] [--vocab V] [--json]
+       python tools/bench_loss.py --quick     (64 tokens, vocab 2048, naive / fused / fused_linear)
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="timed repeats on CUDA (CPU: 1)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="64 tokens, vocab 2048: does it run?")
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.tokens, a.vocab, a.seq_len, a.methods = 64, 2048, 16, "naive,fused,fused_linear"
+    return a
 
 
 # ----------------------------------------------------------------------------- inputs

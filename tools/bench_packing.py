@@ -19,6 +19,7 @@ Prints, per source: samples per batch, mean / max length, the padded waste (frac
 computed token slots that are padding) at several micro-batch sizes, and packed rows at
 several row budgets (rows, fill). Usage:
   python tools/bench_packing.py --igakuqa ../shared/data/igakuqa [--completions FILE]
+  python tools/bench_packing.py --quick   (the bundled demo problems as prompts, 2 steps of 4 x 4)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from megagrpo.trainer.batch import padding_stats
 
 MICRO = (1, 2, 4, 8)
 ROWS = (5120, 8192, 16384)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,7 +56,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--quick", action="store_true", help="the bundled demo problems as prompts, 2 small steps"
+    )
+    a = p.parse_args(argv)
+    if a.quick:
+        a.igakuqa = a.igakuqa or str(REPO / "megagrpo" / "assets" / "demo_train.jsonl")
+        a.groups, a.group_size, a.steps, a.median, a.max_tokens = 4, 4, 2, 64.0, 256
+    return a
 
 
 def _prompt_lengths(problems, tokenizer_dir: str | None, per_char: float) -> dict[str, int]:

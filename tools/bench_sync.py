@@ -13,10 +13,11 @@ Measured (2 gloo ranks, expert parallelism 2, a random Qwen3-MoE built here with
     owners' shards in bf16 buckets, one reduce to rank 0 per bucket, the PEFT state built in
     memory there).
   Rank 0 then loads the merged stream into a real HF engine (``HFEngine.update_weights``).
-Estimated: the 235B modes for the 2-node and 16-node configs from megagrpo.model.plan_time
+Estimated: the 235B modes for the 2-node and 16-node configs from megagrpo.plan.time
 (bytes per GPU and seconds over the stated bandwidths).
 
 Usage: python tools/bench_sync.py [--hidden 256 --layers 4 --experts 8] [--repeat 3]
+       python tools/bench_sync.py --quick     (h=64, 2 layers, 4 experts, 1 repeat)
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="h=64, 2 layers, 4 experts, 1 repeat")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.hidden, a.layers, a.experts, a.repeat = 64, 2, 4, 1
+    return a
 
 
 def _owner_broadcast(policy) -> tuple[int, int]:
@@ -163,17 +168,18 @@ def measured(args) -> dict:
 
 def estimated(repo: Path) -> list[dict]:
     """235B: bytes per GPU and seconds per mode for the 2-node and 16-node configs."""
-    from megagrpo.commands.plan_memory import load_with_planned
+    from megagrpo.config import load_config
     from megagrpo.model.arch import load_hf_config
-    from megagrpo.model.plan_memory import memory_plan
-    from megagrpo.model.plan_scenario import Assumptions, Hardware, scenario_from_config
-    from megagrpo.model.plan_time import _sync
+    from megagrpo.plan.memory import memory_plan
+    from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
+    from megagrpo.plan.time import _sync
+    from megagrpo.trainer.config import RunConfig
 
     hf = load_hf_config(repo / "configs/qwen3_235b_a22b.hf_config.json")
     rows = []
     for cfgname in ("qwen3_235b_a22b_2node.yaml", "qwen3_235b_a22b.yaml"):
-        cfg, planned = load_with_planned(str(repo / "configs" / cfgname), [])
-        sc = scenario_from_config(cfg, hf, planned)
+        cfg = load_config(RunConfig, [repo / "configs" / cfgname])
+        sc = scenario_from_config(cfg, hf)
         for sync, transport in (
             ("merged", "allreduce"),
             ("merged", "broadcast"),
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
     ):
         print(f"  {name:<34} {m[b] / 1e6:>14.2f} {med[key]:>9.3f}")
     print(f"  engine load of the merged stream (HF engine, rank 0): {m['engine_update_s']:.3f} s")
-    print("\nQwen3-235B-A22B estimate (megagrpo.model.plan_time, stated bandwidths):")
+    print("\nQwen3-235B-A22B estimate (megagrpo.plan.time, stated bandwidths):")
     print(f"  {'config':<28} {'mode':<20} {'GiB/GPU':>9} {'seconds':>8}")
     for r in est:
         print(f"  {r['config']:<28} {r['mode']:<20} {r['gib_per_gpu']:>9.2f} {r['s']:>8.1f}")

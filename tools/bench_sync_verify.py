@@ -1,7 +1,8 @@
 """Weight-sync verification on CPU: the bf16 noise the thresholds are set from, and what the
 periodic full check costs.
 
-    python tools/bench_sync_verify.py [--engine hf|vllm|both] [--model smollm2-135m]
+    python tools/bench_sync_verify.py [--engine hf|vllm|both] [--model smollm2-135m|tiny-dense]
+    python tools/bench_sync_verify.py --quick    # a random tiny dense model, 1 repeat
 
 1. Noise: a bf16 engine against an fp32 trainer (transformers) on the 16-token probe, for
    rank-8 updates of every matrix of relative size s: the engine/trainer offset (max, mean)
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -113,14 +116,27 @@ def main() -> None:
     ap.add_argument("--engine", default="both", choices=["hf", "vllm", "both"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--skip-noise", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a random tiny dense model, 1 repeat")
     args = ap.parse_args()
+    if args.quick:
+        args.model, args.repeat = "tiny-dense", 1
+    with tempfile.TemporaryDirectory(prefix="bench_sync_verify_") as tmp:
+        model_dir = _model_dir(args.model, Path(tmp))
+        if not args.skip_noise:
+            noise_table(model_dir)
+        engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
+        cost_table(model_dir, engines, args.repeat)
+
+
+def _model_dir(spec: str, tmp: Path) -> Path:
+    """``tiny-dense``: a random tiny test model built in ``tmp``; else a bundled name or dir."""
+    if spec == "tiny-dense":
+        from megagrpo.testing import build_tiny_model
+
+        return build_tiny_model(tmp / spec, "dense")
     from megagrpo.model.pretrained import resolve_model_path
 
-    model_dir = resolve_model_path(args.model)
-    if not args.skip_noise:
-        noise_table(model_dir)
-    engines = ["hf", "vllm"] if args.engine == "both" else [args.engine]
-    cost_table(model_dir, engines, args.repeat)
+    return resolve_model_path(spec)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
     python tools/convert_ckpt.py import --hf HF_DIR --out CKPT [--tp N --ep N --etp N --pp N]
     python tools/convert_ckpt.py export --ckpt CKPT --out DIR [--merge-lora | --adapter-only]
+    python tools/convert_ckpt.py --quick   # a tiny model through both, checked bitwise
 
 ``import`` launches the layout's ranks (gloo on CPU), streams the HF safetensors into each
 rank's shards and writes them with the layout. ``export`` reloads under that layout and
@@ -37,7 +38,8 @@ def _layout(args) -> dict:
 
 
 def cmd_import(args) -> dict:
-    from megagrpo.model.checkpoint_io import (
+    from megagrpo.model.config import LoraConfig
+    from megagrpo.model.megatron_ckpt import (
         atomic_dir,
         check_hf_dir,
         commit_dir,
@@ -46,7 +48,6 @@ def cmd_import(args) -> dict:
         world_of,
         write_meta,
     )
-    from megagrpo.model.config import LoraConfig
     from megagrpo.parallel import ParallelConfig, validate_layout
     from megagrpo.parallel.launch import launch
 
@@ -71,7 +72,7 @@ def cmd_import(args) -> dict:
 
 def cmd_export(args) -> dict:
     from megagrpo.errors import ConfigError
-    from megagrpo.model.checkpoint_io import (
+    from megagrpo.model.megatron_ckpt import (
         atomic_dir,
         commit_dir,
         copy_hf_metadata,
@@ -108,11 +109,42 @@ def cmd_export(args) -> dict:
     return {"mode": mode, "world_size": meta["world_size"], "ranks": stats}
 
 
+def quick() -> int:
+    """``--quick``: a random tiny dense model through import and export (one rank, a temp
+    dir); exit 1 unless the exported tensors equal the original ones bitwise."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from megagrpo.testing import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="convert_ckpt_") as tmp:
+        hf = build_tiny_model(Path(tmp) / "hf", "dense")
+        ns = dict(tp=1, ep=1, etp=1, pp=1, dtype="float32")
+        cmd_import(argparse.Namespace(hf=str(hf), out=f"{tmp}/ckpt", **ns))
+        out = Path(tmp) / "out"
+        cmd_export(
+            argparse.Namespace(
+                ckpt=f"{tmp}/ckpt", out=str(out), merge_lora=False, adapter_only=False, shard_mb=64
+            )
+        )
+        want = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+        got = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+        same = want.keys() == got.keys() and all(want[k].equal(got[k]) for k in want)
+    print(f"quick: tiny dense model imported and exported: {len(got)} tensors, bitwise {same}")
+    return 0 if same else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="import + export a random tiny dense model in a temp dir, check it round-trips",
+    )
+    sub = p.add_subparsers(dest="cmd")
     imp = sub.add_parser("import", help="HF checkpoint -> megagrpo/Megatron checkpoint")
     imp.add_argument("--hf", required=True)
     imp.add_argument("--out", required=True)
@@ -138,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     from megagrpo.errors import MegagrpoError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        return quick()
+    if args.cmd is None:
+        parser.error("give a command: import or export (or --quick)")
     try:
         stats = cmd_import(args) if args.cmd == "import" else cmd_export(args)
     except MegagrpoError as exc:

@@ -16,6 +16,7 @@ demo shows learning.
 
     python tools/make_demo_mcq.py                 # rewrites the two files, byte-identical
     python tools/make_demo_mcq.py --train 400 --eval 256 --options 2 --out DIR   (the defaults)
+    python tools/make_demo_mcq.py --quick         # writes nothing: do they still regenerate?
 
 The shipped files hold 400 training and 256 held-out questions with two options each (the
 right one and the first wrong one of the template); tests/unit/test_demo_mcq_assets.py
@@ -213,13 +214,24 @@ def main() -> None:
     parser.add_argument("--options", type=int, default=2, choices=(2, 3, 4))
     default_out = Path(__file__).resolve().parents[1] / "megagrpo" / "assets"
     parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="write nothing: exit 1 unless the defaults regenerate the shipped files",
+    )
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
     train, evals = build(args.train, args.eval, args.seed, num_options=args.options)
-    for name, recs in (("demo_mcq_train.jsonl", train), ("demo_mcq_eval.jsonl", evals)):
+    files = {"demo_mcq_train.jsonl": train, "demo_mcq_eval.jsonl": evals}
+    texts = {n: "".join(json.dumps(r) + "\n" for r in recs) for n, recs in files.items()}
+    if args.quick:
+        same = all((default_out / n).read_text(encoding="utf-8") == t for n, t in texts.items())
+        print(f"quick: the shipped demo_mcq files regenerate byte for byte: {same}")
+        raise SystemExit(0 if same else 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
         path = args.out / name
-        path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
-        print(f"{path}: {len(recs)} problems")
+        path.write_text(text, encoding="utf-8")
+        print(f"{path}: {len(files[name])} problems")
 
 
 if __name__ == "__main__":

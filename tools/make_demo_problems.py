@@ -6,10 +6,12 @@ templates with a fixed seed: free to ship, and a 135M instruct model answers som
 correctly some of the time, so on the demo the reward and the collapse metrics both move.
 
     python tools/make_demo_problems.py            # rewrites the two files
+    python tools/make_demo_problems.py --quick    # writes nothing: do they still regenerate?
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -90,14 +92,28 @@ def build(seed: int = 0) -> tuple[list[dict], list[dict]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="write nothing: exit 1 unless the shipped files regenerate byte for byte",
+    )
+    args = parser.parse_args()
     out = Path(__file__).resolve().parents[1] / "megagrpo" / "assets"
-    out.mkdir(parents=True, exist_ok=True)
     train, evals = build()
-    for name, recs in (("demo_train.jsonl", train), ("demo_eval.jsonl", evals)):
-        (out / name).write_text(
-            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8"
-        )
-        print(f"{out / name}: {len(recs)} problems")
+    files = {"demo_train.jsonl": train, "demo_eval.jsonl": evals}
+    texts = {
+        n: "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs)
+        for n, recs in files.items()
+    }
+    if args.quick:
+        same = all((out / n).read_text(encoding="utf-8") == t for n, t in texts.items())
+        print(f"quick: the shipped demo_train/demo_eval files regenerate byte for byte: {same}")
+        raise SystemExit(0 if same else 1)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (out / name).write_text(text, encoding="utf-8")
+        print(f"{out / name}: {len(files[name])} problems")
 
 
 if __name__ == "__main__":

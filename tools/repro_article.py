@@ -12,7 +12,7 @@ This script reproduces it end to end on 2 CPU cores:
    temperature): the levels are the model's own;
 3. ``megagrpo train`` under five conditions (same seed, steps, B x G): the article's three
    (all levels; L2-L5; L2-L5 of A and B, each with ``original`` and R = 3), then all levels
-   with ``carry`` and with ``rollout.budget=knapsack`` + ``carry``;
+   with ``carry`` and with ``budget.mode=knapsack`` + ``carry``;
 4. the figure: post-filter ``frac_reward_zero_std`` (the article's Figure 1) and the raw ACR
    (what the article could not show) per condition over steps, with the 1 - 1/R line, and per
    condition the effective ratio (completions with a non-zero advantage in a trained group /
@@ -28,6 +28,7 @@ skipped when the measured step time says they would not fit.
     python tools/repro_article.py --plot-only                 # the PNG from metrics.json
     python tools/repro_article.py --out /tmp/ra --figure-dir /tmp/ra/fig --problems-a 16 \
         --problems-b 8 --steps 3 --only all_knapsack          # a smoke run (~6 min)
+    python tools/repro_article.py --quick     # does it run? 8 + 4 problems, 3 steps, HF engine
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +72,7 @@ class Condition:
             f"curriculum.levels_file={levels[self.data]}",
             f"curriculum.keep_levels=[{','.join(map(str, self.keep))}]",
             f"dynamic.policy={self.policy}",
-            f"rollout.budget={self.budget}",
+            f"budget.mode={self.budget}",
             *self.overrides,
         ]
 
@@ -97,7 +99,7 @@ rollout:
   temperature: 0.7
   max_tokens: 12
   max_model_len: 512
-  max_samples: 16
+budget: {{max_samples: 16}}
 curriculum: {{online: true, level_k: {K}, retire_streak: 0}}
 dynamic: {{enabled: true, max_resample: {R}, preflight: warn}}
 loss: {{variant: grpo}}
@@ -300,7 +302,8 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     clock = Clock(args.minutes)
     config = out / "base.yaml"
-    config.write_text(BASE_CONFIG, encoding="utf-8")
+    base = BASE_CONFIG.replace("engine: vllm", "engine: hf") if args.quick else BASE_CONFIG
+    config.write_text(base, encoding="utf-8")
     sets = write_problem_sets(out, args.problems_a, args.problems_b)
     levels = profile(config, sets, out)
     result: dict = {
@@ -422,7 +425,23 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="redraw from metrics.json")
     slugs = [c.slug for c in CONDITIONS]
     parser.add_argument("--only", nargs="+", choices=slugs, help="run these conditions only")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="does it run? 8 + 4 problems, 3 steps of all_knapsack, HF engine, a temp dir",
+    )
     args = parser.parse_args()
+    if args.quick:
+        with tempfile.TemporaryDirectory(prefix="repro_article_") as tmp:
+            args.out, args.figure_dir = tmp, Path(tmp) / "figure"
+            args.problems_a, args.problems_b, args.steps = 8, 4, 3
+            args.only, args.plot_only = ["all_knapsack"], False
+            _main(args)
+        return
+    _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     source = args.figure_dir / "metrics.json"
     if args.plot_only:
         result = json.loads(source.read_text(encoding="utf-8"))

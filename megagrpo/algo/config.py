@@ -11,6 +11,7 @@ LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_no
 ADVANTAGE_SCALES = ("auto", "group", "batch", "none")
 BACKENDS = ("auto", "triton", "torch")
 GROUP_WEIGHTINGS = ("sequence", "group")
+TIS_MODES = ("truncate", "mask")
 
 # What each variant means when loss_agg / advantage_scale are "auto".
 _DEFAULT_AGG = {
@@ -50,6 +51,10 @@ class LossConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling for rollout/trainer mismatch: each token's loss is weighted
     by min(exp(old_logprob - rollout_logprob), tis_cap); 0 disables it."""
+    tis_mode: str = "truncate"
+    """truncate | mask: token-level importance weights r = exp(old_logprob - rollout_logprob)
+    as min(r, tis_cap) (TIS) or as r where 1 / tis_cap <= r <= tis_cap and 0 elsewhere (MIS:
+    tokens too far off-policy drop out of the loss)."""
     tis_auto: bool = True
     """With bf16/fp16 weights on either side and tis_cap 0, use tis_cap 2.0 (engine and
     trainer log-probs differ by ~0.1 per token in bf16; NeMo-RL corrects it the same way)."""
@@ -103,5 +108,6 @@ class LossConfig:
         require(
             self.tis_cap == 0.0 or self.tis_cap >= 1.0, f"{path}.tis_cap", "must be 0 (off) or >= 1"
         )
+        require(self.tis_mode in TIS_MODES, f"{path}.tis_mode", f"must be one of {TIS_MODES}")
         require(self.backend in BACKENDS, f"{path}.backend", f"must be one of {BACKENDS}")
         require(self.chunk_bytes >= 1024, f"{path}.chunk_bytes", "must be >= 1024")

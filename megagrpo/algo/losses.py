@@ -88,9 +88,13 @@ def gspo_surrogate(
     return pg[seq_ids], clipped[seq_ids], s[seq_ids]
 
 
-def tis_weights(old: Tensor, rollout: Tensor, cap: float) -> Tensor:
-    """Truncated importance weights min(pi_trainer_old / pi_rollout, cap) per token. [T]."""
-    return torch.clamp(torch.exp(_up(old) - _up(rollout)), max=cap).detach()
+def tis_weights(old: Tensor, rollout: Tensor, cap: float, mode: str = "truncate") -> Tensor:
+    """Token-level importance weights of r = pi_trainer_old / pi_rollout. [T]. ``truncate``
+    (TIS): min(r, cap); ``mask`` (MIS): r inside [1 / cap, cap], 0 outside."""
+    r = torch.exp(_up(old) - _up(rollout))
+    if mode == "mask":
+        return torch.where((r <= cap) & (r >= 1.0 / cap), r, torch.zeros_like(r)).detach()
+    return torch.clamp(r, max=cap).detach()
 
 
 def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Tensor | None, int]:
@@ -194,16 +198,29 @@ def loss_metrics(
     entropy: Tensor | None = None,
     kl: Tensor | None = None,
     tis_w: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+    num_seqs: int = 0,
 ) -> dict[str, Tensor]:
-    """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T]."""
+    """Detached 0-d metric tensors (DESIGN.md names), token means over the mask m [T].
+
+    Keys ending ``_min`` / ``_max`` hold this call's value for a min / max over calls (a
+    trainer combines micro-batches so; +inf / -inf when no token is valid), keys ending
+    ``_sum`` a sum over calls: ``loss/entropy_seq_sum`` (the sum over non-empty sequences of
+    each one's mean token entropy) and ``loss/nonempty_seqs_sum`` (their count), with
+    ``seq_ids`` [T]."""
     valid = m > 0
     big = torch.finfo(ratio.dtype).max
     ratio = ratio.detach()
+    low = _masked_mean(clipped & (ratio < 1.0 - cfg.eps_low) & (adv < 0), m)
+    high = _masked_mean(clipped & (ratio > 1.0 + cfg.eps_high) & (adv > 0), m)
+    inf = torch.tensor(float("inf"), device=m.device)
     out = {
         "loss/policy": pg_loss.detach(),
         "loss/clip_frac": _masked_mean(clipped, m),
-        "loss/clip_frac_low": _masked_mean(clipped & (ratio < 1.0 - cfg.eps_low) & (adv < 0), m),
-        "loss/clip_frac_high": _masked_mean(clipped & (ratio > 1.0 + cfg.eps_high) & (adv > 0), m),
+        "loss/clip_frac_low": low,
+        "loss/clip_frac_high": high,
+        "loss/clip_frac_low_min": low if valid.any() else inf,
+        "loss/clip_frac_high_max": high if valid.any() else -inf,
         "loss/ratio_mean": _masked_mean(ratio, m),
         "loss/ratio_min": torch.where(valid, ratio, big).min()
         if valid.any()
@@ -214,11 +231,19 @@ def loss_metrics(
     }
     if entropy is not None:
         out["loss/entropy"] = _masked_mean(entropy.detach(), m)
+        if seq_ids is not None and num_seqs > 0:
+            z = torch.zeros(num_seqs, device=m.device, dtype=m.dtype)
+            n = z.index_add(0, seq_ids, m)
+            per_seq = z.index_add(0, seq_ids, entropy.detach().to(m.dtype) * m)
+            nonempty = n > 0
+            out["loss/entropy_seq_sum"] = (per_seq[nonempty] / n[nonempty]).sum()
+            out["loss/nonempty_seqs_sum"] = nonempty.sum().to(m.dtype)
     if kl is not None:
         out["loss/kl"] = _masked_mean(kl.detach(), m)
     if tis_w is not None:
         out["loss/tis_weight_mean"] = _masked_mean(tis_w, m)
-        out["loss/tis_clip_frac"] = _masked_mean(tis_w >= cfg.tis_cap, m)
+        cut = tis_w == 0 if cfg.tis_mode == "mask" else tis_w >= cfg.tis_cap
+        out["loss/tis_clip_frac"] = _masked_mean(cut, m)
     return out
 
 
@@ -270,7 +295,7 @@ def policy_loss(
     if cfg.tis_cap > 0:
         if rollout is None:
             raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
-        tis_w = tis_weights(old, rollout, cfg.tis_cap)
+        tis_w = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
         pg = pg * tis_w
     pg_loss = (c * pg).sum()
     loss = pg_loss
@@ -285,7 +310,7 @@ def policy_loss(
         loss = loss - cfg.entropy_coef * (c * ent).sum()
     elif ent is None and cfg.entropy_coef != 0:
         raise ValueError("loss.entropy_coef != 0 needs entropy")
-    metrics = loss_metrics(m, pg_loss, ratio, clipped, adv, cfg, ent, kl, tis_w)
+    metrics = loss_metrics(m, pg_loss, ratio, clipped, adv, cfg, ent, kl, tis_w, ids, num_seqs)
     metrics["loss/total"] = loss.detach()
     return loss, metrics
 

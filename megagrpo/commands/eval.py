@@ -10,22 +10,31 @@ format (``OUT/YEAR/EXAM-BLOCK_NAME.jsonl``: ``problem_id``,
 file (points and accuracy, exactly as ``megagrpo score`` computes them on those files) and the
 contraindicated choices (禁忌肢) selected.
 
-The question set is every question of the exam files (``--limit N``: the first N of each).
-Image questions (``data.exclude_images``) and prompts over-long under ``data.truncation`` get
-no prediction and count as wrong, as the official rule counts a missing answer.
+The question set is every question of the exam files (``--limit N``: only the first N
+questions of *each exam file* are answered and scored). Image questions
+(``data.exclude_images``) and prompts over-long under ``data.truncation`` get no prediction
+and count as wrong, as the official rule counts a missing answer. Every prediction file
+still lists every question of its exam file, in the file's order (an empty ``prediction``
+and a ``skipped`` reason for the unanswered ones), so IgakuQA's own ``evaluate_main.py``
+accepts it. The exam's pass criterion (required section >= 80%, general section >= the
+year's threshold, at most 3 contraindicated choices) is reported per exam. With ``--json``
+stdout holds the JSON object only (the engine's output goes to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.errors import ConfigError
 
 DESCRIPTION = (
@@ -77,7 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="only the first N questions of each exam file",
+        help="only the first N questions of each exam file (per file, not in total); the "
+        "prediction files still list every question",
+    )
+    parser.add_argument(
+        "--general-pass",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of the general section's points the pass criterion needs (default: "
+        "the year's published threshold where known)",
     )
     parser.add_argument(
         "--name",
@@ -205,29 +223,61 @@ def generate_predictions(engine: Any, problems: list, seed: int) -> dict[str, tu
 
 
 def write_predictions(
-    out_dir: Path, gold: dict, preds: dict[str, tuple[str, str]], name: str
+    out_dir: Path,
+    gold: dict,
+    preds: dict[str, tuple[str, str]],
+    name: str,
+    reasons: dict[str, str] | None = None,
 ) -> list[Path]:
-    """``OUT/YEAR/EXAM-BLOCK_NAME.jsonl`` per exam file, questions in gold order (atomic)."""
+    """``OUT/YEAR/EXAM-BLOCK_NAME.jsonl`` per exam file (atomic): every question of ``gold``
+    (all of the exam file's) in its order, as IgakuQA's evaluate_main.py requires (one row
+    per gold row, same problem ids); unanswered ones with ``prediction: ""`` and ``skipped``:
+    their reason (``reasons``: id -> reason)."""
     by_file: dict[tuple[str, str], list[str]] = {}
     for pid, item in gold.items():
-        if pid in preds:
-            by_file.setdefault((item.year, item.exam), []).append(pid)
+        by_file.setdefault((item.year, item.exam), []).append(pid)
     written = []
     for (year, exam), pids in sorted(by_file.items()):
+        if not any(pid in preds for pid in pids):
+            continue
         path = out_dir / year / f"{exam}_{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         rows = [
             {"problem_id": pid, "prediction": preds[pid][0], "explanation": preds[pid][1]}
+            if pid in preds
+            else {
+                "problem_id": pid,
+                "prediction": "",
+                "explanation": "",
+                "skipped": (reasons or {}).get(pid, "not answered"),
+            }
             for pid in pids
         ]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
-        os.replace(tmp, path)
+        fileio.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         written.append(path)
     return written
 
 
 # ----------------------------------------------------------------------------- run
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool = True) -> Iterator[None]:
+    """While active, file descriptor 1 is stderr: whatever the engine prints (vLLM's logger
+    writes to stdout, its worker processes inherit the descriptor) stays off stdout, which
+    then holds only what the command prints afterwards (``--json``)."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:
@@ -245,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.commands.score import print_table
     from megagrpo.config import load_config
     from megagrpo.model.pretrained import resolve_model_path
-    from megagrpo.rewards.igakuqa import find_files, score
+    from megagrpo.rewards.igakuqa import find_files, read_gold, score
+    from megagrpo.rewards.igakuqa_pass import format_pass, pass_criteria
     from megagrpo.rollout import build_engine
     from megagrpo.trainer.config import RunConfig
 
@@ -255,7 +306,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     files = find_files(args.data, gold=True)
     model_dir = resolve_model_path(cfg.model.hf_path)
-    with tempfile.TemporaryDirectory(prefix="megagrpo-eval-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="megagrpo-eval-") as tmp,
+        stdout_to_stderr(args.json),
+    ):
         adapter = args.adapter
         if args.step is not None:
             adapter = step_adapter_dir(run_dir, args.step, Path(tmp))
@@ -269,10 +323,16 @@ def run(args: argparse.Namespace) -> int:
     if args.step is not None:
         adapter = f"{run_dir / 'checkpoints'} step {args.step}"
     out_dir = _out_dir(args, run_dir)
-    written = write_predictions(out_dir, gold, preds, args.name)
-    report = score(gold, {pid: p for pid, (p, _) in preds.items()})
+    full_gold = read_gold(files)
+    reasons = {pid: "beyond --limit" for pid in full_gold if pid not in gold}
+    reasons |= {pid: reason for reason, ids in skipped.items() for pid in ids}
+    written = write_predictions(out_dir, full_gold, preds, args.name, reasons)
+    answers = {pid: p for pid, (p, _) in preds.items()}
+    report = score(gold, answers)
+    criteria = pass_criteria(gold, answers, report, args.general_pass)
     result = {
         **report.as_dict(),
+        "pass": {exam: c.as_dict() for exam, c in sorted(criteria.items())},
         "predictions": str(out_dir),
         "files": [str(p) for p in written],
         "adapter": str(adapter) if adapter else None,
@@ -284,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, ensure_ascii=False))
         return 0
     print_table(report, by="exam")
+    print("\n".join(format_pass(criteria)))
     for reason, ids in skipped.items():
         print(f"no prediction ({reason}, counted wrong): {len(ids)}")
     print(f"contraindicated choices selected: {len(report.kinki)} {report.kinki[:10]}")

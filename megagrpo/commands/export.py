@@ -119,8 +119,8 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
     from safetensors.torch import save_file
 
     from megagrpo import fileio
-    from megagrpo.model.checkpoint_io import copy_hf_metadata
     from megagrpo.model.lora_state import lora_units
+    from megagrpo.model.megatron_ckpt import copy_hf_metadata
     from megagrpo.model.merge_precision import merge_delta
     from megagrpo.model.weights import open_safetensors, safetensors_files
 

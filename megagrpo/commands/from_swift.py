@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +25,20 @@ from typing import Any
 
 import yaml
 
+from megagrpo import fileio
+from megagrpo.commands.swift_fidelity import (
+    blocking,
+    check_values,
+    translate_architecture,
+    translate_curriculum,
+    translate_dtype,
+    translate_loss_type,
+    translate_old_logprobs,
+    translate_steps,
+    translate_tuner,
+    translate_unexpanded,
+    translate_unsupported,
+)
 from megagrpo.commands.swift_flags import (
     DIFFERS,
     EXACT,
@@ -39,6 +51,7 @@ from megagrpo.commands.swift_flags import (
     translate_rollout,
 )
 from megagrpo.commands.swift_flags_run import translate_data_rewards, translate_optim
+from megagrpo.commands.swift_shell import Unexpanded, command_from_script
 from megagrpo.errors import ConfigError
 
 DESCRIPTION = __doc__
@@ -74,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="map 'accuracy' to ms-swift's MathAccuracy, not mcq_accuracy",
     )
     parser.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="write the config although some flags train differently in megagrpo (listed "
+        "as blocking; without this flag from-swift then writes nothing and exits 2)",
+    )
+    parser.add_argument(
         "swift_args",
         nargs=argparse.REMAINDER,
         help="-- then the ms-swift command line, a YAML config, or a .sh script",
@@ -96,6 +115,11 @@ def _scalar(text: str) -> Any:
     return text
 
 
+def _word_value(text: str, word: str) -> Any:
+    """A flag's value: typed (:func:`_scalar`), or left :class:`Unexpanded` as written."""
+    return Unexpanded(text) if isinstance(word, Unexpanded) else _scalar(text)
+
+
 def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[str, str]]:
     """``(flags, flavor, env)`` from a tokenised command: leading ``VAR=value`` assignments,
     ``swift``/``megatron`` + ``rlhf``, then ``--flag value...`` / ``--flag=value`` / ``--flag``."""
@@ -103,7 +127,7 @@ def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[st
     i = 0
     while i < len(tokens) and "=" in tokens[i] and not tokens[i].startswith("-"):
         key, _, value = tokens[i].partition("=")
-        env[key] = value
+        env[key] = Unexpanded(value) if isinstance(tokens[i], Unexpanded) else value
         i += 1
     flavor = None
     while i < len(tokens) and not tokens[i].startswith("--"):
@@ -121,12 +145,12 @@ def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[st
             name = name.replace("-", "_")
             if name in flags:
                 raise ConfigError(f"--{name} given twice")
-            flags[name] = _scalar(value) if eq else True
+            flags[name] = _word_value(value, tok) if eq else True
             name = None if eq else name
         elif name is None:
             raise ConfigError(f"value {tok!r} without a --flag")
         else:
-            v = _scalar(tok)
+            v = _word_value(tok, tok)
             prev = flags[name]
             flags[name] = v if prev is True else (prev if isinstance(prev, list) else [prev]) + [v]
     return flags, flavor, env
@@ -153,34 +177,6 @@ def read_swift_args(args: list[str]) -> tuple[dict[str, Any], str | None, dict[s
     return parse_tokens(list(args))
 
 
-def command_from_script(text: str) -> list[str]:
-    """The tokens of the ``swift rlhf`` / ``megatron rlhf`` command in a shell script: line
-    continuations joined, ``VAR=value`` lines before it substituted for ``$VAR``/``${VAR}``."""
-    variables: dict[str, str] = {}
-    for line in text.replace("\\\n", " ").splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        try:  # no shlex comments: a '#' inside a word (dataset#1000) is not one
-            tokens = shlex.split(line)
-        except ValueError as exc:
-            raise ConfigError(f"cannot parse the script line {line[:60]!r}: {exc}") from exc
-        if not tokens:
-            continue
-        if "rlhf" in tokens:
-            return [_expand(tok, variables) for tok in tokens]
-        if all("=" in tok and not tok.startswith("-") for tok in tokens):
-            for tok in tokens:
-                key, _, value = tok.partition("=")
-                variables[key] = _expand(value, variables)
-    raise ConfigError("no 'swift rlhf' or 'megatron rlhf' command in the script")
-
-
-def _expand(token: str, variables: dict[str, str]) -> str:
-    for key, value in variables.items():
-        token = token.replace("${" + key + "}", value).replace("$" + key, value)
-    return token
-
-
 # ----------------------------------------------------------------------------- translate
 
 
@@ -189,15 +185,26 @@ def translate(
     flavor: str = "swift",
     world_size: int = 1,
     keep_swift_accuracy: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Translation:
     """Every rule of :mod:`~megagrpo.commands.swift_flags`, then the flags no rule took."""
-    t = Translation(flags, flavor, world_size)
+    check_values(flags)
+    t = Translation(dict(flags), flavor, world_size)
+    translate_unexpanded(t, env or {})
+    translate_tuner(t)
     translate_algorithm(t)
+    translate_loss_type(t)
     translate_model(t)
+    translate_architecture(t)
+    translate_dtype(t)
     translate_lengths(t)
     translate_rollout(t)
     translate_optim(t)
     translate_data_rewards(t, keep_swift_accuracy)
+    translate_old_logprobs(t)
+    translate_steps(t, int(t.overrides.get("trainer.batch_groups", 1)))
+    translate_curriculum(t)
+    translate_unsupported(t)
     for flag in flags:
         if flag in t.done:
             continue
@@ -231,7 +238,10 @@ def report_lines(t: Translation) -> list[str]:
             continue
         lines.append(f"{HEADINGS[status]}:")
         for e in entries:
-            shown = f"--{e.flag} {e.value}" if e.given else f"(--{e.flag} not given)"
+            if e.flag.startswith("["):
+                shown = f"({e.flag[1:-1]})"
+            else:
+                shown = f"--{e.flag} {e.value}" if e.given else f"(--{e.flag} not given)"
             keys = ", ".join(f"{k}={v}" for k, v in e.keys.items()) or "-"
             if len(keys) > 90:
                 keys = keys[:87] + "..."
@@ -241,23 +251,52 @@ def report_lines(t: Translation) -> list[str]:
     return lines
 
 
+def _world_size(args: argparse.Namespace, env: dict[str, str]) -> int:
+    if args.world_size:
+        return int(args.world_size)
+    world = 1
+    for key in ("NPROC_PER_NODE", "NNODES"):
+        value = env.get(key, "1")
+        if isinstance(value, Unexpanded):
+            continue  # reported by the translation (pass --world-size)
+        try:
+            world *= int(value)
+        except ValueError as exc:
+            raise ConfigError(f"{key}={value!r}: not a number of processes") from exc
+    return world
+
+
 def run(args: argparse.Namespace) -> int:
     from megagrpo.config import to_yaml
 
     flags, flavor, env = read_swift_args(list(args.swift_args))
     flavor = args.flavor or flavor or "swift"
-    world = args.world_size or int(env.get("NPROC_PER_NODE", 1)) * int(env.get("NNODES", 1))
-    t = translate(flags, flavor, world, args.keep_swift_accuracy)
-    cfg = to_config(t)
+    if args.world_size:
+        env = {k: v for k, v in env.items() if k not in ("NPROC_PER_NODE", "NNODES")}
+    t = translate(flags, flavor, _world_size(args, env), args.keep_swift_accuracy, env)
     print("\n".join(report_lines(t)), file=sys.stderr)
+    blockers = blocking(t)
+    if blockers and not args.allow_partial:
+        print(
+            f"from-swift: no config written: {len(blockers)} flag(s) would train differently "
+            "in megagrpo: "
+            + ", ".join(f"--{e.flag}" if e.given else e.flag for e in blockers)
+            + " (see 'no equivalent' above; --allow-partial writes the config anyway)",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = to_config(t)
     source = " ".join(f"--{k} {v}" for k, v in flags.items())
-    text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n" + to_yaml(cfg)
+    text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n"
+    if blockers:
+        text += (
+            "# PARTIAL (--allow-partial): trains differently: "
+            + ", ".join(e.flag for e in blockers)
+            + "\n"
+        )
+    text += to_yaml(cfg)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
+        out = fileio.write_text(args.out, text)
         print(f"wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -7,22 +7,20 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import get_args
 
 from megagrpo.commands.plan_budget import add_budget_arguments, run_budget, run_calibrate
 from megagrpo.config import load_config
-from megagrpo.curriculum.config import POLICIES, CurriculumConfig
+from megagrpo.curriculum.config import SamplingPolicy
 from megagrpo.curriculum.dynamic import preflight_check
 from megagrpo.curriculum.levels import (
-    histogram,
     level_alternatives,
-    parse_histogram,
     parse_level_set,
     predict_acr,
-    read_levels_file,
 )
-from megagrpo.curriculum.simulate import population_from_records, run_plan
 from megagrpo.errors import ConfigError
+from megagrpo.plan.inputs import ARTICLE_LEVELS, PlanInputs, plan_inputs
+from megagrpo.plan.simulate import run_plan
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = """\
@@ -46,7 +44,6 @@ refit the planner's prior from a run's measured per-level raw ACR (its config.ya
   megagrpo plan --calibrate runs/my_run
 """
 
-ARTICLE_LEVELS = "L1=2164,L2=294,L3=223,L4=180,L5=216,L6=636"
 SUMMARY_KEYS = (
     "acr_predicted",
     "acr_raw_mean",
@@ -95,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-resample", type=int, help="R (dynamic.max_resample)")
     parser.add_argument(
         "--policy",
-        choices=[*POLICIES, "all"],
+        choices=[*get_args(SamplingPolicy), "all"],
         help="dynamic.policy; 'all' compares the three",
     )
     parser.add_argument("--steps", type=int, default=200, help="simulated training steps")
@@ -142,47 +139,16 @@ def plan_config(args: argparse.Namespace) -> RunConfig:
     return load_config(RunConfig, [config] if config else [], overrides)
 
 
-@dataclasses.dataclass
-class PlanInputs:
-    """What a plan simulates: the level histogram, k, the curriculum of the run config (all
-    of a bare histogram's levels unless keep_levels was given), and the problems of a levels
-    file (``records``, ``population``) when there is one."""
-
-    hist: dict[int, int]
-    k: int
-    curriculum: CurriculumConfig
-    records: list[dict] | None = None
-    population: Any = None
-
-
-def plan_inputs(args: argparse.Namespace, cfg: RunConfig) -> PlanInputs:
-    """The histogram from --levels, --levels-file / curriculum.levels_file (or the article's)."""
-    k, records, population = cfg.curriculum.level_k, None, None
-    levels_file = None if args.levels else cfg.curriculum.levels_file
-    if levels_file:
-        records = read_levels_file(levels_file)
-        ks = {int(r["k"]) for r in records}
-        if len(ks) != 1:
-            raise ConfigError(f"{levels_file}: mixed k values {sorted(ks)}")
-        k = ks.pop()
-        hist = histogram((int(r["level"]) for r in records), k + 1)
-        population = population_from_records(records, k, cfg.curriculum.seed)
-    else:
-        try:
-            hist = parse_histogram(args.levels or ARTICLE_LEVELS)
-        except ValueError as exc:
-            raise ConfigError(f"--levels: {exc}") from exc
-        if max(hist) > k + 1:
-            raise ConfigError(f"--levels has L{max(hist)} but k={k} allows L1..L{k + 1}")
-    cur = dataclasses.replace(cfg.curriculum, level_k=k)
-    if not args.keep_levels and not (cfg.curriculum.levels_file or args.config):
-        cur.keep_levels = sorted(hist)  # a bare histogram: plan on all of its levels
-    return PlanInputs(hist, k, cur, records, population)
+def _inputs(args: argparse.Namespace, cfg: RunConfig) -> PlanInputs:
+    """The histogram from --levels, --levels-file / curriculum.levels_file (or the article's);
+    a bare histogram (no keep_levels, levels file or config) is planned on all its levels."""
+    bare = not args.keep_levels and not (cfg.curriculum.levels_file or args.config)
+    return plan_inputs(cfg.curriculum, args.levels, all_levels=bare)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = plan_config(args)
-    inputs = plan_inputs(args, cfg)
+    inputs = _inputs(args, cfg)
     if args.calibrate:
         return run_calibrate(args, cfg, inputs)
     if args.budget:
@@ -192,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_policies(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) -> int:
     """The dynamic-sampling policies (--policy, or the config's) on the inputs."""
-    policies = list(POLICIES) if args.policy == "all" else [cfg.dynamic.policy]
+    policies = list(get_args(SamplingPolicy)) if args.policy == "all" else [cfg.dynamic.policy]
     results = {}
     for policy in policies:
         dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")

@@ -8,14 +8,11 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from megagrpo.curriculum.simulate import population_from_records
 from megagrpo.errors import ConfigError
+from megagrpo.plan.inputs import PlanInputs
+from megagrpo.plan.simulate import population_from_records
 from megagrpo.trainer.config import RunConfig
-
-if TYPE_CHECKING:
-    from megagrpo.commands.plan import PlanInputs
 
 BUDGET_ROWS = (
     ("generated_completions_per_step", "generated completions / step", "{:.0f}"),
@@ -52,7 +49,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
         "--trained-size", type=int, default=d.trained_size, help="trained group size (0: G)"
     )
     parser.add_argument(
-        "--budget-price", type=float, default=d.budget_price, help="-1 auto, 0 Knapsack RL"
+        "--budget-price", type=float, default=d.price, help="-1 auto, 0 Knapsack RL"
     )
     parser.add_argument(
         "--calibrate",
@@ -67,19 +64,14 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _budget_configs(args: argparse.Namespace, group_size: int) -> dict:
-    from megagrpo.curriculum.config import BudgetConfig
+    from megagrpo.curriculum.config import BudgetConfig, BudgetMode
 
-    names = ["knapsack", "sequential"] if args.budget == "all" else [args.budget]
+    names: list[BudgetMode] = ["knapsack", "sequential"] if args.budget == "all" else [args.budget]
+    sizes = ("min_samples", "max_samples", "round_samples", "trained_size")
+    flags = {key: getattr(args, key) for key in sizes}
     out = {}
     for name in names:
-        cfg = BudgetConfig(
-            budget=name,
-            min_samples=args.min_samples,
-            max_samples=args.max_samples,
-            round_samples=args.round_samples,
-            trained_size=args.trained_size,
-            budget_price=args.budget_price,
-        )
+        cfg = BudgetConfig(mode=name, price=args.budget_price, **flags)
         cfg.validate("budget")
         cfg.resolved(group_size, "budget")
         out[name] = cfg
@@ -91,7 +83,7 @@ def run_budget(
 ) -> int:
     """``megagrpo plan --budget``: uniform G under original/partial/carry against the budget
     policies under partial/carry, one population, same round budget B * G and cap 1 + R."""
-    from megagrpo.curriculum.simulate_budget import compare_budgets
+    from megagrpo.plan.simulate_budget import compare_budgets
 
     g, b, r = cfg.rollout.group_size, cfg.trainer.batch_groups, cfg.dynamic.max_resample
     results = compare_budgets(
@@ -141,8 +133,8 @@ def run_calibrate(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) 
     refitted prior, then the plan drawn from it (``cfg`` is the run's saved config)."""
     from megagrpo.curriculum.calibrate import refit_prior
     from megagrpo.curriculum.levels import BetaPrior
-    from megagrpo.curriculum.simulate import synthetic_population
     from megagrpo.metrics.logger import read_metrics
+    from megagrpo.plan.simulate import synthetic_population
 
     metrics = Path(args.calibrate) / "metrics.jsonl"
     g, k, seed = cfg.rollout.group_size, inputs.k, inputs.curriculum.seed

@@ -3,34 +3,24 @@
 the config's layout on its cluster, and a per-phase step-time estimate, before renting GPUs.
 ``--gpus N`` prints the fastest layouts that fit N GPUs instead.
 
-Keys the planner models before the trainer has them (``trainer.offload_during_rollout``,
-``rollout.replicas``, ...: :data:`megagrpo.model.plan_scenario.PLANNED_KEYS`) are accepted in
-the YAML and as overrides. What each line means: :mod:`megagrpo.model.plan_memory` and
-:mod:`megagrpo.model.plan_time`.
+Every key the plan reads is the run config's own (overrides as for `megagrpo train`). What
+each line means: :mod:`megagrpo.plan.memory` and :mod:`megagrpo.plan.time`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import tempfile
-from pathlib import Path
-
-import yaml
 
 from megagrpo.config import load_config
-from megagrpo.errors import ConfigError
-from megagrpo.model.plan_memory import hf_config_for
-from megagrpo.model.plan_scenario import (
-    PLANNED_KEYS,
+from megagrpo.plan.memory import hf_config_for
+from megagrpo.plan.scenario import (
     Assumptions,
     Hardware,
     parse_assignments,
     scenario_from_config,
-    split_planned,
 )
-from megagrpo.model.plan_search import format_plan, full_plan, search
+from megagrpo.plan.search import format_plan, full_plan, search
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__
@@ -50,46 +40,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _schema_has(section: str, key: str) -> bool:
-    sub = getattr(RunConfig(), section, None)
-    if sub is None or not dataclasses.is_dataclass(sub):
-        return False
-    return key in {f.name for f in dataclasses.fields(sub)}
-
-
-def load_with_planned(path: str, overrides: list[str]) -> tuple[RunConfig, dict]:
-    """The run config of ``path`` + ``overrides`` and the planned keys taken out of both."""
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read YAML: {exc}") from exc
-    planned = split_planned(data, _schema_has) if isinstance(data, dict) else {}
-    rest = []
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key in PLANNED_KEYS and not _schema_has(*key.split(".")):
-            planned[key] = yaml.safe_load(value)
-        else:
-            rest.append(item)
-    with tempfile.TemporaryDirectory(prefix="megagrpo-plan-") as tmp:
-        clean = Path(tmp) / Path(path).name
-        clean.write_text(yaml.safe_dump(data), encoding="utf-8")
-        return load_config(RunConfig, [clean], rest), planned
-
-
-def plan_run(cfg: RunConfig, hf: dict, planned: dict | None = None, **kw) -> dict:
+def plan_run(cfg: RunConfig, hf: dict, **kw) -> dict:
     """The full plan (memory per phase + step time) of a run config."""
     a = kw.get("assumptions") or Assumptions()
     hw = kw.get("hardware") or Hardware()
-    return full_plan(scenario_from_config(cfg, hf, planned), a, hw)
+    return full_plan(scenario_from_config(cfg, hf), a, hw)
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, planned = load_with_planned(args.config, args.overrides)
+    cfg = load_config(RunConfig, [args.config], args.overrides)
     hf = hf_config_for(cfg.model.hf_path, args.hf_config)
     a = parse_assignments(args.assume, Assumptions(), "--assume")
     hw = parse_assignments(args.hw, Hardware(), "--hw")
-    sc = scenario_from_config(cfg, hf, planned)
+    sc = scenario_from_config(cfg, hf)
     if args.gpus:
         best = search(sc, a, hw, args.gpus)
         if args.json:

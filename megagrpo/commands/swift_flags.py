@@ -207,8 +207,9 @@ def translate_algorithm(t: Translation) -> None:
     g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
     t.add(
         "num_generations",
-        EXACT,
-        {"rollout.group_size": g},
+        EXACT if g >= 2 else MISSING,
+        {"rollout.group_size": g} if g >= 2 else {},
+        "" if g >= 2 else "not supported: groups of one answer (distillation); GRPO needs >= 2",
         given="num_generations" in t.flags,
         value=g,
     )
@@ -274,30 +275,26 @@ def translate_algorithm(t: Translation) -> None:
             if dyn
             else "no effect without --dynamic_sample true",
         )
-    _loss_type(t)
-    level = t.get("importance_sampling_level", "token")
-    if level == "sequence":
-        t.add("importance_sampling_level", EXACT, {"loss.variant": "gspo"}, "GSPO")
-    elif level == "token":
-        if "importance_sampling_level" in t.flags:
-            t.add("importance_sampling_level", EXACT, {})
-    else:
-        t.add("importance_sampling_level", MISSING, {}, f"'{level}' is not implemented")
     for flag, key in (("top_p", "rollout.top_p"),):
         if flag in t.flags:
             t.add(flag, EXACT, {key: float(t.get(flag))})
-    if "top_k" in t.flags:
-        k = int(t.get("top_k"))
-        t.add("top_k", EXACT if k == -1 else MISSING, {}, "" if k == -1 else "no top-k sampling")
-    scale = t.get("scale_rewards")
-    if scale is not None:
-        ok = scale in ("group", "batch", "none")
-        t.add(
-            "scale_rewards",
-            EXACT if ok else MISSING,
-            {"loss.advantage_scale": scale} if ok else {},
-            "" if ok else f"'{scale}' is not implemented",
+    scale = t.get("scale_rewards", "group")
+    ok = scale in ("group", "batch", "none")
+    t.add(
+        "scale_rewards",
+        EXACT if ok else MISSING,
+        {"loss.advantage_scale": scale} if ok else {},
+        (
+            ""
+            if "scale_rewards" in t.flags
+            else "not given: ms-swift's default 'group' for every "
+            "loss_type (megagrpo's dr_grpo default is none)"
         )
+        if ok
+        else f"'{scale}' is not implemented",
+        given="scale_rewards" in t.flags,
+        value=scale,
+    )
     est = t.get("advantage_estimator", "grpo")
     if "advantage_estimator" in t.flags:
         t.add(
@@ -321,20 +318,6 @@ def translate_algorithm(t: Translation) -> None:
         t.add("num_iterations", EXACT, {"trainer.ppo_epochs": int(t.get("num_iterations"))})
 
 
-def _loss_type(t: Translation) -> None:
-    loss = t.get("loss_type", "grpo")
-    table = {
-        "grpo": {"loss.variant": "grpo"},
-        "dapo": {"loss.variant": "dapo"},
-        "dr_grpo": {"loss.variant": "dr_grpo"},
-        "bnpo": {"loss.variant": "grpo", "loss.loss_agg": "token_mean"},
-    }
-    if loss in table:
-        t.add("loss_type", EXACT, table[loss], given="loss_type" in t.flags, value=loss)
-    else:
-        t.add("loss_type", MISSING, {}, f"loss_type '{loss}' is not implemented")
-
-
 def translate_model(t: Translation) -> None:
     """Model path, LoRA, dtype, parallel layout."""
     if "model" in t.flags:
@@ -346,12 +329,6 @@ def translate_model(t: Translation) -> None:
             {"model.hf_path": path},
             "" if local else "a hub id: megagrpo loads a local HF directory; download it first",
         )
-    tuner = t.get("tuner_type", t.get("train_type", "lora"))
-    for flag in ("tuner_type", "train_type"):
-        if flag in t.flags:
-            if tuner != "lora":
-                raise ConfigError(f"--{flag} {tuner}: megagrpo trains LoRA adapters only")
-            t.add(flag, EXACT, {}, "LoRA is megagrpo's only mode")
     _default(t, "lora_rank", "model.lora.rank", 8, 8, cast=int)
     _default(
         t,
@@ -497,6 +474,31 @@ def translate_lengths(t: Translation) -> None:
             EXACT,
             {"rollout.max_model_len": int(model_len), "model.max_seq_len": int(model_len)},
         )
+        _prompt_within_context(t, prompt, int(model_len), max_tokens)
+
+
+def _prompt_within_context(t: Translation, prompt: Any, model_len: int, max_tokens: int) -> None:
+    """ms-swift accepts max_length + max_completion_length > vllm_max_model_len (a long
+    prompt then leaves less room to generate); megagrpo budgets both up front, so the prompt
+    budget becomes model_len - max_completion_length (longer prompts are cut, not answered
+    shorter)."""
+    if prompt is None or int(prompt) + max_tokens <= model_len:
+        return
+    budget = model_len - max_tokens
+    if budget < 1:
+        raise ConfigError(
+            f"--max_completion_length {max_tokens} leaves no room for a prompt within "
+            f"--vllm_max_model_len {model_len}"
+        )
+    t.entries = [e for e in t.entries if e.flag != "max_length"]
+    t.add(
+        "max_length",
+        DIFFERS,
+        {"data.max_prompt_tokens": budget},
+        f"max_length {prompt} + max_completion_length {max_tokens} > vllm_max_model_len "
+        f"{model_len}: ms-swift lets a long prompt shorten its completions; megagrpo budgets "
+        f"prompts to {budget} tokens (truncation applies beyond)",
+    )
 
 
 def translate_rollout(t: Translation) -> None:

@@ -120,9 +120,6 @@ def translate_optim(t: Translation) -> None:
 
 
 def _steps_and_warmup(t: Translation) -> None:
-    for flag in ("train_iters", "max_steps"):
-        if flag in t.flags:
-            t.add(flag, EXACT, {"trainer.max_steps": int(t.get(flag))})
     if "lr_warmup_iters" in t.flags:
         t.add("lr_warmup_iters", EXACT, {"trainer.warmup_steps": int(t.get("lr_warmup_iters"))})
     for flag in ("lr_warmup_fraction", "warmup_ratio"):
@@ -144,11 +141,15 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
         note = []
         if remote:
             note.append(f"hub datasets {remote}: download and convert to local JSONL first")
-        if any("#" in d for d in local):
-            note.append("'#N' subsampling is not supported")
+        sampled = any("#" in d for d in local)
+        if sampled:
+            note.append(
+                "not supported: ms-swift's 'path#N' trains on N random rows; megagrpo would "
+                "train on every row (write the N rows to a file)"
+            )
         t.add(
             flag,
-            EXACT if not note else (DIFFERS if local else MISSING),
+            EXACT if not note else (DIFFERS if local and not sampled else MISSING),
             {key: [d.split("#", 1)[0] for d in local]} if local else {},
             "; ".join(note),
         )
@@ -201,6 +202,9 @@ def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
         )
         return
     weights = [float(w) for w in _list(t.get("reward_weights", [1.0] * len(names)))]
+    models = len(_list(t.get("reward_model", [])))
+    if models and len(weights) == len(names) + models:  # ms-swift: functions, then models
+        weights = weights[: len(names)]
     if len(weights) != len(names):
         raise ConfigError(f"--reward_weights: {len(weights)} weights for {len(names)} reward_funcs")
     max_tokens = int(t.get("max_completion_length", SWIFT_DEFAULTS["max_completion_length"]))
@@ -217,6 +221,9 @@ def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
                     "(ms-swift asserts it too)"
                 )
             max_len = int(t.get("soft_max_length", max_tokens))
+            if max_len > max_tokens:
+                _soft_overlong_beyond(t, max_len, int(cache), max_tokens)
+                continue
             specs.append(
                 {
                     "name": "soft_overlong",
@@ -262,7 +269,40 @@ def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
         t.add("reward_weights", EXACT, {}, "weight of each rewards.functions entry")
     for flag in ("soft_cache_length", "soft_max_length"):
         if flag in t.flags and flag not in t.done:
-            t.add(flag, MISSING, {}, "no effect without soft_overlong in reward_funcs")
+            t.add(
+                flag,
+                EXACT,
+                {},
+                "no effect without soft_overlong in reward_funcs (in ms-swift either)",
+            )
+
+
+def _soft_overlong_beyond(t: Translation, max_len: int, cache: int, max_tokens: int) -> None:
+    """--soft_max_length above max_completion_length (ms-swift accepts it): completions stop
+    at max_completion_length, so ms-swift's penalty starts at max_len - cache and its -1 is
+    never reached. Identically 0 when max_completion_length <= max_len - cache: the term is
+    left out (the same training); otherwise the cut ramp has no megagrpo equivalent."""
+    start = max_len - cache
+    zero = max_tokens <= start
+    for flag in ("soft_max_length", "soft_cache_length"):
+        t.add(
+            flag,
+            DIFFERS if zero else MISSING,
+            {},
+            (
+                f"soft_max_length {max_len} > max_completion_length {max_tokens}: ms-swift's "
+                f"penalty starts at {start} tokens, which no completion reaches, so its "
+                "soft_overlong reward is 0 for every completion; the term is left out"
+            )
+            if zero
+            else (
+                f"not supported: soft_max_length {max_len} > max_completion_length "
+                f"{max_tokens}: ms-swift's ramp from {start} tokens is cut at {max_tokens} "
+                "(never -1); megagrpo's soft_overlong needs max_len <= rollout.max_tokens"
+            ),
+            given=flag in t.flags,
+            value=t.get(flag),
+        )
 
 
 def _logging(t: Translation) -> None:

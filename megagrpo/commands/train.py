@@ -19,7 +19,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megagrpo.trainer.context import TrainContext
@@ -66,6 +66,30 @@ def _env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def check_layout(cfg: Any) -> None:
+    """``parallel.*`` against the launch's world size (torchrun's WORLD_SIZE, else 1) and,
+    for a local model directory, its config.json: ConfigError naming the key before any
+    engine or model starts (vLLM's start-up takes tens of seconds)."""
+    from pathlib import Path
+
+    from megagrpo.errors import ConfigError
+    from megagrpo.model.arch import load_hf_config
+    from megagrpo.parallel.state import validate_layout
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    path = Path(cfg.model.hf_path).expanduser()
+    hf = load_hf_config(path) if (path / "config.json").is_file() else None
+    if hf is not None and "num_attention_heads" in hf:
+        validate_layout(cfg.parallel, hf, world)
+        return
+    p = cfg.parallel
+    if world % (p.tp * p.pp) or world % (p.ep * p.etp * p.pp):
+        raise ConfigError(
+            f"config key 'parallel': world size {world} (WORLD_SIZE) is not divisible by "
+            f"tp*pp={p.tp * p.pp} and ep*etp*pp={p.ep * p.etp * p.pp}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     _env_defaults()
     from megagrpo.config import load_config
@@ -76,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.trainer.signals import StopSignals
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
+    check_layout(cfg)
     stop = StopSignals().install()  # a signal during start-up stops before step 1
     try:
         ctx = build_context(cfg, resume=args.resume, overwrite=args.overwrite)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, choices
 from megagrpo.rollout.base import WeightSyncError
-from megagrpo.rollout.config import ENGINES, RolloutConfig
+from megagrpo.rollout.config import RolloutConfig
 from megagrpo.types import Problem
 
 DESCRIPTION = __doc__
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF checkpoint directory, smollm2-135m (bundled), or tiny-moe / "
         "tiny-dense (a random tiny test model built on the fly)",
     )
-    parser.add_argument("--engine", choices=ENGINES, default="vllm")
+    parser.add_argument("--engine", choices=choices(RolloutConfig, "engine"), default="vllm")
     parser.add_argument("--n", type=int, default=8, help="answers per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)

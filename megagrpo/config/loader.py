@@ -2,7 +2,8 @@
 
 Unknown keys and values of the wrong type are errors naming the key (``ConfigError``); each
 config dataclass may define ``validate(self, path)`` to check values, and is called once after
-merging; the root may define ``resolve()`` to fill derived values once, after validation. The
+merging; the root may define ``resolve()`` to fill derived values once, after validation, and
+``RENAMED_KEYS`` (old dotted key -> new one: an old key is an error naming the new). The
 resolved config is written to the run directory by :func:`save_config`.
 """
 
@@ -13,11 +14,11 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megagrpo import fileio
-from megagrpo.config.merge import apply_override, describe, merge_file
+from megagrpo.config.merge import apply_override, describe, keep_words, merge_file
 from megagrpo.errors import ConfigError, require  # noqa: F401  (re-export)
 
 T = TypeVar("T")
@@ -36,6 +37,7 @@ def load_config(
     """
     cfg = OmegaConf.structured(schema)
     OmegaConf.set_struct(cfg, True)
+    renamed: dict[str, str] = getattr(schema, "RENAMED_KEYS", {})
     for p in paths or []:
         p = Path(p)
         if not p.is_file():
@@ -44,8 +46,15 @@ def load_config(
             loaded = OmegaConf.load(p)
         except Exception as exc:  # yaml errors come in many types
             raise ConfigError(f"{p}: cannot parse YAML: {exc}") from exc
+        for old, new in renamed.items():
+            if isinstance(loaded, DictConfig) and _has_key(loaded, old):
+                raise ConfigError(f"{p}: config key '{old}' is now '{new}'")
+        keep_words(cfg, loaded, p.read_text(encoding="utf-8"))
         cfg = merge_file(cfg, loaded, p)
     for item in overrides or []:
+        key = item.partition("=")[0].strip()
+        if key in renamed:
+            raise ConfigError(f"override '{item}': config key '{key}' is now '{renamed[key]}'")
         cfg = apply_override(cfg, item)
     try:
         obj = OmegaConf.to_object(cfg)
@@ -58,6 +67,17 @@ def load_config(
     if callable(resolve):  # derived values, filled once before anything saves the config
         resolve()
     return obj
+
+
+def _has_key(node: DictConfig, dotted: str) -> bool:
+    """Whether the loaded YAML ``node`` sets the dotted key (sections are mappings)."""
+    *sections, key = dotted.split(".")
+    for section in sections:
+        child = node.get(section) if isinstance(node, DictConfig) else None
+        if not isinstance(child, DictConfig):
+            return False
+        node = child
+    return key in node
 
 
 def validate(obj: Any, path: str = "") -> None:

@@ -129,9 +129,44 @@ def _set_path(node: Any, parts: list[str], value: Any, where: str, item: str) ->
             raise ConfigError(f"override '{item}': config key '{here}' is not a list or mapping")
 
 
+YAML11_WORDS = frozenset({"on", "off", "yes", "no", "y", "n"})
+"""Words YAML 1.1 reads as booleans: kept as written for a string-typed config key."""
+
+
+def _is_str_key(cfg: DictConfig, key: str) -> bool:
+    try:
+        return isinstance(OmegaConf.select(cfg, key, throw_on_missing=False), str)
+    except OmegaConfBaseException:
+        return False
+
+
+def keep_words(cfg: DictConfig, loaded: Any, text: str) -> None:
+    """In ``loaded`` (a YAML file's content, ``text``), put back the words YAML 1.1 turned
+    into booleans (``routing_replay: off`` -> False) where the schema's key is a string: an
+    enum such as ``off | r2 | r3`` takes ``off`` as the word."""
+    import yaml
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for k, v in node.value:
+            key = f"{prefix}{k.value}"
+            if isinstance(v, yaml.ScalarNode) and str(v.value).lower() in YAML11_WORDS:
+                if not v.style and _is_str_key(cfg, key):
+                    OmegaConf.update(loaded, key, v.value, merge=False)
+            walk(v, key + ".")
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        return  # OmegaConf.load already parsed it; nothing to restore
+
+
 def _apply(cfg: DictConfig, key: str, raw: str, item: str) -> DictConfig:
     parts = key.split(".")
     step = _first_list_step(cfg, parts, item)
+    if raw.strip().lower() in YAML11_WORDS and _is_str_key(cfg, key):
+        raw = f'"{raw.strip()}"'  # a word for an enum key, not a YAML 1.1 boolean
     if step is None:
         parsed = OmegaConf.from_dotlist([f"{key}={raw}"])
         mismatch = container_mismatch(cfg, parsed)

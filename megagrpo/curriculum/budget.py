@@ -25,7 +25,7 @@ else 0, and its *cost* is n plus the top-up (T - n) when it splits.
   form at fixed p.
 
 Deliberately left out: Knapsack RL's InfoGain factor (it weights the value towards p near
-1/3 for learning speed; our objective is the issue's effective count) and Reinforce-Ada's
+1/3 for learning speed; our objective is the effective-completion count) and Reinforce-Ada's
 ``positive_focused`` exit rule.
 """
 

@@ -1,15 +1,14 @@
 """One step of budgeted generation: what each round generates, and which problems are done.
 
 :class:`BudgetPlanner` lives as long as the run (config, pending top-ups carried between
-steps); :meth:`BudgetPlanner.start` returns a :class:`BudgetStep` that a round loop drives:
+steps); a step's :class:`BudgetRounds` (the rollout budget's
+:class:`~megagrpo.curriculum.rounds.Rounds`) plans each round, merges what it generated and
+decides when the step stops::
 
-    step = planner.start(sampler, step_no, keep_pending=(policy == "carry"))
-    while rounds < 1 + R and valid < B:
-        requests = step.next_requests()          # [Request(problem, n)], mixed n
-        if not requests: break
-        finished = step.add(engine.generate_mixed(requests))   # groups in request order
-        valid += finished                         # split groups of exactly trained_size
-    step.close()
+    rounds = dynamic.start(sampler, B, step)          # a BudgetRounds
+    while (requests := rounds.next_requests()) is not None:   # None: B finished, or 1 + R rounds
+        rounds.add(engine.generate_mixed(requests))   # [Request(problem, n)], mixed n
+    batch = rounds.finish()                           # the first B finished groups
 
 Every round may spend ``batch_groups * G`` completions (one uniform round). Its requests are,
 in order: top-ups of split problems that have fewer than ``trained_size`` completions;
@@ -57,7 +56,16 @@ from megagrpo.curriculum.budget import (
     priced_choice,
     select_completions,
 )
-from megagrpo.curriculum.config import BudgetConfig
+from megagrpo.curriculum.config import BudgetConfig, DynamicSamplingConfig
+from megagrpo.curriculum.rounds import (
+    DynamicState,
+    FilledBatch,
+    FilterDecision,
+    Request,
+    RoundsBase,
+    checked_rounds,
+    ragged_matrices,
+)
 from megagrpo.curriculum.stats import SOLVED_THRESHOLD
 from megagrpo.types import Group, Problem
 
@@ -96,14 +104,6 @@ class PosteriorSource(Protocol):
     def pool_posterior(self) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-@dataclass
-class Request:
-    """Generate ``n`` completions for ``problem`` (one entry of a mixed-n generate call)."""
-
-    problem: Problem
-    n: int
-
-
 @dataclass(eq=False)
 class _Pool:
     """One problem's completions within a step (a top-up may carry it into the next step)."""
@@ -125,7 +125,7 @@ class BudgetPlanner:
     """Budgeted generation across a run: config, price, split problems awaiting a top-up.
 
     Args:
-        cfg: the budget config (``rollout.budget`` ...).
+        cfg: the budget config (the ``budget:`` section).
         group_size: G (uniform's completions per problem; the round budget is B * G).
         batch_groups: B, trained groups per step.
         correctness_key: ``Group.reward_parts`` key of the 0/1 correctness reward (None: the
@@ -161,20 +161,22 @@ class BudgetPlanner:
         Auto: computed on the pool's problems that are not retired, each counted once
         (``curriculum.level_weights`` do not reweigh it)."""
         cfg, t = self.cfg, self.trained_size
-        if cfg.budget == "uniform" or (cfg.budget == "knapsack" and cfg.budget_price >= 0):
-            return max(cfg.budget_price, 0.0)
+        if cfg.mode == "uniform" or (cfg.mode == "knapsack" and cfg.price >= 0):
+            return max(cfg.price, 0.0)
         a, b = sampler.pool_posterior()
-        eff, cost = effective_tables(a, b, cfg.max_samples, t, cfg.budget_objective)
-        if cfg.budget == "sequential":  # a fresh problem's first round, the alternative
+        eff, cost = effective_tables(a, b, cfg.max_samples, t, cfg.objective)
+        if cfg.mode == "sequential":  # a fresh problem's first round, the alternative
             r = self.round_samples
             return float(eff[:, r].sum() / max(cost[:, r].sum(), 1e-12))
         return efficiency_price(eff, cost, cfg.min_samples, cfg.max_samples)
 
-    def start(self, sampler: PosteriorSource, step: int, keep_pending: bool) -> BudgetStep:
-        """The round state of step ``step``; ``keep_pending``: split problems still short of
-        trained_size at its end are topped up next step (carry) instead of dropped."""
-        pending, self.pending = self.pending, []
-        return BudgetStep(self, sampler, step, keep_pending, pending)
+    def start(self, sampler: PosteriorSource, step: int, keep_pending: bool) -> BudgetRounds:
+        """The rounds of step ``step`` on their own, for driving the planner's steps
+        (:meth:`BudgetRounds.plan_round` / ``merge`` / ``close``) without a DynamicSampler;
+        ``keep_pending``: split problems still short of trained_size at its end are topped up
+        next step (carry) instead of dropped."""
+        shared = DynamicState(DynamicSamplingConfig(policy="carry" if keep_pending else "partial"))
+        return BudgetRounds(self, sampler, self.batch_groups, step, shared)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
         """Pending top-ups (their merged groups as plain dicts)."""
@@ -211,19 +213,38 @@ def _append(pool: _Pool, group: Group, key: str | None, tau: float) -> None:
     pool.split = span >= tau and (span >= tau * (2 * n) ** 0.5 or float(np.std(r)) >= tau)
 
 
-class BudgetStep:
-    """Rounds of one step (build with :meth:`BudgetPlanner.start`)."""
+class BudgetRounds(RoundsBase):
+    """The rounds of one step under a rollout budget (build with
+    :meth:`DynamicSampler.start <megagrpo.curriculum.dynamic.DynamicSampler.start>`).
+
+    Where it decides to resample: :meth:`next_requests` (another round while fewer than B
+    problems are finished and fewer than 1 + R rounds were generated, planned by
+    :meth:`plan_round`: top-ups, priced continuations, new draws); :meth:`add` merges each
+    problem's answers (:meth:`merge`); :meth:`finish` trains the first B finished groups and
+    carries (``carry``) or discards the surplus. ``plan_round`` / ``merge`` / ``close`` are
+    the planner's own steps, without the stop rule (:meth:`BudgetPlanner.start`).
+
+    Args:
+        planner: the run's planner (config, price, pending top-ups).
+        sampler, batch_groups, step, shared, carried, dropped_stale: as
+            :class:`~megagrpo.curriculum.rounds.RoundsBase`; split problems short of
+            trained_size at the end wait for the next step under the ``carry`` policy.
+    """
 
     def __init__(
         self,
         planner: BudgetPlanner,
         sampler: PosteriorSource,
+        batch_groups: int,
         step: int,
-        keep_pending: bool,
-        pending: list[_Pool],
+        shared: DynamicState,
+        carried: list[Group] | None = None,
+        dropped_stale: int = 0,
     ) -> None:
-        self.planner, self.sampler, self.cfg = planner, sampler, planner.cfg
-        self.step, self.keep_pending = step, keep_pending
+        super().__init__(sampler, batch_groups, step, shared, list(carried or []), dropped_stale)
+        self.planner, self.sampler, self.budget_cfg = planner, sampler, planner.cfg
+        self.keep_pending = shared.cfg.policy == "carry"
+        pending, planner.pending = planner.pending, []
         self.round = 0
         fresh = [p for p in pending if step - p.step <= planner.max_staleness]
         self.active: list[_Pool] = fresh
@@ -231,8 +252,8 @@ class BudgetStep:
         self._observe: list[Group] = []
         self.raw_groups: list[Group] = []
         """First-round groups of the problems newly drawn this step, as generated."""
-        self.price = planner.price(sampler) if planner.cfg.budget != "uniform" else 0.0
-        self.fixed_batch = self.cfg.budget == "knapsack" and self.cfg.budget_price == 0
+        self.price = planner.price(sampler) if planner.cfg.mode != "uniform" else 0.0
+        self.fixed_batch = self.budget_cfg.mode == "knapsack" and self.budget_cfg.price == 0
         """Knapsack RL's setting: B problems per round share the budget, no continuation."""
         self.counts = {
             "completions": 0.0,
@@ -245,9 +266,51 @@ class BudgetStep:
             "finished": 0.0,
         }
 
+    # ------------------------------------------------------------------ the Rounds protocol
+
+    def next_requests(self) -> list[Request] | None:
+        """The next round's requests (mixed n), or None when the step's batch is decided."""
+        if self._done:
+            return None
+        requests = self.plan_round()
+        if not requests:
+            self._done = True
+            return None
+        self._predict_first(requests)
+        return requests
+
+    def add(self, groups: list[Group]) -> list[FilterDecision]:
+        """Take a generated round (in request order); the problems it finishes are valid.
+        Returns no decisions: a problem finishes across rounds."""
+        self.num_generated += 1
+        self.num_checked += 1
+        for g in groups:
+            g.meta["step"] = self.step
+        finished = self.merge(groups)
+        self.valid.extend(finished)
+        if self.num_generated == 1:
+            self.num_valid_first = len(finished)
+        full = self.num_valid >= self.batch_groups
+        if full or self.num_checked >= checked_rounds(self.cfg):
+            self._done = True
+        return []
+
+    def finish(self) -> FilledBatch:
+        """The first B finished groups train, the surplus is carried (``carry``) or
+        discarded; ``budget/*`` metrics from :meth:`close`."""
+        b = self.batch_groups
+        stats = self.close()
+        success = self.num_valid >= b
+        trained = self.valid[:b]
+        discarded = self.shared.keep_surplus(self.valid[b:], b)
+        self.first = list(self.raw_groups)
+        self.first_matrices = ragged_matrices(self.first, self.shared.correctness_key)  # type: ignore[assignment]
+        post = ragged_matrices(trained, self.shared.correctness_key)
+        return self._batch(trained, post, success, discarded, stats)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ requests
 
-    def next_requests(self) -> list[Request]:
+    def plan_round(self) -> list[Request]:
         """This round's requests (empty when nothing is left to generate)."""
         budget = self.planner.round_budget
         reqs: list[Request] = []
@@ -282,12 +345,12 @@ class BudgetStep:
 
     def _continuations(self, pools: list[_Pool]) -> list[tuple[_Pool, int]]:
         """(pool, completions to add; 0 = stop) for problems not split yet, best first."""
-        cfg, t = self.cfg, self.planner.trained_size
+        cfg, t = self.budget_cfg, self.planner.trained_size
         room = [p for p in pools if p.n < cfg.max_samples]
         for p in pools:
             if p.n >= cfg.max_samples:
                 self._drop(p)
-        if not room or cfg.budget == "uniform" or self.fixed_batch:
+        if not room or cfg.mode == "uniform" or self.fixed_batch:
             for p in room:
                 self._drop(p)
             return []
@@ -302,13 +365,13 @@ class BudgetStep:
         )
         s = 1.0 - miss
         k = np.arange(m + 1, dtype=np.float64)
-        eff = t * s if cfg.budget_objective == "completions" else s
+        eff = t * s if cfg.objective == "completions" else s
         cost = k + np.maximum(t - nn[:, None] - k, 0.0) * s
         value = eff - self.price * cost
         out = []
         for i, pool in enumerate(room):
             top = m - pool.n
-            if cfg.budget == "sequential":
+            if cfg.mode == "sequential":
                 n = min(self.planner.round_samples, top)
                 keep = not cfg.sequential_gate or value[i, n] > 0
                 out.append((pool, n if keep else 0))
@@ -319,11 +382,11 @@ class BudgetStep:
         return sorted(out, key=lambda pn: -best[id(pn[0])])
 
     def _new_requests(self, budget: int) -> list[Request]:
-        cfg, resample = self.cfg, self.round > 0
-        if cfg.budget == "uniform":
+        cfg, resample = self.budget_cfg, self.round > 0
+        if cfg.mode == "uniform":
             problems = self.sampler.next_problems(self.planner.batch_groups, resample=resample)
             return [Request(p, self.planner.group_size) for p in problems]
-        if cfg.budget == "sequential":
+        if cfg.mode == "sequential":
             k = budget // self.planner.round_samples
             problems = self.sampler.next_problems(k, resample=resample) if k > 0 else []
             return [Request(p, self.planner.round_samples) for p in problems]
@@ -339,14 +402,12 @@ class BudgetStep:
 
     def _tables(self, problems: Sequence[Problem]) -> tuple[np.ndarray, np.ndarray]:
         a, b = self.sampler.posterior_of(problems)
-        cfg = self.cfg
-        return effective_tables(
-            a, b, cfg.max_samples, self.planner.trained_size, cfg.budget_objective
-        )
+        cfg = self.budget_cfg
+        return effective_tables(a, b, cfg.max_samples, self.planner.trained_size, cfg.objective)
 
     def _priced_fill(self, budget: int, resample: bool) -> list[Request]:
         """Draw problems in chunks and give each its priced count until the budget is spent."""
-        cfg, out = self.cfg, []
+        cfg, out = self.budget_cfg, []
         chunk_div = max(self.planner.trained_size, cfg.min_samples)
         for _ in range(4 * self.planner.round_budget):  # bounded; ends far earlier
             if budget < cfg.min_samples:
@@ -365,7 +426,7 @@ class BudgetStep:
 
     # ------------------------------------------------------------------ results
 
-    def add(self, groups: Sequence[Group]) -> list[Group]:
+    def merge(self, groups: Sequence[Group]) -> list[Group]:
         """Take the groups of the last requests (same order); returns the problems finished
         now: split, subsampled to trained_size, pool statistics in ``meta``."""
         if len(groups) != len(self._last):
@@ -399,8 +460,8 @@ class BudgetStep:
         return finished
 
     def _may_continue(self, pool: _Pool) -> bool:
-        cfg = self.cfg
-        if cfg.budget == "uniform" or self.fixed_batch:
+        cfg = self.budget_cfg
+        if cfg.mode == "uniform" or self.fixed_batch:
             return False
         return pool.n < cfg.max_samples
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from megagrpo.errors import require, require_finite
+from megagrpo.errors import require, require_choice, require_finite
 
-POLICIES = ("original", "partial", "carry")
-PREFLIGHT_MODES = ("warn", "fail", "off")
+SamplingPolicy = Literal["original", "partial", "carry"]
+"""The values of ``dynamic.policy``."""
+BudgetMode = Literal["uniform", "knapsack", "sequential"]
+"""The values of ``budget.mode``."""
 
 
 @dataclass
@@ -32,7 +35,14 @@ class CurriculumConfig:
     level_k: int = 5
     """k of the level scale (levels L1..L{k+1}); taken from the levels file when it has one."""
     retire_streak: int = 2
-    """Retire a problem after this many consecutive all-correct/all-wrong groups (0: never)."""
+    """Retire a problem after this many consecutive all-correct/all-wrong groups (0: never).
+    Judged on ``signal_reward``."""
+    signal_reward: str = ""
+    """The reward function (its ``label``, else its ``name``) whose values are the
+    curriculum's correctness signal (>= 0.5 counts as correct): the online pass rates,
+    retirement and the collapse metrics read it. Empty: the only reward function; with
+    several it must be named (a format reward that every answer passes would otherwise
+    retire problems whose accuracy still varies)."""
     revisit_prob: float = 0.05
     """Probability that a retired problem is served anyway when drawn (it un-retires if it
     splits)."""
@@ -74,7 +84,7 @@ class DynamicSamplingConfig:
     """False: train on the first generated batch as it is (raw metrics still logged)."""
     max_resample: int = 3
     """R: at most this many extra generation rounds per step (every one of them is checked)."""
-    policy: str = "carry"
+    policy: SamplingPolicy = "carry"
     """original | partial | carry: what to train on when the batch is still short.
     original = ms-swift (checks only R rounds, trains on the first batch when short)."""
     tau: float = 1e-6
@@ -83,42 +93,32 @@ class DynamicSamplingConfig:
     """Bound of the carry buffer in groups (0: one batch, batch_groups)."""
     carry_max_staleness: int = 1
     """Carried groups older than this many steps are dropped (their log-probs are stale)."""
-    preflight: str = "warn"
+    preflight: Literal["warn", "fail", "off"] = "warn"
     """warn | fail | off: start-up check that (1 - predicted ACR) * rounds >= 1."""
 
     def validate(self, path: str) -> None:
         """Check values; raises ConfigError naming the key."""
         require_finite(self.tau, f"{path}.tau")
-        require(self.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}")
+        require_choice(self, "policy", path)
         require(self.max_resample >= 0, f"{path}.max_resample", "must be >= 0")
         require(self.tau > 0, f"{path}.tau", "must be > 0")
         require(self.carry_max_groups >= 0, f"{path}.carry_max_groups", "must be >= 0")
         require(self.carry_max_staleness >= 0, f"{path}.carry_max_staleness", "must be >= 0")
-        require(
-            self.preflight in PREFLIGHT_MODES,
-            f"{path}.preflight",
-            f"must be one of {PREFLIGHT_MODES}",
-        )
-
-
-BUDGETS = ("uniform", "knapsack", "sequential")
-BUDGET_OBJECTIVES = ("completions", "groups")
-ADVANTAGE_BASELINES = ("group", "pool")
+        require_choice(self, "preflight", path)
 
 
 @dataclass
 class BudgetConfig:
-    """Rollout budget: how many completions each drawn problem gets (megagrpo.curriculum.budget).
-
-    Field names are the ``rollout.*`` keys they are meant to become (``rollout.budget``,
-    ``rollout.min_samples``, ...). Every generation round may spend ``batch_groups * G``
+    """Rollout budget (the ``budget:`` section): how many completions each drawn problem gets
+    (megagrpo.curriculum.budget). Every generation round may spend ``batch_groups * G``
     completions, as a uniform round does; the round cap and the shortfall policy are
     dynamic sampling's (``dynamic.max_resample``, ``dynamic.policy`` partial | carry).
     """
 
-    budget: str = "uniform"
-    """uniform (G per problem, today's behaviour) | knapsack (per-problem counts from the
-    pass-rate posterior, Knapsack RL) | sequential (rounds until both outcomes, Reinforce-Ada)."""
+    mode: BudgetMode = "uniform"
+    """uniform (G per problem, the default) | knapsack (per-problem counts from the pass-rate
+    posterior, Knapsack RL) | sequential (rounds until both outcomes, Reinforce-Ada);
+    knapsack and sequential need dynamic.policy partial or carry."""
     min_samples: int = 2
     """knapsack: fewest completions a newly drawn problem gets in its first round (>= 1)."""
     max_samples: int = 32
@@ -130,11 +130,11 @@ class BudgetConfig:
     """Completions per trained group (0: the group size G). A problem with more is
     subsampled keeping both outcomes (balanced, as Reinforce-Ada); a split problem with fewer
     is topped up in the next round."""
-    budget_objective: str = "completions"
+    objective: Literal["completions", "groups"] = "completions"
     """knapsack value of giving a problem n completions: completions (expected completions
     with a non-zero advantage in its trained group) | groups (probability that its group is
     not collapsed: Knapsack RL's ProbNonZeroGradient)."""
-    budget_price: float = -1.0
+    price: float = -1.0
     """knapsack: value charged per generated completion. -1 (auto): the best expected
     effective ratio any per-problem allocation reaches on the sampler's pool (Dinkelbach);
     0: Knapsack RL's setting, the whole round budget is spread over batch_groups problems."""
@@ -142,13 +142,13 @@ class BudgetConfig:
     """sequential: sample another round for a problem still all-correct/all-wrong only while
     its posterior says the round is worth its price; False: Reinforce-Ada (until both outcomes
     or max_samples)."""
-    advantage_baseline: str = "group"
+    advantage_baseline: Literal["group", "pool"] = "group"
     """group (mean/std of the trained group) | pool (Reinforce-Ada: mean/std of every completion
     generated for the problem in this step, before subsampling)."""
 
     def validate(self, path: str) -> None:
         """Check values; raises ConfigError naming the key."""
-        require(self.budget in BUDGETS, f"{path}.budget", f"must be one of {BUDGETS}")
+        require_choice(self, "mode", path)
         require(self.min_samples >= 1, f"{path}.min_samples", "must be >= 1")
         require(
             self.max_samples >= self.min_samples,
@@ -161,32 +161,22 @@ class BudgetConfig:
             f"{path}.trained_size",
             "must be 0 (G) or >= 2 (a group of one has no advantage)",
         )
+        require_choice(self, "objective", path)
         require(
-            self.budget_objective in BUDGET_OBJECTIVES,
-            f"{path}.budget_objective",
-            f"must be one of {BUDGET_OBJECTIVES}",
+            self.price == -1.0 or self.price >= 0.0, f"{path}.price", "must be -1 (auto) or >= 0"
         )
-        require(
-            self.budget_price == -1.0 or self.budget_price >= 0.0,
-            f"{path}.budget_price",
-            "must be -1 (auto) or >= 0",
-        )
-        require(
-            self.advantage_baseline in ADVANTAGE_BASELINES,
-            f"{path}.advantage_baseline",
-            f"must be one of {ADVANTAGE_BASELINES}",
-        )
+        require_choice(self, "advantage_baseline", path)
 
-    def resolved(self, group_size: int, path: str = "rollout") -> tuple[int, int]:
+    def resolved(self, group_size: int, path: str = "budget") -> tuple[int, int]:
         """``(trained_size, round_samples)`` with 0 replaced by G; checks them against G and
         max_samples (ConfigError naming the key)."""
         trained = self.trained_size or group_size
         rounds = self.round_samples or group_size
-        if self.budget == "uniform":
+        if self.mode == "uniform":
             require(
                 trained <= group_size,
                 f"{path}.trained_size",
-                f"must be <= the group size ({group_size}) with budget uniform",
+                f"must be <= the group size ({group_size}) with budget.mode uniform",
             )
         else:
             require(

@@ -14,7 +14,6 @@ Both the fit and the moments use only products over integers, so no special func
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megagrpo.errors import DataError, not_utf8
+from megagrpo.data.loader import read_jsonl
+from megagrpo.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -84,20 +84,7 @@ def read_levels_file(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"levels file not found: {path}")
     records: list[dict] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise not_utf8(path) from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if lineno == len(lines):
-                log.warning("%s:%d: truncated last line ignored", path, lineno)
-                break
-            raise DataError(f"{path}:{lineno}: not JSON: {exc}") from exc
+    for lineno, rec in read_jsonl(path, truncated_last_ok=True):
         for key in ("id", "k", "correct"):
             if key not in rec:
                 raise DataError(f"{path}:{lineno}: missing key '{key}'")

@@ -19,7 +19,8 @@ from typing import Any
 
 from megagrpo.curriculum.levels import BetaPrior, histogram, level_from_counts, predict_acr
 from megagrpo.curriculum.stats import SOLVED_THRESHOLD
-from megagrpo.errors import DataError, not_utf8
+from megagrpo.data.loader import read_jsonl
+from megagrpo.errors import DataError
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -32,29 +33,19 @@ def _finished(path: Path, k: int) -> dict[str, dict]:
     if not path.exists():
         return {}
     done: dict[str, dict] = {}
-    good_lines: list[str] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise not_utf8(path) from None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if lineno == len(lines):
-                log.warning("%s:%d: truncated last record dropped, will redo it", path, lineno)
-                path.write_text("".join(x + "\n" for x in good_lines), encoding="utf-8")
-                break
-            raise DataError(f"{path}:{lineno}: not JSON: {exc}") from exc
+    good: list[int] = []
+    for lineno, rec in read_jsonl(path, truncated_last_ok=True):
         if int(rec.get("k", -1)) != k:
             raise DataError(
                 f"{path}:{lineno}: profiled with k={rec.get('k')}, now k={k}; "
                 "use another output file"
             )
         done[str(rec["id"])] = rec
-        good_lines.append(line)
+        good.append(lineno)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if any(line.strip() for line in lines[good[-1] if good else 0 :]):  # truncated last line
+        log.warning("%s: the truncated last record is dropped, will redo it", path)
+        path.write_text("".join(lines[n - 1] + "\n" for n in good), encoding="utf-8")
     return done
 
 

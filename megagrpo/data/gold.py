@@ -29,7 +29,7 @@ _PHRASE = re.compile(
 )
 _TAIL = re.compile(r"\s*(?:です|である|だ)?\s*[.。]?\s*$")
 _SPLIT = re.compile(r"\s*(?:,|/|・|\band\b|と|及び|および)\s*|\s+")
-_TOKEN = re.compile(r"^(?:[a-z]|\d+(?:\.\d+)?)$")
+_TOKEN = re.compile(r"^(?:[a-z]|-?\d+(?:\.\d+)?)$")
 _RUN = re.compile(r"^[a-h]{2,8}$")
 
 

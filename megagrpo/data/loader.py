@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from megagrpo.data.config import PromptConfig
@@ -84,17 +84,27 @@ def iter_jsonl_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return out
 
 
-def read_jsonl(path: Path) -> Iterable[tuple[int, dict]]:
+def read_jsonl(
+    path: str | os.PathLike, truncated_last_ok: bool = False
+) -> Iterator[tuple[int, dict]]:
     """Yield ``(line_number, record)``; a malformed line (bad JSON, not UTF-8, not an object)
-    raises DataError naming file:line."""
+    raises DataError naming file:line. ``truncated_last_ok``: a last line that is not JSON (a
+    write cut short: an interrupted profile) ends the records with a warning instead."""
     with open(path, encoding="utf-8") as fh:
         try:
-            for num, line in enumerate(fh, start=1):
+            lines = enumerate(fh, start=1)
+            ahead = next(lines, None)
+            while ahead is not None:
+                num, line = ahead
+                ahead = next(lines, None)
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as exc:
+                    if truncated_last_ok and ahead is None:
+                        log.warning("%s:%d: truncated last line ignored", path, num)
+                        return
                     raise DataError(f"{path}:{num}: malformed JSON ({exc.msg})") from exc
                 if not isinstance(rec, dict):
                     raise DataError(

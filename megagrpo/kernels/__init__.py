@@ -1,7 +1,9 @@
 """megagrpo.kernels: fused log-prob + GRPO-family loss (Triton on CUDA, chunked torch on CPU).
 
 The Triton module (``triton_loss``) is imported lazily, only when the Triton backend runs, so
-``TRITON_INTERPRET=1`` can still be set before it is imported (CPU tests).
+``TRITON_INTERPRET=1`` can still be set before it is imported (CPU tests). The fused output
+projection + loss (:mod:`megagrpo.kernels.fused_linear`) is what training calls by default
+(``loss.fused_linear``).
 """
 
 from megagrpo.kernels.fused_linear import fused_linear_policy_loss, fused_linear_token_stats

@@ -100,7 +100,7 @@ def assemble(
     if cfg.tis_cap > 0:
         if rollout is None:
             raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
-        w = tis_weights(old, rollout, cfg.tis_cap)
+        w = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
         cw = c * w
     pg_loss = (cw * terms.pg).sum()
     if cfg.variant == "gspo":  # pg_i is shared by all tokens of i: dL/dlogp_t = C_i dpg_i/dlogp_t
@@ -120,6 +120,8 @@ def assemble(
     if cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * (c * ent).sum()
         h = -cfg.entropy_coef * c
-    metrics = loss_metrics(m, pg_loss, terms.ratio, terms.clipped > 0, adv, cfg, ent, terms.kl, w)
+    metrics = loss_metrics(
+        m, pg_loss, terms.ratio, terms.clipped > 0, adv, cfg, ent, terms.kl, w, ids, num_seqs
+    )
     metrics["loss/total"] = loss.detach()
     return loss, metrics, g, h

@@ -1,5 +1,11 @@
 """Fused output projection + GRPO-family loss: hidden -> logits chunked over tokens.
 
+What training calls by default (``loss.fused_linear``): the policy hands over its final
+hidden states and output weight (its vocab shard) rather than logits
+(:mod:`megagrpo.model.lm_head`, :mod:`megagrpo.trainer.loss_head`); tested against the same
+reference (``tests/unit/test_loss_fused_linear.py``) and against the logits path in training
+(``tests/distributed/test_fused_linear_training.py``).
+
 Neither the [T, V_local] logits nor their gradient ever exist in full: pass 1 computes each
 chunk's logits hidden_c @ W^T, reduces them to per-token softmax stats and drops them; the
 O(T) epilogue gives the loss and g = dL/dlogp, h = dL/dH; pass 2 recomputes each chunk's
@@ -18,9 +24,14 @@ from __future__ import annotations
 import torch
 
 from megagrpo.algo.config import LossConfig
-from megagrpo.algo.losses import make_seq_ids
-from megagrpo.kernels import epilogue
-from megagrpo.kernels.fused_loss import LossPlan, grad_pass, resolve_backend, stats_pass
+from megagrpo.kernels.fused_loss import (
+    LossPlan,
+    grad_pass,
+    loss_from_stats,
+    make_plan,
+    resolve_backend,
+    stats_pass,
+)
 from megagrpo.kernels.vocab_parallel import combine_stats, vocab_start_of
 
 Tensor = torch.Tensor
@@ -41,32 +52,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         for r0, r1 in _chunks(T, chunk_tokens):  # pass 1: stats
             logits = hidden[r0:r1] @ weight.T
             stats[r0:r1] = stats_pass(logits, plan.target[r0:r1], start, plan.backend, cb, None)[0]
-        stats = combine_stats(stats, plan.tp_group)
-        lse = stats[:, 0] + torch.log(stats[:, 1])
-        ex = stats[:, 2]
-        logp, ent = stats[:, 3] - lse, lse - ex
-        old = logp if plan.old is None else plan.old
-        if plan.cfg.variant == "gspo":
-            if plan.ids is None:
-                raise ValueError("GSPO needs sequences: pass [B, S] inputs or seq_ids [T]")
-            terms, _ = epilogue.gspo_terms(
-                logp, old, plan.adv, plan.mask, plan.ids, plan.num_seqs, plan.cfg, plan.ref
-            )
-        else:
-            terms = epilogue.token_terms(logp, old, plan.adv, plan.cfg, plan.ref)
-        loss, plan.metrics, g, h = epilogue.assemble(
-            logp,
-            ent,
-            old,
-            plan.adv,
-            plan.mask,
-            plan.cfg,
-            plan.ids,
-            plan.num_seqs,
-            terms,
-            plan.rollout,
-            plan.seq_weights,
-        )
+        loss, lse, ex, g, h = loss_from_stats(combine_stats(stats, plan.tp_group), plan)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -131,38 +117,23 @@ def fused_linear_policy_loss(
         (loss, metrics); loss is differentiable w.r.t. hidden and weight.
     """
     lead = hidden.shape[:-1]
-    for name, t in (
-        ("target_ids", target_ids),
-        ("advantages", advantages),
-        ("mask", mask),
-        ("old_logprobs", old_logprobs),
-        ("ref_logprobs", ref_logprobs),
-        ("rollout_logprobs", rollout_logprobs),
-    ):
-        if t is not None and tuple(t.shape) != tuple(lead):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
+    plan = make_plan(
+        lead,
+        hidden.device,
+        target_ids,
+        old_logprobs,
+        advantages,
+        mask,
+        cfg,
+        ref_logprobs,
+        tp_group,
+        rollout_logprobs,
+        seq_ids,
+        seq_weights,
+    )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    ids, num_seqs = make_seq_ids(lead, seq_ids, hidden.device)
-
-    def flat(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.reshape(-1).float()
-
-    plan = LossPlan(
-        target_ids.reshape(-1),
-        flat(old_logprobs),
-        advantages.reshape(-1).float(),
-        mask.reshape(-1).float(),
-        cfg,
-        flat(ref_logprobs),
-        flat(rollout_logprobs),
-        ids,
-        num_seqs,
-        tp_group,
-        resolve_backend(cfg.backend, hidden.device),
-        flat(seq_weights),
-    )
     if chunk_tokens is None:
         chunk_tokens = max(1, cfg.chunk_bytes // (weight.shape[0] * hidden.element_size()))
     loss = _FusedLinearPolicyLoss.apply(hidden2d, weight, plan, int(chunk_tokens))

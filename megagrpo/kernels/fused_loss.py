@@ -130,7 +130,15 @@ def _forward(logits2d: Tensor, p: LossPlan) -> tuple[Tensor, Tensor, Tensor, Ten
             eps_high=p.cfg.eps_high,
         )
     stats, kterms = stats_pass(logits2d, p.target, start, p.backend, p.cfg.chunk_bytes, fuse)
-    stats = combine_stats(stats, p.tp_group)
+    return loss_from_stats(combine_stats(stats, p.tp_group), p, kterms)
+
+
+def loss_from_stats(
+    stats: Tensor, p: LossPlan, kterms: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The O(T) epilogue: loss and the backward's inputs (lse, E[x], g = dL/dlogp,
+    h = dL/dH) from the per-token softmax ``stats`` [T, 4] combined over the vocab shards
+    (``kterms``: the loss terms the Triton stats kernel fused, when it did)."""
     lse = stats[:, 0] + torch.log(stats[:, 1])
     ex = stats[:, 2]
     logp = stats[:, 3] - lse
@@ -236,16 +244,20 @@ def fused_policy_loss(
     """
     v_local = logits.shape[-1]
     lead = logits.shape[:-1]
-    for name, t in (
-        ("target_ids", target_ids),
-        ("advantages", advantages),
-        ("mask", mask),
-        ("old_logprobs", old_logprobs),
-        ("ref_logprobs", ref_logprobs),
-        ("rollout_logprobs", rollout_logprobs),
-    ):
-        if t is not None and tuple(t.shape) != tuple(lead):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
+    plan = make_plan(
+        lead,
+        logits.device,
+        target_ids,
+        old_logprobs,
+        advantages,
+        mask,
+        cfg,
+        ref_logprobs,
+        tp_group,
+        rollout_logprobs,
+        seq_ids,
+        seq_weights,
+    )
     logits2d = logits.reshape(-1, v_local)
     if logits2d.stride(1) != 1:
         logits2d = logits2d.contiguous()
@@ -256,12 +268,42 @@ def fused_policy_loss(
             tuple(logits.shape),
             logits.stride(),
         )
-    ids, num_seqs = make_seq_ids(lead, seq_ids, logits.device)
+    loss = _FusedPolicyLoss.apply(logits2d, plan)
+    return loss, plan.metrics
+
+
+def make_plan(
+    lead: torch.Size,
+    device: torch.device,
+    target_ids: Tensor,
+    old_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    ref_logprobs: Tensor | None,
+    tp_group,
+    rollout_logprobs: Tensor | None,
+    seq_ids: Tensor | None,
+    seq_weights: Tensor | None,
+) -> LossPlan:
+    """The per-token inputs checked against the leading shape ``lead`` ([T] or [B, S]) and
+    flattened to [T] (ValueError naming the input whose shape differs)."""
+    for name, t in (
+        ("target_ids", target_ids),
+        ("advantages", advantages),
+        ("mask", mask),
+        ("old_logprobs", old_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+    ):
+        if t is not None and tuple(t.shape) != tuple(lead):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
+    ids, num_seqs = make_seq_ids(lead, seq_ids, device)
 
     def flat(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.reshape(-1).float()
 
-    plan = LossPlan(
+    return LossPlan(
         target_ids.reshape(-1),
         flat(old_logprobs),
         advantages.reshape(-1).float(),
@@ -272,8 +314,6 @@ def fused_policy_loss(
         ids,
         num_seqs,
         tp_group,
-        resolve_backend(cfg.backend, logits.device),
+        resolve_backend(cfg.backend, device),
         flat(seq_weights),
     )
-    loss = _FusedPolicyLoss.apply(logits2d, plan)
-    return loss, plan.metrics

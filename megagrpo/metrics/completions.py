@@ -3,12 +3,14 @@
 ``RUN_DIR/completions.jsonl`` gets one JSON row per completion of the trained batch::
 
     {"step": 3, "problem_id": "112A5", "level": 4, "group": 0, "sample": 2,
-     "prompt_tail": "...e. 肝硬変", "completion": "...答え: c", "reward": 1.2,
-     "reward_parts": {"mcq_accuracy": 1.0, "soft_overlong": 0.0}, "length": 311,
-     "finish_reason": "stop", "gold": ["c"]}
+     "prompt": "<the whole prompt>", "prompt_tail": "...e. 肝硬変", "completion": "...答え: c",
+     "reward": 1.2, "reward_parts": {"mcq_accuracy": 1.0, "soft_overlong": 0.0},
+     "advantage": 0.87, "length": 311, "finish_reason": "stop", "gold": ["c"]}
 
-and, every ``table_every`` steps, the same rows go to W&B as a ``wandb.Table`` named
-``completions`` (when a W&B run is given). On resume, rows of steps after the checkpoint are
+and, every ``table_every`` steps, the step's rows go to W&B as a ``wandb.Table`` named
+``completions`` laid out as ms-swift's: ``step, prompt, completion``, one column per reward
+function, ``advantages`` (then problem_id, level, reward, finish_reason), when a W&B run is
+given. On resume, rows of steps after the checkpoint are
 dropped (:meth:`CompletionsLog.truncate_after`), as metrics.jsonl does. Rank 0 only.
 """
 
@@ -20,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.types import Group
 
 COLUMNS = (
@@ -28,10 +31,12 @@ COLUMNS = (
     "level",
     "group",
     "sample",
+    "prompt",
     "prompt_tail",
     "completion",
     "reward",
     "reward_parts",
+    "advantage",
     "length",
     "finish_reason",
     "gold",
@@ -60,6 +65,14 @@ def find_wandb_run(logger: Any) -> Any:
         if run is not None:
             return run
     return None
+
+
+def prompt_text(group: Group, prompt_texts: Mapping[str, str] | None) -> str:
+    """The group's prompt: the rendered text when given, else its messages' contents."""
+    text = (prompt_texts or {}).get(group.problem.id)
+    if text is None:
+        text = "\n".join(str(m.get("content", "")) for m in group.problem.messages)
+    return text
 
 
 def prompt_tail(group: Group, prompt_texts: Mapping[str, str] | None, chars: int) -> str:
@@ -104,9 +117,7 @@ class CompletionsLog:
                         continue  # a torn last line from a kill mid-write
                     if row.get("step", 0) <= step:
                         kept.append(line if line.endswith("\n") else line + "\n")
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        fileio.write_text(self.path, "".join(kept))
         self._fh = open(self.path, "a", encoding="utf-8")
         return len(kept)
 
@@ -116,6 +127,7 @@ class CompletionsLog:
         groups: Sequence[Group],
         levels: Levels = None,
         prompt_texts: Mapping[str, str] | None = None,
+        advantages: Sequence[Any] | None = None,
     ) -> list[dict[str, Any]]:
         """The rows of one step (see module docstring)."""
         out = []
@@ -123,6 +135,8 @@ class CompletionsLog:
             pid = g.problem.id
             level = _level(levels, pid, g.problem.meta.get("level"))
             tail = prompt_tail(g, prompt_texts, self.prompt_chars)
+            prompt = prompt_text(g, prompt_texts)
+            adv = None if advantages is None else [float(a) for a in advantages[gi]]
             for si, text in enumerate(g.completions):
                 out.append(
                     {
@@ -131,12 +145,14 @@ class CompletionsLog:
                         "level": level,
                         "group": gi,
                         "sample": si,
+                        "prompt": prompt,
                         "prompt_tail": tail,
                         "completion": text,
                         "reward": float(g.rewards[si]) if si < len(g.rewards) else None,
                         "reward_parts": {
                             k: float(v[si]) for k, v in g.reward_parts.items() if si < len(v)
                         },
+                        "advantage": adv[si] if adv is not None and si < len(adv) else None,
                         "length": int(g.lengths[si]) if si < len(g.lengths) else None,
                         "finish_reason": (
                             g.finish_reasons[si] if si < len(g.finish_reasons) else None
@@ -152,6 +168,7 @@ class CompletionsLog:
         groups: Sequence[Group],
         levels: Levels = None,
         prompt_texts: Mapping[str, str] | None = None,
+        advantages: Sequence[Any] | None = None,
     ) -> int:
         """Append the step's rows (flushed); the W&B table when due. Returns rows written.
 
@@ -159,9 +176,10 @@ class CompletionsLog:
             step: 1-based optimiser step. groups: the trained groups (rewards filled).
             levels: problem id -> curriculum level, a mapping or a function such as
                 ``CurriculumSampler.level_of`` (else ``problem.meta['level']``).
-            prompt_texts: problem id -> rendered prompt text (else its last message).
+            prompt_texts: problem id -> rendered prompt text (else its messages).
+            advantages: one row ``[G_n]`` per group (the trained advantages), or None.
         """
-        rows = self.rows(step, groups, levels, prompt_texts)
+        rows = self.rows(step, groups, levels, prompt_texts, advantages)
         self._fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         self._fh.flush()
         os.fsync(self._fh.fileno())
@@ -172,13 +190,26 @@ class CompletionsLog:
     def _log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
         import wandb
 
-        data: list[Any] = [
-            [json.dumps(r[c], ensure_ascii=False) if c == "reward_parts" else r[c] for c in COLUMNS]
-            for r in rows
-        ]
-        self.wandb_run.log(
-            {"completions": wandb.Table(columns=list(COLUMNS), data=data)}, step=step
-        )
+        columns, data = swift_table(rows)
+        table: Any = wandb.Table(columns=list[Any](columns), data=list[Any](data))
+        self.wandb_run.log({"completions": table}, step=step)
 
     def close(self) -> None:
         self._fh.close()
+
+
+def swift_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """ms-swift's completions table (``_build_log_table``: gen_step, prompt, completion, one
+    column per reward function, advantages) from the rows of one step, megagrpo's
+    problem_id, level, total reward and finish reason after them."""
+    names: list[str] = []
+    for r in rows:
+        names += [k for k in r["reward_parts"] if k not in names]
+    columns = ["step", "prompt", "completion", *names, "advantages"]
+    columns += ["problem_id", "level", "reward", "finish_reason"]
+    data = [
+        [r["step"], r["prompt"], r["completion"], *(r["reward_parts"].get(n) for n in names)]
+        + [r["advantage"], r["problem_id"], r["level"], r["reward"], r["finish_reason"]]
+        for r in rows
+    ]
+    return columns, data

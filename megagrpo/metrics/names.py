@@ -50,13 +50,20 @@ def missing_metrics(row: dict, reward_names: list[str]) -> list[str]:
     return [n for n in required_metrics(reward_names) if n not in row]
 
 
-# ms-swift / TRL dashboard names -> the megagrpo name each is read from (issue 12.3).
+# ms-swift / TRL dashboard names -> the megagrpo name each is read from.
 # Differences in meaning, where there are any:
 # - frac_reward_zero_std: post-filter (the trained batch), as ms-swift logs it after dynamic
 #   sampling; the pre-filter value is collapse/frac_reward_zero_std_raw (no TRL name).
-# - reward_std, rewards/<f>/std: TRL/ms-swift use the unbiased std (torch .std()); megagrpo
-#   logs the population std, so the alias is rescaled by sqrt(n / (n - 1)) when the number of
+# - reward_std: ms-swift's (rl_core/advantage.py compute_reward_metrics) is the mean over
+#   groups of each group's unbiased std (reward/group_std_mean) with scale_rewards group or
+#   none, the unbiased std of the whole batch with batch.
+# - rewards/<f>/std: the unbiased std over the batch (torch .std()); megagrpo logs the
+#   population std, so the alias is rescaled by sqrt(n / (n - 1)) when the number of
 #   completions n is given (else copied as is).
+# - entropy/mean: mean over completions of each completion's mean token entropy
+#   (loss/entropy_seq_mean); TRL's entropy is the token mean (loss/entropy).
+# - clip_ratio/low_min, clip_ratio/high_max: the smallest / largest clipped fraction of a
+#   micro-batch (ms-swift: of a data-parallel rank's batch).
 # - completions/clipped_ratio: TRL counts the trained completions; megagrpo's
 #   length/clip_ratio counts every generated completion of the step (all rounds).
 SWIFT_ALIASES: dict[str, str] = {
@@ -69,8 +76,11 @@ SWIFT_ALIASES: dict[str, str] = {
     "completions/clipped_ratio": "length/clip_ratio",
     "kl": "loss/kl",
     "entropy": "loss/entropy",
+    "entropy/mean": "loss/entropy_seq_mean",
     "clip_ratio/low_mean": "loss/clip_frac_low",
     "clip_ratio/high_mean": "loss/clip_frac_high",
+    "clip_ratio/low_min": "loss/clip_frac_low_min",
+    "clip_ratio/high_max": "loss/clip_frac_high_max",
     "clip_ratio/region_mean": "loss/clip_frac",
     "learning_rate": "train/lr",
     "grad_norm": "train/grad_norm",
@@ -79,17 +89,37 @@ SWIFT_ALIASES: dict[str, str] = {
 """Fixed aliases; ``rewards/<f>/mean|std`` are added per reward function."""
 
 
+def group_std_mean(rewards_by_group: list[list[float]]) -> float:
+    """Mean over groups of each group's unbiased reward std (0 for a group of one): ms-swift's
+    ``reward_std`` (``group_rewards.std(-1).mean()``), groups of any size."""
+    stds = []
+    for rewards in rewards_by_group:
+        n = len(rewards)
+        if n < 2:
+            stds.append(0.0)
+            continue
+        mean = sum(rewards) / n
+        stds.append((sum((r - mean) ** 2 for r in rewards) / (n - 1)) ** 0.5)
+    return sum(stds) / len(stds) if stds else 0.0
+
+
 def swift_aliases(
-    row: dict[str, float | None], reward_names: list[str], num_completions: int | None = None
+    row: dict[str, float | None],
+    reward_names: list[str],
+    num_completions: int | None = None,
+    advantage_scale: str = "group",
 ) -> dict[str, float | None]:
     """The ms-swift/TRL names for ``row`` (a megagrpo metrics row), to log alongside it.
 
     Returns only aliases whose megagrpo source is in ``row`` (``None`` values stay ``None``),
     so a step that did not measure something does not invent it. ``num_completions``: the
     completions the reward statistics were taken over (trained groups x G); with it the std
-    aliases are the unbiased std that TRL and ms-swift log.
+    aliases are the unbiased std that TRL and ms-swift log. ``advantage_scale``
+    (ms-swift's scale_rewards): ``reward_std`` is the mean per-group std unless ``batch``.
     """
     pairs = dict(SWIFT_ALIASES)
+    if advantage_scale != "batch":
+        pairs["reward_std"] = "reward/group_std_mean"
     for name in reward_names:
         pairs[f"rewards/{name}/mean"] = f"reward/{name}/mean"
         pairs[f"rewards/{name}/std"] = f"reward/{name}/std"
@@ -98,7 +128,7 @@ def swift_aliases(
         if source not in row:
             continue
         value = row[source]
-        is_std = alias == "reward_std" or alias.endswith("/std")
+        is_std = source == "reward/std" or alias.endswith("/std")
         if is_std and value is not None and num_completions and num_completions > 1:
             value = float(value) * (num_completions / (num_completions - 1)) ** 0.5
         out[alias] = value

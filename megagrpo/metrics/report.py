@@ -136,10 +136,12 @@ def learning_summary(rows: list[dict]) -> dict[str, Any]:
             fifth=n,
             raw_first_fifth=first,
             raw_last_fifth=last,
-            raw_ratio=last / first if first > 0 else (math.inf if last > 0 else 0.0),
+            raw_delta=last - first,
             first_fifth_steps=[steps[0]["step"], steps[n - 1]["step"]],
             last_fifth_steps=[steps[-n]["step"], steps[-1]["step"]],
         )
+        if first > 0 and last >= 0:  # a ratio of rewards means something only then
+            out["raw_ratio"] = last / first
     if len(evals) >= 2:
         out.update(
             eval_first_step=evals[0]["step"],
@@ -149,21 +151,22 @@ def learning_summary(rows: list[dict]) -> dict[str, Any]:
             eval_problems=evals[-1].get("eval/num_problems"),
         )
     learned = None
-    if "raw_ratio" in out and "eval_last" in out:
-        learned = bool(out["raw_ratio"] >= 1.5 and out["eval_last"] > out["eval_first"])
+    if "raw_delta" in out and "eval_last" in out:
+        up = out["raw_ratio"] >= 1.5 if "raw_ratio" in out else out["raw_delta"] > 0
+        learned = bool(up and out["eval_last"] > out["eval_first"])
     out["learned"] = learned
     return out
 
 
 def format_learning(summary: dict[str, Any]) -> str:
     """One line for the end of ``megagrpo train`` (empty without raw rewards)."""
-    if "raw_ratio" not in summary:
+    if "raw_delta" not in summary:
         return ""
     text = (
         f"raw reward {summary['raw_first_fifth']:.3f} (steps {summary['first_fifth_steps'][0]}-"
         f"{summary['first_fifth_steps'][1]}) -> {summary['raw_last_fifth']:.3f} (steps "
         f"{summary['last_fifth_steps'][0]}-{summary['last_fifth_steps'][1]}): "
-        f"x{summary['raw_ratio']:.2f}"
+        + change_text(summary)
     )
     if "eval_last" in summary:
         num = summary.get("eval_problems")
@@ -175,6 +178,14 @@ def format_learning(summary: dict[str, Any]) -> str:
     if summary.get("learned") is not None:
         text += "; learned" if summary["learned"] else "; did not learn (criterion: x1.5, eval up)"
     return text
+
+
+def change_text(summary: dict[str, Any]) -> str:
+    """``x1.52`` when the raw rewards are non-negative with a positive start, else the signed
+    difference (``+0.25``): a ratio of negative or zero rewards means nothing."""
+    if "raw_ratio" in summary:
+        return f"x{summary['raw_ratio']:.2f}"
+    return f"{summary['raw_delta']:+.3f}"
 
 
 def figure_reward(rows: list[dict]) -> Any:
@@ -203,7 +214,7 @@ def figure_reward(rows: list[dict]) -> Any:
     if x:
         ax.plot(x, y, "o", ms=6, color="black", label="eval/accuracy (held-out)")
     summary = learning_summary(rows)
-    if "raw_ratio" in summary:
+    if "raw_delta" in summary:
         for key, span in (
             ("raw_first_fifth", "first_fifth_steps"),
             ("raw_last_fifth", "last_fifth_steps"),
@@ -212,9 +223,7 @@ def figure_reward(rows: list[dict]) -> Any:
             ax.hlines(summary[key], lo - 0.4, hi + 0.4, colors="tab:red", lw=2.5)
         ax.plot([], [], color="tab:red", lw=2.5, label="raw reward, first / last fifth")
     ax.set_ylabel("reward")
-    ax.set_title(
-        "Reward" + (f": raw x{summary['raw_ratio']:.2f}" if "raw_ratio" in summary else "")
-    )
+    ax.set_title("Reward" + (f": raw {change_text(summary)}" if "raw_delta" in summary else ""))
     width = 0.4
     for offset, key, color in (
         (-0.2, "reward/errors", "tab:red"),

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megagrpo.errors import require, require_finite
 
+SyncTransport = Literal["allreduce", "broadcast", "sliced"]
+"""How merged tensors travel between the trainer's ranks (``trainer.sync_transport``;
+:mod:`megagrpo.model.sync_transport`)."""
 RECOMPUTE = ("none", "full", "selective")
 ROUTING_REPLAY = ("off", "r2", "r3")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")

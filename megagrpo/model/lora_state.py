@@ -27,8 +27,8 @@ from bit-identical adapters and moments.
 Why this format rather than torch DCP or megatron-core ``dist_checkpointing``: the LoRA state
 is small next to the frozen base (which is never saved: it comes from ``model.hf_path``), the
 placement plan that already maps every rank's shards onto HF tensors gives the global offsets
-DCP would need DTensors for, the pieces are written in parallel (no gather on one rank: 60 GB
-of fp32 adapters + moments at 235B), and the same files give a PEFT adapter without building
+DCP would need DTensors for, the pieces are written in parallel (no gather of the whole fp32
+adapter and its moments on one rank), and the same files give a PEFT adapter without building
 a model (:mod:`megagrpo.commands.export`). The trainer's manifest, checksums and fsync stay
 as they are (:mod:`megagrpo.trainer.checkpoint`).
 """

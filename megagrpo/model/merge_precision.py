@@ -1,4 +1,4 @@
-"""How much of a LoRA update survives a merged export in the base dtype (issue 11, item 11).
+"""How much of a LoRA update survives a merged export in the base dtype.
 
 A merged sync sends ``cast(W + dW)`` with ``W`` in bf16: each element moves by a multiple
 of its bf16 spacing (2^-8 relative), so an update far below that spacing mostly rounds back
@@ -8,11 +8,11 @@ engine actually receives, projected on ``dW``::
     survival = <cast(W + dW) - W, dW> / ||dW||^2
 
 1.0 means the engine got the update exactly (fp32 bases, or large updates); 0.0 means it got
-nothing in the update's direction. For W ~ N(0, 0.02) in bf16 it is 0.03 for an update of
-std 1e-6, 0.28 for 1e-5 and 0.99 for 1e-4 (``tests/unit/test_model_scoring.py``), i.e. early
-LoRA updates (lr 1e-5, r = 32) mostly do not reach a merged-sync engine. The plain norm
-ratio ``||cast(W + dW) - W|| / ||dW||`` is *not* used: rounding moves a few elements by a
-whole spacing in directions unrelated to dW, which inflates it (0.20 at 1e-6).
+nothing in the update's direction. Small early LoRA updates on bf16 bases mostly do not reach
+a merged-sync engine (figures: docs/architecture.md, "merged sync precision"; checked by
+``tests/unit/test_model_scoring.py``). The plain norm ratio ``||cast(W + dW) - W|| / ||dW||``
+is *not* used: rounding moves a few elements by a whole spacing in directions unrelated to
+dW, which inflates it.
 
 :class:`MergeStats` accumulates the sums on the tensors' device while the export runs (a few
 element-wise ops per merged tensor, no host sync) and is read once per sync.

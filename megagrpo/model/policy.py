@@ -507,7 +507,7 @@ def build_policy(
     """Build this rank's stage, stream HF weights from ``model_cfg.hf_path``, add LoRA.
 
     ``load_weights=False`` leaves the base weights uninitialised (only config.json is read),
-    for loading Megatron shards instead (:mod:`megagrpo.model.checkpoint_io`).
+    for loading Megatron shards instead (:mod:`megagrpo.model.megatron_ckpt`).
     Raises ConfigError (bad config/layout) or CheckpointError (missing/mismatched tensors).
     """
     model_cfg.validate("model")

@@ -27,15 +27,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
 
+from megagrpo.model.config import SyncTransport
 from megagrpo.model.hf_mapping import Piece
 from megagrpo.parallel.state import ParallelGroups
 
-TRANSPORTS = ("allreduce", "broadcast", "sliced")
+TRANSPORTS: tuple[str, ...] = get_args(SyncTransport)
 Region = tuple[slice, ...]
 RegionFn = Callable[[str, tuple[int, ...]], "list[Region] | None"]
 """``needs(hf_name, shape)``: the regions of the tensor this rank's engine holds (tuples of

@@ -22,6 +22,7 @@ from megagrpo.errors import CheckpointError
 from megagrpo.model.arch import Arch
 from megagrpo.model.hf_mapping import Piece, hf_weight_shapes
 from megagrpo.model.sync_transport import TRANSPORTS, Counter, ExportLayout, transported
+from megagrpo.parallel.buckets import byte_buckets
 from megagrpo.parallel.state import ParallelGroups
 
 log = logging.getLogger(__name__)
@@ -187,17 +188,7 @@ def export_hf_tensors(
         )
     else:
         raise ValueError(f"unknown sync transport {transport!r} (one of {TRANSPORTS})")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, full in stream:
-        nbytes = full.numel() * full.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full))
-        size += nbytes
-    if bucket:
-        yield bucket
+    yield from byte_buckets(stream, bucket_bytes)
 
 
 def _allreduced(shapes, plan, get_param, groups, dtype, counter) -> Iterator[tuple[str, Any]]:

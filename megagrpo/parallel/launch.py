@@ -15,8 +15,8 @@ with the first failing rank's traceback.
 
 from __future__ import annotations
 
+import io
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -31,17 +31,12 @@ from torch.multiprocessing.spawn import (
     start_processes,
 )
 
-from megagrpo import errors
+from megagrpo import errors, fileio
+from megagrpo.parallel.state import free_port
 
 # Seconds the other ranks get to notice a failed peer and write their own error before they
 # are terminated (they usually fail within milliseconds in their next collective).
 FAILURE_GRACE_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _error_record(exc: BaseException) -> dict[str, Any]:
@@ -70,9 +65,9 @@ def _entry(local_rank: int, world: int, port: int, out_dir: str, fn: Callable, a
         result = {"ok": fn(local_rank, *args)}
     except BaseException as exc:  # noqa: BLE001 - reported to the parent verbatim
         result = _error_record(exc)
-    tmp = out.with_suffix(".tmp")
-    torch.save(result, tmp)
-    os.replace(tmp, out)  # the parent never reads a half-written result
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    fileio.write_bytes(out, buf.getvalue())  # the parent never reads a half-written result
     if "error" in result:
         raise SystemExit(1)
 
@@ -112,7 +107,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="megagrpo-launch-") as tmp:
         ctx = start_processes(
             _entry,
-            args=(world_size, _free_port(), tmp, fn, args),
+            args=(world_size, free_port(), tmp, fn, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -143,7 +143,8 @@ def validate_layout(parallel_cfg: ParallelConfig, hf_config: Any, world_size: in
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -162,7 +163,7 @@ def _init_torch_distributed(backend: str | None, timeout_minutes: int) -> None:
     else:  # single process, no launcher: a private one-rank group
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
             rank=0,
             world_size=1,
             timeout=timeout,

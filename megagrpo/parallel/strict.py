@@ -1,4 +1,4 @@
-"""Strict device mode: NCCL's device rule, enforced and visible on CPU (issue 11, items 1-2).
+"""Strict device mode: NCCL's device rule, enforced and visible on CPU.
 
 On GPU, torch maps a plain ``nccl`` backend to CUDA tensors only, so a CPU tensor handed to
 ``all_reduce`` raises, and a loss whose targets stayed on the host fails in the Triton launch

@@ -32,7 +32,7 @@ from megagrpo.rewards.config import ON_ERROR, RewardsConfig
 from megagrpo.rewards.plugins import ORMS_PREFIX, load_external_plugins
 from megagrpo.rewards.registry import RewardFn, get
 from megagrpo.rewards.swift_adapter import SwiftORMReward, TrainerState, swift_reward
-from megagrpo.types import Problem
+from megagrpo.types import Group, Problem
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class CompositeReward:
         on_error: str = "count",
         timeout_s: float = 0.0,
         trainer_state: TrainerState | None = None,
+        swift_calls: str = "group",
     ) -> None:
         if not terms:
             raise ValueError("a composite reward needs at least one function")
@@ -109,6 +110,7 @@ class CompositeReward:
         ]
         self.on_error = on_error
         self.timeout_s = float(timeout_s)
+        self.swift_calls = swift_calls
         self.trainer_state = trainer_state or TrainerState()
         for term in self.terms:  # ms-swift ORMs read the step from it
             if isinstance(term.fn, SwiftORMReward):
@@ -146,6 +148,46 @@ class CompositeReward:
             parts[term.name] = values
             total = [t + term.weight * v for t, v in zip(total, values)]
         return total, parts
+
+    def score_groups(self, groups: Sequence[Group]) -> None:
+        """Score a generation round in place (``rewards``, ``reward_parts`` of each group):
+        per group, except ms-swift ORMs with ``swift_calls: batch`` (one call for the whole
+        round; a failing batch call is retried group by group, which isolates the error)."""
+        parts: list[dict[str, list[float]]] = [{} for _ in groups]
+        for term in self.terms:
+            batch = None
+            if self.swift_calls == "batch" and isinstance(term.fn, SwiftORMReward) and groups:
+                batch = self._score_batch(term, groups)
+            for i, g in enumerate(groups):
+                parts[i][term.name] = (
+                    batch[i]
+                    if batch is not None
+                    else self._score(term, g.completions, g.problem, g.lengths, g.token_ids)
+                )
+        for g, part in zip(groups, parts):
+            total = [0.0] * len(g.completions)
+            for term in self.terms:
+                total = [t + term.weight * v for t, v in zip(total, part[term.name])]
+            g.rewards, g.reward_parts = total, part
+
+    def _score_batch(self, term: _Term, groups: Sequence[Group]) -> list[list[float]] | None:
+        """The batch call's values per group, or None when it failed (then per group)."""
+        fn = term.fn
+        assert isinstance(fn, SwiftORMReward)
+        items = [(g.completions, g.problem, g.lengths or None, g.token_ids or None) for g in groups]
+        try:
+            out = call_with_timeout(lambda: fn.call_batch(items), self.timeout_s)
+            if not all(math.isfinite(v) for vals in out for v in vals):
+                raise ValueError("returned a non-finite value")
+            return out
+        except Exception as exc:  # noqa: BLE001 - retried per group, which names the failure
+            logger.warning(
+                "reward '%s': the batch call failed (%s: %s); scoring group by group",
+                term.name,
+                type(exc).__name__,
+                exc,
+            )
+            return None
 
     def _call(self, term: _Term, completions, problem, lengths, token_ids) -> list[float]:
         kwargs = {}
@@ -230,4 +272,6 @@ def build_composite(cfg: RewardsConfig, run_args: dict[str, Any] | None = None) 
         else:
             fn = get(spec.name, **kwargs)
         terms.append((spec.label or spec.name, spec.weight, fn))
-    return CompositeReward(terms, on_error=cfg.on_error, timeout_s=cfg.timeout_s)
+    return CompositeReward(
+        terms, on_error=cfg.on_error, timeout_s=cfg.timeout_s, swift_calls=cfg.swift_calls
+    )

@@ -50,9 +50,17 @@ class RewardsConfig:
     timeout_s: float = 0.0
     """Seconds one call of a reward function (one group) may take; longer counts as an error
     for each of its completions (and in reward/timeouts). 0: no limit."""
+    swift_calls: str = "batch"
+    """batch | group: ms-swift ORMs (``orms:`` and ``module:Class`` plugins) are called once
+    per generation round with every completion of it, as ms-swift calls them once per batch
+    (batch-level plugins see the same batch; a failing call is retried group by group), or
+    once per group (problem). megagrpo's own rewards are called per group."""
 
     def validate(self, path: str) -> None:
         require(len(self.functions) > 0, f"{path}.functions", "needs at least one reward")
+        require(
+            self.swift_calls in ("batch", "group"), f"{path}.swift_calls", "must be batch | group"
+        )
         for i, spec in enumerate(self.functions):  # the loader does not descend into lists
             spec.validate(f"{path}.functions.{i}")
         labels = [f.label or f.name for f in self.functions]

@@ -65,7 +65,7 @@ _FULLWIDTH = {chr(0xFF01 + i): chr(0x21 + i) for i in range(0x5E)}
 _FULLWIDTH.update({"\u3000": " ", "､": "、", "｡": "。", "・": "・", "･": "・"})
 _TRANS = str.maketrans(_FULLWIDTH)
 _CIRCLED = "①②③④⑤⑥⑦⑧⑨"
-_NUMERIC_RE = re.compile(r"^\d+(?:\.\d+)?$")
+_NUMERIC_RE = re.compile(r"^-?\d+(?:\.\d+)?$")
 
 # One option letter standing alone (see rule 4). Text is lower-cased before matching.
 _L = (
@@ -98,6 +98,9 @@ _PAREN_RE = re.compile(r"[(（]([^()（）\n]*)[)）]")
 _DROP_CHARS = str.maketrans({c: " " for c in "*`#「」『』【】〔〕[]<>"})
 _NUM_RE = re.compile(
     r"(?<![a-z0-9.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d])|(?<![a-z0-9.,])\d+(?:\.\d+)?(?![\d])"
+)
+_SIGNED_RE = re.compile(  # a number with its sign, where no template fixes the digits
+    r"(?<![a-z0-9.,])[-−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])"
 )
 _SLOT_RE = re.compile(r"([①-⑨])\s*[:=は]?\s*(\d)(?![\d,.])")
 _TEMPLATE_RE = re.compile(r"解答[:：]\s*((?:\d[,，]?\s*)*)([①-⑨](?:[.．]?[①-⑨])*)")
@@ -280,8 +283,36 @@ def _numbers_in(span: str, template, last: bool) -> str | None:
     return fits[-1] if last else fits[0]
 
 
+def number_value(text: str) -> str | None:
+    """The canonical decimal of a written number (``"2.0"`` -> ``"2"``, ``"−0.50"`` ->
+    ``"-0.5"``, ``"1,000"`` -> ``"1000"``), or None."""
+    from decimal import Decimal, InvalidOperation
+
+    try:
+        value = Decimal(text.replace(",", "").replace("−", "-"))
+    except InvalidOperation:
+        return None
+    out = format(value.normalize(), "f")
+    return "0" if out in ("-0", "0") else out
+
+
+def _signed_number(text: str) -> list[str] | None:
+    """A template-free numeric answer (math data): the last signed number of the answer's
+    marker span or last line, as its canonical value."""
+    cands: list[tuple[int, str]] = []
+    spans = [*_marker_spans(text), *_last_lines(text, 1)]
+    for pos, span in spans:
+        found = [number_value(m.group(0)) for m in _SIGNED_RE.finditer(span)]
+        found = [f for f in found if f is not None]
+        if found:
+            cands.append((pos, found[-1]))
+    return [max(cands, key=lambda c: c[0])[1]] if cands else None
+
+
 def _extract_number(text: str, problem: Problem) -> list[str] | None:
     template = _template(problem)
+    if template is None:
+        return _signed_number(text)
     cands: list[tuple[int, str]] = []
     for pos, span in _marker_spans(text):
         got = _numbers_in(span, template, last=False)
@@ -330,20 +361,26 @@ def extract_answer(text: str, problem: Problem) -> list[str] | None:
     return _extract_letters(norm, valid_letters(problem), choices)
 
 
-def _canon(entry: str) -> str:
+def _canon(entry: str, by_value: bool = False) -> str:
     entry = str(entry).strip().lower()
-    return re.sub(r"\D", "", entry) if _NUMERIC_RE.match(entry) else entry
+    if not _NUMERIC_RE.match(entry):
+        return entry
+    if by_value:
+        return number_value(entry) or entry
+    return ("-" if entry.startswith("-") else "") + re.sub(r"\D", "", entry)
 
 
-def answers_match(predicted: list[str] | None, gold: list[str]) -> bool:
-    """True iff ``predicted`` equals the gold set (numbers compared by digits; a gold entry
-    ``"x or y"`` accepts any single alternative)."""
+def answers_match(predicted: list[str] | None, gold: list[str], by_value: bool = False) -> bool:
+    """True iff ``predicted`` equals the gold set (numbers compared by their digits and sign,
+    or with ``by_value`` as decimals: 2.0 == 2; a gold entry ``"x or y"`` accepts any single
+    alternative)."""
     if not predicted:
         return False
-    pred = {_canon(p) for p in predicted}
+    canon = {True: lambda e: _canon(e, True), False: _canon}[by_value]
+    pred = {canon(p) for p in predicted}
     if len(gold) == 1 and " or " in str(gold[0]):
-        return any(pred == {_canon(g)} for g in str(gold[0]).split(" or "))
-    return pred == {_canon(g) for g in gold}
+        return any(pred == {canon(g)} for g in str(gold[0]).split(" or "))
+    return pred == {canon(g) for g in gold}
 
 
 def mcq_accuracy() -> Callable[[list[str], Problem], list[float]]:
@@ -356,8 +393,9 @@ def mcq_accuracy() -> Callable[[list[str], Problem], list[float]]:
                 f"(solution {str(problem.meta.get('solution', ''))[:60]!r}); mcq_accuracy "
                 "cannot score it: use a reward that reads 'solution'"
             )
+        by_value = is_numeric_problem(problem) and _template(problem) is None
         return [
-            1.0 if answers_match(extract_answer(c, problem), problem.answer) else 0.0
+            1.0 if answers_match(extract_answer(c, problem), problem.answer, by_value) else 0.0
             for c in completions
         ]
 

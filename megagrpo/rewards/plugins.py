@@ -36,11 +36,13 @@ their signature, and a user's function cannot be confused with a shell runner by
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import logging
 import sys
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +65,41 @@ def reward_plugin(obj: Any) -> Any:
     return obj
 
 
-def _import(module_name: str, what: str) -> Any:
-    """Import ``module_name``; any failure becomes a ConfigError naming ``what``."""
+@contextlib.contextmanager
+def preserved_logging() -> Iterator[None]:
+    """Put the logging configuration back as it was after plugin code ran: importing
+    ``swift.rewards`` sets the root handlers' level to ERROR (ms-swift's logger setup), which
+    silenced every later megagrpo INFO/WARNING line. Restored: the root logger's level and
+    handlers (and their levels), ``logging.disable``, and megagrpo's loggers."""
+    root = logging.getLogger()
+    manager = logging.Logger.manager
+    handlers = [(h, h.level) for h in root.handlers]
+    mine = {
+        name: (lg.level, lg.disabled, lg.propagate)
+        for name, lg in manager.loggerDict.items()
+        if isinstance(lg, logging.Logger) and (name == "megagrpo" or name.startswith("megagrpo."))
+    }
+    saved = (root.level, manager.disable)
     try:
-        return importlib.import_module(module_name)
+        yield
+    finally:
+        root.setLevel(saved[0])
+        logging.disable(saved[1])
+        root.handlers[:] = [h for h, _ in handlers]
+        for h, level in handlers:
+            h.setLevel(level)
+        for name, (level, disabled, propagate) in mine.items():
+            lg = logging.getLogger(name)
+            lg.setLevel(level)
+            lg.disabled, lg.propagate = disabled, propagate
+
+
+def _import(module_name: str, what: str) -> Any:
+    """Import ``module_name`` (the logging configuration preserved); any failure becomes a
+    ConfigError naming ``what``."""
+    try:
+        with preserved_logging():
+            return importlib.import_module(module_name)
     except ImportError as exc:
         missing = getattr(exc, "name", None) or ""
         hint = (

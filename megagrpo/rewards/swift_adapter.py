@@ -41,6 +41,9 @@ from megagrpo.types import Problem
 
 __all__ = ["SwiftORMReward", "TrainerState", "load_object", "swift_reward"]
 
+BatchItem = tuple[Sequence[str], Problem, "Sequence[int] | None", "Sequence[Sequence[int]] | None"]
+"""One group of a batch call: (completions, problem, lengths, token_ids)."""
+
 
 @dataclass
 class TrainerState:
@@ -80,6 +83,37 @@ class SwiftORMReward:
         lengths: Sequence[int] | None = None,
         token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[float]:
+        kwargs = self._columns(completions, problem, lengths, token_ids)
+        return self._run(list(completions), kwargs)
+
+    def call_batch(self, items: Sequence[BatchItem]) -> list[list[float]]:
+        """One ORM call over every completion of ``items`` (``(completions, problem, lengths,
+        token_ids)`` per group), as ms-swift calls an ORM once per batch: a batch-level plugin
+        (normalising over the batch, counting calls) sees the same batch. Values per item."""
+        columns = [self._columns(c, p, n, t) for c, p, n, t in items]
+        keys: list[str] = []
+        for col in columns:
+            keys += [k for k in col if k not in keys]
+        merged: dict[str, Any] = {k: [] for k in keys}
+        completions: list[str] = []
+        for (texts, *_), col in zip(items, columns):
+            completions += list(texts)
+            for k in keys:
+                merged[k] += col.get(k, [None] * len(texts))
+        values = self._run(completions, merged)
+        out, start = [], 0
+        for texts, *_ in items:
+            out.append(values[start : start + len(texts)])
+            start += len(texts)
+        return out
+
+    def _columns(
+        self,
+        completions: Sequence[str],
+        problem: Problem,
+        lengths: Sequence[int] | None,
+        token_ids: Sequence[Sequence[int]] | None,
+    ) -> dict[str, list[Any]]:
         n = len(completions)
         columns: dict[str, Any] = {k: v for k, v in problem.meta.items()}
         columns["solution"] = problem.meta.get("solution", ",".join(problem.answer))
@@ -88,18 +122,21 @@ class SwiftORMReward:
         kwargs["messages"] = [
             list(problem.messages) + [{"role": "assistant", "content": c}] for c in completions
         ]
-        kwargs["trainer_state"] = self.trainer_state
         if token_ids is not None:
             kwargs["response_token_ids"] = [list(t) for t in token_ids]
         elif lengths is not None:
             kwargs["response_token_ids"] = [[0] * int(length) for length in lengths]
-        out: Any = self.orm(list(completions), **kwargs)
+        return kwargs
+
+    def _run(self, completions: list[str], kwargs: dict[str, Any]) -> list[float]:
+        out: Any = self.orm(completions, trainer_state=self.trainer_state, **kwargs)
         if inspect.isawaitable(out):
             out = asyncio.run(_await(out))
         values = [float(v) for v in out]
-        if len(values) != n:
+        if len(values) != len(completions):
             raise ValueError(
-                f"ms-swift reward {self.name} returned {len(values)} values for {n} completions"
+                f"ms-swift reward {self.name} returned {len(values)} values for "
+                f"{len(completions)} completions"
             )
         return values
 

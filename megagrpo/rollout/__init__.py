@@ -19,7 +19,7 @@ from megagrpo.rollout.base import (
     WeightSyncError,
     to_checkpoint_format,
 )
-from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.config import RolloutConfig, resolved_weight_sync
 from megagrpo.rollout.lora import PeftAdapter, merged_stream
 
 __all__ = [
@@ -60,7 +60,7 @@ def sync_lora(
     ``base_named_tensors`` (the frozen base weights, HF names) is needed for the merged path
     only; it is streamed once with the adapter folded in (``W + alpha/r * B @ A``).
     """
-    if engine.supports_adapter_sync():
+    if resolved_weight_sync("auto", engine.supports_adapter_sync()) == "adapter":
         return engine.update_adapter(adapter, expected_probe=expected_probe)
     if base_named_tensors is None:
         raise EngineError(

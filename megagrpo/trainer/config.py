@@ -3,31 +3,27 @@ nests every component's config (mirrored by configs/*.yaml)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Literal
 
 from megagrpo.algo.config import LossConfig
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
-from megagrpo.errors import ConfigError, require, require_finite
+from megagrpo.errors import ConfigError, require, require_choice, require_finite
 from megagrpo.metrics.config import MetricsConfig
-from megagrpo.model.config import ModelConfig
+from megagrpo.model.config import ModelConfig, SyncTransport
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
-from megagrpo.rollout.config import RolloutConfig
+from megagrpo.rollout.config import RolloutConfig, WeightSync
 from megagrpo.rollout.verify import thresholds_for
 
 log = logging.getLogger(__name__)
 
-OLD_LOGPROBS = ("auto", "rollout", "recompute", "none")
-LR_SCHEDULES = ("constant", "linear", "cosine")
-WEIGHT_SYNCS = ("auto", "merged", "adapter")
-SYNC_TRANSPORTS = ("allreduce", "broadcast", "sliced")
-ADAPTER_TRANSPORTS = ("streamed", "peft_dir")
+AdapterTransport = Literal["streamed", "peft_dir"]
 
 
 @dataclass
@@ -47,10 +43,15 @@ class TrainerConfig:
     rollout.max_tokens, never by the batch size (gradients accumulate over micro-batches)."""
     ppo_epochs: int = 1
     """Optimiser updates per generated batch (>1 needs old log-probs: recomputed)."""
-    old_logprobs: str = "auto"
-    """auto | rollout | recompute | none. Behaviour log-probs for the ratio: the engine's
-    sampled-token log-probs, a trainer forward before the update, or none (ratio 1).
-    auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout."""
+    old_logprobs: Literal["auto", "rollout", "recompute", "none"] = "recompute"
+    """recompute | rollout | auto | none. Behaviour log-probs for the ratio. recompute (the
+    default, as ms-swift, verl and NeMo-RL): a trainer forward before the update, so an
+    on-policy step has a ratio of exactly 1 and clipping never acts on inference noise; the
+    engine's log-probs are still used for truncated importance sampling (``loss.tis_cap``)
+    and the ``train/logprob_mismatch`` metrics. rollout: the engine's sampled-token log-probs
+    (one forward less per step, but in bf16 the ratio departs from 1 by the engine/trainer
+    mismatch). auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout.
+    none: ratio 1 (no clipping)."""
     lr: float = 1e-4
     """AdamW learning rate of the LoRA parameters."""
     weight_decay: float = 0.0
@@ -62,7 +63,7 @@ class TrainerConfig:
     warmup_ratio: float = 0.0
     """Warm-up as a fraction of the optimiser steps (ms-swift's warmup_ratio); the larger of
     this and ``warmup_steps`` applies."""
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """constant | linear | cosine: the learning rate after warm-up, over max_steps x
     ppo_epochs optimiser steps, from ``lr`` down to ``min_lr`` (transformers' schedulers).
     ms-swift's default is cosine; constant keeps early and late steps equally weighted."""
@@ -93,14 +94,14 @@ class TrainerConfig:
     """Pack samples into rows of at most this many tokens, one row per micro-batch
     (padding-free; must be >= rollout.max_model_len); 0: padded micro-batches of
     micro_batch_size samples."""
-    weight_sync: str = "auto"
+    weight_sync: WeightSync = "auto"
     """auto | merged | adapter. merged: stream base + LoRA merged HF tensors into the engine
     every step (works for every engine and target, but a bf16 base keeps only part of a small
     update: ``sync/lora_survival``); adapter: write the PEFT adapter (a few MB) and let the
     engine serve it on its base weights, exactly (needs rollout.enable_lora and vLLM LoRA
     support for the targeted modules). auto: adapter where the engine serves LoRA, else
     merged. Both are verified against the trainer's probe log-probs."""
-    sync_transport: str = "allreduce"
+    sync_transport: SyncTransport = "allreduce"
     """allreduce | broadcast | sliced: how merged tensors travel between the trainer's ranks
     (:func:`megagrpo.model.weights.export_hf_tensors`). allreduce: every rank zero-fills each
     full tensor and sums it over its model-parallel group (2x the tensor's bytes per rank on a
@@ -110,7 +111,7 @@ class TrainerConfig:
     checksums are skipped (the probe still verifies). Every transport yields the same values.
     Merged syncs only (``weight_sync: merged``, and the base push of ``rollout.load_format:
     dummy``); an adapter sync travels as ``adapter_transport`` says."""
-    adapter_transport: str = "streamed"
+    adapter_transport: AdapterTransport = "streamed"
     """streamed | peft_dir: how an adapter sync reaches the engines. streamed: the owner ranks
     write their LoRA shards in the engines' dtype into flat buckets, one collective per bucket
     delivers the full factors to the engine ranks (a reduce to rank 0 for one engine, an
@@ -147,11 +148,7 @@ class TrainerConfig:
         require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")
         require(self.micro_batch_size >= 1, f"{path}.micro_batch_size", "must be >= 1")
         require(self.ppo_epochs >= 1, f"{path}.ppo_epochs", "must be >= 1")
-        require(
-            self.old_logprobs in OLD_LOGPROBS,
-            f"{path}.old_logprobs",
-            f"must be one of {OLD_LOGPROBS}",
-        )
+        require_choice(self, "old_logprobs", path)
         require(
             not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
             f"{path}.old_logprobs",
@@ -162,21 +159,9 @@ class TrainerConfig:
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.lr > 0, f"{path}.lr", "must be > 0")
         require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0")
-        require(
-            self.weight_sync in WEIGHT_SYNCS,
-            f"{path}.weight_sync",
-            f"must be one of {WEIGHT_SYNCS}",
-        )
-        require(
-            self.sync_transport in SYNC_TRANSPORTS,
-            f"{path}.sync_transport",
-            f"must be one of {SYNC_TRANSPORTS}",
-        )
-        require(
-            self.adapter_transport in ADAPTER_TRANSPORTS,
-            f"{path}.adapter_transport",
-            f"must be one of {ADAPTER_TRANSPORTS}",
-        )
+        require_choice(self, "weight_sync", path)
+        require_choice(self, "sync_transport", path)
+        require_choice(self, "adapter_transport", path)
         require(
             self.adam_betas is None or len(self.adam_betas) == 2,
             f"{path}.adam_betas",
@@ -188,11 +173,7 @@ class TrainerConfig:
         require(self.warmup_steps >= 0, f"{path}.warmup_steps", "must be >= 0")
         require_finite(self.warmup_ratio, f"{path}.warmup_ratio")
         require(0.0 <= self.warmup_ratio < 1.0, f"{path}.warmup_ratio", "must be in [0, 1)")
-        require(
-            self.lr_schedule in LR_SCHEDULES,
-            f"{path}.lr_schedule",
-            f"must be one of {LR_SCHEDULES}",
-        )
+        require_choice(self, "lr_schedule", path)
         require_finite(self.min_lr, f"{path}.min_lr")
         require(0.0 <= self.min_lr <= self.lr, f"{path}.min_lr", "must be in [0, lr]")
         require(self.grad_clip >= 0, f"{path}.grad_clip", "must be >= 0")
@@ -216,28 +197,57 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
-    def budget_config(self) -> BudgetConfig:
-        """The rollout budget (``rollout.budget``, ``rollout.min_samples``, ...) as the
-        curriculum's :class:`BudgetConfig`."""
-        names = [f.name for f in dataclasses.fields(BudgetConfig)]
-        return BudgetConfig(**{name: getattr(self.rollout, name) for name in names})
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "rollout.budget": "budget.mode",
+        "rollout.min_samples": "budget.min_samples",
+        "rollout.max_samples": "budget.max_samples",
+        "rollout.round_samples": "budget.round_samples",
+        "rollout.trained_size": "budget.trained_size",
+        "rollout.budget_objective": "budget.objective",
+        "rollout.budget_price": "budget.price",
+        "rollout.sequential_gate": "budget.sequential_gate",
+        "rollout.advantage_baseline": "budget.advantage_baseline",
+    }
+    """Old key -> its new name: the loader refuses an old key with a ConfigError naming both."""
 
     def validate(self, path: str = "") -> None:
         """Checks across sections (each section validated itself first): the rollout budget
         keys, and that a budget other than uniform runs with a dynamic-sampling policy that
         trains on the groups it finished (partial | carry). ConfigError names the key."""
-        budget = self.budget_config()
-        budget.validate("rollout")
-        budget.resolved(self.rollout.group_size, "rollout")
-        if budget.budget != "uniform" and self.dynamic.policy == "original":
+        self.curriculum_signal()
+        budget = self.budget
+        budget.resolved(self.rollout.group_size, "budget")
+        if budget.mode != "uniform" and self.dynamic.policy == "original":
             raise ConfigError(
                 f"config key 'dynamic.policy': 'original' (ms-swift's fallback: train on the "
                 f"first round, collapsed groups included) has no meaning with "
-                f"rollout.budget={budget.budget} (groups of different sizes); use partial or "
+                f"budget.mode={budget.mode} (groups of different sizes); use partial or "
                 "carry"
             )
+
+    def curriculum_signal(self) -> str:
+        """The reward term the curriculum and the collapse metrics judge correctness on
+        (``curriculum.signal_reward``, or the only reward function); ConfigError when it is
+        not one of the configured terms or several terms leave it unnamed."""
+        labels = [f.label or f.name for f in self.rewards.functions]
+        named = self.curriculum.signal_reward
+        if named:
+            require(
+                named in labels,
+                "curriculum.signal_reward",
+                f"{named!r} is not a configured reward function {labels}",
+            )
+            return named
+        require(
+            len(labels) <= 1,
+            "curriculum.signal_reward",
+            f"{len(labels)} reward functions {labels}: name the one whose 0/1 values are the "
+            "curriculum's correctness signal (problems are retired on it)",
+        )
+        return labels[0] if labels else ""
 
     def resolve(self) -> None:
         """Fill the derived values in place, once, before the config is saved (the saved
@@ -259,6 +269,7 @@ class RunConfig:
         )
         self._resolve_sync_thresholds()
         self._check_routing_replay()
+        self._resolve_partial()
         require(
             self.trainer.pack_tokens == 0 or self.trainer.pack_tokens >= self.rollout.max_model_len,
             "trainer.pack_tokens",
@@ -284,6 +295,29 @@ class RunConfig:
             "r2 records the routing of the old-log-prob forward and replays it in training: "
             "set trainer.old_logprobs=recompute",
         )
+
+    def _resolve_partial(self) -> None:
+        """Partial rollouts train tokens sampled by older weights: the trainer recomputes the
+        behaviour log-probs under its current weights (``trainer.old_logprobs: recompute``)
+        and weights every token by its importance ratio against the engine's log-prob
+        (``loss.tis_cap``, 2.0 when 0 and ``loss.tis_auto``). Uniform rounds only, no routing
+        replay."""
+        if not self.rollout.partial.enabled:
+            return
+        key = "rollout.partial.enabled"
+        require(self.budget.mode == "uniform", key, "needs budget.mode=uniform")
+        require(self.model.routing_replay == "off", key, "needs model.routing_replay=off")
+        require(
+            self.trainer.old_logprobs in ("auto", "recompute"),
+            key,
+            "needs trainer.old_logprobs=recompute (or auto): the importance weights compare "
+            "the trainer's log-probs with the engine's",
+        )
+        self.trainer.old_logprobs = "recompute"
+        if self.loss.tis_cap == 0:
+            require(self.loss.tis_auto, key, "needs loss.tis_cap >= 1 (or loss.tis_auto)")
+            self.loss.tis_cap = 2.0
+            log.info("rollout.partial: token-level importance weights on (loss.tis_cap=2.0)")
 
     def _resolve_sync_thresholds(self) -> None:
         """Weight-sync verification bounds for the trainer's *and* the engine's dtype (the

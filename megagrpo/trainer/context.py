@@ -31,6 +31,7 @@ from megagrpo.trainer.offload import Offload
 from megagrpo.types import Problem
 
 if TYPE_CHECKING:
+    from megagrpo.trainer.partial import PartialRollouts
     from megagrpo.trainer.rollouts import Rollouts
 
 
@@ -123,6 +124,16 @@ class Comm:
         return float(t.item())
 
 
+class _EnginesNotStarted:
+    """``TrainContext.rollouts`` before the engines start: any use is an error naming why."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(
+            f"ctx.rollouts.{name}: the rollout engines have not started yet "
+            "(megagrpo.trainer.setup.start_rollouts starts them after a resume)"
+        )
+
+
 @dataclass
 class TrainContext:
     """The run's components (see module docstring)."""
@@ -136,11 +147,12 @@ class TrainContext:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     """Learning-rate scheduler stepped after each optimiser step (None: constant)."""
-    rollouts: Rollouts
-    """Where generation runs: rank 0 only, or sharded engine replicas."""
     sampler: CurriculumSampler
     dynamic: DynamicSampler
     reward_fn: CompositeReward
+    rollouts: Rollouts = field(default_factory=lambda: _EnginesNotStarted())  # type: ignore[assignment]
+    """Where generation runs: rank 0 only, or sharded engine replicas. The engines start after
+    the context is built (a resume restores it first); until then any use raises."""
     logger: MetricLogger = field(default_factory=NullLogger)
     """Metrics of the step rows (rank 0; a NullLogger elsewhere)."""
     completions: CompletionsLog | None = None
@@ -160,6 +172,8 @@ class TrainContext:
     nonfinite_streak: int = 0
     """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
     stopped_by: str | None = None
+    partial: PartialRollouts | None = None
+    """The carried completions of partial rollouts (``rollout.partial.enabled``); None: off."""
     """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
     offload: Offload = field(init=False)
     """Where the frozen weights and optimiser moments live in each phase

@@ -30,13 +30,13 @@ import torch
 from megagrpo.algo.advantages import flat_group_advantages, group_advantages
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
-from megagrpo.metrics.names import required_metrics, swift_aliases
-from megagrpo.trainer.checkpoint import save_checkpoint
+from megagrpo.metrics.names import group_std_mean, required_metrics, swift_aliases
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
 from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
+from megagrpo.trainer.train_state import save_checkpoint
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -65,33 +65,42 @@ class GenStats:
 
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     """Phases 1-2: generate and score rounds until the dynamic sampler has decided the batch
-    (at most 1 + R rounds: :class:`megagrpo.curriculum.dynamic.Rounds`)."""
+    (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
+    partial = ctx.partial
+    if partial is not None:
+        partial.begin_step()
     while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n
-        seed = round_seed(ctx.cfg.trainer.seed, step, stats.rounds)
-        problems = [r.problem for r in requests]
-        groups = ctx.rollouts.generate_round(problems, [r.n for r in requests], seed)
+        problems, counts = [r.problem for r in requests], [r.n for r in requests]
+        if partial is not None:  # rollout.partial: finished groups, carried ones first
+            groups = partial.generate_round(ctx.rollouts, problems, counts, step, stats.rounds)
+        else:
+            seed = round_seed(ctx.cfg.trainer.seed, step, stats.rounds)
+            groups = ctx.rollouts.generate_round(problems, counts, seed)
         stats.add(groups)
         rounds.add(groups)
-    return rounds.finish(), stats
+    batch = rounds.finish()
+    if partial is not None:
+        batch.stats.update(partial.metrics())
+    return batch, stats
 
 
 def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Tensor]:
     """Group-normalised advantages of the batch, one ``[G_n]`` row per group ([] for an
     empty batch). Groups of different sizes (rollout budgets) are normalised each by its
     own statistics, or by those of every answer generated for its problem in the step
-    (``rollout.advantage_baseline: pool``, Reinforce-Ada)."""
+    (``budget.advantage_baseline: pool``, Reinforce-Ada)."""
     if not groups:
         return []
     scale = ctx.cfg.loss.resolved_advantage_scale()
     sizes = [g.size for g in groups]
-    if ctx.cfg.rollout.advantage_baseline != "pool" and len(set(sizes)) == 1:
+    if ctx.cfg.budget.advantage_baseline != "pool" and len(set(sizes)) == 1:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         return list(group_advantages(rewards, scale=scale).unbind(0))
     flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     mean = std = None
-    if ctx.cfg.rollout.advantage_baseline == "pool":
+    if ctx.cfg.budget.advantage_baseline == "pool":
         mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
     flat = flat_group_advantages(flat_rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
     return list(torch.split(flat, sizes))
@@ -116,6 +125,7 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
     if groups:
         out["reward/mean"] = float(np.mean([r for g in groups for r in g.rewards]))
         out["reward/std"] = float(np.std([r for g in groups for r in g.rewards]))
+        out["reward/group_std_mean"] = group_std_mean([list(g.rewards) for g in groups])
         for name in ctx.reward_fn.names:
             values = [v for g in groups for v in g.reward_parts.get(name, [])]
             out[f"reward/{name}/mean"] = float(np.mean(values or [0.0]))
@@ -137,9 +147,9 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
         ctx.offload.for_generation()  # frozen weights + moments on the host (if configured)
         batch, gen = collect_batch(ctx, step)
-    if ctx.completions is not None:  # what was trained on, with rewards (rank 0)
-        ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of)
     adv = compute_advantages(ctx, batch.groups)  # 3
+    if ctx.completions is not None:  # what was trained on: rewards, advantages (rank 0)
+        ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of, advantages=adv)
     trained = len(batch.groups) > 0
     if trained:  # 4: free the engines' memory for training (the sync wakes them in stages)
         ctx.rollouts.sleep()
@@ -165,7 +175,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     row = complete_row(ctx, metrics)
     if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
         num = sum(g.size for g in batch.groups)
-        row.update(swift_aliases(row, ctx.reward_fn.names, num_completions=num))
+        scale = ctx.cfg.loss.resolved_advantage_scale()
+        row.update(swift_aliases(row, ctx.reward_fn.names, num, scale))
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
     every_save = ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)

@@ -228,12 +228,52 @@ def _backward_pass(
                 temperature,
             )
             w = microbatch_weight(mb, agg, totals)
-            return loss * w, {k: w * float(v) for k, v in metrics.items()}
+            return loss * w, {
+                k: float(v) if k.endswith(UNWEIGHTED) else w * float(v) for k, v in metrics.items()
+            }
 
         for metrics in ctx.policy.forward_backward(mbs, loss_fn, routing=routing):
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+            combine_metrics(sums, metrics)
     return sums
+
+
+UNWEIGHTED = ("_sum", "_min", "_max")
+"""Loss-metric key suffixes combined over micro-batches by sum / min / max, unweighted."""
+
+
+def combine_metrics(acc: dict[str, float], metrics: dict[str, float]) -> None:
+    """Fold one micro-batch's (weighted) metrics into ``acc``: ``*_min`` by min, ``*_max``
+    by max, every other key by sum."""
+    for k, v in metrics.items():
+        if k not in acc:
+            acc[k] = v
+        elif k.endswith("_min"):
+            acc[k] = min(acc[k], v)
+        elif k.endswith("_max"):
+            acc[k] = max(acc[k], v)
+        else:
+            acc[k] += v
+
+
+def swift_loss_metrics(
+    comm: Comm, sums: dict[str, float], group: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """The step's min / max / per-sequence metrics over every data-parallel rank (collective):
+    ``loss/clip_frac_low_min``, ``loss/clip_frac_high_max`` (0 when no token was trained)
+    and ``loss/entropy_seq_mean`` (mean over completions of their mean token entropy)."""
+    out: dict[str, float] = {}
+    if "loss/clip_frac_low_min" in sums:
+        low = -comm.max_over(-sums.pop("loss/clip_frac_low_min"), group)
+        high = comm.max_over(sums.pop("loss/clip_frac_high_max"), group)
+        out["loss/clip_frac_low_min"] = low if math.isfinite(low) else 0.0
+        out["loss/clip_frac_high_max"] = high if math.isfinite(high) else 0.0
+    if "loss/entropy_seq_sum" in sums:
+        tot = comm.mean_over(
+            {"e": sums.pop("loss/entropy_seq_sum"), "n": sums.pop("loss/nonempty_seqs_sum")},
+            group,
+        )
+        out["loss/entropy_seq_mean"] = tot["e"] / tot["n"] if tot["n"] > 0 else 0.0
+    return out
 
 
 def _weighted_mass(ctx: TrainContext, mbs: list[MicroBatch], agg: str) -> float:
@@ -333,6 +373,7 @@ def train_on_batch(
             if ctx.scheduler is not None:
                 ctx.scheduler.step()
         steps += 1
+    extra |= swift_loss_metrics(ctx.comm, sums, pgs.dp)
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums
     metrics = ctx.comm.mean_over(metrics, pgs.dp)
     metrics["train/grad_norm"] = grad_norm

@@ -1,6 +1,6 @@
 """What a checkpoint may hold besides tensors: plain data (JSON types) and every RNG state as
-tensors and plain types, so that resuming never unpickles an object (issue 14.1; the format
-and the save / restore of a run: :mod:`megagrpo.trainer.checkpoint`)."""
+tensors and plain types, so that resuming never unpickles an object (the format and the
+save / restore of a run: :mod:`megagrpo.trainer.checkpoint`)."""
 
 from __future__ import annotations
 

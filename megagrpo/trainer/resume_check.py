@@ -1,7 +1,7 @@
 """What changed between a checkpoint and the run that resumes it, and what to do about it.
 
 Every checkpoint's manifest holds the resolved run config it was written under and its
-training problem set (:func:`megagrpo.trainer.checkpoint.save_checkpoint`). On ``--resume``
+training problem set (:func:`megagrpo.trainer.train_state.save_checkpoint`). On ``--resume``
 :func:`check_resume_config` compares that config with the new one, key by key, before any
 model is built; :data:`RULES` (longest dotted prefix wins) says for each key whether a change
 
@@ -30,6 +30,7 @@ import torch
 
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.errors import CheckpointError
+from megagrpo.trainer.checkpoint import reshardable
 from megagrpo.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,6 @@ def check_resume_config(manifest: dict[str, Any], new: dict[str, Any], world: in
     if not isinstance(saved, dict):
         log.warning("checkpoint has no saved config: only its layout and model are checked")
         saved = {}
-    from megagrpo.trainer.checkpoint import reshardable
-
     changes = compare_configs(saved, new, manifest.get("world_size"), world, reshardable(manifest))
     refused = [c for c in changes if c.kind == REFUSE]
     if refused:

@@ -39,7 +39,7 @@ from megagrpo.model.sync_transport import RegionFn
 from megagrpo.rewards import CompositeReward, extract_answer
 from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
-from megagrpo.rollout.base import WeightSyncError
+from megagrpo.rollout.base import WeightSyncError, decode_completion
 from megagrpo.rollout.lora import PeftAdapter
 from megagrpo.trainer.context import Comm
 from megagrpo.types import Group, Problem
@@ -212,9 +212,13 @@ class Rollouts(ABC):
     def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport | None:
         """Collective: feed ``update`` to this rank's engine (None where there is none)."""
 
-    def generate(self, problems: list[Problem], n: int, spec: SamplingSpec) -> list[Group]:
-        """``n`` completions per problem, unscored, one group per problem on every rank."""
-        groups = self.comm.broadcast_object(self._generate_on_main(problems, n, spec))
+    def generate(
+        self, problems: list[Problem], n: int | Sequence[int], spec: SamplingSpec
+    ) -> list[Group]:
+        """``n`` completions per problem (one count, or one per problem), unscored, one group
+        per problem on every rank."""
+        counts = round_counts(n, len(problems))
+        groups = self.comm.broadcast_object(self._generate_on_main(problems, counts, spec))
         if len(groups) != len(problems):
             raise RuntimeError(f"rollouts returned {len(groups)} groups for {len(problems)}")
         for group, problem in zip(groups, problems):
@@ -229,15 +233,27 @@ class Rollouts(ABC):
         are generated in one engine call)."""
         counts = round_counts(n, len(problems))
         groups = self._generate_on_main(problems, counts, SamplingSpec(seed=seed))
-        for g in groups:
-            total, parts = self.reward_fn(
-                g.completions, g.problem, lengths=g.lengths, token_ids=g.token_ids
-            )
-            g.rewards, g.reward_parts = list(total), dict(parts)
+        return self._score_and_share(groups, problems)
+
+    def score(self, groups: list[Group]) -> list[Group]:
+        """Collective: ``groups`` (the same on every rank) scored by the composite reward on
+        rank 0, on every rank."""
+        problems = [g.problem for g in groups]
+        return self._score_and_share(groups if self.comm.is_main else [], problems)
+
+    def _score_and_share(self, groups: list[Group], problems: list[Problem]) -> list[Group]:
+        self.reward_fn.score_groups(groups)  # ms-swift ORMs: once for the round
         shared = self.comm.broadcast_object(groups)
         for group, problem in zip(shared, problems):
             group.problem = problem
         return shared
+
+    def decode(self, token_ids: list[list[int]]) -> list[str]:
+        """Collective: the texts of ``token_ids`` (decoded by rank 0's engine), on every rank."""
+        texts = None
+        if self.comm.is_main and self.engine is not None:
+            texts = [decode_completion(self.engine.tokenizer, ids) for ids in token_ids]
+        return self.comm.broadcast_object(texts)
 
     def push(self, update: WeightUpdate, expected: list[float]) -> dict[str, float]:
         """Collective: ``update`` into every engine (asleep: they wake in stages), each

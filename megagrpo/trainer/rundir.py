@@ -31,10 +31,10 @@ from megagrpo.trainer.checkpoint import (
     ResumePoint,
     find_resume_checkpoint,
     remove_stale_tmp,
-    to_plain,
 )
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm
+from megagrpo.trainer.plain_state import to_plain
 from megagrpo.trainer.resume_check import Change, check_resume_config
 
 log = logging.getLogger(__name__)

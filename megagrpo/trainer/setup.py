@@ -44,13 +44,15 @@ from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
-from megagrpo.trainer.checkpoint import problem_set, restore_checkpoint, rng_state, set_rng_state
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.partial import PartialRollouts
+from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
-from megagrpo.trainer.rollouts import EngineFactory, Rank0Rollouts, build_rollouts
+from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import prepare_run_dir
 from megagrpo.trainer.sync import first_probes, start_engines
+from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -93,11 +95,11 @@ def _curriculum(
 
 
 def _dynamic(cfg: RunConfig, correctness_key: str, acr: float | None) -> DynamicSampler:
-    """The dynamic sampler, with the rollout budget's planner unless ``rollout.budget`` is
+    """The dynamic sampler, with the rollout budget's planner unless ``budget.mode`` is
     uniform (G answers per problem)."""
-    budget = cfg.budget_config()
+    budget = cfg.budget
     planner = None
-    if budget.budget != "uniform":
+    if budget.mode != "uniform":
         planner = BudgetPlanner(
             budget,
             cfg.rollout.group_size,
@@ -184,7 +186,7 @@ class RunData:
     train: list[Problem]
     eval: list[Problem]
     problem_set: dict[str, Any]
-    """The training set as checkpoints record it (:func:`checkpoint.problem_set`)."""
+    """The training set as checkpoints record it (:func:`train_state.problem_set`)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """``data/prompts_dropped`` / ``data/prompts_truncated`` of the training set."""
 
@@ -207,6 +209,25 @@ def fit_prompts(
             "not: use delete or error"
         )
     return result
+
+
+def check_golds_scorable(cfg: RunConfig, problems: list) -> None:
+    """mcq_accuracy scores option letters and numbers: a training problem whose solution is
+    free text (``\\frac{3}{4}``, a sentence) is a ConfigError before step 1, naming where,
+    not a reward error at every step."""
+    names = [f.name for f in cfg.rewards.functions]
+    if "mcq_accuracy" not in names:
+        return
+    free = [p for p in problems if not p.answer]
+    if free:
+        first = free[0]
+        raise ConfigError(
+            f"config key 'rewards.functions.{names.index('mcq_accuracy')}.name': mcq_accuracy "
+            f"scores option letters or numbers, but {len(free)} training problem(s) have a "
+            f"free-text solution, first {first.meta.get('source', first.id)}: "
+            f"{str(first.meta.get('solution', ''))[:60]!r}; use 'orms:accuracy' (ms-swift's "
+            "math_verify) for such golds, or fix the data"
+        )
 
 
 def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
@@ -286,7 +307,8 @@ def build_context(
             "temperature": cfg.rollout.temperature,
         },
     )
-    correctness = reward_fn.names[0]
+    check_golds_scorable(cfg, data.train)
+    correctness = cfg.curriculum_signal() or reward_fn.names[0]
     sampler, acr = _curriculum(cfg, data.train, correctness)
     ctx = TrainContext(
         cfg=cfg,
@@ -296,7 +318,6 @@ def build_context(
         policy=policy,
         optimizer=optimizer,
         scheduler=scheduler,
-        rollouts=Rank0Rollouts(None, comm, reward_fn),  # the engines start below
         sampler=sampler,
         dynamic=_dynamic(cfg, correctness, acr),
         reward_fn=reward_fn,
@@ -305,6 +326,8 @@ def build_context(
         problem_set=data.problem_set,
         data_metrics=data.metrics,
     )
+    if cfg.rollout.partial.enabled:
+        ctx.partial = PartialRollouts(cfg.rollout.partial, cfg.rollout.max_tokens, cfg.trainer.seed)
     if point is not None:
         restore_checkpoint(ctx, point)
     start_rollouts(ctx, tokenizer, model_path, engine_factory, resumed=point is not None)

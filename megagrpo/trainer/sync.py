@@ -34,6 +34,7 @@ from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.parallel.strict import check_on_device
+from megagrpo.rollout.config import resolved_weight_sync
 from megagrpo.rollout.lora import PeftAdapter, read_peft_adapter
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.rollouts import WeightUpdate
@@ -122,11 +123,9 @@ def weight_update(
 
 
 def sync_mode(ctx: TrainContext) -> str:
-    """``trainer.weight_sync``, with auto: adapter where the engines serve LoRA, else merged."""
-    mode = ctx.cfg.trainer.weight_sync
-    if mode == "auto":
-        return "adapter" if ctx.rollouts.supports_adapter_sync else "merged"
-    return mode
+    """``trainer.weight_sync`` as it runs (:func:`~megagrpo.rollout.config.resolved_weight_sync`
+    of what the engines serve)."""
+    return resolved_weight_sync(ctx.cfg.trainer.weight_sync, ctx.rollouts.supports_adapter_sync)
 
 
 def push_weights(

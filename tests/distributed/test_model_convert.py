@@ -65,7 +65,7 @@ def test_import_export_ep2_roundtrips_bitwise(convert, tiny_moe_dir, tmp_path):
 
 def test_lora_checkpoint_to_adapter_and_merged(convert, tiny_moe_dir, tmp_path):
     from megagrpo.model import ModelConfig, build_policy
-    from megagrpo.model.checkpoint_io import save_policy_checkpoint
+    from megagrpo.model.megatron_ckpt import save_policy_checkpoint
     from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
 
     ids = torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(2))

@@ -66,7 +66,7 @@ def _job(d, mbs, layout, loss):
 
 @pytest.fixture(scope="module")
 def runs(moe4_dir, batches):
-    from megagrpo.model.verify_pipeline import run_grpo_passes
+    from verify_pipeline import run_grpo_passes
 
     jobs, names = [], []
     for loss, cfg in LOSSES.items():

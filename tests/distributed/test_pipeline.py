@@ -62,7 +62,7 @@ def _job(moe4_dir, mbs, layout, **kw):
 
 @pytest.fixture(scope="module")
 def runs(moe4_dir, mbs):
-    from megagrpo.model.verify_pipeline import run_grpo_passes
+    from verify_pipeline import run_grpo_passes
 
     grpo = {"loss": {"variant": "grpo"}, "model": {"recompute": "full"}}
     ref, ref_recompute = run_grpo_passes(
@@ -81,7 +81,7 @@ def runs(moe4_dir, mbs):
 
 @pytest.fixture(scope="module")
 def runs4(moe4_dir, mbs):
-    from megagrpo.model.verify_pipeline import run_grpo_passes
+    from verify_pipeline import run_grpo_passes
 
     four = run_grpo_passes(
         [

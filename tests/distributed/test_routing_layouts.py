@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megagrpo.model.routing_verify import (
+from routing_verify import (
     replay_worker,
     router_inputs,
     selection_preserving_perturbation,
 )
+
 from megagrpo.rollout.base import SamplingSpec
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.testing import TINY_PROBLEMS, scaled_tol

@@ -29,7 +29,8 @@ def _free_port() -> int:
 
 
 def _check_case(rank, group, variant, backend, dtype, grad_in_logits):
-    from megagrpo.algo.config import LossConfig
+    from loss_cases import parity_loss_config  # tests/loss_cases.py
+
     from megagrpo.algo.losses import reference_policy_loss, token_logprobs
     from megagrpo.kernels import fused_policy_loss, token_stats
 
@@ -42,18 +43,9 @@ def _check_case(rank, group, variant, backend, dtype, grad_in_logits):
     ref = lp + 0.3 * torch.randn(B, S, generator=g)
     adv = torch.randn(B, 1, generator=g).expand(B, S).contiguous()
     mask = (torch.rand(B, S, generator=g) > 0.2).float()
-    cfg = LossConfig(
-        variant=variant,
-        eps_low=0.1,
-        eps_high=0.3,
-        kl_coef=0.05,
-        entropy_coef=0.01,
-        backend=backend,
-        grad_in_logits=grad_in_logits,
-        chunk_bytes=4096,
+    cfg = parity_loss_config(
+        variant, backend=backend, grad_in_logits=grad_in_logits, chunk_bytes=4096
     )
-    if variant == "gspo":
-        cfg.eps_low, cfg.eps_high = 0.01, 0.02
     full = logits.float().clone().requires_grad_()
     l_ref, m_ref = reference_policy_loss(full, tgt, old, adv, mask, cfg, ref_logprobs=ref)
     l_ref.backward()
@@ -76,7 +68,7 @@ def _check_fused_linear(rank, group):
     """Projection sharded over the vocab: grad_hidden partials sum to the unsharded grad."""
     from megagrpo.algo.config import LossConfig
     from megagrpo.algo.losses import reference_policy_loss
-    from megagrpo.kernels import fused_linear_policy_loss
+    from megagrpo.kernels.fused_linear import fused_linear_policy_loss
 
     B, S, H, V = 2, 5, 8, 96
     g = torch.Generator().manual_seed(11)

@@ -40,24 +40,16 @@ def _inputs(T, V, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_in_logits", [False, True])
 def test_cuda_fused_matches_reference(variant, dtype, grad_in_logits):
-    from megagrpo.algo.config import LossConfig
+    from loss_cases import parity_loss_config  # tests/loss_cases.py
+
     from megagrpo.algo.losses import reference_policy_loss
     from megagrpo.kernels import fused_policy_loss
 
     B, S, V = 8, 64, 32003
     logits, tgt, old, ref, adv, mask = _inputs(B * S, V, dtype)
     shp = (B, S)
-    cfg = LossConfig(
-        variant=variant,
-        eps_low=0.1,
-        eps_high=0.3,
-        kl_coef=0.05,
-        entropy_coef=0.01,
-        grad_in_logits=grad_in_logits,
-    )
+    cfg = parity_loss_config(variant, grad_in_logits=grad_in_logits)
     assert cfg.backend == "auto"  # -> triton on CUDA
-    if variant == "gspo":
-        cfg.eps_low, cfg.eps_high = 0.01, 0.02
     args = (tgt.view(shp), old.view(shp), adv.view(shp), mask.view(shp), cfg)
     x1 = logits.float().clone().view(B, S, V).requires_grad_()
     l1, m1 = reference_policy_loss(x1, *args, ref_logprobs=ref.view(shp))

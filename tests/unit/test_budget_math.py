@@ -202,20 +202,20 @@ def test_merge_and_select_keep_every_per_completion_field_aligned():
 
 
 def test_budget_config_validation():
-    BudgetConfig(budget="knapsack").validate("rollout")
+    BudgetConfig(mode="knapsack").validate("budget")
     for kw, key in (
-        ({"budget": "greedy"}, "rollout.budget"),
-        ({"min_samples": 0}, "rollout.min_samples"),
-        ({"min_samples": 9, "max_samples": 8}, "rollout.max_samples"),
-        ({"trained_size": 1}, "rollout.trained_size"),
-        ({"budget_objective": "tokens"}, "rollout.budget_objective"),
-        ({"budget_price": -0.5}, "rollout.budget_price"),
-        ({"advantage_baseline": "batch"}, "rollout.advantage_baseline"),
+        ({"mode": "greedy"}, "budget.mode"),
+        ({"min_samples": 0}, "budget.min_samples"),
+        ({"min_samples": 9, "max_samples": 8}, "budget.max_samples"),
+        ({"trained_size": 1}, "budget.trained_size"),
+        ({"objective": "tokens"}, "budget.objective"),
+        ({"price": -0.5}, "budget.price"),
+        ({"advantage_baseline": "batch"}, "budget.advantage_baseline"),
     ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            BudgetConfig(**kw).validate("rollout")
-    assert BudgetConfig(budget="sequential").resolved(8) == (8, 8)
+            BudgetConfig(**kw).validate("budget")
+    assert BudgetConfig(mode="sequential").resolved(8) == (8, 8)
     with pytest.raises(ConfigError, match="max_samples"):
-        BudgetConfig(budget="knapsack", max_samples=4).resolved(8)
+        BudgetConfig(mode="knapsack", max_samples=4).resolved(8)
     with pytest.raises(ConfigError, match="trained_size"):
         BudgetConfig(trained_size=16).resolved(8)

@@ -12,13 +12,13 @@ from megagrpo.curriculum.calibrate import predicted_acr_metrics, refit_prior
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.levels import BetaPrior, beta_collapse_prob
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import (
+from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
     run_plan,
     synthetic_population,
 )
-from megagrpo.curriculum.simulate_budget import compare_budgets, generate_mixed
+from megagrpo.plan.simulate_budget import compare_budgets, generate_mixed
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
 ALL = [1, 2, 3, 4, 5, 6]
@@ -35,7 +35,7 @@ def test_knapsack_reaches_1_4x_the_effective_ratio_of_uniform_carry():
         60,
         cur,
         3,
-        {"knapsack": BudgetConfig(budget="knapsack")},
+        {"knapsack": BudgetConfig(mode="knapsack")},
         uniform_policies=("carry",),
     )
     uni, knap = res["uniform/carry"], res["knapsack/carry"]

@@ -18,8 +18,8 @@ from megagrpo.curriculum.budget_rounds import (
 )
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
-from megagrpo.curriculum.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
+from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
+from megagrpo.plan.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
 from megagrpo.types import Group, Problem
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
@@ -87,15 +87,15 @@ def _scripted(problem, rewards):
 def test_sequential_rounds_topup_subsample_and_pool_statistics():
     probs = [Problem(f"q{i}", [], ["a"]) for i in range(4)]
     sampler = ScriptedSampler(probs)
-    cfg = BudgetConfig(budget="sequential", round_samples=4, sequential_gate=False)
+    cfg = BudgetConfig(mode="sequential", round_samples=4, sequential_gate=False)
     planner = BudgetPlanner(cfg, group_size=8, batch_groups=1, correctness_key=CORRECTNESS_KEY)
     step = planner.start(sampler, step=0, keep_pending=True)
-    reqs = step.next_requests()  # budget 8: two new problems with 4 each
+    reqs = step.plan_round()  # budget 8: two new problems with 4 each
     assert [(r.problem.id, r.n) for r in reqs] == [("q0", 4), ("q1", 4)]
-    assert step.add([_scripted(probs[0], [1, 1, 1, 1]), _scripted(probs[1], [1, 0, 0, 0])]) == []
-    reqs = step.next_requests()  # q1 split with 4 < 8: top-up first; q0 continues
+    assert step.merge([_scripted(probs[0], [1, 1, 1, 1]), _scripted(probs[1], [1, 0, 0, 0])]) == []
+    reqs = step.plan_round()  # q1 split with 4 < 8: top-up first; q0 continues
     assert [(r.problem.id, r.n) for r in reqs] == [("q1", 4), ("q0", 4)]
-    done = step.add([_scripted(probs[1], [0, 0, 0, 0]), _scripted(probs[0], [1, 1, 1, 0])])
+    done = step.merge([_scripted(probs[1], [0, 0, 0, 0]), _scripted(probs[0], [1, 1, 1, 0])])
     assert sorted(g.problem.id for g in done) == ["q0", "q1"]
     q1 = next(g for g in done if g.problem.id == "q1")
     assert q1.size == 8 and q1.rewards == [1, 0, 0, 0, 0, 0, 0, 0]
@@ -113,23 +113,23 @@ def test_sequential_rounds_topup_subsample_and_pool_statistics():
 def test_balanced_subsample_of_a_large_pool_and_pending_topups_across_steps():
     probs = [Problem(f"q{i}", [], ["a"]) for i in range(3)]
     sampler = ScriptedSampler(probs)
-    cfg = BudgetConfig(budget="sequential", round_samples=12, max_samples=12)
+    cfg = BudgetConfig(mode="sequential", round_samples=12, max_samples=12)
     planner = BudgetPlanner(cfg, 8, batch_groups=2, correctness_key=CORRECTNESS_KEY)
     step = planner.start(sampler, step=0, keep_pending=True)
-    reqs = step.next_requests()  # budget 16: one problem with 12
+    reqs = step.plan_round()  # budget 16: one problem with 12
     assert [(r.problem.id, r.n) for r in reqs] == [("q0", 12)]
     rewards = [0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1, 0]  # 3 correct of 12
-    (g,) = step.add([_scripted(probs[0], rewards)])
+    (g,) = step.merge([_scripted(probs[0], rewards)])
     assert g.size == 8 and sum(g.rewards) == 3  # balanced: all 3 correct + 5 wrong
     assert g.token_ids == [[0], [1], [2], [3], [4], [5], [7], [10]]  # earliest of each side
     assert g.meta[POOL_MEAN] == pytest.approx(0.25) and g.meta[POOL_SIZE] == 12
     step.close()
     # a split problem short of the trained size waits for the next step (carry) ...
-    cfg2 = BudgetConfig(budget="sequential", round_samples=2)
+    cfg2 = BudgetConfig(mode="sequential", round_samples=2)
     planner2 = BudgetPlanner(cfg2, 8, batch_groups=1, correctness_key=CORRECTNESS_KEY)
     s0 = planner2.start(sampler, step=0, keep_pending=True)
-    reqs = s0.next_requests()
-    s0.add([_scripted(r.problem, [1, 0]) for r in reqs])
+    reqs = s0.plan_round()
+    s0.merge([_scripted(r.problem, [1, 0]) for r in reqs])
     s0.close()
     assert len(planner2.pending) == 4
     state = planner2.state_dict()
@@ -139,7 +139,7 @@ def test_balanced_subsample_of_a_large_pool_and_pending_topups_across_steps():
         (p.problem.id, p.rewards, p.split) for p in planner2.pending
     ]
     s1 = planner3.start(sampler, step=1, keep_pending=True)
-    reqs = s1.next_requests()
+    reqs = s1.plan_round()
     assert [r.n for r in reqs[:4]] == [6, 6, 6, 6]  # ... and is topped up first
     # ... unless it is staler than max_staleness
     planner3.load_state_dict(state)
@@ -155,7 +155,7 @@ def test_sequential_expected_rounds_match_the_geometric_closed_form():
     sampler = CurriculumSampler(problems, cur, None, CORRECTNESS_KEY)
     engine = BernoulliEngine({q.id: p for q in problems}, seed=3)
     cfg = BudgetConfig(
-        budget="sequential",
+        mode="sequential",
         round_samples=r,
         max_samples=r * max_rounds,
         trained_size=2,
@@ -166,11 +166,11 @@ def test_sequential_expected_rounds_match_the_geometric_closed_form():
     rounds: Counter[str] = Counter()
     first: dict[str, int] = {}
     for j in range(60):
-        reqs = step.next_requests()
+        reqs = step.plan_round()
         for q in reqs:
             rounds[q.problem.id] += 1
             first.setdefault(q.problem.id, j)
-        step.add(generate_mixed(engine, reqs))
+        step.merge(generate_mixed(engine, reqs))
     assert step.counts["dropped_collapsed"] > 0
     done = [rounds[q] for q, j in first.items() if j < 60 - max_rounds]  # complete histories
     assert len(done) > 1000
@@ -181,27 +181,27 @@ def test_sequential_expected_rounds_match_the_geometric_closed_form():
 def test_knapsack_gives_extreme_levels_a_probe_and_every_problem_is_observed_once():
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=0)
     dyn = DynamicSamplingConfig(policy="partial", max_resample=3)
-    res = run_budget_plan(SPECIALIST, 5, 8, 96, 6, cur, dyn, BudgetConfig(budget="knapsack"))
+    res = run_budget_plan(SPECIALIST, 5, 8, 96, 6, cur, dyn, BudgetConfig(mode="knapsack"))
     summary = res.to_dict()
     assert summary["trained_group_size_mean"] == 8.0
     assert summary["first_request_mean_n"] < 5  # most draws are L1/L6 probes of 2
-    from megagrpo.curriculum.simulate import synthetic_population
+    from megagrpo.plan.simulate import synthetic_population
 
     problems, levels, ps = synthetic_population(SPECIALIST, 5, seed=0)
     sampler = CurriculumSampler(problems, cur, levels, CORRECTNESS_KEY, level_k=5)
     engine = BernoulliEngine(ps, seed=0)
-    planner = BudgetPlanner(BudgetConfig(budget="knapsack"), 8, 96, CORRECTNESS_KEY)
+    planner = BudgetPlanner(BudgetConfig(mode="knapsack"), 8, 96, CORRECTNESS_KEY)
     loop = BudgetLoop(planner, dyn)
     before = sampler.num_observed.copy()
     sizes_by_level: dict[int, list[int]] = {}
     step = planner.start(sampler, 0, keep_pending=False)
-    reqs = step.next_requests()
+    reqs = step.plan_round()
     for q in reqs:
         sizes_by_level.setdefault(levels[q.problem.id], []).append(q.n)
     assert step.counts["completions"] <= planner.round_budget  # never above B * G
     assert max(sizes_by_level[1]) == 2 and max(sizes_by_level[6]) == 2  # probes
     assert min(sizes_by_level[3] + sizes_by_level[4]) >= 8  # likely splits get >= T at once
-    step.add(generate_mixed(engine, reqs))
+    step.merge(generate_mixed(engine, reqs))
     step.close()
     observed = int((sampler.num_observed - before).sum())
     assert observed == len(reqs)  # one observation per problem, whatever its rounds

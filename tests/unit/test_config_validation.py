@@ -118,3 +118,48 @@ def test_require_finite_rejects_non_numbers_and_non_finite(value):
 @pytest.mark.parametrize("value", [0, -3, 1e-300, 1.5e300])
 def test_require_finite_accepts_finite_numbers(value):
     require_finite(value, "a.b")
+
+
+@pytest.mark.parametrize("word", ["off", "no", "on", "yes", "Off"])
+def test_enum_words_are_not_yaml_booleans(tmp_path, word):
+    """``model.routing_replay=off`` (YAML 1.1 reads off/no/on/yes as booleans): a string
+    key keeps the word, on the command line and in a file; a boolean key still reads it
+    as a boolean."""
+    cli = load_config(RunConfig, [], [f"trainer.name={word}", f"dynamic.enabled={word}"])
+    assert cli.trainer.name == word and cli.dynamic.enabled is (word.lower() in ("on", "yes"))
+    f = tmp_path / "c.yaml"
+    f.write_text(f"trainer:\n  name: {word}\ndynamic:\n  enabled: {word}\n")
+    from_file = load_config(RunConfig, [f])
+    assert from_file.trainer.name == word and from_file.dynamic.enabled == cli.dynamic.enabled
+    enums = ["model.routing_replay=off", "dynamic.preflight=off"]
+    cfg = load_config(RunConfig, [], enums)
+    assert (cfg.model.routing_replay, cfg.dynamic.preflight) == ("off", "off")
+    f.write_text("model:\n  routing_replay: off\ndynamic:\n  preflight: off\n")
+    cfg = load_config(RunConfig, [f])
+    assert (cfg.model.routing_replay, cfg.dynamic.preflight) == ("off", "off")
+
+
+def test_train_checks_the_layout_before_starting_anything(
+    tmp_path, monkeypatch, tiny_moe_dir, capsys
+):
+    """tp/ep against WORLD_SIZE and the model's config.json: a ConfigError from
+    `megagrpo train` before any engine or model is built."""
+    import megagrpo.trainer.setup as setup
+    from megagrpo.cli import main
+    from megagrpo.testing import tiny_run_config, write_run_config
+
+    def never(*a, **k):
+        raise AssertionError("build_context ran before the layout was checked")
+
+    monkeypatch.setattr(setup, "build_context", never)
+    cfg = write_run_config(tmp_path / "c.yaml", tiny_run_config(tiny_moe_dir, tmp_path, "x"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for overrides, key in (
+        (["parallel.ep=2"], "parallel.ep"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.tp"),
+    ):
+        assert main(["train", str(cfg), *overrides]) == 2
+        assert key in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["train", str(cfg), "parallel.tp=3", "parallel.sequence_parallel=true"]) == 2
+    assert "num_attention_heads" in capsys.readouterr().err  # the model's config.json

@@ -10,7 +10,7 @@ import pytest
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.levels import read_levels_file
 from megagrpo.curriculum.profile import format_level_table, run_profile
-from megagrpo.curriculum.simulate import BernoulliEngine, run_plan, synthetic_population
+from megagrpo.plan.simulate import BernoulliEngine, run_plan, synthetic_population
 from megagrpo.types import Problem
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}

@@ -196,3 +196,19 @@ def test_read_levels_file_checks(tmp_path):
     path.write_text('{"id": "a", "k": 5, "correct": 7}\n')
     with pytest.raises(DataError, match="levels.jsonl:1"):
         read_levels_file(path)
+
+
+def test_levels_file_skips_a_truncated_last_line_but_names_a_bad_middle_one(tmp_path, caplog):
+    from megagrpo.curriculum.levels import read_levels_file
+    from megagrpo.errors import DataError
+
+    good = '{"id": 1, "k": 5, "correct": 5}\n{"id": "b", "k": 5, "correct": 2}\n'
+    path = tmp_path / "levels.jsonl"
+    path.write_text(good + '{"id": "c", "k": 5, "corr', encoding="utf-8")
+    with caplog.at_level("WARNING"):
+        records = read_levels_file(path)
+    assert [(r["id"], r["level"]) for r in records] == [("1", 1), ("b", 4)]
+    assert "levels.jsonl:3: truncated last line ignored" in caplog.text
+    path.write_text('{"id": 1, "k": 5, "corr\n' + good, encoding="utf-8")
+    with pytest.raises(DataError, match=r"levels\.jsonl:1: malformed JSON"):
+        read_levels_file(path)

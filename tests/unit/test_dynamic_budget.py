@@ -4,9 +4,9 @@ the real CurriculumSampler with Bernoulli rollouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-import numpy as np
 import pytest
 
 from megagrpo.config import load_config
@@ -16,10 +16,9 @@ from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSa
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import CORRECTNESS_KEY, BernoulliEngine, synthetic_population
-from megagrpo.curriculum.simulate_budget import BudgetLoop, generate_mixed
 from megagrpo.errors import ConfigError
-from megagrpo.rollout.config import RolloutConfig
+from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, synthetic_population
+from megagrpo.plan.simulate_budget import BudgetLoop, generate_mixed
 from megagrpo.trainer.config import RunConfig
 
 HIST = {1: 300, 2: 40, 3: 30, 4: 25, 5: 30, 6: 90}
@@ -35,7 +34,7 @@ def _world(seed: int = 3, levels: bool = True):
 
 
 def _planner(budget: str, **kw) -> BudgetPlanner:
-    return BudgetPlanner(BudgetConfig(budget=budget, **kw), G, B, CORRECTNESS_KEY)
+    return BudgetPlanner(BudgetConfig(mode=budget, **kw), G, B, CORRECTNESS_KEY)
 
 
 def _trainer_step(dynamic: DynamicSampler, sampler, engine, step: int):
@@ -159,11 +158,11 @@ def test_budget_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="dynamic.policy"):
         DynamicSampler(DynamicSamplingConfig(policy="original"), budget=_planner("knapsack"))
     cases = [
-        ({"rollout": {"budget": "greedy"}}, "rollout.budget"),
-        ({"rollout": {"budget": "knapsack"}, "dynamic": {"policy": "original"}}, "dynamic.policy"),
-        ({"rollout": {"budget": "knapsack", "max_samples": 4}}, "rollout.max_samples"),
-        ({"rollout": {"budget": "sequential", "round_samples": 40}}, "rollout.round_samples"),
-        ({"rollout": {"advantage_baseline": "mean"}}, "rollout.advantage_baseline"),
+        ({"budget": {"mode": "greedy"}}, "budget.mode"),
+        ({"budget": {"mode": "knapsack"}, "dynamic": {"policy": "original"}}, "dynamic.policy"),
+        ({"budget": {"mode": "knapsack", "max_samples": 4}}, "budget.max_samples"),
+        ({"budget": {"mode": "sequential", "round_samples": 40}}, "budget.round_samples"),
+        ({"budget": {"advantage_baseline": "mean"}}, "budget.advantage_baseline"),
     ]
     import yaml
 
@@ -173,17 +172,60 @@ def test_budget_config_errors_name_the_key(tmp_path):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(RunConfig, [path])
     ok = tmp_path / "ok.yaml"
-    ok.write_text(yaml.safe_dump({"rollout": {"budget": "knapsack", "min_samples": 1}}))
-    cfg = load_config(RunConfig, [ok]).budget_config()
-    assert cfg == BudgetConfig(budget="knapsack", min_samples=1)
+    ok.write_text(yaml.safe_dump({"budget": {"mode": "knapsack", "min_samples": 1}}))
+    assert load_config(RunConfig, [ok]).budget == BudgetConfig(mode="knapsack", min_samples=1)
 
 
-def test_rollout_budget_keys_mirror_the_budget_config():
-    """RolloutConfig carries BudgetConfig's fields flat (same names, same defaults): the
-    rollout layer cannot import the curriculum's config."""
-    import dataclasses
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("rollout.budget", "budget.mode", "knapsack"),
+        ("rollout.min_samples", "budget.min_samples", 1),
+        ("rollout.budget_price", "budget.price", 0.0),
+        ("rollout.budget_objective", "budget.objective", "groups"),
+        ("rollout.advantage_baseline", "budget.advantage_baseline", "pool"),
+    ],
+)
+def test_old_budget_keys_name_the_new_key(tmp_path, old, new, value):
+    """The budget keys left rollout: for its own section: an old key, in a file or as an
+    override, is a ConfigError naming the new one (not a bare 'unknown key')."""
+    import yaml
 
-    rollout = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
-    for f in dataclasses.fields(BudgetConfig):
-        assert f.name in rollout and rollout[f.name] == f.default, f.name
-    assert np.isclose(RunConfig().budget_config().budget_price, -1.0)
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {key: value}}))
+    with pytest.raises(ConfigError, match=f"'{old}' is now '{new}'"):
+        load_config(RunConfig, [path])
+    with pytest.raises(ConfigError, match=f"'{old}' is now '{new}'"):
+        load_config(RunConfig, [], [f"{old}={value}"])
+    assert set(RunConfig.RENAMED_KEYS.values()) == {
+        f"budget.{f.name}" for f in dataclasses.fields(BudgetConfig)
+    }
+
+
+@pytest.mark.parametrize("budget", [None, "knapsack", "sequential"])
+def test_each_mode_has_one_rounds_class_that_satisfies_the_protocol(budget):
+    """One class per mode implements next_requests / add / finish with the protocol's
+    signatures, and holds no reference back to the DynamicSampler (no callbacks)."""
+    import inspect
+
+    from megagrpo.curriculum.budget_rounds import BudgetRounds
+    from megagrpo.curriculum.dynamic import UniformRounds
+    from megagrpo.curriculum.rounds import Rounds
+
+    dyn = DynamicSamplingConfig(policy="carry", max_resample=1, preflight="off")
+    planner = _planner(budget) if budget else None
+    dynamic = DynamicSampler(dyn, CORRECTNESS_KEY, group_size=G, budget=planner)
+    sampler, engine = _world()
+    rounds = dynamic.start(sampler, B, 1)
+    assert type(rounds) is (UniformRounds if budget is None else BudgetRounds)
+    assert isinstance(rounds, Rounds)
+    for name in ("next_requests", "add", "finish"):
+        want = inspect.signature(getattr(Rounds, name))
+        got = inspect.signature(getattr(type(rounds), name))
+        assert list(got.parameters) == list(want.parameters), name
+    assert all(v is not dynamic for v in vars(rounds).values())
+    while (requests := rounds.next_requests()) is not None:
+        assert isinstance(rounds.add(generate_mixed(engine, requests)), list)
+    batch = rounds.finish()
+    assert batch.stats["dynamic/gen_batches"] >= 1 and len(batch.groups) <= B

@@ -18,6 +18,7 @@ from megagrpo.commands.from_swift import (
     to_config,
     translate,
 )
+from megagrpo.commands.swift_fidelity import blocking
 from megagrpo.commands.swift_flags import DIFFERS, MISSING, OPTIM_DEFAULTS, SWIFT_DEFAULTS
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
@@ -231,8 +232,8 @@ def test_swift_example_internal_moe_lora_counts_completions_over_processes():
 
 
 def test_swift_example_gsm8k_plugin_thinking_columns_and_system():
-    with pytest.raises(ConfigError, match="full: megagrpo trains LoRA adapters only"):
-        _run(command_from_script(SWIFT_GSM8K))
+    _, full, _, _ = _run(command_from_script(SWIFT_GSM8K))
+    assert any(e.flag == "tuner_type" and "full fine-tuning" in e.note for e in blocking(full))
     lora = SWIFT_GSM8K.replace("--tuner_type full", "--tuner_type lora")
     flags, t, cfg, report = _run(command_from_script(lora))
     _reported(t, flags)

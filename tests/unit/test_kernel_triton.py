@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # must precede the import of the kernel modul
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from loss_cases import parity_loss_config  # noqa: E402  (tests/loss_cases.py)
 
 from megagrpo.algo.config import LossConfig  # noqa: E402
 from megagrpo.algo.losses import reference_policy_loss, token_entropy, token_logprobs  # noqa: E402
@@ -111,18 +112,13 @@ def test_fused_policy_loss_triton_matches_reference(variant, dtype):
     logits, tgt, old, ref, adv, mask = _inputs(B * S, V, dtype, seed=2)
     shp = (B, S)
     roll = old + 0.3
-    cfg = LossConfig(
-        variant=variant,
-        eps_low=0.1,
-        eps_high=0.3,
-        kl_coef=0.05,
-        entropy_coef=0.01,
+    cfg = parity_loss_config(
+        variant,
+        gspo_eps=(0.02, 0.03),
         tis_cap=2.0,
         backend="triton",
         grad_in_logits=(dtype == torch.bfloat16),
     )
-    if variant == "gspo":
-        cfg.eps_low, cfg.eps_high = 0.02, 0.03
     x1 = logits.float().view(B, S, V).requires_grad_()
     args = (tgt.view(shp), old.view(shp), adv.view(shp), mask.view(shp), cfg)
     l1, m1 = reference_policy_loss(

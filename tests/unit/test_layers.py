@@ -2,7 +2,8 @@
 
 Each top-level room of ``megagrpo/`` (a sub-package or a module) sits on one layer; a room may
 import from lower layers only, never from a higher one nor from another room of its own
-layer (rooms of a layer are independent). The README's "Layout" section draws the same table.
+layer (rooms of a layer are independent). docs/architecture.md ("Layout") draws the same table
+(tests/unit/test_docs.py compares the two).
 A new room fails here until it is given a layer.
 """
 
@@ -18,10 +19,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megagrpo"
 LAYERS: list[set[str]] = [
     {"errors", "types", "fileio"},  # 0: ground
     {"config", "algo", "parallel", "data", "metrics", "testing"},  # 1: components
-    {"kernels", "rewards", "rollout", "curriculum"},  # 2: built on components below
-    {"model"},  # 3: the Megatron policy (its memory planner reads the rollout layout)
-    {"trainer"},  # 4: the loop
-    {"commands", "cli"},  # 5: the command line
+    # 2: built on components below; the Megatron policy (model) never imports rollout
+    {"kernels", "rewards", "rollout", "curriculum", "model"},
+    {"trainer", "plan"},  # 3: the loop; the before-you-rent-a-GPU predictors
+    {"commands", "cli"},  # 4: the command line
 ]
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 
@@ -31,8 +32,9 @@ def _room(module: str) -> str | None:
     return parts[1] if parts[0] == "megagrpo" and len(parts) > 1 else None
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """``(line, imported megagrpo module)`` of every import statement in ``path``."""
+def _all_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every absolute import statement in ``path`` (``from megagrpo
+    import x`` as ``megagrpo.x``)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -42,7 +44,12 @@ def _imports(path: Path) -> list[tuple[int, str]]:
                 out.append((node.lineno, node.module))
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-    return [(line, m) for line, m in out if m.startswith("megagrpo.")]
+    return out
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, imported megagrpo module)`` of every import statement in ``path``."""
+    return [(line, m) for line, m in _all_imports(path) if m.startswith("megagrpo.")]
 
 
 def _rooms() -> dict[str, list[Path]]:
@@ -84,6 +91,16 @@ def test_pure_rooms_import_no_megatron_vllm_or_distributed(room):
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             assert not [n for n in names if n.startswith(heavy)], path
+
+
+def test_curriculum_imports_no_torch():
+    """The curriculum's decisions are numpy only (its simulations live in megagrpo.plan)."""
+    bad = []
+    for path in (PACKAGE / "curriculum").rglob("*.py"):
+        for line, name in _all_imports(path):
+            if name == "torch" or name.startswith("torch."):
+                bad.append(f"{path.name}:{line} {name}")
+    assert bad == [], "torch in the curriculum:\n" + "\n".join(bad)
 
 
 def test_the_trainer_never_probes_policies_or_engines():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loss_cases import parity_loss_config  # tests/loss_cases.py
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megagrpo.algo.config import LossConfig
@@ -49,8 +50,8 @@ def _compare(cfg, logits, tgt, old, ref, adv, mask, seq_ids=None, scale=1.0, ato
 @pytest.mark.parametrize("grad_in_logits", [False, True])
 def test_chunked_matches_reference(variant, grad_in_logits):
     data = _inputs((3, 9), 301)
-    cfg = LossConfig(
-        variant=variant,
+    cfg = parity_loss_config(
+        variant,
         eps_low=0.15,
         eps_high=0.35,
         kl_coef=0.1,
@@ -60,8 +61,6 @@ def test_chunked_matches_reference(variant, grad_in_logits):
         chunk_bytes=4096,
         grad_in_logits=grad_in_logits,
     )
-    if variant == "gspo":
-        cfg.eps_low, cfg.eps_high = 0.01, 0.02
     m = _compare(cfg, *data, scale=(2.5 if grad_in_logits else 1.0))
     assert float(m["loss/clip_frac"]) > 0
     assert 0 < float(m["loss/tis_clip_frac"]) < 1

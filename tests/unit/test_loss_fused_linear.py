@@ -10,6 +10,7 @@ if not torch.cuda.is_available():  # before the Triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from loss_cases import parity_loss_config  # noqa: E402  (tests/loss_cases.py)
 
 from megagrpo.algo.config import LossConfig  # noqa: E402
 from megagrpo.algo.losses import reference_policy_loss, token_logprobs  # noqa: E402
@@ -40,17 +41,7 @@ def _inputs(B, S, H, V, dtype, seed=0):
 )
 def test_fused_linear_matches_reference(variant, backend, dtype):
     hidden, weight, tgt, old, ref, adv, mask = _inputs(3, 5, 16, 150, dtype)
-    cfg = LossConfig(
-        variant=variant,
-        eps_low=0.1,
-        eps_high=0.3,
-        kl_coef=0.05,
-        entropy_coef=0.01,
-        backend=backend,
-        chunk_bytes=2048,
-    )
-    if variant == "gspo":
-        cfg.eps_low, cfg.eps_high = 0.01, 0.02
+    cfg = parity_loss_config(variant, backend=backend, chunk_bytes=2048)
     h1 = hidden.float().clone().requires_grad_()
     w1 = weight.float().clone().requires_grad_()
     logits = (h1 @ w1.T).to(dtype)  # the projection's output is in the model's dtype

@@ -21,7 +21,8 @@ from megagrpo.algo.losses import (  # noqa: E402
     token_logprobs,
     token_weights,
 )
-from megagrpo.kernels import fused_linear_policy_loss, fused_policy_loss  # noqa: E402
+from megagrpo.kernels import fused_policy_loss  # noqa: E402
+from megagrpo.kernels.fused_linear import fused_linear_policy_loss  # noqa: E402
 
 SIZES = [3, 1, 5, 2]
 S, T, V, H = sum(SIZES), 9, 37, 16

@@ -61,7 +61,7 @@ def test_swift_aliases_match_trl_definitions():
         "train/lr": 1e-4,
         "collapse/acr_predicted": None,
     }
-    out = swift_aliases(row, ["mcq_accuracy", "soft_overlong"], num_completions=len(rewards))
+    out = swift_aliases(row, ["mcq_accuracy", "soft_overlong"], len(rewards), "batch")
     assert out["reward"] == row["reward/mean"]
     assert out["reward_std"] == pytest.approx(
         torch.tensor(rewards, dtype=torch.float64).std().item(), rel=1e-12
@@ -76,7 +76,76 @@ def test_swift_aliases_match_trl_definitions():
     assert out["completions/mean_length"] == 7.5 and out["completions/max_length"] == 9.0
     assert "completions/min_length" not in out  # not measured: not invented
     assert "rewards/soft_overlong/mean" not in out
-    assert swift_aliases(row, [])["reward_std"] == row["reward/std"]  # n unknown: as is
+    assert swift_aliases(row, [], advantage_scale="batch")["reward_std"] == row["reward/std"]
+    assert "reward_std" not in swift_aliases(row, [])  # group scale: needs group_std_mean
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_reward_std_is_ms_swifts(scale):
+    """ms-swift's reward_std (rl_core/advantage.py compute_reward_metrics) is the mean of the
+    groups' stds with scale_rewards group/none, not the batch std megagrpo logged under it
+    (0.354 vs 0.25 on the review's batch; on an all-collapsed batch ms-swift logs 0)."""
+    from swift.rl_core.advantage import compute_reward_metrics
+
+    from megagrpo.metrics.names import group_std_mean
+
+    for groups in (
+        [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]],
+        [[1.0] * 4, [0.0] * 4, [1.0] * 4],  # every group collapsed
+        _groups_rewards(np.random.default_rng(3)),
+    ):
+        flat = [r for g in groups for r in g]
+        t = torch.tensor(flat, dtype=torch.float64)
+        want = compute_reward_metrics(t, t[:, None], ["r"], len(groups[0]), scale)
+        row = {
+            "reward/std": float(np.std(flat)),
+            "reward/group_std_mean": group_std_mean(groups),
+        }
+        got = swift_aliases(row, [], len(flat), scale)["reward_std"]
+        assert got == pytest.approx(want.reward_std, rel=1e-9, abs=1e-12), (scale, groups)
+
+
+def _groups_rewards(rng: np.random.Generator) -> list[list[float]]:
+    return [rng.normal(size=8).round(3).tolist() for _ in range(5)]
+
+
+def test_entropy_mean_and_clip_extremes_are_ms_swifts():
+    """entropy/mean: mean over completions of each completion's mean token entropy
+    (ms-swift grpo_trainer.py: nanmean over tokens, then over completions);
+    clip_ratio/low_min, high_max: extremes over micro-batches, combined by
+    megagrpo.trainer.optimize.combine_metrics."""
+    from megagrpo.algo.config import LossConfig
+    from megagrpo.algo.losses import policy_loss
+    from megagrpo.trainer.optimize import combine_metrics
+
+    gen = torch.Generator().manual_seed(0)
+    b, s = 5, 9
+    mask = (torch.rand(b, s, generator=gen) > 0.4).float()
+    mask[2] = 0.0  # an empty completion: no mean (NaN in ms-swift, skipped)
+    ent = torch.rand(b, s, generator=gen) * 3
+    old = -torch.rand(b, s, generator=gen)
+    logp = old + 0.5 * torch.randn(b, s, generator=gen)
+    adv = torch.randn(b, 1, generator=gen).expand(b, s)
+    cfg = LossConfig(eps_low=0.1, eps_high=0.1)
+    _, m = policy_loss(logp, old, adv, mask, cfg, entropy=ent)
+    nan_ent = ent.masked_fill(mask == 0, float("nan"))
+    want = torch.nanmean(torch.nanmean(nan_ent, dim=1))
+    got = float(m["loss/entropy_seq_sum"]) / float(m["loss/nonempty_seqs_sum"])
+    assert got == pytest.approx(float(want), rel=1e-6)
+    acc: dict[str, float] = {}
+    parts = []
+    for rows in ([0, 1], [2, 3, 4]):
+        _, mb = policy_loss(logp[rows], old[rows], adv[rows], mask[rows], cfg, entropy=ent[rows])
+        parts.append(mb)
+        combine_metrics(acc, {k: float(v) for k, v in mb.items()})
+    lows = [float(p["loss/clip_frac_low"]) for p in parts]
+    highs = [float(p["loss/clip_frac_high"]) for p in parts]
+    assert acc["loss/clip_frac_low_min"] == min(lows) and acc["loss/clip_frac_high_max"] == max(
+        highs
+    )
+    assert max(highs) > 0 and min(lows) < max(lows)
+    combined = acc["loss/entropy_seq_sum"] / acc["loss/nonempty_seqs_sum"]
+    assert combined == pytest.approx(float(want), rel=1e-6)
 
 
 def test_completions_log_rows_resume_and_wandb_table(tmp_path, monkeypatch):
@@ -111,7 +180,11 @@ def test_completions_log_rows_resume_and_wandb_table(tmp_path, monkeypatch):
     tables = list((tmp_path).rglob("completions_*.table.json"))
     assert len(tables) == 1  # step 2 only (every 2 steps)
     table = json.loads(tables[0].read_text())
-    assert len(table["data"]) == 12 and table["columns"][1] == "problem_id"
+    assert len(table["data"]) == 12
+    assert table["columns"][:6] == [
+        "step", "prompt", "completion", "mcq_accuracy", "soft_overlong", "advantages"
+    ]  # ms-swift's _build_log_table: gen_step, prompt, completion, each reward, advantages  # fmt: skip
+    assert table["data"][0][1] == "問題0\na. x\nb. y" and table["data"][0][5] is None
     again = CompletionsLog(tmp_path / "completions.jsonl")
     assert again.truncate_after(2) == 24
     again.close()

@@ -12,7 +12,7 @@ import pytest
 from megagrpo.commands.plan_memory import plan_run as plan
 from megagrpo.config.loader import load_config
 from megagrpo.model.arch import arch_from_hf, load_hf_config, param_counts
-from megagrpo.model.plan_memory import GIB
+from megagrpo.plan.memory import GIB
 from megagrpo.trainer.config import RunConfig
 
 

@@ -4,7 +4,6 @@ at step 0 vs the end) and the calibration plot (predicted vs measured raw ACR pe
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -52,8 +51,26 @@ def test_learning_summary_fifths_ratio_and_eval():
     assert flat["raw_ratio"] == pytest.approx(1.0) and flat["learned"] is False
     assert "did not learn" in format_learning(flat)
     noeval = learning_summary(_rows([0.0, 0.0, 0.0, 0.0, 0.0, 0.5]))
-    assert noeval["learned"] is None and math.isinf(noeval["raw_ratio"])
+    assert noeval["learned"] is None and "raw_ratio" not in noeval  # no ratio of a 0 start
+    assert noeval["raw_delta"] == pytest.approx(0.5) and "+0.500" in format_learning(noeval)
     assert format_learning(learning_summary([])) == ""
+
+
+def test_negative_rewards_are_compared_by_difference_not_ratio(tmp_path):
+    """Penalty-shaped rewards (soft_overlong, format penalties) are negative: a ratio of two
+    negative means reads "x0.00" or "xinf"; the change is their signed difference."""
+    s = learning_summary(_rows([-0.8, -0.7, -0.6, -0.5, -0.4, -0.3, -0.2, -0.2, -0.1, -0.1],
+                               {0: 0.1, 10: 0.2}))  # fmt: skip
+    assert "raw_ratio" not in s and s["raw_delta"] == pytest.approx(0.65)
+    line = format_learning(s)
+    assert "+0.650" in line and "x0.00" not in line and "xinf" not in line
+    assert s["learned"] is True  # reward up, accuracy up
+    run = tmp_path / "neg"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w", encoding="utf-8") as fh:
+        for row in _rows([-1.0, -0.5, -0.2, -0.1, 0.0, 0.1], {0: 0.1, 6: 0.2}):
+            fh.write(json.dumps(row) + "\n")
+    assert any(p.name == "reward.png" for p in make_report(run, checked_rounds=2))
 
 
 def test_report_draws_calibration_and_the_learning_summary(tmp_path):

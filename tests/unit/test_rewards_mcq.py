@@ -305,3 +305,45 @@ def test_numeric_answers_written_as_slot_digits(problems):
         as_number = Problem(p.id, p.messages, [lead_zero.lstrip("0") + "0"], p.meta)
         assert reward([f"答え: {lead_zero}"], as_number) == [0.0], p.id  # not 4.0
     assert decimal == 3
+
+
+def test_numeric_answers_keep_their_sign_and_value():
+    """Math data (no IgakuQA template): -2 is not 2, and 2.0 is 2."""
+    from megagrpo.data.gold import parse_gold
+    from megagrpo.rewards.mcq import mcq_accuracy
+
+    reward = mcq_accuracy()
+
+    def score(text: str, gold: str) -> float:
+        answer = parse_gold(gold)
+        assert answer is not None, gold
+        return reward([text], Problem("m1", [], answer, {"choices": []}))[0]
+
+    assert score("\\boxed{-2}", "2") == 0.0
+    assert score("The answer is -2", "2") == 0.0
+    assert score("\\boxed{-2}", "-2") == 1.0 and score("答え: −2", "-2") == 1.0
+    assert score("\\boxed{2.0}", "2") == 1.0 and score("\\boxed{2}", "2.0") == 1.0
+    assert score("so x = 0.50", "0.5") == 1.0 and score("\\boxed{1,000}", "1000") == 1.0
+    assert score("\\boxed{20}", "2") == 0.0 and score("\\boxed{2}", "20") == 0.0
+
+
+def test_free_text_golds_fail_at_load_time(tmp_path):
+    """A `\\frac{3}{4}` solution with mcq_accuracy: ConfigError naming file:line before the
+    model is built, not a reward error at every step."""
+    import json
+
+    from megagrpo.data import load_problems
+    from megagrpo.errors import ConfigError
+    from megagrpo.trainer.config import RunConfig
+    from megagrpo.trainer.setup import check_golds_scorable
+
+    data = tmp_path / "math.jsonl"
+    rows = [{"query": "1+1?", "solution": "2"}, {"query": "3/4?", "solution": "\\frac{3}{4}"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = load_problems([str(data)])
+    with pytest.raises(ConfigError, match=r"math.jsonl:2.*frac"):
+        check_golds_scorable(RunConfig(), problems)
+    from megagrpo.rewards.config import RewardsConfig, RewardSpec
+
+    other = RunConfig(rewards=RewardsConfig(functions=[RewardSpec(name="orms:accuracy")]))
+    check_golds_scorable(other, problems)  # math_verify reads the solution itself

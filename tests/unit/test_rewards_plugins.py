@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import textwrap
@@ -311,3 +312,83 @@ def test_soft_overlong_defaults_to_max_tokens_and_rejects_unreachable():
 def test_composite_rejects_unknown_policy():
     with pytest.raises(ValueError, match="on_error"):
         CompositeReward([("x", 1.0, get("mcq_accuracy"))], on_error="ignore")
+
+
+def test_plugin_importing_swift_keeps_megagrpo_logging(tmp_path):
+    """A plugin's ``from swift.rewards import ORM, orms`` sets the root handlers to ERROR
+    (ms-swift's logger setup); megagrpo's INFO/WARNING lines after it must still show."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("swift")
+    plugin = tmp_path / "swift_plugin.py"
+    plugin.write_text(
+        "from swift.rewards import ORM, orms\n\n"
+        "class Len(ORM):\n"
+        "    def __call__(self, completions, **kwargs):\n"
+        "        return [float(len(c)) for c in completions]\n\n"
+        "orms['my_len'] = Len\n"
+    )
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "from megagrpo.rewards.plugins import load_external_plugins, load_object\n"
+        f"load_external_plugins([{str(plugin)!r}])\n"
+        "load_object('orms:my_len')\n"
+        "logging.getLogger('megagrpo.trainer').info('INFO after the plugin')\n"
+        "logging.getLogger('megagrpo.trainer').warning('WARNING after the plugin')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "INFO after the plugin" in proc.stdout and "WARNING after the plugin" in proc.stdout
+
+
+def test_swift_orms_are_called_once_per_batch(plugin_dir):
+    """ms-swift calls an ORM once per batch (compute_rewards_per_func over the whole batch);
+    a batch-level plugin (here: the completion's rank in the batch by length, and a call
+    counter) gives ms-swift's values only when called the same way."""
+    from megagrpo.types import Group
+
+    _swift_orm()
+    plugin_dir(
+        "batchy",
+        """
+        from swift.rewards import ORM
+
+        class RankInBatch(ORM):
+            calls = 0
+
+            def __call__(self, completions, solution, problem_id, **kwargs):
+                RankInBatch.calls += 1
+                order = sorted(range(len(completions)), key=lambda i: len(completions[i]))
+                rank = {i: r / max(len(completions) - 1, 1) for r, i in enumerate(order)}
+                return [rank[i] + (s == "b") for i, s in enumerate(solution)]
+        """,
+    )
+    import batchy
+
+    problems = [
+        Problem(f"p{j}", [], ["b" if j else "a"], {"choices": ["x", "y"]}) for j in range(3)
+    ]
+    texts = [["x" * (5 * j + i + 1) for i in range(4)] for j in range(3)]
+
+    def groups():
+        return [Group(problem=p, completions=list(t), token_ids=[[1] * len(x) for x in t],
+                      logprobs=[[]] * 4, lengths=[len(x) for x in t])
+                for p, t in zip(problems, texts)]  # fmt: skip
+
+    spec = RewardsConfig(functions=[RewardSpec("batchy:RankInBatch")])
+    flat = [x for t in texts for x in t]
+    want = batchy.RankInBatch()(
+        flat, solution=[p.answer[0] for p in problems for _ in range(4)],
+        problem_id=[p.id for p in problems for _ in range(4)],
+    )  # fmt: skip
+    batchy.RankInBatch.calls = 0
+    batch = groups()
+    build_composite(spec).score_groups(batch)
+    assert batchy.RankInBatch.calls == 1
+    assert [r for g in batch for r in g.rewards] == pytest.approx(want)
+    per_group = groups()
+    build_composite(dataclasses.replace(spec, swift_calls="group")).score_groups(per_group)
+    assert batchy.RankInBatch.calls == 4  # one more per group
+    assert [r for g in per_group for r in g.rewards] != pytest.approx(want)

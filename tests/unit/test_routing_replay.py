@@ -2,7 +2,7 @@
 replay in the Megatron policy against transformers, agreement, gradients, recompute.
 
 The key reference is a *selection-preserving* router perturbation
-(:func:`megagrpo.model.routing_verify.selection_preserving_perturbation`): it moves the
+(:func:`routing_verify.selection_preserving_perturbation`): it moves the
 trainer's own top-k for most token x layer sets but leaves the logits of the experts the
 engine picked unchanged, so replaying the engine's selection must give the engine's log-probs
 within float32 noise (gate weights are a softmax over exactly those logits), and the own
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from megagrpo.errors import ConfigError
-from megagrpo.model.config import ModelConfig
-from megagrpo.model.routing import ReplayPlan, Routing, local_rows, step_plan
-from megagrpo.model.routing_verify import (
+from routing_verify import (
     forced_routing,
     perturb_routers,
     router_inputs,
     selection_preserving_perturbation,
     target_logprobs,
 )
+
+from megagrpo.errors import ConfigError
+from megagrpo.model.config import ModelConfig
+from megagrpo.model.routing import ReplayPlan, Routing, local_rows, step_plan
 from megagrpo.parallel import ParallelConfig
 from megagrpo.rollout.base import EngineError, SamplingSpec
 from megagrpo.rollout.config import RolloutConfig

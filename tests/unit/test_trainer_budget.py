@@ -1,6 +1,6 @@
 """Groups of different sizes through the trainer: advantages, micro-batch weights (every
 variant, aggregation and group weighting against a per-group reference), the placement's
-split of mixed counts, and `grpo_step`s with ``rollout.budget`` knapsack / sequential on the
+split of mixed counts, and `grpo_step`s with ``budget.mode`` knapsack / sequential on the
 bigram loop (verified syncs, resume)."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_micro_batches_of_ragged_groups_equal_the_per_group_reference(variant, a
 
 def _ctx(baseline="group", scale="group"):
     cfg = SimpleNamespace(
-        rollout=SimpleNamespace(advantage_baseline=baseline),
+        budget=SimpleNamespace(advantage_baseline=baseline),
         loss=SimpleNamespace(resolved_advantage_scale=lambda: scale),
     )
     return SimpleNamespace(cfg=cfg)
@@ -226,23 +226,24 @@ def bigram_dir(tmp_path, tiny_tokenizer_dir):
 
 
 @pytest.mark.parametrize(
-    "rollout",
+    "budget",
     [
-        {"budget": "knapsack", "min_samples": 2, "max_samples": 8},
+        {"mode": "knapsack", "min_samples": 2, "max_samples": 8},
         {
-            "budget": "sequential",
+            "mode": "sequential",
             "round_samples": 2,
             "max_samples": 6,
             "advantage_baseline": "pool",
         },
     ],
 )
-def test_budgeted_steps_train_and_verify_every_sync(bigram_dir, tmp_path, rollout):
+def test_budgeted_steps_train_and_verify_every_sync(bigram_dir, tmp_path, budget):
     ctx = _context(
         bigram_dir,
         tmp_path,
         "b",
-        rollout={"max_tokens": 3, "probe_len": 8, **rollout},
+        rollout={"max_tokens": 3, "probe_len": 8},
+        budget=budget,
         dynamic={"max_resample": 2, "policy": "carry"},
         loss={"backend": "torch", "group_weighting": "group"},
     )
@@ -264,7 +265,8 @@ def test_budgeted_steps_train_and_verify_every_sync(bigram_dir, tmp_path, rollou
 
 def test_budgeted_run_resumes_like_the_uninterrupted_one(bigram_dir, tmp_path):
     sections = {
-        "rollout": {"max_tokens": 3, "probe_len": 8, "budget": "knapsack", "max_samples": 8},
+        "rollout": {"max_tokens": 3, "probe_len": 8},
+        "budget": {"mode": "knapsack", "max_samples": 8},
         "dynamic": {"max_resample": 1, "policy": "carry"},
     }
     full = _train(_context(bigram_dir, tmp_path, "full", **sections))
@@ -299,7 +301,8 @@ def test_runs_with_a_levels_file_log_the_predicted_acr_per_level(bigram_dir, tmp
         tmp_path,
         "lv",
         curriculum={"levels_file": str(levels), "keep_levels": [1, 2, 3, 4, 5, 6]},
-        rollout={"max_tokens": 3, "probe_len": 8, "budget": "knapsack", "max_samples": 8},
+        rollout={"max_tokens": 3, "probe_len": 8},
+        budget={"mode": "knapsack", "max_samples": 8},
         dynamic={"max_resample": 1, "policy": "carry", "preflight": "off"},
     )
     rows = _train(ctx)

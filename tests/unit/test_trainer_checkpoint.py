@@ -22,7 +22,7 @@ from megagrpo import fileio
 from megagrpo.curriculum.config import DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.errors import CheckpointError
-from megagrpo.trainer import checkpoint
+from megagrpo.trainer import checkpoint, plain_state
 from megagrpo.types import Group, Problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ def test_previous_format_checkpoint_still_loads_with_weights_only(tmp_path):
     rank_state, trainer_state = _load(point.path)
     assert trainer_state == {"step": 2, "sampler": {"r": 0.25}}
     np.random.rand(5)
-    checkpoint.set_rng_state(rank_state["rng"])
+    plain_state.set_rng_state(rank_state["rng"])
     np.testing.assert_array_equal(np.random.rand(3), expected)
 
 
@@ -121,10 +121,10 @@ def test_rng_state_survives_weights_only_and_restores_every_generator(tmp_path):
     np.random.seed(2)
     np.random.randn()  # a cached gaussian is part of numpy's state
     torch.manual_seed(3)
-    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    torch.save(plain_state.rng_state(), tmp_path / "rng.pt")
     expected = (random.random(), np.random.randn(4).tolist(), torch.rand(4))
     random.random(), np.random.randn(9), torch.rand(9)
-    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    plain_state.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert random.random() == expected[0]
     assert np.random.randn(4).tolist() == expected[1]
     assert torch.equal(torch.rand(4), expected[2])
@@ -161,9 +161,9 @@ def test_carry_buffer_with_numpy_scalars_round_trips_through_json(tmp_path):
 
 def test_to_plain_names_what_cannot_be_checkpointed():
     with pytest.raises(TypeError, match=r"state\.dynamic\.carry\[0\]: object"):
-        checkpoint.to_plain({"dynamic": {"carry": [object()]}})
+        plain_state.to_plain({"dynamic": {"carry": [object()]}})
     with pytest.raises(TypeError, match="key 3"):
-        checkpoint.to_plain({3: 1})
+        plain_state.to_plain({3: 1})
 
 
 def test_nothing_in_the_package_unpickles_a_file():

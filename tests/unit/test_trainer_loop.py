@@ -5,7 +5,7 @@ The rest is real: config loading and resolution, parallel state (one gloo rank),
 dynamic samplers, composite reward, micro-batching, the fused loss (torch backend), the
 optimiser, verified weight sync (the engine checks its probe against the trainer's), metrics
 rows, checkpoints and resume. This is the fast-tier guard of the loop's wiring; the end-to-end
-runs on the real stack are in test_trainer_e2e.py (slow).
+runs on the real stack are in tests/integration/test_trainer_e2e.py (slow).
 """
 
 from __future__ import annotations
@@ -257,6 +257,7 @@ def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
         assert "completions/mean_length" in r and "rewards/toy_first_token/mean" in r
     logged = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
     assert sorted({row["step"] for row in logged}) == [1, 2, 3, 4]
+    _check_swift_dashboards(saved, logged)
     assert (tmp_path / "run" / "config.yaml").is_file()
 
 
@@ -316,3 +317,82 @@ def test_phase_times_closed_form():
     assert out["perf/train/fwd_bwd_s"] == 6.0 and out["perf/train/optim_s"] == 1.5
     assert out["perf/train/old_logprobs_s"] == 0.0 and out["perf/sync/push_s"] == 0.0
     assert out["perf/train/other_s"] == 2.5 and out["perf/sync/probe_s"] == 0.25
+
+
+class NoisyBigramEngine(BigramEngine):
+    """A bigram engine whose returned log-probs carry a deterministic error of up to 0.15 per
+    token, as a bf16 engine's do against an fp32/bf16 trainer (the samples are exact)."""
+
+    def generate(self, problems, n, sampling=None):
+        groups = super().generate(problems, n, sampling)
+        for group in groups:
+            group.logprobs = [
+                [lp + 0.15 * ((7 * k + 3 * i) % 5 - 2) / 2 for k, lp in enumerate(lps)]
+                for i, lps in enumerate(group.logprobs)
+            ]
+        return groups
+
+
+def _noisy_rows(model_dir: Path, out: Path, name: str, **trainer) -> list[dict]:
+    from megagrpo.trainer.setup import build_context
+
+    cfg = tiny_run_config(
+        model_dir,
+        out,
+        name,
+        loss={"backend": "torch", "tis_cap": 2.0},
+        trainer={"max_steps": 2, "lr": 0.05, **trainer},
+        rollout={"max_tokens": 3, "probe_len": 8},
+    )
+    run = load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
+    ctx = build_context(
+        run,
+        policy_factory=lambda model_cfg, pgs: BigramPolicy(),
+        engine_factory=NoisyBigramEngine,
+    )
+    return [r for r in _train(ctx) if r["train/skipped_empty_batch"] == 0.0]
+
+
+def test_old_logprobs_are_recomputed_by_default(model_dir, tmp_path):
+    """The default, as ms-swift: old log-probs from a trainer forward, so an on-policy step's
+    ratio is exactly 1 although the engine's log-probs are off; the engine's log-probs still
+    weight the tokens (TIS) and measure the mismatch. With ``rollout`` the ratio is the
+    engine's error and the clip acts on it."""
+    assert RunConfig().trainer.old_logprobs == "recompute"
+    rows = _noisy_rows(model_dir, tmp_path, "default")
+    assert rows, "no step trained"
+    for r in rows:
+        assert r["train/old_logprobs_recompute"] == 1.0
+        assert r["loss/ratio_min"] == 1.0 and r["loss/ratio_max"] == 1.0
+        assert r["loss/clip_frac"] == 0.0
+        assert r["train/logprob_mismatch"] > 0.05  # the engine's error, measured
+        assert r["loss/tis_weight_mean"] != 1.0  # TIS still reads the engine's log-probs
+    engine_rows = _noisy_rows(model_dir, tmp_path, "rollout", old_logprobs="rollout")
+    assert engine_rows[0]["loss/ratio_min"] < 0.9 and engine_rows[0]["loss/ratio_max"] > 1.1
+    assert engine_rows[0]["loss/tis_weight_mean"] == 1.0  # old = rollout: weight 1 exactly
+
+
+def _check_swift_dashboards(saved: list[dict], logged: list[dict]) -> None:
+    """reward_std of each trained step is ms-swift's quantity over the completions the
+    step logged (compute_reward_metrics, scale_rewards group); advantages are logged with
+    them (group-normalised: each group's sum is 0); entropy/mean and the clip extremes are
+    in every trained row."""
+    from swift.rl_core.advantage import compute_reward_metrics
+
+    for r in saved:
+        if r.get("train/skipped_empty_batch") == 1.0:
+            continue
+        rows = [x for x in logged if x["step"] == r["step"]]
+        groups = sorted({x["group"] for x in rows})
+        size = len(rows) // len(groups)
+        t = torch.tensor(
+            [x["reward"] for x in sorted(rows, key=lambda x: (x["group"], x["sample"]))],
+            dtype=torch.float64,
+        )
+        want = compute_reward_metrics(t, t[:, None], ["r"], size, "group")
+        assert r["reward_std"] == pytest.approx(want.reward_std, rel=1e-9, abs=1e-12)
+        for g in groups:
+            assert abs(sum(x["advantage"] for x in rows if x["group"] == g)) < 1e-4
+        assert r["entropy/mean"] > 0
+        assert 0 <= r["clip_ratio/low_min"] <= r["clip_ratio/low_mean"] + 1e-12
+        assert r["clip_ratio/high_max"] >= r["clip_ratio/high_mean"] - 1e-12

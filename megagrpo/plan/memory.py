@@ -44,8 +44,8 @@ from pathlib import Path
 
 from megagrpo.errors import ConfigError
 from megagrpo.model.arch import arch_from_hf, load_hf_config
-from megagrpo.model.plan_scenario import Assumptions, Scenario
 from megagrpo.model.pretrained import BUNDLED, resolve_model_path
+from megagrpo.plan.scenario import Assumptions, Scenario
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -19,8 +19,14 @@ from typing import Any
 import numpy as np
 
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
-from megagrpo.curriculum.dynamic import DynamicSampler, checked_rounds
-from megagrpo.curriculum.levels import BetaPrior, correct_from_level, fill_success_prob, predict_acr
+from megagrpo.curriculum.dynamic import DynamicSampler, UniformRounds, checked_rounds
+from megagrpo.curriculum.levels import (
+    BetaPrior,
+    CollapsePrediction,
+    correct_from_level,
+    fill_success_prob,
+    predict_acr,
+)
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.types import Group, Problem
 
@@ -47,6 +53,12 @@ class BernoulliEngine:
         self.rng = np.random.default_rng(seed)
         self.fill_rewards = fill_rewards
         self.num_generated = 0
+
+    def learn(self, groups: Sequence[Group], drift: float) -> None:
+        """Simulated learning: ``p += drift * (1 - p)`` for the problem of each trained group."""
+        for g in groups if drift > 0 else ():
+            i = self.index[g.problem.id]
+            self.p[i] += drift * (1.0 - self.p[i])
 
     def generate(
         self, problems: Sequence[Problem], n: int, sampling: Any | None = None
@@ -175,6 +187,40 @@ class PlanResult:
         }
 
 
+Population = tuple[list[Problem], dict[str, int], dict[str, float]]
+"""``(problems, level by id, p by id)`` of a simulated problem set."""
+
+
+@dataclass
+class Simulation:
+    """What every planner run starts from: the kept levels, the collapse prediction of the
+    level histogram, the problems, the real sampler over them and the simulated engine."""
+
+    keep: list[int]
+    pred: CollapsePrediction
+    problems: list[Problem]
+    sampler: CurriculumSampler
+    engine: BernoulliEngine
+
+    @classmethod
+    def start(
+        cls,
+        hist: Mapping[int, int],
+        k: int,
+        group_size: int,
+        curriculum: CurriculumConfig,
+        seed: int,
+        population: Population | None,
+    ) -> Simulation:
+        """The set-up of ``hist`` (``population``: default :func:`synthetic_population`)."""
+        keep = list(curriculum.keep_levels) if curriculum.keep_levels else sorted(hist)
+        weights = dict(zip(curriculum.keep_levels, curriculum.level_weights)) or None
+        pred = predict_acr(hist, k, group_size, keep, weights)
+        problems, levels, ps = population or synthetic_population(hist, k, seed, pred.prior)
+        sampler = CurriculumSampler(problems, curriculum, levels, CORRECTNESS_KEY, level_k=k)
+        return cls(keep, pred, problems, sampler, BernoulliEngine(ps, seed=seed))
+
+
 def run_plan(
     hist: Mapping[int, int],
     k: int,
@@ -185,7 +231,7 @@ def run_plan(
     dynamic: DynamicSamplingConfig,
     drift: float = 0.0,
     seed: int = 0,
-    population: tuple[list[Problem], dict[str, int], dict[str, float]] | None = None,
+    population: Population | None = None,
 ) -> PlanResult:
     """Simulate ``steps`` training steps; returns per-step metrics and the predictions.
 
@@ -195,12 +241,14 @@ def run_plan(
         population: ``(problems, levels, p)``; default :func:`synthetic_population`.
     """
     t0 = time.perf_counter()
-    keep = curriculum.keep_levels if curriculum.keep_levels else sorted(hist)
-    weights = dict(zip(curriculum.keep_levels, curriculum.level_weights)) or None
-    pred = predict_acr(hist, k, group_size, keep, weights)
-    problems, levels, ps = population or synthetic_population(hist, k, seed, pred.prior)
-    sampler = CurriculumSampler(problems, curriculum, levels, CORRECTNESS_KEY, level_k=k)
-    engine = BernoulliEngine(ps, seed=seed)
+    sim = Simulation.start(hist, k, group_size, curriculum, seed, population)
+    keep, pred, problems, sampler, engine = (
+        sim.keep,
+        sim.pred,
+        sim.problems,
+        sim.sampler,
+        sim.engine,
+    )
     ds = DynamicSampler(dynamic, CORRECTNESS_KEY, acr_predicted=pred.acr)
     rounds = checked_rounds(dynamic)
     result = PlanResult(
@@ -224,13 +272,11 @@ def run_plan(
 
     for step in range(steps):
         rounds = ds.start(sampler, batch_groups, step)
+        assert isinstance(rounds, UniformRounds)  # no rollout budget: G answers per problem
         while (problems := rounds.next_problems()) is not None:
             rounds.add(engine.generate(problems, group_size))
         batch = rounds.finish()
-        if drift > 0:
-            for g in batch.groups:
-                i = engine.index[g.problem.id]
-                engine.p[i] += drift * (1.0 - engine.p[i])
+        engine.learn(batch.groups, drift)
         row = dict(batch.stats)
         row.update(sampler.metrics())
         result.steps.append(row)

@@ -1,6 +1,6 @@
 """Step-time estimate of a GRPO step, per phase (`megagrpo plan-memory`): arithmetic on
-FLOPs and bytes over the bandwidths of :class:`~megagrpo.model.plan_scenario.Hardware`, with
-the efficiencies and workload of :class:`~megagrpo.model.plan_scenario.Assumptions`. Nothing
+FLOPs and bytes over the bandwidths of :class:`~megagrpo.plan.scenario.Hardware`, with
+the efficiencies and workload of :class:`~megagrpo.plan.scenario.Assumptions`. Nothing
 here is measured; every input is printed with the result.
 
 * **generate**: prefill (2 x active params x prompt tokens at ``prefill_mfu``) + decode.
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 
 from megagrpo.model.arch import arch_from_hf, param_counts
-from megagrpo.model.plan_memory import (
+from megagrpo.plan.memory import (
     DTYPE_BYTES,
     GIB,
     engine_weight_bytes,
@@ -43,7 +43,7 @@ from megagrpo.model.plan_memory import (
     lora_numel,
     shapes_of,
 )
-from megagrpo.model.plan_scenario import Assumptions, Hardware, Scenario
+from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 
 
 def _bw(gpus: int, per_node: int, hw: Hardware) -> float:
@@ -182,7 +182,7 @@ def _transitions(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
 
 def step_time(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
     """Per-phase seconds of one step and ``tokens_per_s_per_gpu`` (module doc); ``mem`` is
-    :func:`megagrpo.model.plan_memory.memory_plan` of the same scenario."""
+    :func:`megagrpo.plan.memory.memory_plan` of the same scenario."""
     phases = {
         "generate": _generate(sc, a, hw, mem),
         "sync": _sync(sc, a, hw),

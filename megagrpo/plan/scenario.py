@@ -1,37 +1,20 @@
 """What the planner (`megagrpo plan-memory`) reads: one run's layout and workload, the
 hardware, and the assumptions behind every estimate, each a documented field.
 
-:func:`scenario_from_config` builds a :class:`Scenario` from a validated ``RunConfig`` plus
-*planned keys*: options the planner models, possibly before the trainer implements them
-(:data:`PLANNED_KEYS`). Once a key exists in the config schema it is read from there (every
-key of issue 15 does now: offload, transport, packing, replicas, load format, FP8 rollout);
-a key the schema lacks is taken from the YAML or a ``key=value`` override and reported as
-planned in the output.
+:func:`scenario_from_config` builds a :class:`Scenario` from a validated ``RunConfig``: every
+key it plans (offload, sync transport, packing, replicas, load format, FP8 rollout, weight sync)
+is read from the config schema, where its type, default and allowed values are declared once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from megagrpo.errors import ConfigError, require
-
-PLANNED_KEYS: dict[str, tuple[type, Any, tuple]] = {
-    "trainer.offload_during_rollout": (bool, False, (True, False)),
-    "trainer.sync_transport": (str, "allreduce", ("allreduce", "broadcast", "sliced")),
-    "trainer.pack_tokens": (int, 0, ()),
-    "rollout.replicas": (str, "lockstep", ("lockstep", "independent")),
-    "rollout.load_format": (str, "auto", ("auto", "dummy")),
-    "rollout.quantization": (str, "none", ("none", "fp8")),
-}
-"""Config key -> (type, default, allowed values; () = any) of the options the planner models
-(issue 15; all in the config schema now): the trainer's frozen weights and LoRA state on the
-host while the engine generates; how merged weights travel (zero-fill + all-reduce, broadcast
-from the owner, or only the slices each engine rank holds); packed micro-batches of this many
-tokens (0: padded micro-batches); vLLM replicas stepped together (one engine over all GPUs,
-``data_parallel_size``) or independent engines of ``rollout.tensor_parallel_size`` GPUs;
-dummy engine weights at start-up (the first sync loads them); FP8 rollout weights."""
+from megagrpo.errors import ConfigError
+from megagrpo.model.arch import arch_from_hf
+from megagrpo.rollout.config import resolved_weight_sync, serves_adapters
 
 
 @dataclass
@@ -136,8 +119,6 @@ class Scenario:
     load_format: str
     extra_forwards: int
     """No-grad forwards per trained batch (recomputed old log-probs, the KL reference)."""
-    planned: dict[str, Any] = field(default_factory=dict)
-    """Planned keys taken from the YAML/overrides (not yet in the config schema)."""
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -157,94 +138,57 @@ class Scenario:
         return dataclasses.replace(self, **changes)
 
 
-def split_planned(data: dict, schema_has) -> dict[str, Any]:
-    """Remove the planned keys that the schema does not have yet from the nested YAML dict
-    ``data`` (in place); return them as ``{dotted key: value}``. ``schema_has(section, key)``
-    tells whether the schema already defines a key."""
-    found = {}
-    for dotted in PLANNED_KEYS:
-        section, key = dotted.split(".")
-        sec = data.get(section)
-        if isinstance(sec, dict) and key in sec and not schema_has(section, key):
-            found[dotted] = sec.pop(key)
-    return found
+def planned_weight_sync(cfg: Any, hf: dict) -> str:
+    """``trainer.weight_sync`` of ``cfg`` as the trainer resolves it on GPUs, for the model of
+    HF config ``hf`` (auto: the adapter where the engine serves LoRA adapters)."""
+    ro = cfg.rollout
+    serves = serves_adapters(ro.engine, ro.enable_lora, True, arch_from_hf(hf).is_moe)
+    return resolved_weight_sync(cfg.trainer.weight_sync, serves)
 
 
-def planned_value(dotted: str, cfg_section: Any, given: dict[str, Any]) -> Any:
-    """A planned key's value: ``given`` (YAML keys the schema lacks, overrides) when present,
-    else the config's own field, else the default. ConfigError names a wrong type or value."""
-    kind, default, allowed = PLANNED_KEYS[dotted]
-    key = dotted.split(".")[1]
-    if dotted in given:  # an explicit override (the layout search, plan_run callers)
-        value = given[dotted]
-    else:
-        value = getattr(cfg_section, key, default)
-    if kind is bool and isinstance(value, str):
-        value = {"true": True, "false": False}.get(value.lower(), value)
-    if kind is int and isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"config key '{dotted}': expected {kind.__name__}, got {value!r}")
-    require(not allowed or value in allowed, dotted, f"must be one of {allowed}, got {value!r}")
-    return value
-
-
-def scenario_from_config(cfg: Any, hf: dict, planned: dict[str, Any] | None = None) -> Scenario:
+def scenario_from_config(cfg: Any, hf: dict) -> Scenario:
     """The :class:`Scenario` of a validated ``RunConfig`` ``cfg`` for the model of HF config
-    ``hf``, with ``planned`` keys (see :func:`planned_value`)."""
-    given = dict(planned or {})
-    unknown = sorted(set(given) - set(PLANNED_KEYS))
-    if unknown:
-        raise ConfigError(f"config key '{unknown[0]}': not a planned key of plan-memory")
-    values = {k: planned_value(k, getattr(cfg, k.split(".")[0]), given) for k in PLANNED_KEYS}
+    ``hf``."""
     m, par, ro, tr = cfg.model, cfg.parallel, cfg.rollout, cfg.trainer
-    source = tr.resolved_old_logprobs(True) if hasattr(tr, "resolved_old_logprobs") else "rollout"
+    source = tr.resolved_old_logprobs(True)
     extra = int(source == "recompute") + int(cfg.loss.kl_coef > 0)
+    same = [  # Scenario fields that are config keys of the same name
+        (cfg.cluster, ("num_gpus", "gpus_per_node", "gpu_memory_gib")),
+        (par, ("tp", "pp", "ep", "etp")),
+        (m, ("dtype", "recompute")),
+        (tr, ("micro_batch_size", "pack_tokens", "batch_groups", "sync_transport")),
+        (
+            ro,
+            (
+                "group_size",
+                "max_tokens",
+                "max_model_len",
+                "enable_expert_parallel",
+                "replicas",
+                "quantization",
+                "gpu_memory_utilization",
+                "enable_lora",
+                "max_lora_rank",
+                "sleep_level",
+                "offload_cudagraph",
+                "sync_bucket_mb",
+                "load_format",
+            ),
+        ),
+    ]
     return Scenario(
         hf=hf,
-        num_gpus=cfg.cluster.num_gpus,
-        gpus_per_node=cfg.cluster.gpus_per_node,
-        gpu_memory_gib=cfg.cluster.gpu_memory_gib,
-        tp=par.tp,
-        pp=par.pp,
-        ep=par.ep,
-        etp=par.etp,
+        **{key: getattr(section, key) for section, keys in same for key in keys},
         sequence_parallel=bool(par.sequence_parallel and par.tp > 1),
-        dtype=m.dtype,
         spec="local" if m.spec == "local" else "te",
-        recompute=m.recompute,
         lora_rank=m.lora.rank,
         lora_alpha=m.lora.alpha,
         lora_targets=list(m.lora.targets),
         lora_dropout=m.lora.dropout,
-        micro_batch_size=tr.micro_batch_size,
-        pack_tokens=values["trainer.pack_tokens"],
-        batch_groups=tr.batch_groups,
-        group_size=ro.group_size,
-        max_tokens=ro.max_tokens,
-        max_model_len=ro.max_model_len,
         vllm_tp=max(ro.tensor_parallel_size, 1),
-        enable_expert_parallel=ro.enable_expert_parallel,
-        replicas=values["rollout.replicas"],
-        quantization=values["rollout.quantization"],
-        gpu_memory_utilization=ro.gpu_memory_utilization,
-        enable_lora=ro.enable_lora,
-        max_lora_rank=ro.max_lora_rank,
-        sleep_level=getattr(ro, "sleep_level", 0),
-        offload_cudagraph=getattr(ro, "offload_cudagraph", False),
-        sync_bucket_mb=ro.sync_bucket_mb,
-        # auto = what the trainer picks (trainer.sync.sync_mode): the adapter where the engine
-        # serves LoRA, else merged weights
-        weight_sync=(
-            ("adapter" if ro.enable_lora else "merged")
-            if tr.weight_sync == "auto"
-            else tr.weight_sync
-        ),
-        sync_transport=values["trainer.sync_transport"],
-        offload_during_rollout=values["trainer.offload_during_rollout"],
-        load_format=values["rollout.load_format"],
+        weight_sync=planned_weight_sync(cfg, hf),
+        offload_during_rollout=tr.offload_during_rollout,
         extra_forwards=extra,
-        planned={k: values[k] for k in given},
     )
 
 

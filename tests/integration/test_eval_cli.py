@@ -35,7 +35,8 @@ def test_eval_predictions_score_identically(tmp_path, igakuqa_dir, repo_root, de
         "--json",
     ]
     assert main(args) == 0
-    got = _last_json(capsys.readouterr().out)
+    stdout = capsys.readouterr().out
+    got = json.loads(stdout)  # --json: stdout is the JSON object and nothing else
     assert got["predictions"] == str(out) and got["total"] == 4
     assert {"accuracy", "score", "total", "kinki_selected", "by_exam"} <= set(got)
     assert set(got["by_exam"]) == {"112-A", "113-B"}
@@ -45,8 +46,19 @@ def test_eval_predictions_score_identically(tmp_path, igakuqa_dir, repo_root, de
         (igakuqa_dir / "baseline_results" / "2018" / "112-A_gpt4.jsonl").read_text().splitlines()[0]
     )
     rows = [json.loads(x) for x in (out / files[0]).read_text().splitlines()]
-    assert [r["problem_id"] for r in rows] == ["112A1", "112A2"]
-    assert all(set(r) == set(baseline) for r in rows)  # problem_id, prediction, explanation
+    gold_ids = [json.loads(x)["problem_id"] for x in exams[0].read_text().splitlines()]
+    assert [r["problem_id"] for r in rows] == gold_ids  # every question, the file's order
+    assert all(set(r) == set(baseline) for r in rows[:2])  # problem_id, prediction, explanation
+    assert {r["skipped"] for r in rows[2:]} == {"beyond --limit"}
+    assert all(r["prediction"] == "" for r in rows[2:])
+    assert set(got["pass"]) == {"112", "113"} and got["pass"]["113"]["general_threshold"]
+    for exam, pred_file in zip(exams, files):  # IgakuQA's evaluate_main.py, file by file
+        igakuqa = _igakuqa_evaluate(out / pred_file, exam)
+        assert main(["score", "--gold", str(exam), "--predictions", str(out / pred_file),
+                     "--json"]) == 0  # fmt: skip
+        ours = _last_json(capsys.readouterr().out)
+        assert igakuqa == {"accuracy": ours["accuracy"], "score": ours["score"],
+                           "total": ours["points_total"]}  # fmt: skip
 
     gold = tmp_path / "gold"  # the same question set as plain gold files
     for exam in exams:
@@ -60,6 +72,80 @@ def test_eval_predictions_score_identically(tmp_path, igakuqa_dir, repo_root, de
     for key in ("accuracy", "score", "total", "points_total", "correct", "kinki_selected"):
         assert scored[key] == got[key], key
     assert scored["by_year"] == got["by_year"]
+
+
+def _igakuqa_evaluate(pred_file, gold_file) -> dict:
+    """What IgakuQA's scripts/evaluate_main.py (jungokasai/IgakuQA@main) computes and asserts,
+    restated: check_jsonls (scripts/utils/tools.py:64-67: as many rows as the gold file, the
+    same problem_id row by row) then accuracy() (evaluate_main.py:11-32)."""
+    preds = [json.loads(x) for x in open(pred_file, encoding="utf-8")]
+    golds = [json.loads(x) for x in open(gold_file, encoding="utf-8")]
+    assert len(preds) == len(golds)
+    for p, g in zip(preds, golds):
+        assert p["problem_id"] == g["problem_id"]
+    count = correct = total = score = 0
+    for pred, ans in zip(preds, golds):
+        prediction = sorted(pred["prediction"].split(","))
+        gold, points = sorted(ans["answer"]), int(ans["points"])
+        if ans["problem_id"] == "116A71":
+            correct, score = correct + 1, score + points
+        elif ans["problem_id"] == "112B30" and prediction in (["a"], ["d"]):
+            correct, score = correct + 1, score + points
+        elif prediction == gold:
+            correct, score = correct + 1, score + points
+        count, total = count + 1, total + points
+    return {"accuracy": correct / count, "score": score, "total": total}
+
+
+def test_pass_criterion_per_exam(igakuqa_dir):
+    """The 113th exam (2019): required >= 80% of blocks B+E, general >= 209/296 (published),
+    禁忌肢 <= 3; checked on GPT-4's baseline predictions against a direct count."""
+    from megagrpo.rewards.igakuqa import find_files, read_gold, read_predictions, score
+    from megagrpo.rewards.igakuqa_pass import pass_criteria
+
+    gold = read_gold(find_files([igakuqa_dir / "2019"], gold=True))
+    preds = read_predictions(
+        find_files(
+            [igakuqa_dir / "baseline_results" / "2019"], gold=False, name_glob="*_gpt4.jsonl"
+        )  # fmt: skip
+    )
+    report = score(gold, preds)
+    res = pass_criteria(gold, preds, report)["113"]
+    req = [(i, preds.get(pid)) for pid, i in gold.items() if i.exam[-1] in "BE"]
+    want_req = sum(
+        i.points for i, p in req if p is not None and sorted(p.split(",")) == sorted(i.answer)
+    )
+    assert (res.required_score, res.required_total) == (want_req, 200)
+    assert res.general_total == 296 and res.general_threshold == pytest.approx(209 / 296)
+    assert res.required_score + res.general_score == report.overall.score
+    assert res.kinki_selected == len(report.kinki)
+    assert res.passed == (want_req >= 160 and res.general_score >= 209 and res.kinki_selected <= 3)
+    assert pass_criteria(gold, {}, score(gold, {}))["113"].passed is False
+
+
+def test_json_stdout_holds_only_json(tmp_path):
+    """stdout_to_stderr: a logger bound to stdout before (as vLLM's), raw writes to fd 1 and
+    child processes all land on stderr; what is printed after is alone on stdout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, logging, os, subprocess, sys\n"
+        "from megagrpo.commands.eval import stdout_to_stderr\n"
+        "log = logging.getLogger('engine'); log.addHandler(logging.StreamHandler(sys.stdout))\n"
+        "with stdout_to_stderr(True):\n"
+        "    log.warning('WARNING engine noise')\n"
+        "    print('print noise')\n"
+        "    os.write(1, b'fd noise\\n')\n"
+        "    subprocess.run([sys.executable, '-c', 'print(\"child noise\")'])\n"
+        "print(json.dumps({'ok': 1}))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"ok": 1}
+    for noise in ("engine noise", "print noise", "fd noise", "child noise"):
+        assert noise in proc.stderr
 
 
 def test_kinki_counts_against_the_metadata(igakuqa_dir, capsys):

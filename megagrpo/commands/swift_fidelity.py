@@ -1,0 +1,495 @@
+"""What makes a translated ms-swift run train like the original (used by `megagrpo from-swift`):
+the rules whose absence would let a config train something else without saying so.
+
+* old log-probs: ms-swift's are the training model's (recomputed; an on-policy step has a
+  ratio of exactly 1) and it applies no rollout importance sampling unless asked;
+* dtype: without ``--bf16``/``--fp16``/``--torch_dtype`` ms-swift loads the model in its
+  config.json ``torch_dtype``;
+* steps: ``--train_iters`` / ``--max_steps``, else epochs x dataset rows / problems per step;
+* the curriculum: ms-swift samples every row, every epoch; megagrpo's retirement is off in a
+  translated config and its correctness signal is a named reward;
+* values the shell computes (``$(nproc)``) are never mapped;
+* everything ms-swift trains that megagrpo cannot (other losses, multi-step generations,
+  overlong filtering, top-k, server mode, asynchronous generation, full fine-tuning,
+  unsupported architectures, multimodal inputs) is *blocking*: `from-swift` writes no config
+  for it unless ``--allow-partial``.
+
+Entries whose flags only change where or how fast ms-swift runs (offloading, workers, kernels,
+checkpoint formats, logging backends) are reported but do not block (:data:`HARMLESS`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from megagrpo.commands.swift_flags import DIFFERS, EXACT, MISSING, Entry, Translation, _bool
+from megagrpo.commands.swift_shell import Unexpanded
+from megagrpo.errors import ConfigError
+
+# MISSING flags that change where or how fast ms-swift runs, not what it trains.
+HARMLESS = frozenset(
+    {
+        "offload_model",
+        "offload_optimizer",
+        "offload_bridge",
+        "move_model_batches",
+        "context_parallel_size",
+        "vllm_max_num_seqs",
+        "vllm_engine_kwargs",
+        "vllm_enable_prefix_caching",
+        "dataset_num_proc",
+        "dataloader_num_workers",
+        "padding_free",
+        "attention_backend",
+        "attn_impl",
+        "moe_permute_fusion",
+        "moe_grouped_gemm",
+        "deepspeed",
+        "gradient_checkpointing",
+        "finetune",
+        "no_save_optim",
+        "no_save_rng",
+        "merge_lora",
+        "save_safetensors",
+        "save_only_model",
+        "load_from_cache_file",
+        "save_strategy",
+        "eval_strategy",
+        "per_device_eval_batch_size",
+        "swanlab_project",
+        "output_dir",
+        "add_version",
+        "log_entropy",
+        "log_rollout_offpolicy_metrics",
+        "torch_dtype",
+        "report_to",
+        "split_dataset_ratio",
+        "max_resample_times",
+    }
+)
+
+# What ms-swift trains that megagrpo does not (flag -> why), blocking when given.
+UNSUPPORTED: dict[str, str] = {
+    "steps_per_generation": "several optimizer steps per generated batch (off-policy "
+    "mini-batches); megagrpo makes one step per batch (trainer.ppo_epochs repeats the whole "
+    "batch instead)",
+    "overlong_filter": "truncated completions masked out of the loss; megagrpo trains on them",
+    "async_generate": "asynchronous generation with the previous step's weights",
+    "vllm_server_host": "an external vLLM server (vllm_mode server)",
+    "vllm_server_port": "an external vLLM server (vllm_mode server)",
+    "vllm_server_base_url": "an external vLLM server (vllm_mode server)",
+    "multi_turn_scheduler": "multi-turn rollouts",
+    "use_gym_env": "gym environments",
+    "gym_env": "gym environments",
+    "max_turns": "multi-turn rollouts",
+    "reward_model": "reward models (megagrpo: reward functions only)",
+    "reward_model_plugin": "reward models (megagrpo: reward functions only)",
+    "teacher_model": "on-policy distillation from a teacher",
+    "teacher_model_server": "on-policy distillation from a teacher",
+    "max_pixels": "images (megagrpo trains text-only models)",
+    "freeze_vit": "vision towers (megagrpo trains text-only models)",
+    "quant_method": "quantised base weights (QLoRA)",
+    "quant_bits": "quantised base weights (QLoRA)",
+    "bnb_4bit_quant_type": "quantised base weights (QLoRA)",
+    "tau_pos": "SAPO's soft gate (loss_type sapo)",
+    "tau_neg": "SAPO's soft gate (loss_type sapo)",
+    "delta": "two-sided clipping of the ratio (delta)",
+    "kl_in_reward": "KL in the reward",
+    "off_policy_sequence_mask_delta": "off-policy sequence masking",
+    "top_entropy_quantile": "entropy-masked tokens",
+    "sync_ref_model": "a reference model that follows the policy",
+}
+TEXT_FAMILIES = re.compile(
+    r"^(qwen3-|qwen2(\.5)?-|(meta-)?llama|mistral|qwq)", re.IGNORECASE
+)  # text families megagrpo trains (model/arch.py SUPPORTED), read off a hub id
+MULTIMODAL = re.compile(r"(vl|omni|audio|vision|qwen3\.5|qwen3_5|llava|pixtral)", re.IGNORECASE)
+
+
+# ms-swift loss_type -> megagrpo loss aggregation (megatron/trainers/grpo_trainer.py: grpo
+# per-sample mean then batch mean; bnpo/dapo over the batch's completion tokens; dr_grpo
+# sum / (sequences x max_completion_length)).
+SWIFT_LOSS_AGG = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "dr_grpo": "seq_mean_token_sum_norm",
+}
+UNSUPPORTED_LOSSES = {
+    "sapo": "SAPO's soft sigmoid gate instead of the clip",
+    "cispo": "CISPO's clipped-weight REINFORCE",
+    "real": "REAL's group ranking loss",
+    "fipo": "FIPO's future-KL influence weights",
+}
+
+
+def translate_loss_type(t: Translation) -> None:
+    """loss_type x importance_sampling_level: the clip (token ratio, or GSPO's sequence ratio
+    broadcast to its tokens) and ms-swift's normaliser of that loss_type."""
+    loss = str(t.get("loss_type", "grpo"))
+    level = str(t.get("importance_sampling_level", "token"))
+    if loss not in SWIFT_LOSS_AGG:
+        why = UNSUPPORTED_LOSSES.get(loss, "unknown to megagrpo")
+        t.add("loss_type", MISSING, {}, f"not supported: loss_type '{loss}' ({why})")
+        t.done.add("importance_sampling_level")
+        return
+    if level not in ("token", "sequence"):
+        t.add("loss_type", EXACT, {}, given="loss_type" in t.flags, value=loss)
+        t.add(
+            "importance_sampling_level",
+            MISSING,
+            {},
+            f"not supported: '{level}' (megagrpo: token, or sequence = GSPO)",
+        )
+        return
+    variant = (
+        "gspo" if level == "sequence" else {"dapo": "dapo", "dr_grpo": "dr_grpo"}.get(loss, "grpo")
+    )
+    keys = {"loss.variant": variant, "loss.loss_agg": SWIFT_LOSS_AGG[loss]}
+    t.add(
+        "loss_type",
+        EXACT,
+        keys,
+        f"{SWIFT_LOSS_AGG[loss]}: ms-swift's normaliser of '{loss}'",
+        given="loss_type" in t.flags,
+        value=loss,
+    )
+    if "importance_sampling_level" in t.flags:
+        t.add(
+            "importance_sampling_level",
+            EXACT,
+            {"loss.variant": variant},
+            "GSPO: the length-normalised sequence ratio, clipped, on every token"
+            if level == "sequence"
+            else "",
+        )
+
+
+def blocking(t: Translation) -> list[Entry]:
+    """The report's entries that make the written config train something else than ms-swift
+    would (``--allow-partial`` writes it anyway)."""
+    return [e for e in t.entries if e.status == MISSING and e.flag not in HARMLESS]
+
+
+def translate_unexpanded(t: Translation, env: dict[str, str]) -> None:
+    """Flags and environment values only the shell could compute: reported, never mapped
+    (their flags are taken out of ``t.flags`` before any other rule reads them)."""
+    for flag, value in list(t.flags.items()):
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, Unexpanded) for v in values):
+            t.add(
+                flag,
+                MISSING,
+                {},
+                f"{value!r} is computed by the shell when the script runs: not evaluated "
+                "here; give the value itself",
+            )
+            del t.flags[flag]
+    for key in ("NPROC_PER_NODE", "NNODES"):
+        if isinstance(env.get(key), Unexpanded) and t.flavor == "swift":
+            t.add(
+                key,
+                MISSING,
+                {},
+                f"{key}={env[key]} is computed by the shell: the batch size counts processes; "
+                "pass --world-size",
+                given=False,
+                value=env[key],
+            )
+    if env.get("MAX_PIXELS") is not None:
+        t.add("max_pixels", MISSING, {}, UNSUPPORTED["max_pixels"], given=False, value="env")
+
+
+def translate_unsupported(t: Translation) -> None:
+    """Every given flag of :data:`UNSUPPORTED` (and the values of others that megagrpo cannot
+    train) as a blocking entry; spg/gbs that amount to one step per generation are exact."""
+    for flag, why in UNSUPPORTED.items():
+        if flag not in t.flags or flag in t.done:
+            continue
+        value = t.get(flag)
+        if flag == "overlong_filter" and not _bool(value):
+            t.add(flag, EXACT, {}, "false: truncated completions are trained on, as in megagrpo")
+        elif flag == "async_generate" and not _bool(value):
+            t.add(flag, EXACT, {})
+        elif flag == "steps_per_generation" and _one_step_per_generation(t, int(value)):
+            t.add(flag, EXACT, {}, "one optimizer step per generated batch, as in megagrpo")
+        else:
+            t.add(flag, MISSING, {}, f"not supported: {why}")
+    if "generation_batch_size" in t.flags:
+        gen = int(t.get("generation_batch_size"))
+        per_step = _completions_per_step(t)
+        same = per_step is not None and gen <= per_step and per_step % gen == 0
+        t.add(
+            "generation_batch_size",
+            EXACT if same else MISSING,
+            {},
+            "generations make up one optimizer step, as in megagrpo"
+            if same
+            else f"not supported: {gen} completions per generation = several optimizer steps "
+            f"per generated batch ({UNSUPPORTED['steps_per_generation']})",
+        )
+    if "top_k" in t.flags:
+        k = int(t.get("top_k"))
+        off = k in (-1, 0)
+        t.add(
+            "top_k",
+            EXACT if off else MISSING,
+            {},
+            "no top-k truncation, as in megagrpo" if off else "not supported: top-k sampling",
+        )
+    if str(t.get("vllm_mode", "colocate")) == "server":
+        t.done.discard("vllm_mode")
+        t.entries = [e for e in t.entries if e.flag != "vllm_mode"]
+        t.add("vllm_mode", MISSING, {}, "not supported: an external vLLM server")
+
+
+def _completions_per_step(t: Translation) -> int | None:
+    if t.flavor == "megatron" or "global_batch_size" in t.flags:
+        return int(t.get("global_batch_size", 16))
+    mb = int(t.get("per_device_train_batch_size", 1))
+    gas = t.get("gradient_accumulation_steps")
+    gas = int(gas) if gas is not None else max(1, math.ceil(16 / mb / t.world_size))
+    return mb * t.world_size * gas
+
+
+def _one_step_per_generation(t: Translation, spg: int) -> bool:
+    """ms-swift's steps_per_generation counts micro-steps in ``swift rlhf`` (its default is
+    gradient_accumulation_steps) and optimizer steps in ``megatron rlhf`` (default 1)."""
+    if t.flavor == "megatron":
+        return spg == 1
+    gas = int(t.get("gradient_accumulation_steps", 1))
+    return spg <= gas and gas % spg == 0
+
+
+def translate_old_logprobs(t: Translation) -> None:
+    """ms-swift's ratio is against the training model's own log-probs (recomputed), and it
+    corrects the rollout/training mismatch only when rollout_importance_sampling_mode is set."""
+    mode = t.get("rollout_importance_sampling_mode")
+    keys: dict[str, Any] = {"trainer.old_logprobs": "recompute"}
+    if mode is None:
+        keys["loss.tis_auto"] = False
+        t.add(
+            "rollout_importance_sampling_mode",
+            DIFFERS,
+            keys,
+            "not given: no rollout importance sampling, as ms-swift (megagrpo's bf16 default "
+            "turns TIS on); old log-probs recomputed by the training model, as ms-swift "
+            "(ratio exactly 1 on an on-policy step)",
+            given=False,
+            value=None,
+        )
+    else:
+        t.overrides.update(keys)
+
+
+def translate_dtype(t: Translation) -> None:
+    """No --bf16 / --fp16 / --torch_dtype: ms-swift loads the model in its config.json dtype
+    (``HfConfigFactory.get_torch_dtype``: torch_dtype, else params_dtype)."""
+    if any(f in t.flags for f in ("bf16", "fp16", "torch_dtype")):
+        if "fp16" in t.flags and _bool(t.get("fp16")):
+            t.add("fp16", EXACT, {"model.dtype": "float16", "rollout.dtype": "float16"})
+        elif "fp16" in t.flags:
+            t.add("fp16", EXACT, {})
+        return
+    path = Path(str(t.get("model", ""))).expanduser()
+    dtype = None
+    if (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        raw = cfg.get("torch_dtype") or cfg.get("params_dtype") or cfg.get("dtype")
+        dtype = str(raw).replace("torch.", "") if raw else None
+    if dtype in ("bfloat16", "float16", "float32"):
+        t.add(
+            "torch_dtype",
+            DIFFERS,
+            {"model.dtype": dtype, "rollout.dtype": dtype},
+            f"not given: the model's config.json torch_dtype {dtype}, as ms-swift loads it "
+            "(megagrpo's default is float32)",
+            given=False,
+            value=dtype,
+        )
+    else:
+        t.add(
+            "torch_dtype",
+            DIFFERS,
+            {},
+            "not given: ms-swift loads the model in its config.json torch_dtype, which is not "
+            "readable here (a hub id, or no torch_dtype): set model.dtype / rollout.dtype to "
+            "it (megagrpo's default is float32)",
+            given=False,
+            value=None,
+        )
+
+
+def translate_architecture(t: Translation) -> None:
+    """A model megagrpo cannot train (multimodal, or a family it has no provider for) blocks;
+    a local directory is judged by its config.json model_type, a hub id by its name."""
+    if "model" not in t.flags:
+        return
+    name = str(t.get("model"))
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        from megagrpo.model.arch import SUPPORTED
+
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        ok = cfg.get("model_type") in SUPPORTED
+        why = f"model_type {cfg.get('model_type')!r} (megagrpo: {', '.join(SUPPORTED)})"
+    else:
+        base = name.rstrip("/").split("/")[-1]
+        ok = bool(TEXT_FAMILIES.match(base)) and not MULTIMODAL.search(base)
+        why = (
+            f"{base}: a multimodal or unsupported family (megagrpo trains Qwen3(-MoE), Qwen2, "
+            "Llama, Mistral text models)"
+        )
+    if not ok:
+        t.entries = [e for e in t.entries if e.flag != "model"]
+        t.add("model", MISSING, {"model.hf_path": name}, f"not supported: {why}")
+
+
+def translate_tuner(t: Translation) -> None:
+    """``megatron rlhf`` fine-tunes all weights unless --tuner_type lora (ms-swift 4.6's
+    default tuner_type is 'full' there, 'lora' in ``swift rlhf``)."""
+    default = "full" if t.flavor == "megatron" else "lora"
+    for flag in ("tuner_type", "train_type"):
+        if flag in t.flags:
+            tuner = str(t.get(flag))
+            if tuner == "lora":
+                t.add(flag, EXACT, {}, "LoRA is megagrpo's only mode")
+            else:
+                t.add(flag, MISSING, {}, f"not supported: {tuner} fine-tuning (LoRA only)")
+            return
+    if default == "full":
+        t.add(
+            "tuner_type",
+            MISSING,
+            {},
+            "not given: megatron rlhf fine-tunes every weight by default (tuner_type full); "
+            "megagrpo trains LoRA only: add --tuner_type lora",
+            given=False,
+            value="full",
+        )
+    t.done.add("tuner_type")
+
+
+def translate_steps(t: Translation, problems_per_step: int) -> None:
+    """``trainer.max_steps`` from --train_iters / --max_steps, else ms-swift's own count:
+    num_train_epochs (default 3 in ``swift rlhf``) x rows of the local dataset / problems per
+    optimizer step (Megatron: ``len // step_batch * step_batch * G * epochs // gbs``)."""
+    for flag in ("train_iters", "max_steps"):
+        if flag in t.flags:
+            t.add(flag, EXACT, {"trainer.max_steps": int(t.get(flag))})
+            t.done.add("num_train_epochs")
+            if "num_train_epochs" in t.flags:
+                t.add("num_train_epochs", EXACT, {}, f"--{flag} takes precedence")
+            return
+    epochs = t.get("num_train_epochs", 3 if t.flavor == "swift" else None)
+    rows = _dataset_rows(t)
+    if epochs is not None and rows is not None:
+        steps = max(1, int(float(epochs) * rows) // problems_per_step)
+        t.add(
+            "num_train_epochs",
+            EXACT if "num_train_epochs" in t.flags else DIFFERS,
+            {"trainer.max_steps": steps},
+            f"{epochs} epochs x {rows} rows / {problems_per_step} problems per step = {steps} "
+            "optimizer steps" + ("" if "num_train_epochs" in t.flags else " (ms-swift's default)"),
+            given="num_train_epochs" in t.flags,
+            value=epochs,
+        )
+        return
+    why = "a hub dataset" if rows is None else "no --num_train_epochs"
+    t.add(
+        "num_train_epochs",
+        MISSING,
+        {},
+        f"the number of optimizer steps is not known here ({why}): set trainer.max_steps "
+        "(megagrpo's default is 10)",
+        given="num_train_epochs" in t.flags,
+        value=epochs,
+    )
+
+
+def _dataset_rows(t: Translation) -> int | None:
+    """Rows of the local JSONL datasets (``path#N``: N rows), None when one is not local."""
+    total = 0
+    for d in _as_list(t.get("dataset", [])):
+        path, _, sample = str(d).partition("#")
+        p = Path(path).expanduser()
+        if not p.is_file():
+            return None
+        with p.open(encoding="utf-8") as f:
+            n = sum(1 for line in f if line.strip())
+        total += int(sample) if sample.isdigit() else n
+    return total or None
+
+
+def _as_list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else [v]
+
+
+def translate_curriculum(t: Translation) -> None:
+    """ms-swift trains every row of every epoch: retirement off; the correctness signal (the
+    collapse metrics and the online pass rates read it) is the accuracy-like reward."""
+    labels = [
+        str(f.get("label") or f.get("name")) for f in t.overrides.get("rewards.functions", [])
+    ]
+    signal = next((x for x in labels if "acc" in x.lower()), labels[0] if labels else "")
+    keys: dict[str, Any] = {"curriculum.retire_streak": 0}
+    if signal:
+        keys["curriculum.signal_reward"] = signal
+    t.add(
+        "[curriculum]",
+        DIFFERS,
+        keys,
+        "ms-swift samples every row: megagrpo's retirement of all-correct/all-wrong problems is "
+        f"off; collapse metrics judge correctness on '{signal or 'the reward'}'",
+        given=False,
+        value="-",
+    )
+
+
+INT_FLAGS = frozenset(
+    """num_generations max_completion_length max_length vllm_max_model_len lora_rank
+    global_batch_size micro_batch_size per_device_train_batch_size gradient_accumulation_steps
+    train_iters max_steps lr_warmup_iters save_steps save_total_limit eval_steps seed
+    max_resample_times num_iterations sleep_level soft_max_length soft_cache_length top_k
+    generation_batch_size steps_per_generation tensor_model_parallel_size
+    expert_model_parallel_size expert_tensor_parallel_size pipeline_model_parallel_size
+    vllm_tensor_parallel_size vllm_max_lora_rank recompute_num_layers""".split()
+)
+FLOAT_FLAGS = frozenset(
+    """beta temperature top_p epsilon epsilon_high lora_alpha lora_dropout lr learning_rate
+    min_lr weight_decay adam_beta1 adam_beta2 clip_grad max_grad_norm warmup_ratio
+    lr_warmup_fraction rollout_importance_sampling_threshold vllm_gpu_memory_utilization
+    num_train_epochs""".split()
+)
+BOOL_WORDS = frozenset({"true", "false", "1", "0", "yes", "no", "on", "off"})
+BOOL_FLAGS = frozenset(
+    """dynamic_sample use_vllm bf16 fp16 sequence_parallel overlong_filter enable_thinking
+    log_completions vllm_enable_lora vllm_enable_expert_parallel async_generate""".split()
+)
+
+
+def check_values(flags: dict[str, Any]) -> None:
+    """ConfigError naming the flag whose value is not of the type ms-swift parses it as
+    (``--lr abc``, ``--num_generations 8.5``, ``--bf16 maybe``); Unexpanded values are left
+    to :func:`translate_unexpanded`."""
+    for flag, value in flags.items():
+        if isinstance(value, Unexpanded) or (
+            isinstance(value, list) and any(isinstance(v, Unexpanded) for v in value)
+        ):
+            continue
+        if isinstance(value, list):
+            if flag in INT_FLAGS | FLOAT_FLAGS | BOOL_FLAGS:
+                raise ConfigError(f"--{flag}: one value expected, got {value!r}")
+            continue
+        if flag in INT_FLAGS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"--{flag} {value!r}: expected an integer")
+        if flag in FLOAT_FLAGS and (
+            isinstance(value, bool) or not isinstance(value, int | float) or value != value
+        ):
+            raise ConfigError(f"--{flag} {value!r}: expected a number")
+        if flag in BOOL_FLAGS and not isinstance(value, bool):
+            if str(value).lower() not in BOOL_WORDS:
+                raise ConfigError(f"--{flag} {value!r}: expected true or false")

@@ -1,0 +1,204 @@
+"""Read the ``swift rlhf`` / ``megatron rlhf`` command out of a shell script, without running
+or expanding anything from it (used by `megagrpo from-swift`).
+
+A small lexer for the shell a launch script uses: line continuations, ``'...'``, ``"..."``
+(over several lines too), ``$'...'`` (ANSI-C escapes), comments, ``;``/``&&`` separators and
+``VAR=value`` assignments. ``$VAR`` / ``${VAR}`` are replaced by a value the script assigned
+earlier from literals; anything else the shell would compute (``$(...)``, backticks, a
+variable the script does not set, an arithmetic expansion) is left as written and the word is
+marked :class:`Unexpanded`, which from-swift reports as untranslatable instead of mapping it.
+"""
+
+from __future__ import annotations
+
+from megagrpo.errors import ConfigError
+
+ANSI_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "a": "\a"}
+
+
+class Unexpanded(str):
+    """A word whose value only the shell could compute (``$(nproc)``, ``$HOME``, ...): the
+    text as written."""
+
+
+class _Lexer:
+    def __init__(self, text: str, variables: dict[str, str]) -> None:
+        self.text, self.i, self.vars = text, 0, variables
+        self.dynamic = False
+
+    def peek(self, k: int = 0) -> str:
+        j = self.i + k
+        return self.text[j] if j < len(self.text) else ""
+
+    def _until(self, close: str, start: int) -> str:
+        j = self.text.find(close, self.i)
+        if j < 0:
+            line = self.text.count("\n", 0, start) + 1
+            raise ConfigError(f"script line {line}: no closing {close!r}")
+        out, self.i = self.text[self.i : j], j + len(close)
+        return out
+
+    def _balanced(self, start: int) -> str:
+        """``$(...)`` / ``$((...))``: the text up to the matching ')', marked dynamic."""
+        depth, j = 0, self.i
+        while j < len(self.text):
+            c = self.text[j]
+            depth += c == "("
+            depth -= c == ")"
+            j += 1
+            if depth == 0:
+                break
+        else:
+            line = self.text.count("\n", 0, start) + 1
+            raise ConfigError(f"script line {line}: no closing ')' of $(")
+        out, self.i = self.text[self.i - 1 : j], j  # from the '$'
+        self.dynamic = True
+        return out
+
+    def dollar(self) -> str:
+        """After a '$': a variable, a command substitution or a literal '$'."""
+        start = self.i - 1
+        c = self.peek()
+        if c == "(":
+            return self._balanced(start)
+        if c == "{":
+            self.i += 1
+            name = self._until("}", start)
+            return self._var(name, "${" + name + "}")
+        j = self.i
+        while j < len(self.text) and (self.text[j].isalnum() or self.text[j] == "_"):
+            j += 1
+        if j == self.i:
+            if c and c in "@*#?$!0123456789-":
+                self.i += 1
+                self.dynamic = True
+                return "$" + c
+            return "$"
+        name, self.i = self.text[self.i : j], j
+        return self._var(name, "$" + name)
+
+    def _var(self, name: str, written: str) -> str:
+        if name in self.vars and not isinstance(self.vars[name], Unexpanded):
+            return self.vars[name]
+        self.dynamic = True
+        return written
+
+    def double_quoted(self, start: int) -> str:
+        out = []
+        while True:
+            c = self.peek()
+            if not c:
+                line = self.text.count("\n", 0, start) + 1
+                raise ConfigError(f"script line {line}: no closing '\"'")
+            self.i += 1
+            if c == '"':
+                return "".join(out)
+            if c == "\\" and self.peek() in ('"', "\\", "$", "`", "\n"):
+                nxt = self.peek()
+                self.i += 1
+                out.append("" if nxt == "\n" else nxt)
+            elif c == "$":
+                out.append(self.dollar())
+            elif c == "`":
+                out.append("`" + self._until("`", self.i - 1) + "`")
+                self.dynamic = True
+            else:
+                out.append(c)
+
+    def ansi_c(self, start: int) -> str:
+        out = []
+        while True:
+            c = self.peek()
+            if not c:
+                line = self.text.count("\n", 0, start) + 1
+                raise ConfigError(f"script line {line}: no closing \"'\" of $'")
+            self.i += 1
+            if c == "'":
+                return "".join(out)
+            if c == "\\" and self.peek():
+                nxt = self.peek()
+                self.i += 1
+                out.append(ANSI_ESCAPES.get(nxt, "\\" + nxt))
+            else:
+                out.append(c)
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The script's simple commands, each a list of words (:class:`Unexpanded` where the shell
+    would compute the value). Assignment-only commands are applied to later words."""
+    variables: dict[str, str] = {}
+    commands: list[list[str]] = []
+    words: list[str] = []
+    lex = _Lexer(text, variables)
+
+    def end_command() -> None:
+        nonlocal words
+        if words and all(_assignment(w) for w in words):
+            for w in words:
+                key, _, value = w.partition("=")
+                variables[key] = Unexpanded(value) if isinstance(w, Unexpanded) else value
+        elif words:
+            commands.append(words)
+        words = []
+
+    while lex.i < len(text):
+        c = lex.peek()
+        if c == "\\" and lex.peek(1) == "\n":
+            lex.i += 2
+        elif c in " \t\r":
+            lex.i += 1
+        elif c in "\n;&|":
+            lex.i += 1
+            end_command()
+        elif c == "#":
+            j = text.find("\n", lex.i)
+            lex.i = len(text) if j < 0 else j
+        else:
+            words.append(_word(lex))
+    end_command()
+    return commands
+
+
+def _word(lex: _Lexer) -> str:
+    """One word from the lexer's position (quotes and expansions joined)."""
+    out: list[str] = []
+    lex.dynamic = False
+    while lex.i < len(lex.text):
+        c = lex.peek()
+        if c in " \t\r\n;&|" or (c == "\\" and lex.peek(1) == "\n"):
+            break
+        start = lex.i
+        lex.i += 1
+        if c == "'":
+            out.append(lex._until("'", start))
+        elif c == '"':
+            out.append(lex.double_quoted(start))
+        elif c == "$" and lex.peek() == "'":
+            lex.i += 1
+            out.append(lex.ansi_c(start))
+        elif c == "$":
+            out.append(lex.dollar())
+        elif c == "`":
+            out.append("`" + lex._until("`", start) + "`")
+            lex.dynamic = True
+        elif c == "\\" and lex.peek():
+            out.append(lex.peek())
+            lex.i += 1
+        else:
+            out.append(c)
+    word = "".join(out)
+    return Unexpanded(word) if lex.dynamic else word
+
+
+def _assignment(word: str) -> bool:
+    name, eq, _ = word.partition("=")
+    return bool(eq) and name.isidentifier()
+
+
+def command_from_script(text: str) -> list[str]:
+    """The words of the script's ``swift rlhf`` / ``megatron rlhf`` command (its leading
+    ``VAR=value`` words included)."""
+    for words in shell_commands(text):
+        if "rlhf" in words:
+            return words
+    raise ConfigError("no 'swift rlhf' or 'megatron rlhf' command in the script")

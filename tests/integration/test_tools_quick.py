@@ -1,0 +1,55 @@
+"""Every script in tools/ runs in its ``--quick`` mode, so a benchmark cannot rot unseen
+(bench_step.py once failed on an import for weeks). Each run is a fresh subprocess, as a user
+runs it; the test checks the exit status and the line that says the tool did its work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+SLOW = pytest.mark.slow
+
+# tool -> (a line its --quick output must hold, marks)
+QUICK = {
+    "bench_convert.py": ("(transformers from_pretrained / save_pretrained)", [SLOW]),
+    "bench_curriculum.py": ("target < 10 ms", []),
+    "bench_loss.py": ("max |logp fused - logp naive|", []),
+    "bench_packing.py": ("padded waste", []),
+    "bench_recompute.py": ("(equal: True", [SLOW]),
+    "bench_rollout.py": ("model tiny-dense", [SLOW]),
+    "bench_step.py": ("perf/step_s", [SLOW]),
+    "bench_sync.py": ("Qwen3-235B-A22B estimate", [SLOW, pytest.mark.distributed]),
+    "bench_sync_verify.py": ("checksums s", [SLOW]),
+    "convert_ckpt.py": ("bitwise True", [SLOW]),
+    "make_demo_mcq.py": ("regenerate byte for byte: True", []),
+    "make_demo_problems.py": ("regenerate byte for byte: True", []),
+    "repro_article.py": ("all levels, knapsack + carry", [SLOW]),
+}
+
+
+def test_every_tool_has_a_quick_mode_and_a_smoke_run():
+    tools = sorted(p.name for p in TOOLS.glob("*.py"))
+    assert tools == sorted(QUICK), "a tool without a --quick smoke run here"
+    for name in tools:
+        assert '"--quick"' in (TOOLS / name).read_text(encoding="utf-8"), name
+
+
+@pytest.mark.parametrize(
+    "tool", [pytest.param(t, marks=marks) for t, (_, marks) in sorted(QUICK.items())]
+)
+def test_tool_quick_runs(tool):
+    expected = QUICK[tool][0]
+    proc = subprocess.run(
+        [sys.executable, str(TOOLS / tool), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=TOOLS.parent,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{tool} --quick exited {proc.returncode}:\n{out[-4000:]}"
+    assert expected in proc.stdout, f"{tool} --quick printed no {expected!r}:\n{out[-4000:]}"
