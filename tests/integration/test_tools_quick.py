@@ -24,6 +24,7 @@ QUICK = {
     "bench_step.py": ("perf/step_s", [SLOW]),
     "bench_sync.py": ("Qwen3-235B-A22B estimate", [SLOW, pytest.mark.distributed]),
     "bench_sync_verify.py": ("checksums s", [SLOW]),
+    "bench_train_memory.py": ("fused linear  peak", [SLOW]),
     "convert_ckpt.py": ("bitwise True", [SLOW]),
     "make_demo_mcq.py": ("regenerate byte for byte: True", []),
     "make_demo_problems.py": ("regenerate byte for byte: True", []),
