@@ -4,9 +4,10 @@
 Each method runs forward + backward (gradient w.r.t. the logits, or w.r.t. hidden states for
 Liger's fused linear loss) in its own fresh subprocess, so the memory figures do not mix.
 Peak extra memory is measured
-  * on CPU: peak RSS (VmHWM from /proc/self/status, reset through /proc/self/clear_refs just
-    before the measured call, after malloc_trim(0) returned freed heap pages to the kernel)
-    minus the RSS at that moment; the inputs are already resident;
+  * on CPU: the peak of bytes torch's allocator held above its level at the call, replayed
+    from the profiler's allocation events (megagrpo.profiling.allocator_peak_bytes): a count
+    of tensor bytes, independent of other jobs on the machine (peak RSS is not). The timed
+    call runs first, unprofiled; the logits are restored before the counted call;
   * on CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() before the call.
 Errors are max |fused - naive| of per-token log-probs, of the loss and of sampled gradient
 rows; the naive path is the reference (megagrpo.algo.losses).
@@ -28,7 +29,6 @@ Usage: python tools/bench_loss.py [--device cpu|cuda] [--tokens T] [--vocab V] [
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -187,20 +187,6 @@ RUNNERS = {
 # ----------------------------------------------------------------------------- measuring
 
 
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: RSS may then under-count reused memory
-        pass
-
-
 def measure(method: str, d: dict, a: argparse.Namespace) -> tuple[dict, int, float]:
     """(outputs, peak extra bytes, seconds) of one forward + backward of ``method``."""
     fn = RUNNERS[method]
@@ -226,14 +212,32 @@ def measure(method: str, d: dict, a: argparse.Namespace) -> tuple[dict, int, flo
         base = torch.cuda.memory_allocated()
         out = fn(d)
         torch.cuda.synchronize()
-        return out, torch.cuda.max_memory_allocated() - base, sorted(times)[len(times) // 2]
-    _malloc_trim()  # hand freed heap pages back, so that reusing them counts as new memory
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
-    base = _rss_bytes("VmRSS")
+        peak = torch.cuda.max_memory_allocated() - base
+        return keep(out, d), peak, sorted(times)[len(times) // 2]
+    from megagrpo.profiling import allocator_peak_bytes
+
+    saved = d["logits"].clone()  # "fused" overwrites the logits with their gradient
     t0 = time.perf_counter()
-    out = fn(d)
+    out = keep(fn(d), d)
     seconds = time.perf_counter() - t0
-    return out, _rss_bytes("VmHWM") - base, seconds
+    d["logits"].copy_(saved)
+    del saved
+    _, peak = allocator_peak_bytes(fn, d)
+    return out, peak, seconds
+
+
+def keep(out: dict, d: dict) -> dict:
+    """What the report needs of ``out`` (sampled gradient rows, log-probs, loss), copied:
+    the logits buffer that may hold the gradient is reused by the next call."""
+    rows = d["rows"]
+    kept = {"loss": out["loss"]}
+    if "grad" in out:
+        kept["grad_rows"] = out["grad"][rows].float().cpu()
+    if "grad_hidden" in out:
+        kept["grad_hidden_rows"] = out["grad_hidden"][rows].float().cpu()
+    if "logp" in out:
+        kept["logp"] = out["logp"].cpu()
+    return kept
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -245,7 +249,6 @@ def worker(a: argparse.Namespace) -> None:
     d = make_inputs(a)
     logits_in = d["logits"]
     out, peak, seconds = measure(a.worker, d, a)
-    rows = d["rows"]
     res = {
         "method": a.worker,
         "peak_bytes": int(peak),
@@ -253,13 +256,12 @@ def worker(a: argparse.Namespace) -> None:
         "loss": float(out["loss"]),
         "logp_fused": d["logp"].cpu(),
     }
-    if "grad" in out:
-        res["grad_rows"] = out["grad"][rows].float().cpu()
-        res["grad_hidden_rows"] = (out["grad"][rows].float() @ d["weight"].float()).cpu()
-    if "grad_hidden" in out:
-        res["grad_hidden_rows"] = out["grad_hidden"][rows].float().cpu()
-    if "logp" in out:
-        res["logp"] = out["logp"].cpu()
+    if "grad_rows" in out:
+        res["grad_rows"] = out["grad_rows"]
+        res["grad_hidden_rows"] = out["grad_rows"] @ d["weight"].float().cpu()
+    for key in ("grad_hidden_rows", "logp"):
+        if key in out:
+            res[key] = out[key]
     res["input_bytes"] = logits_in.numel() * logits_in.element_size()
     torch.save(res, a.out)
 
@@ -310,8 +312,8 @@ def summarise(res: dict[str, dict], a: argparse.Namespace) -> dict:
         "dtype": a.dtype,
         "hidden": a.hidden,
         "memory_method": (
-            "peak RSS (VmHWM reset via /proc/self/clear_refs after malloc_trim) minus RSS "
-            "before the call, fresh subprocess per method"
+            "torch allocator bytes (profiler allocation events replayed: peak minus the "
+            "level at the call), fresh subprocess per method"
             if a.device == "cpu"
             else "torch.cuda.max_memory_allocated minus memory_allocated before the call"
         ),

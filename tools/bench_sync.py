@@ -7,9 +7,11 @@ Measured (2 gloo ranks, expert parallelism 2, a random Qwen3-MoE built here with
     all-reduced over its model-parallel group, every full tensor on every rank;
   * merged owner broadcast: the same tensors, each broadcast from the rank that owns it whole
     (experts under EP) or taken locally (replicated dense weights): half the bytes;
-  * adapter-only (today's path): ``gather_lora`` (full fp32 factors all-reduced on every rank)
-    + PEFT files written by rank 0; and the streamed alternative: each rank's own bf16 LoRA
-    shards (no communication).
+  * adapter-only, PEFT directory (``trainer.adapter_transport: peft_dir``): ``gather_lora``
+    (full fp32 factors, two all-reduces per HF tensor) + PEFT files written by rank 0; and
+    streamed (``adapter_transport: streamed``, the default): ``policy.stream_adapter`` (the
+    owners' shards in bf16 buckets, one reduce to rank 0 per bucket, the PEFT state built in
+    memory there).
   Rank 0 then loads the merged stream into a real HF engine (``HFEngine.update_weights``).
 Estimated: the 235B modes for the 2-node and 16-node configs from megagrpo.plan.time
 (bytes per GPU and seconds over the stated bandwidths).
@@ -117,10 +119,17 @@ def _worker(rank: int, job: dict) -> dict:
             out["adapter_peft"].append(time.perf_counter() - t0)
             full = sum(a.numel() + b.numel() for a, b in gather_lora(policy).values())
             out["adapter_peft_bytes"] = 2 * full * 4 * (g.world_size - 1) / g.world_size
-            t0 = time.perf_counter()
-            shards = [p.detach().to(torch.bfloat16) for p in policy.lora_parameters()]
+            dist.barrier()
+            t0 = time.perf_counter()  # the trainer's streamed path (adapter_transport=streamed)
+            state = policy.stream_adapter(torch.bfloat16, 0)
             out["adapter_stream"].append(time.perf_counter() - t0)
-            out["adapter_stream_bytes"] = sum(s.numel() * s.element_size() for s in shards)
+            full_bf16 = sum(a.numel() + b.numel() for a, b in gather_lora(policy).values()) * 2
+            # a reduce of the bucketed bf16 factors: each rank sends / receives ~1x the buffer
+            out["adapter_stream_bytes"] = full_bf16 * (g.world_size - 1) / g.world_size
+            if state is not None:
+                out["adapter_stream_state_bytes"] = sum(
+                    t.numel() * t.element_size() for t in state.values()
+                )
         if rank == 0:
             out["engine_update_s"] = _engine_update(job["hf_dir"], stream)
         return out
@@ -210,8 +219,8 @@ def main(argv=None) -> int:
     for name, key, b in (
         ("merged per-tensor (all-reduce)", "merged", "merged_bytes"),
         ("merged owner broadcast", "broadcast", "broadcast_bytes"),
-        ("adapter, PEFT dir (today)", "adapter_peft", "adapter_peft_bytes"),
-        ("adapter, streamed bf16 shards", "adapter_stream", "adapter_stream_bytes"),
+        ("adapter, PEFT dir", "adapter_peft", "adapter_peft_bytes"),
+        ("adapter, streamed bf16 buckets", "adapter_stream", "adapter_stream_bytes"),
     ):
         print(f"  {name:<34} {m[b] / 1e6:>14.2f} {med[key]:>9.3f}")
     print(f"  engine load of the merged stream (HF engine, rank 0): {m['engine_update_s']:.3f} s")

@@ -68,6 +68,12 @@ class LossConfig:
     wrong. With grad disabled (no_grad, eval) the logits are left untouched."""
     chunk_bytes: int = 32 * 1024 * 1024
     """CPU/torch path: fp32 working set per chunk of tokens (bounds extra memory)."""
+    fused_linear: bool = True
+    """Training computes the loss (and old / reference log-probs) from the final hidden states
+    and the output weight, chunk by chunk over tokens: no ``[T, V/TP]`` logits tensor nor its
+    gradient exists (:mod:`megagrpo.kernels.fused_linear`). The logits are the same product in
+    chunks, so the loss and gradients equal the logits path up to matmul rounding. False: the
+    model's logits go to the fused loss (``grad_in_logits`` applies)."""
 
     def resolved_loss_agg(self) -> str:
         """The loss aggregation actually used (``loss_agg`` or the variant's default)."""

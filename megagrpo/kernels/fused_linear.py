@@ -1,9 +1,10 @@
 """Fused output projection + GRPO-family loss: hidden -> logits chunked over tokens.
 
-Not used by training yet: the trainer computes logits in Megatron's output layer and calls
-:func:`megagrpo.kernels.fused_policy_loss`. This is the function to call instead where the
-policy hands over its final hidden states and output weight (its vocab shard) rather than
-logits; tested against the same reference (``tests/unit/test_loss_fused_linear.py``).
+What training calls by default (``loss.fused_linear``): the policy hands over its final
+hidden states and output weight (its vocab shard) rather than logits
+(:mod:`megagrpo.model.lm_head`, :mod:`megagrpo.trainer.loss_head`); tested against the same
+reference (``tests/unit/test_loss_fused_linear.py``) and against the logits path in training
+(``tests/distributed/test_fused_linear_training.py``).
 
 Neither the [T, V_local] logits nor their gradient ever exist in full: pass 1 computes each
 chunk's logits hidden_c @ W^T, reduces them to per-token softmax stats and drops them; the
@@ -23,7 +24,14 @@ from __future__ import annotations
 import torch
 
 from megagrpo.algo.config import LossConfig
-from megagrpo.kernels.fused_loss import LossPlan, grad_pass, loss_from_stats, make_plan, stats_pass
+from megagrpo.kernels.fused_loss import (
+    LossPlan,
+    grad_pass,
+    loss_from_stats,
+    make_plan,
+    resolve_backend,
+    stats_pass,
+)
 from megagrpo.kernels.vocab_parallel import combine_stats, vocab_start_of
 
 Tensor = torch.Tensor
@@ -130,3 +138,38 @@ def fused_linear_policy_loss(
         chunk_tokens = max(1, cfg.chunk_bytes // (weight.shape[0] * hidden.element_size()))
     loss = _FusedLinearPolicyLoss.apply(hidden2d, weight, plan, int(chunk_tokens))
     return loss, plan.metrics
+
+
+@torch.no_grad()
+def fused_linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    target_ids: Tensor,
+    tp_group=None,
+    backend: str = "auto",
+    chunk_bytes: int = 32 << 20,
+    chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token (logp, entropy) [T] fp32 of logits = hidden @ weight^T, chunk by chunk.
+
+    The no-grad twin of :func:`megagrpo.kernels.token_stats` for old / reference log-probs:
+    hidden [T, H] or [B, S, H], weight [V_local, H] (this rank's vocab shard with
+    ``tp_group``; results are global, identical on every rank). At most one
+    ``[chunk_tokens, V_local]`` block of logits exists at a time.
+    """
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    target = target_ids.reshape(-1)
+    T, V = hidden2d.shape[0], weight.shape[0]
+    if target.shape[0] != T:
+        raise ValueError(f"target_ids has {target.shape[0]} tokens, hidden has {T}")
+    backend = resolve_backend(backend, hidden.device)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, chunk_bytes // (V * hidden.element_size()))
+    start = vocab_start_of(tp_group, V)
+    stats = torch.empty(T, 4, device=hidden.device, dtype=torch.float32)
+    for r0, r1 in _chunks(T, chunk_tokens):
+        logits = hidden2d[r0:r1] @ weight.T
+        stats[r0:r1] = stats_pass(logits, target[r0:r1], start, backend, chunk_bytes, None)[0]
+    stats = combine_stats(stats, tp_group)
+    lse = stats[:, 0] + torch.log(stats[:, 1])
+    return stats[:, 3] - lse, lse - stats[:, 2]

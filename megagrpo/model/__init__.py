@@ -73,6 +73,12 @@ class Policy(Protocol):
         """All-reduce gradients over the parallel groups after backward (collective)."""
         ...
 
+    def hidden_output(self) -> AbstractContextManager[torch.Tensor | None]:
+        """Inside the block forwards hand ``loss_fn`` the final hidden states ``[B, T, H]`` in
+        place of the logits; yields the output weight ``[V/TP, H]`` (None: logits as usual,
+        e.g. a pipeline stage without the output layer)."""
+        ...
+
     def scoring(self) -> AbstractContextManager[None]:
         """Deterministic, gradient-free forwards inside (eval mode: no LoRA dropout): every
         forward whose result is compared or reused rather than trained on."""
@@ -123,6 +129,11 @@ class Policy(Protocol):
         """Merged HF-named tensors in buckets (collective): every tensor on every rank, or
         with ``transport="sliced"`` the regions ``needs`` names
         (:mod:`megagrpo.model.sync_transport`)."""
+        ...
+
+    def stream_adapter(self, dtype: torch.dtype, dst: int | None) -> dict[str, torch.Tensor] | None:
+        """The PEFT state dict of the adapter in ``dtype`` on global rank ``dst`` (None: every
+        rank), None elsewhere; collective (bucketed, no files)."""
         ...
 
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:

@@ -95,6 +95,92 @@ def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor,
     return out
 
 
+def stream_lora(
+    policy, dtype: torch.dtype, dst: int | None, bucket_bytes: int = 256 << 20
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`gather_lora`'s full factors in ``dtype`` (the engines' LoRA dtype), bucketed: the
+    owner ranks write their shards into one flat buffer per bucket (zeros elsewhere) and one
+    collective per bucket sums it over the model-parallel group (expert factors: the
+    expert-model-parallel group), instead of two fp32 all-reduces per HF tensor. Every element
+    has exactly one writer, so the sum is exact in any dtype. ``dst``: the global rank that
+    needs the factors (a ``reduce`` in the groups holding it; other groups send nothing); None:
+    every rank (``all_reduce``). Collective over all ranks; ``{}`` on ranks that receive none."""
+    g, lc = policy.groups, policy.cfg.lora
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    units = [
+        (name, shape, *hit)
+        for name, shape in hf_weight_shapes(policy.arch).items()
+        if (hit := lora_target(name, lc.targets)) is not None
+    ]
+    for expert in (False, True):
+        group = g.expert_mp if expert else g.mp
+        members = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else None
+        if dst is not None and members is not None and dst not in members:
+            continue  # a data-parallel copy of what dst's group sends
+        if dst is not None and members is None and g.rank != dst:
+            continue
+        mine = [u for u in units if u[3] == expert]
+        for bucket in _buckets(mine, lc.rank, max(1, bucket_bytes // _itemsize(dtype))):
+            flat, views = _fill_bucket(policy, bucket, dtype)
+            if members is not None:
+                if dst is None:
+                    dist.all_reduce(flat, group=group)
+                else:
+                    dist.reduce(flat, dst=dst, group=group)
+            if dst is None or g.rank == dst:
+                out.update({k: (a.cpu(), b.cpu()) for k, (a, b) in views.items()})
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _buckets(units: list, rank: int, max_elems: int) -> list[list]:
+    """``units`` (name, shape, kind, expert) in buckets of at most ``max_elems`` elements
+    (a bigger unit alone)."""
+    out: list[list] = [[]]
+    size = 0
+    for u in units:
+        n = rank * (u[1][0] + u[1][1])
+        if out[-1] and size + n > max_elems:
+            out.append([])
+            size = 0
+        out[-1].append(u)
+        size += n
+    return [b for b in out if b]
+
+
+def _fill_bucket(policy, bucket: list, dtype: torch.dtype):
+    """A zeroed flat buffer with this rank's owned pieces of every unit in ``bucket`` written
+    in, and the ``{name: (A [r, in], B [out, r])}`` views into it."""
+    g, r = policy.groups, policy.cfg.lora.rank
+    total = sum(r * (shape[0] + shape[1]) for _, shape, _, _ in bucket)
+    flat = torch.zeros(total, dtype=dtype, device=g.device)
+    views, offset = {}, 0
+    for name, shape, kind, expert in bucket:
+        a = flat[offset : offset + r * shape[1]].view(r, shape[1])
+        offset += r * shape[1]
+        b = flat[offset : offset + shape[0] * r].view(shape[0], r)
+        offset += shape[0] * r
+        lead = (g.etp_rank if expert else g.tp_rank) == 0  # owns the TP-replicated factor
+        for p in policy.plan.get(name, []):
+            if not p.owner:
+                continue
+            la, lb, _, _ = _adapter_for(policy, p.param)
+            la, lb = la.detach().to(g.device, dtype), lb.detach().to(g.device, dtype)
+            if kind == "column":
+                b[p.src[0]] = lb[p.dst[0]]
+                if lead:
+                    a.copy_(la)
+            else:
+                a[:, p.src[1]] = la[:, p.dst[1]]
+                if lead:
+                    b.copy_(lb)
+        views[name] = (a, b)
+    return flat, views
+
+
 def _grad_view(view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if param.grad is None:
         return torch.zeros_like(view)

@@ -29,6 +29,7 @@ from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.arch import Arch, arch_from_hf, load_hf_config
 from megagrpo.model.config import LoraConfig, ModelConfig
 from megagrpo.model.hf_mapping import build_plan, hf_weight_shapes
+from megagrpo.model.lm_head import hidden_instead_of_logits
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.model_inputs import LossFn, ModelInputs, model_inputs
@@ -292,6 +293,16 @@ class MegatronPolicy(nn.Module):
         )
 
     @contextlib.contextmanager
+    def hidden_output(self) -> Iterator[torch.Tensor | None]:
+        """Inside the block :meth:`forward_logits` / :meth:`forward_backward` hand ``loss_fn``
+        the final hidden states ``[B, T, H]`` (gathered over TP) in place of the logits, and
+        the block yields the output weight ``[V/TP, H]`` the loss multiplies them by, chunk by
+        chunk (None, nothing changed, on a pipeline stage without the output layer). See
+        :mod:`megagrpo.model.lm_head`."""
+        with hidden_instead_of_logits(self.model) as weight:
+            yield weight
+
+    @contextlib.contextmanager
     def scoring(self) -> Iterator[None]:
         """Deterministic, gradient-free forwards: eval mode and ``torch.no_grad()`` inside.
 
@@ -471,6 +482,18 @@ class MegatronPolicy(nn.Module):
     def export_bytes_received(self) -> int:
         """Bytes this rank received in the last :meth:`export_hf_weights` (any transport)."""
         return self.export_counter.received
+
+    def stream_adapter(self, dtype: torch.dtype, dst: int | None) -> dict[str, torch.Tensor] | None:
+        """The PEFT state dict :meth:`export_peft_adapter` writes (same names and layout), in
+        ``dtype``, built from bucketed collectives on global rank ``dst`` (None: every rank);
+        None elsewhere. Collective (:func:`megagrpo.model.peft_export.stream_lora`)."""
+        from megagrpo.model.peft_export import check_exportable, peft_tensors, stream_lora
+
+        check_exportable(self.cfg.lora, self.arch.is_moe)
+        lora = stream_lora(self, dtype, dst)
+        if not lora:
+            return None
+        return peft_tensors(lora, self.arch.num_experts)[0]
 
     def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
         """Write a PEFT adapter (adapter_config.json + adapter_model.safetensors) that peft

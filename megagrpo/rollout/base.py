@@ -158,10 +158,11 @@ class RolloutEngine(Protocol):
         adapter: PeftAdapter,
         expected_probe: Sequence[float] | None = None,
         expected_before: Sequence[float] | None = None,
+        in_memory: bool = False,
     ) -> SyncReport:
         """Serve ``adapter`` on the base weights (replacing the previous one); verified like
         :meth:`update_weights` (no checksums). EngineError when :meth:`supports_adapter_sync`
-        is False."""
+        is False. ``in_memory``: hand the tensors over in memory (no PEFT directory)."""
         ...
 
     def weight_regions(self) -> Any:

@@ -398,6 +398,7 @@ class HFEngine:
         adapter: PeftAdapter,
         expected_probe: Sequence[float] | None = None,
         expected_before: Sequence[float] | None = None,
+        in_memory: bool = False,
     ) -> SyncReport:
         """Not supported: the HF engine takes merged weights (:meth:`update_weights`)."""
         raise EngineError(

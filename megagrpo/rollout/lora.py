@@ -71,17 +71,12 @@ class PeftAdapter:
         return self.scale * (self.b[module].float() @ self.a[module].float())
 
 
-def write_peft_adapter(
-    adapter: PeftAdapter, path: str | Path, dtype: torch.dtype = torch.float32
-) -> SyncMeter:
-    """Save ``adapter`` as a PEFT directory (safetensors + adapter_config.json).
-
-    Returns a SyncMeter with the bytes written (the adapter-only sync volume).
-    """
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+def peft_state(
+    adapter: PeftAdapter, dtype: torch.dtype = torch.float32
+) -> tuple[dict[str, torch.Tensor], dict[str, object], SyncMeter]:
+    """What a PEFT directory of ``adapter`` holds: the safetensors state (PEFT names, CPU,
+    ``dtype``), ``adapter_config.json``'s dict, and a SyncMeter of the bytes (the
+    adapter-only sync volume)."""
     meter = SyncMeter()
     tensors = {}
     for module in sorted(adapter.a):
@@ -92,8 +87,7 @@ def write_peft_adapter(
             meter.num_tensors += 1
     meter.num_buckets = 1
     meter.max_bucket_bytes = meter.bytes
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {
+    config: dict[str, object] = {
         "peft_type": "LORA",
         "r": adapter.rank,
         "lora_alpha": adapter.alpha,
@@ -107,6 +101,22 @@ def write_peft_adapter(
         "use_dora": False,
         "modules_to_save": None,
     }
+    return tensors, config, meter
+
+
+def write_peft_adapter(
+    adapter: PeftAdapter, path: str | Path, dtype: torch.dtype = torch.float32
+) -> SyncMeter:
+    """Save ``adapter`` as a PEFT directory (safetensors + adapter_config.json).
+
+    Returns a SyncMeter with the bytes written (the adapter-only sync volume).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, config, meter = peft_state(adapter, dtype)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
     return meter
 

@@ -63,7 +63,7 @@ from megagrpo.rollout.base import (
     to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig, serves_adapters
-from megagrpo.rollout.lora import PeftAdapter, write_peft_adapter
+from megagrpo.rollout.lora import PeftAdapter, peft_state, write_peft_adapter
 from megagrpo.rollout.routing import attach_routing, vllm_returns_routing
 from megagrpo.rollout.verify import (
     Stats,
@@ -73,6 +73,7 @@ from megagrpo.rollout.verify import (
     sync_report,
     thresholds_for,
 )
+from megagrpo.rollout.vllm_lora import forget, is_in_memory, serve_from_memory
 from megagrpo.rollout.vllm_support import (
     NameMap,
     agree,
@@ -507,11 +508,13 @@ class VLLMEngine:
         adapter: PeftAdapter,
         expected_probe: Sequence[float] | None = None,
         expected_before: Sequence[float] | None = None,
+        in_memory: bool = False,
     ) -> SyncReport:
         """Adapter-only sync: serve ``adapter`` (PEFT names) on top of the base weights.
 
-        Writes the adapter (small) as a PEFT directory and switches generation to a new
-        LoRARequest, removing the previous one; verified with the probe like a full sync
+        Hands the adapter to vLLM in memory (``in_memory``: :mod:`megagrpo.rollout.vllm_lora`)
+        or writes it as a PEFT directory, and switches generation to a new LoRARequest,
+        removing the previous one; verified with the probe like a full sync
         (``expected_probe`` / ``expected_before`` as in :meth:`update_weights`). May be called
         asleep (level 1 only: the base weights must have survived).
         """
@@ -531,10 +534,14 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self._wake_weights()
         version = next(self._lora_versions)
-        path = self._lora_dir / f"v{version}"
-        meter = write_peft_adapter(adapter, path, self.dtype)
         old = self._lora_request
-        self._lora_request = LoRARequest(f"policy-v{version}", version, str(path))
+        if in_memory:
+            tensors, config, meter = peft_state(adapter, self.dtype)
+            self._lora_request = serve_from_memory(f"policy-v{version}", version, tensors, config)
+        else:
+            path = self._lora_dir / f"v{version}"
+            meter = write_peft_adapter(adapter, path, self.dtype)
+            self._lora_request = LoRARequest(f"policy-v{version}", version, str(path))
         self._wake_kv_cache()
         try:
             report = self._verify(t0, meter, expected_probe, expected_before, "adapter", None)
@@ -544,7 +551,10 @@ class VLLMEngine:
             raise WeightSyncError(explain_error(exc, "adapter sync")) from exc
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+            if is_in_memory(old):
+                forget(old)
+            else:
+                shutil.rmtree(old.lora_path, ignore_errors=True)
         return report
 
     # ------------------------------------------------------------------ lifecycle

@@ -24,6 +24,8 @@ from megagrpo.trainer import compat
 
 log = logging.getLogger(__name__)
 
+AdapterTransport = Literal["streamed", "peft_dir"]
+
 
 @dataclass
 class TrainerConfig:
@@ -109,7 +111,15 @@ class TrainerConfig:
     nothing on a rank without an engine), point to point, and the engine's per-tensor
     checksums are skipped (the probe still verifies). Every transport yields the same values.
     Merged syncs only (``weight_sync: merged``, and the base push of ``rollout.load_format:
-    dummy``): an adapter sync always goes through the PEFT directory (fp32 gather)."""
+    dummy``); an adapter sync travels as ``adapter_transport`` says."""
+    adapter_transport: AdapterTransport = "streamed"
+    """streamed | peft_dir: how an adapter sync reaches the engines. streamed: the owner ranks
+    write their LoRA shards in the engines' dtype into flat buckets, one collective per bucket
+    delivers the full factors to the engine ranks (a reduce to rank 0 for one engine, an
+    all-reduce for engine replicas), and vLLM takes them in memory; peft_dir: an fp32 gather
+    (two all-reduces per tensor), a PEFT directory written and read back on rank 0, the adapter
+    pickled to every engine rank, each writing its own directory for vLLM to load. The engines
+    serve the same values either way; both are verified against the trainer's probe."""
     offload_during_rollout: bool = False
     """Move the frozen Megatron weights and the optimiser's moments to (pinned) host memory
     while the engines generate and sync, and back before training (the LoRA parameters stay on
@@ -155,6 +165,7 @@ class TrainerConfig:
         require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0")
         require_choice(self, "weight_sync", path)
         require_choice(self, "sync_transport", path)
+        require_choice(self, "adapter_transport", path)
         require(
             self.adam_betas is None or len(self.adam_betas) == 2,
             f"{path}.adam_betas",

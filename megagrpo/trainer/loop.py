@@ -217,7 +217,28 @@ def _perf(ctx: TrainContext, gen: GenStats, step_s: float) -> dict[str, float]:
         "perf/tokens_per_s": gen.gen_tokens / max(step_s, 1e-9),
         "perf/gen_tokens_per_s": gen.gen_tokens / max(t.get("gen", 0.0), 1e-9),
         "perf/gen_tokens": gen.gen_tokens,
-    }
+    } | phase_times(t)
+
+
+PHASES = {
+    "train": ("old_logprobs", "ref_logprobs", "fwd_bwd", "optim", "checks"),
+    "sync": ("probe", "push"),
+}
+"""Parts of ``perf/train_s`` and ``perf/sync_s``, logged as ``perf/<phase>/<part>_s`` in every
+row (0.0 when a part did not run, e.g. no reference forward without KL)."""
+
+
+def phase_times(timings: dict[str, float]) -> dict[str, float]:
+    """``perf/train/old_logprobs_s`` ... from the step's ``ctx.timings`` (keys
+    ``train/old_logprobs`` ...); ``perf/train/other_s``: the rest of ``perf/train_s`` (batch
+    building, totals, metric reductions)."""
+    out = {}
+    for phase, parts in PHASES.items():
+        for part in parts:
+            out[f"perf/{phase}/{part}_s"] = timings.get(f"{phase}/{part}", 0.0)
+    parts_s = sum(timings.get(f"train/{p}", 0.0) for p in PHASES["train"])
+    out["perf/train/other_s"] = max(0.0, timings.get("train", 0.0) - parts_s)
+    return out
 
 
 def _due(step: int, every: int, last: int) -> bool:

@@ -34,11 +34,9 @@ from torch import nn
 from megagrpo.algo.advantages import sequence_weights
 from megagrpo.algo.config import LossConfig
 from megagrpo.errors import MegagrpoError
-from megagrpo.kernels import fused_policy_loss, token_stats
 from megagrpo.model import Policy
 from megagrpo.model.routing import ReplayPlan, step_plan
 from megagrpo.parallel.state import ParallelGroups
-from megagrpo.parallel.strict import check_on_device
 from megagrpo.trainer.batch import (
     BatchTotals,
     MicroBatch,
@@ -51,6 +49,7 @@ from megagrpo.trainer.batch import (
     padding_micro_batch,
 )
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.loss_head import micro_batch_logprobs, micro_batch_loss, model_output
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -130,30 +129,18 @@ def policy_logprobs(
     ``plan`` gives each forward its MoE routing; of logits / ``temperature``
     (:meth:`RolloutConfig.logprob_temperature`)."""
     base = policy.adapters_disabled() if base_only else contextlib.nullcontext()
-
-    def logp(logits: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
-        mb = mbs[i]
-        check_on_device("logprobs", logits=logits, target_ids=mb.target_ids, mask=mb.mask)
-        lp, *_ = token_stats(
-            tempered(logits, temperature),
-            mb.target_ids,
-            tp_group=tp_group,
-            backend=loss_cfg.backend,
-            chunk_bytes=loss_cfg.chunk_bytes,
-        )
-        return None, lp.reshape(mb.target_ids.shape).float() * mb.mask
-
     routing = None if plan is None else plan.reference if base_only else plan.policy
-    with policy.scoring(), base:  # pipeline: on the last stage only (None elsewhere, unread)
+    with policy.scoring(), base, model_output(policy, loss_cfg) as weight:
+
+        def logp(output: torch.Tensor, i: int) -> tuple[None, torch.Tensor]:
+            return None, micro_batch_logprobs(
+                output, weight, mbs[i], loss_cfg, tp_group, temperature
+            )
+
+        # pipeline: on the last stage only (None elsewhere, unread)
         return policy.forward_backward(
             mbs, logp, forward_only=True, broadcast=False, routing=routing
         )
-
-
-def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature`` (``rollout.logprobs=sampling``; one more logits-sized tensor
-    in the model's dtype), ``logits`` itself at 1."""
-    return logits if temperature == 1.0 else logits / temperature
 
 
 def logprob_mismatch(
@@ -228,40 +215,29 @@ def _backward_pass(
     agg = cfg.resolved_loss_agg()
     temperature = ctx.cfg.rollout.logprob_temperature()
 
-    def loss_fn(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, dict[str, float]]:
-        mb = mbs[i]
-        check_on_device(
-            "loss",
-            logits=logits,
-            target_ids=mb.target_ids,
-            old_logprobs=None if old is None else old[i],
-            advantages=mb.advantages,
-            mask=mb.mask,
-            ref_logprobs=None if ref is None else ref[i],
-            rollout_logprobs=mb.rollout_logprobs,
-        )
-        loss, metrics = fused_policy_loss(
-            tempered(logits, temperature),
-            mb.target_ids,
-            None if old is None else old[i],
-            mb.advantages,
-            mb.mask,
-            cfg,
-            ref_logprobs=None if ref is None else ref[i],
-            tp_group=ctx.tp_group,
-            rollout_logprobs=mb.rollout_logprobs if cfg.tis_cap > 0 else None,
-            seq_ids=mb.seq_ids,
-            seq_weights=mb.seq_weights,
-        )
-        weight = microbatch_weight(mb, agg, totals)
-        return loss * weight, {
-            k: float(v) if k.endswith(UNWEIGHTED) else weight * float(v) for k, v in metrics.items()
-        }
-
     sums: dict[str, float] = {}
     routing = None if plan is None else plan.policy
-    for metrics in ctx.policy.forward_backward(mbs, loss_fn, routing=routing):
-        combine_metrics(sums, metrics)
+    with model_output(ctx.policy, cfg) as weight:
+
+        def loss_fn(output: torch.Tensor, i: int) -> tuple[torch.Tensor, dict[str, float]]:
+            mb = mbs[i]
+            loss, metrics = micro_batch_loss(
+                output,
+                weight,
+                mb,
+                None if old is None else old[i],
+                None if ref is None else ref[i],
+                cfg,
+                ctx.tp_group,
+                temperature,
+            )
+            w = microbatch_weight(mb, agg, totals)
+            return loss * w, {
+                k: float(v) if k.endswith(UNWEIGHTED) else w * float(v) for k, v in metrics.items()
+            }
+
+        for metrics in ctx.policy.forward_backward(mbs, loss_fn, routing=routing):
+            combine_metrics(sums, metrics)
     return sums
 
 
@@ -359,40 +335,47 @@ def train_on_batch(
     old = None
     extra: dict[str, float] = {}
     if source == "recompute":
-        old = policy_logprobs(
-            ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
-        )
+        with ctx.timed("train/old_logprobs"):
+            old = policy_logprobs(
+                ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
+            )
         if has_rollout_logprobs(groups):
-            extra = logprob_mismatch(ctx, old, mbs)
+            with ctx.timed("train/checks"):
+                extra = logprob_mismatch(ctx, old, mbs)
     elif source == "rollout":
         old = [mb.rollout_logprobs for mb in mbs]
     ref = None
     if ctx.cfg.loss.kl_coef > 0:
-        ref = policy_logprobs(
-            ctx.policy,
-            mbs,
-            ctx.cfg.loss,
-            ctx.tp_group,
-            base_only=True,
-            plan=plan,
-            temperature=temperature,
-        )
+        with ctx.timed("train/ref_logprobs"):
+            ref = policy_logprobs(
+                ctx.policy,
+                mbs,
+                ctx.cfg.loss,
+                ctx.tp_group,
+                base_only=True,
+                plan=plan,
+                temperature=temperature,
+            )
     sums: dict[str, float] = {}
     grad_norm, steps, skipped = 0.0, 0, False
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
-        sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
-        ctx.policy.finish_grad_sync()
-        grad_norm = clip_grad_norm(
-            ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
-        )
-        skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
+        with ctx.timed("train/fwd_bwd"):
+            sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
+        with ctx.timed("train/optim"):
+            ctx.policy.finish_grad_sync()
+            grad_norm = clip_grad_norm(
+                ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
+            )
+        with ctx.timed("train/checks"):
+            skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
         if skipped:  # nothing of this update may reach the weights or the Adam moments
             ctx.optimizer.zero_grad(set_to_none=True)
             break
-        ctx.optimizer.step()
-        if ctx.scheduler is not None:
-            ctx.scheduler.step()
+        with ctx.timed("train/optim"):
+            ctx.optimizer.step()
+            if ctx.scheduler is not None:
+                ctx.scheduler.step()
         steps += 1
     extra |= swift_loss_metrics(ctx.comm, sums, pgs.dp)
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums

@@ -62,12 +62,14 @@ class WeightUpdate:
 
     ``merged``: ``stream`` is this rank's view of the policy's collective export of merged HF
     tensors: every rank must drain it, whether or not it feeds an engine. ``adapter``:
-    ``adapter`` is the PEFT adapter, present on rank 0 only.
+    ``adapter`` is the PEFT adapter, read from its directory on rank 0 only, or (``in_memory``,
+    the streamed transport) already on every engine rank and handed to vLLM in memory.
     """
 
     mode: str
     stream: Iterator[tuple[str, torch.Tensor]] | None = None
     adapter: PeftAdapter | None = None
+    in_memory: bool = False
     full_check: bool | None = None
     """Merged: force (True) or skip (False) the engines' per-tensor checksums; None: their
     schedule (``rollout.full_check_every``). A sliced stream skips them: its tensors hold
@@ -288,6 +290,20 @@ class Rollouts(ABC):
             self._regions = regions
         return self._regions
 
+    adapter_dst: int | None = 0
+    """The global rank a streamed adapter sync builds the adapter on (None: every rank)."""
+
+    def engine_dtype(self) -> torch.dtype:
+        """The engines' weight (and LoRA) dtype: rank 0's engine's, broadcast on the first call
+        (collective then)."""
+        cached = getattr(self, "_engine_dtype", None)
+        if cached is None:
+            own = str(getattr(self.engine, "dtype", torch.float32)) if self.comm.is_main else None
+            name = str(self.comm.broadcast_object(own)).removeprefix("torch.")
+            cached = getattr(torch, name)
+            self._engine_dtype = cached
+        return cached
+
     def sleep(self) -> None:
         """Free this rank's engine memory for training."""
         if self.engine is not None:
@@ -334,8 +350,10 @@ class Rank0Rollouts(Rollouts):
             return None
         before = self.last_probe
         if update.mode == "adapter":
-            assert update.adapter is not None, "the adapter is read on rank 0"
-            return self.engine.update_adapter(update.adapter, expected, before)
+            assert update.adapter is not None, "the adapter is built on rank 0"
+            return self.engine.update_adapter(
+                update.adapter, expected, before, in_memory=update.in_memory
+            )
         assert update.stream is not None
         return self.engine.update_weights(update.stream, expected, before, update.full_check)
 
@@ -345,6 +363,8 @@ class ShardedRollouts(Rollouts):
     ``lockstep``: every replica calls ``generate`` each round, ``[]`` for an empty share
     (vLLM's data-parallel replicas step together); else a replica with nothing to do skips
     the call (``rollout.replicas=independent``: no replica waits for another)."""
+
+    adapter_dst: int | None = None
 
     def __init__(
         self,
@@ -385,8 +405,11 @@ class ShardedRollouts(Rollouts):
         assert self.engine is not None
         before = self.last_probe
         if update.mode == "adapter":
-            adapter = self.comm.broadcast_object(update.adapter)  # ranks may not share a disk
-            return self.engine.update_adapter(adapter, expected, before)
+            adapter = update.adapter  # streamed: built on every rank
+            if not update.in_memory:
+                adapter = self.comm.broadcast_object(adapter)  # ranks may not share a disk
+            assert adapter is not None
+            return self.engine.update_adapter(adapter, expected, before, in_memory=update.in_memory)
         assert update.stream is not None
         return self.engine.update_weights(update.stream, expected, before, update.full_check)
 

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from megagrpo.model import Policy
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.rollout.config import resolved_weight_sync
-from megagrpo.rollout.lora import read_peft_adapter
+from megagrpo.rollout.lora import PeftAdapter, read_peft_adapter
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.rollouts import WeightUpdate
 
@@ -87,16 +88,30 @@ def weight_update(
     needs: RegionFn | None = None,
     merge_lora: bool = True,
     full_check: bool | None = None,
+    adapter_transport: str = "peft_dir",
+    adapter_dtype: torch.dtype | None = None,
+    adapter_dst: int | None = 0,
+    policy_lora: Any = None,
 ) -> WeightUpdate:
     """What this sync sends (collective): the merged-tensor stream (``transport`` /
     ``needs``: :mod:`megagrpo.model.sync_transport`; ``merge_lora=False``: the base weights
-    alone), or the PEFT adapter (read back on rank 0 from the directory the policy exported
-    it to)."""
+    alone), or the adapter: ``adapter_transport=peft_dir`` reads it back on rank 0 from the
+    directory the policy exported it to; ``streamed`` builds it in ``adapter_dtype`` on global
+    rank ``adapter_dst`` (None: every rank) from bucketed collectives
+    (:meth:`megagrpo.model.Policy.stream_adapter`; ``policy_lora``: the LoRA config)."""
     if mode == "merged":
         if transport == "sliced":
             full_check = False  # the engines' checksums need whole tensors
         stream = _merged_stream(policy, merge_lora, transport, needs)
         return WeightUpdate("merged", stream=stream, full_check=full_check)
+    if adapter_transport == "streamed":
+        assert adapter_dtype is not None
+        state = policy.stream_adapter(adapter_dtype, adapter_dst)
+        adapter = None
+        if state is not None:
+            lora = policy_lora  # rank / alpha of the adapter
+            adapter = PeftAdapter.from_peft_state_dict(state, lora.rank, lora.alpha)
+        return WeightUpdate("adapter", adapter=adapter, in_memory=True)
     tmp = comm.broadcast_object(tempfile.mkdtemp(prefix="megagrpo-sync-") if comm.is_main else None)
     try:
         out = policy.export_peft_adapter(f"{tmp}/adapter")
@@ -127,6 +142,7 @@ def push_weights(
     engine, verified against ``expected``. Returns ``perf/sync_bytes``, ``sync/*``."""
     transport = ctx.cfg.trainer.sync_transport
     needs = ctx.rollouts.regions() if transport == "sliced" else None
+    streamed = mode == "adapter" and ctx.cfg.trainer.adapter_transport == "streamed"
     update = weight_update(
         ctx.policy,
         mode,
@@ -135,6 +151,10 @@ def push_weights(
         needs=needs,
         merge_lora=merge_lora,
         full_check=full_check,
+        adapter_transport=ctx.cfg.trainer.adapter_transport,
+        adapter_dtype=ctx.rollouts.engine_dtype() if streamed else None,
+        adapter_dst=ctx.rollouts.adapter_dst,
+        policy_lora=ctx.cfg.model.lora,
     )
     ctx.offload.for_sync()
     metrics = ctx.rollouts.push(update, expected)
@@ -149,8 +169,10 @@ def push_weights(
 def sync_weights(ctx: TrainContext) -> dict[str, float]:
     """The trainer's probe of the new weights, then :func:`push_weights` (the engines wake in
     stages); returns ``perf/sync_bytes``, ``sync/*``."""
-    expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
-    return push_weights(ctx, sync_mode(ctx), expected)
+    with ctx.timed("sync/probe"):
+        expected = trainer_probe(ctx, ctx.rollouts.probe_token_ids)
+    with ctx.timed("sync/push"):
+        return push_weights(ctx, sync_mode(ctx), expected)
 
 
 @dataclass

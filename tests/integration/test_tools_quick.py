@@ -25,6 +25,7 @@ QUICK = {
     "bench_step.py": ("perf/step_s", [SLOW]),
     "bench_sync.py": ("Qwen3-235B-A22B estimate", [SLOW, pytest.mark.distributed]),
     "bench_sync_verify.py": ("checksums s", [SLOW]),
+    "bench_train_memory.py": ("fused linear  peak", [SLOW]),
     "convert_ckpt.py": ("bitwise True", [SLOW]),
     "learning_efficiency.py": ("| original (R=3) | 1 |", [SLOW]),
     "make_demo_mcq.py": ("regenerate byte for byte: True", []),

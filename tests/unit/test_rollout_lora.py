@@ -77,3 +77,30 @@ def test_adapter_sync_wrong_expectation_raises(engine, tiny_dense_dir):
     other, _ = _peft_policy(tiny_dense_dir, 4)
     with pytest.raises(WeightSyncError):
         sync_lora(engine, adapter, expected_probe=sequence_logprobs(other, engine.probe_token_ids))
+
+
+def test_in_memory_adapter_equals_the_peft_directory(engine, tiny_dense_dir, monkeypatch):
+    """The streamed sync's engine side: the adapter handed to vLLM in memory
+    (megagrpo.rollout.vllm_lora) is verified like a PEFT-directory sync, writes no file, and
+    the engine then serves exactly what the PEFT-directory path serves (probe log-probs
+    bitwise equal: the same tensors in the same dtype reach the same LoRA slot).
+    Fails before the in-memory path: ``update_adapter`` had no ``in_memory``."""
+    import megagrpo.rollout.vllm_engine as vllm_engine
+    from megagrpo.rollout.vllm_lora import _REGISTRY
+
+    policy, adapter = _peft_policy(tiny_dense_dir, 5)
+    expected = sequence_logprobs(policy, engine.probe_token_ids)
+    results = {}
+    for in_memory in (False, True, False):
+        if in_memory:  # no PEFT directory may be written on this path
+            monkeypatch.setattr(vllm_engine, "write_peft_adapter", _no_files)
+        report = engine.update_adapter(adapter, expected_probe=expected, in_memory=in_memory)
+        monkeypatch.undo()
+        assert report.mode == "adapter" and report.verified and report.max_probe_diff < 1e-4
+        results.setdefault(in_memory, []).append(engine.probe_logprobs())
+    assert results[True][0] == results[False][0] == results[False][1]
+    assert not _REGISTRY  # the in-memory adapter was dropped when the next one replaced it
+
+
+def _no_files(*args, **kwargs):
+    raise AssertionError("the in-memory adapter sync wrote a PEFT directory")

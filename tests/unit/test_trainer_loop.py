@@ -25,6 +25,7 @@ from megagrpo.rollout.base import SyncMeter, request_seed, sample_counts
 from megagrpo.rollout.verify import SyncVerifier, sync_report, thresholds_for
 from megagrpo.testing import tiny_run_config, write_run_config
 from megagrpo.trainer.config import RunConfig
+from megagrpo.trainer.loop import PHASES, phase_times
 from megagrpo.types import Group
 
 VOCAB, RANK = 16, 2
@@ -71,6 +72,10 @@ class BigramPolicy:
 
     def finish_grad_sync(self) -> None:
         pass
+
+    @contextlib.contextmanager
+    def hidden_output(self):  # no output layer of its own: the loss takes the logits
+        yield None
 
     @contextlib.contextmanager
     def scoring(self):
@@ -283,6 +288,37 @@ def test_resume_continues_like_the_uninterrupted_run(model_dir, tmp_path):
             if key.startswith("perf/") or key == "sync/engine_s":
                 continue
             assert b[key] == value or (value != value and b[key] != b[key]), key  # NaN: NaN
+
+
+def test_train_and_sync_time_is_broken_into_its_parts(model_dir, tmp_path):
+    """``perf/train_s`` = old / reference log-probs + forward-backward + optimiser + checks +
+    the rest (batch building); ``perf/sync_s`` >= probe + push. Fails before the breakdown:
+    none of the ``perf/train/*`` keys existed."""
+    ctx = _context(
+        model_dir,
+        tmp_path,
+        "parts",
+        loss={"backend": "torch", "kl_coef": 0.05},  # a reference forward
+        trainer={"old_logprobs": "recompute"},  # an old-log-prob forward
+    )
+    rows = _train(ctx)
+    trained = [r for r in rows if r["train/optimizer_steps"]]
+    assert trained
+    for r in trained:
+        parts = [r[f"perf/train/{p}_s"] for p in PHASES["train"]] + [r["perf/train/other_s"]]
+        assert all(p >= 0.0 for p in parts)
+        for p in ("old_logprobs", "ref_logprobs", "fwd_bwd", "optim", "checks"):
+            assert r[f"perf/train/{p}_s"] > 0.0, p
+        assert sum(parts) == pytest.approx(r["perf/train_s"], rel=1e-9, abs=1e-12)
+        assert 0.0 < r["perf/sync/probe_s"] + r["perf/sync/push_s"] <= r["perf/sync_s"]
+
+
+def test_phase_times_closed_form():
+    t = {"train": 10.0, "train/fwd_bwd": 6.0, "train/optim": 1.5, "sync/probe": 0.25}
+    out = phase_times(t)
+    assert out["perf/train/fwd_bwd_s"] == 6.0 and out["perf/train/optim_s"] == 1.5
+    assert out["perf/train/old_logprobs_s"] == 0.0 and out["perf/sync/push_s"] == 0.0
+    assert out["perf/train/other_s"] == 2.5 and out["perf/sync/probe_s"] == 0.25
 
 
 class NoisyBigramEngine(BigramEngine):
