@@ -179,6 +179,9 @@ class RolloutEngine(Protocol):
         """Undo :meth:`sleep` before the next :meth:`generate`."""
         ...
 
+    dtype: torch.dtype
+    """The dtype the engine holds its weights (and serves LoRA) in."""
+
     @property
     def weights_dropped(self) -> bool:
         """True while a sleep has dropped the weights (vLLM level 2): waking is not enough,

@@ -298,7 +298,12 @@ class Rollouts(ABC):
         (collective then)."""
         cached = getattr(self, "_engine_dtype", None)
         if cached is None:
-            own = str(getattr(self.engine, "dtype", torch.float32)) if self.comm.is_main else None
+            engine = self.engine
+            own = (
+                str(engine.dtype if engine is not None else torch.float32)
+                if self.comm.is_main
+                else None
+            )
             name = str(self.comm.broadcast_object(own)).removeprefix("torch.")
             cached = getattr(torch, name)
             self._engine_dtype = cached

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megagrpo"
 
 LAYERS: list[set[str]] = [
     {"errors"},  # 0: ground: the error types everything raises
-    {"types", "fileio"},  # 1: the data types, atomic file writes
+    {"types", "fileio", "profiling"},  # 1: data types, atomic file writes, allocator bytes
     {"config", "algo", "parallel", "data", "metrics", "testing"},  # 2: components
     # 3: built on components below; the Megatron policy (model) never imports rollout
     {"kernels", "rewards", "rollout", "curriculum", "model"},

@@ -190,6 +190,7 @@ class BigramEngine:
         raise AssertionError("not used")
 
     weights_dropped = False  # the RolloutEngine protocol: a sleep that keeps weights
+    dtype = torch.float32
 
     def sleep(self):
         self.calls.append("sleep")
