@@ -127,7 +127,8 @@ def _exec_file(name: str, path: Path, where: str) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with preserved_logging():  # ms-swift's imports raise the root level to ERROR
+            spec.loader.exec_module(module)
     except BaseException as exc:  # noqa: BLE001 - a plugin's import may raise anything
         sys.modules.pop(name, None)
         if isinstance(exc, KeyboardInterrupt):
