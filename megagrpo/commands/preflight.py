@@ -16,7 +16,7 @@ Prints, per phase, pass/fail, seconds and measured peak memory (GPU:
 the planner's per-layer slope: ``measured + (L - N) x (plan(L) - plan(N)) / (L - N)``.
 Exit status 0 when every phase passes, 1 naming the failed phase, 2 for a bad config.
 
-Writes only into a directory it creates (``{trainer.output_dir}/.preflight-{trainer.name}-ID``,
+Writes only into a directory it creates (``{trainer.output_dir}/.preflight/{trainer.name}-ID``,
 and a local copy of the model's config and tokenizer) and removes both at the end; ``--keep``
 keeps them for a look.
 """
@@ -264,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     n = preflight_layers(args.layers, base.parallel.pp, full)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    run_dir = Path(base.trainer.output_dir) / f".preflight-{base.trainer.name}-{_run_id()}"
+    # hidden parent, plain run name: trainer.name may not start with a dot
+    run_dir = Path(base.trainer.output_dir) / ".preflight" / f"{base.trainer.name}-{_run_id()}"
     if rank == 0 and run_dir.exists():
         print(f"megagrpo preflight: error: {run_dir} exists (not ours)", file=sys.stderr)
         return 2
@@ -304,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(model_dir, ignore_errors=True)
         if rank == 0 and not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run_dir.parent.rmdir()  # .preflight/ only when no other preflight uses it
     if rank == 0:
         print(json.dumps(report) if args.json else format_report(report), flush=True)
     return 0 if report["ok"] else 1
