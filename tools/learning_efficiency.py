@@ -70,7 +70,7 @@ class Condition:
             f"curriculum.levels_file={levels}",
             f"curriculum.keep_levels=[{','.join(map(str, self.keep))}]",
             f"dynamic.policy={self.policy}",
-            f"rollout.budget={self.budget}",
+            f"budget.mode={self.budget}",
             *self.overrides,
         ]
 
@@ -88,7 +88,7 @@ COMMON = [
     f"curriculum.level_k={K}",
     "curriculum.retire_streak=0",  # levels measured once, as in the article
     "dynamic.preflight=warn",
-    "rollout.max_samples=8",
+    "budget.max_samples=8",
     "trainer.save_every=0",
     "trainer.keep_checkpoints=1",
     "trainer.export_adapter=false",
