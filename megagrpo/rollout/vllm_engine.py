@@ -594,6 +594,8 @@ class VLLMEngine:
                 log.debug("vLLM shutdown: %s", exc)
             del llm
         shutil.rmtree(self._lora_dir, ignore_errors=True)
+        if self._lora_request is not None and is_in_memory(self._lora_request):
+            forget(self._lora_request)  # the process-wide registry must not keep its tensors
         try:
             from vllm.distributed import (  # vLLM's own state, not Megatron's
                 destroy_distributed_environment,

@@ -91,6 +91,7 @@ def test_in_memory_adapter_equals_the_peft_directory(engine, tiny_dense_dir, mon
     policy, adapter = _peft_policy(tiny_dense_dir, 5)
     expected = sequence_logprobs(policy, engine.probe_token_ids)
     results = {}
+    held_before = set(_REGISTRY)  # other engines of this process (closed ones drop theirs)
     for in_memory in (False, True, False):
         if in_memory:  # no PEFT directory may be written on this path
             monkeypatch.setattr(vllm_engine, "write_peft_adapter", _no_files)
@@ -99,7 +100,8 @@ def test_in_memory_adapter_equals_the_peft_directory(engine, tiny_dense_dir, mon
         assert report.mode == "adapter" and report.verified and report.max_probe_diff < 1e-4
         results.setdefault(in_memory, []).append(engine.probe_logprobs())
     assert results[True][0] == results[False][0] == results[False][1]
-    assert not _REGISTRY  # the in-memory adapter was dropped when the next one replaced it
+    # the in-memory adapter was dropped when the next one replaced it
+    assert set(_REGISTRY) <= held_before
 
 
 def _no_files(*args, **kwargs):
