@@ -212,7 +212,7 @@ def _line(r: dict) -> str:
     status = r["status"] + (f"; BLOCKED: {r['blocked']}" if r.get("blocked") else "")
     return (
         f"{r['name']:<25} {ph['generate']:>8.1f} {ph['sync']:>6.1f} {ph['train']:>6.1f} "
-        f"{ph['transitions']:>6.1f} {-r['overlap_s']:>8.1f} {r['step_s']:>7.1f} "
+        f"{ph['transitions']:>6.1f} {(-r['overlap_s'] or 0.0):>8.1f} {r['step_s']:>7.1f} "
         f"{r['tokens_per_s_per_gpu']:>9.0f}  {'yes' if r['fits'] else 'NO':<4}  {status}"
     )
 
