@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from megagrpo.plan.memory import memory_plan
+from megagrpo.plan.memory import memory_plan, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 from megagrpo.plan.search import best_utilization, check_host_memory
-from megagrpo.plan.time import _train, split_placement, step_time
+from megagrpo.plan.time import split_placement, step_time, train_phase
 from megagrpo.rollout.config import PartialConfig, serves_moe_lora
 
 TARGET_STEP_S = 150.0
@@ -61,7 +61,9 @@ def rungs(sc: Scenario, partial: PartialConfig | None = None) -> list[Rung]:
         )
     per_node = sc.gpus_per_node
     fp8_tp = min(per_node, sc.num_gpus)
-    rollout_nodes = max(1, (sc.num_gpus // per_node) // 2)
+    nodes = sc.num_gpus // per_node
+    # the engines on half the nodes (half the GPUs of a single node)
+    rollout_gpus = (nodes // 2) * per_node if nodes >= 2 else sc.num_gpus // 2
     fp8_gate = serves_moe_lora(
         lora=sc.weight_sync == "adapter",
         expert_parallel=sc.enable_expert_parallel,
@@ -69,7 +71,7 @@ def rungs(sc: Scenario, partial: PartialConfig | None = None) -> list[Rung]:
         tp=fp8_tp,
         dp=1,
     )
-    return [
+    ladder = [
         Rung(
             "baseline",
             dict(
@@ -106,21 +108,23 @@ def rungs(sc: Scenario, partial: PartialConfig | None = None) -> list[Rung]:
             f"built: rollout.partial.enabled (finish {p.finish_fraction:g}, "
             f"staleness {p.max_staleness})",
         ),
-        Rung(
-            "+ one-step off-policy",
-            dict(placement="separate", rollout_gpus=rollout_nodes * per_node),
-            PHASES,
-            f"separate placement, {rollout_nodes * per_node} engine GPUs",
-            "rollout.placement / rollout.max_staleness are being built",
-        ),
     ]
+    if rollout_gpus >= 1:  # a single GPU has nothing to separate
+        ladder.append(
+            Rung(
+                "+ one-step off-policy",
+                dict(placement="separate", rollout_gpus=rollout_gpus),
+                PHASES,
+                f"separate placement, {rollout_gpus} engine GPUs",
+                "rollout.placement / rollout.max_staleness are being built",
+            )
+        )
+    return ladder
 
 
 def trainer_layout(sc: Scenario, a: Assumptions, hw: Hardware) -> dict[str, Any] | None:
     """The fastest trainer layout (TP 1/2/4/8 x PP dividing the layers x EP) whose train phase
     fits the trainer's GPUs of a separate placement; None when none does."""
-    from megagrpo.plan.memory import shapes_of
-
     s = shapes_of(sc.hf)
     gpus = sc.num_gpus - sc.rollout_gpus
     limit = (1 - a.headroom) * sc.gpu_memory_gib
@@ -134,7 +138,7 @@ def trainer_layout(sc: Scenario, a: Assumptions, hw: Hardware) -> dict[str, Any]
                 trainer, _ = split_placement(sc.with_(**layout))
                 if memory_plan(trainer, a)["phase_peak_gib"]["train"] > limit:
                     continue
-                t = _train(trainer, a, hw)["s"]
+                t = train_phase(trainer, a, hw)["s"]
                 if best is None or t < best[0]:
                     best = (t, layout)
     return best[1] if best else None

@@ -61,6 +61,7 @@ from megagrpo.plan.memory import (
     engine_weight_bytes,
     kv_bytes_per_token,
     lora_numel,
+    memory_plan,
     shapes_of,
 )
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
@@ -225,7 +226,8 @@ def _adapter_sync(sc: Scenario, a: Assumptions, hw: Hardware, s, n_tensors: int)
     return {"s": t, "bytes_per_gpu": moved}
 
 
-def _train(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
+def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
+    """The train phase of ``sc``: seconds (``s``) and its parts (module doc)."""
     s = shapes_of(sc.hf)
     active = param_counts(arch_from_hf(sc.hf))["active"]
     samples = sc.batch_groups * sc.group_size
@@ -290,13 +292,11 @@ def _separate_step_time(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     """One-step off-policy on separate GPUs: the engines generate the next batch under the
     previous weights while the trainer trains, then the adapter crosses over (the engines
     pause for it): ``max(generate, train) + sync``; no offload, no sleep."""
-    from megagrpo.plan.memory import memory_plan
-
     trainer, engine = split_placement(sc)
     phases = {
         "generate": _generate(engine, a, hw, memory_plan(engine, a)),
         "sync": _sync(engine, a, hw),
-        "train": _train(trainer, a, hw),
+        "train": train_phase(trainer, a, hw),
         "transitions": {"s": 0.0, "trainer_offload_s": 0.0, "engine_sleep_backup_s": 0.0},
     }
     overlap = min(phases["generate"]["s"], phases["train"]["s"])
@@ -324,7 +324,7 @@ def step_time(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
     phases = {
         "generate": _generate(sc, a, hw, mem),
         "sync": _sync(sc, a, hw),
-        "train": _train(sc, a, hw),
+        "train": train_phase(sc, a, hw),
         "transitions": _transitions(sc, a, hw, mem),
     }
     return _summary(sc, a, phases, 0.0)
