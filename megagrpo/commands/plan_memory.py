@@ -1,7 +1,8 @@
-"""`megagrpo plan-memory CONFIG [key=value ...] [--hf-config FILE] [--gpus N] [--hw k=v]
-[--assume k=v] [--json]`: per-GPU memory of every phase (train, generate, sync, startup) of
-the config's layout on its cluster, and a per-phase step-time estimate, before renting GPUs.
-``--gpus N`` prints the fastest layouts that fit N GPUs instead.
+"""`megagrpo plan-memory CONFIG [key=value ...] [--hf-config FILE] [--gpus N] [--ladder]
+[--hw k=v] [--assume k=v] [--json]`: per-GPU memory of every phase (train, generate, sync,
+startup) of the config's layout on its cluster, and a per-phase step-time estimate, before
+renting GPUs. ``--gpus N`` prints the fastest layouts that fit N GPUs instead; ``--ladder`` the
+step time with one throughput lever added per rung (:mod:`megagrpo.plan.ladder`).
 
 Every key the plan reads is the run config's own (overrides as for `megagrpo train`). What
 each line means: :mod:`megagrpo.plan.memory` and :mod:`megagrpo.plan.time`.
@@ -13,6 +14,13 @@ import argparse
 import json
 
 from megagrpo.config import load_config
+from megagrpo.plan.ladder import (
+    TARGET_STEP_S,
+    config_row,
+    format_ladder,
+    ladder,
+    runnable_ladder,
+)
 from megagrpo.plan.memory import hf_config_for
 from megagrpo.plan.scenario import (
     Assumptions,
@@ -36,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF config.json of the model (default: model.hf_path/config.json)",
     )
     parser.add_argument("--gpus", type=int, default=0, help="search layouts for N GPUs")
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="step time per phase with FP8 rollout, streamed sync, partial rollouts and "
+        "one-step off-policy added in turn",
+    )
     parser.add_argument("--hw", nargs="*", default=[], metavar="key=value", help="Hardware")
     parser.add_argument("--assume", nargs="*", default=[], metavar="key=value", help="Assumptions")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -67,6 +81,15 @@ def run(args: argparse.Namespace) -> int:
         for i, p in enumerate(best):
             print(f"#{i + 1}: " + " ".join(p["overrides"]))
             print(format_plan(p) + "\n")
+        return 0
+    if args.ladder:
+        rows, config = ladder(sc, a, hw), config_row(sc, a, hw)
+        runnable = runnable_ladder(sc, a, hw)
+        if args.json:
+            out = {"target_s": TARGET_STEP_S, "config": config, "rungs": rows}
+            print(json.dumps({**out, "runnable": runnable}, default=str))
+        else:
+            print(format_ladder(rows, sc.num_gpus, config, runnable))
         return 0
     result = full_plan(sc, a, hw)
     print(json.dumps(result, default=str) if args.json else format_plan(result))

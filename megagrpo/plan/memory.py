@@ -13,12 +13,16 @@ One GPU of the most loaded pipeline stage, colocated trainer and vLLM engine, fo
   input + fc1 + activation); ``full`` keeps each layer's input (2 h bytes) plus one layer's
   working set; ``selective`` is planned as ``none`` (an upper bound) + the LoRA adapters' saved
   inputs (:func:`lora_activation_bytes`; every layer without recompute, one with it) + the
-  logits and their gradient ([tokens, V/TP] in the compute dtype, last stage) + allocator slack
+  loss head on the last stage (:func:`logits_bytes`: with ``loss.fused_linear`` one chunk of
+  logits and the fp32 hidden-state gradient, else the [tokens, V/TP] logits and their
+  gradient in the compute dtype; counted on the same GPU as stage 0's in-flight micro-batches,
+  an upper bound under PP) + allocator slack
   + the sleeping engine (its CUDA-graph pool unless ``rollout.offload_cudagraph``; weights
   backed up to host at sleep level 1 or dropped at 2; KV cache freed).
 * **generate**: the engine's whole budget (``rollout.gpu_memory_utilization`` x GPU: its
   weights, workspace, LoRA slots and KV cache) + its CUDA graphs + the trainer's resident
-  weights and LoRA state, or nothing of them with ``trainer.offload_during_rollout``.
+  weights and LoRA state, or with ``trainer.offload_during_rollout`` only the fp32 LoRA
+  parameters (the offload keeps them on the GPU).
 * **sync** (every step, staged wake-up: engine weights awake, KV cache not yet): merged sync
   keeps the trainer's base weights on the GPU (the merge reads them) plus the export's
   transients (two buckets and the largest full tensor; with ``trainer.sync_transport`` other
@@ -168,6 +172,20 @@ def _activation_bytes(s: Shapes, sc: Scenario, tokens: int, layers: int) -> tupl
     return per_layer * layers, lora_layer * layers
 
 
+FUSED_CHUNK_BYTES = 32 * 2**20
+"""Logits of one chunk of ``loss.fused_linear`` (``LossConfig.chunk_bytes``' default)."""
+
+
+def logits_bytes(s: Shapes, sc: Scenario, tokens: int) -> float:
+    """The loss head's memory on the last stage for ``tokens`` tokens of a micro-batch:
+    ``loss.fused_linear`` keeps one chunk of logits (and its in-place gradient), the fp32
+    gradient of the hidden states ``[T, H]`` and 4 fp32 statistics per token; without it, the
+    ``[T, V/TP]`` logits and their gradient in the compute dtype."""
+    if sc.fused_linear:
+        return FUSED_CHUNK_BYTES + tokens * s.h * 4 + tokens * 4 * 4
+    return tokens * (s.vocab / sc.tp) * DTYPE_BYTES.get(sc.dtype, 2) * 2
+
+
 def _nccl_comms(sc: Scenario) -> int:
     """NCCL communicators this GPU takes part in (trainer groups of size > 1, the world,
     the model-parallel copies for export; the engine's TP / EP / DP / world)."""
@@ -226,7 +244,8 @@ def host_memory(s: Shapes, sc: Scenario, layers: int, lora_params: float) -> dic
     """Pinned host memory of one GPU's process, in GiB: the trainer's offloaded frozen
     weights and AdamW moments (``trainer.offload_during_rollout``) and vLLM's level-1 sleep
     backup of its weights (adapter sync), exact and as reserved (each pinned buffer rounded
-    up to a power of two: up to ~2x); per node x ``cluster.gpus_per_node``."""
+    up to a power of two: up to ~2x); per node x ``cluster.gpus_per_node`` (checked against
+    ``Hardware.host_memory_gib_per_node`` by :func:`megagrpo.plan.search.full_plan`)."""
     tensors: list[tuple[float, float]] = []
     if sc.offload_during_rollout:
         wb = DTYPE_BYTES.get(sc.dtype, 2)
@@ -276,7 +295,7 @@ def memory_plan(sc: Scenario, a: Assumptions) -> dict:
     n_micro = sc.batch_groups * sc.group_size * sc.max_model_len // (dp * tokens)
     in_flight = min(sc.pp, max(1, n_micro))  # 1F1B: stage 0 holds up to PP micro-batches
     acts, lora_acts = acts * in_flight, lora_acts * in_flight
-    logits = tokens * (s.vocab / sc.tp) * wbytes * 2
+    logits = logits_bytes(s, sc, tokens)
     pools = a.cuda_context_gib * GIB + _nccl_comms(sc) * a.nccl_gib_per_comm * GIB
     graphs = a.cuda_graph_gib * GIB
     asleep_graphs = 0.0 if sc.offload_cudagraph else graphs
@@ -288,7 +307,10 @@ def memory_plan(sc: Scenario, a: Assumptions) -> dict:
     eng_w = engine_weight_bytes(s, sc)
     eng_lora = engine_lora_bytes(s, sc)
     kv = budget - eng_w - eng_lora - a.vllm_workspace_gib * GIB
-    resident_gen = 0.0 if sc.offload_during_rollout else base + lora_state
+    # offload keeps the fp32 LoRA parameters on the GPU (the adapter sync reads them)
+    resident_gen = lora_params * 4 if sc.offload_during_rollout else base + lora_state
+    if sc.placement == "separate":  # the engines' own GPUs: no trainer state beside them
+        resident_gen = 0.0
     generate = budget + graphs + resident_gen + pools
 
     bucket = sc.sync_bucket_mb * 2**20
@@ -376,6 +398,9 @@ def _layout(sc: Scenario) -> dict:
         "rollout_quantization": sc.quantization,
         "weight_sync": sc.weight_sync,
         "sync_transport": sc.sync_transport,
+        "adapter_transport": sc.adapter_transport,
+        "loss_fused_linear": sc.fused_linear,
+        "partial_finish_fraction": sc.partial_finish_fraction,
         "offload_during_rollout": sc.offload_during_rollout,
         "gpu_memory_utilization": sc.gpu_memory_utilization,
         "micro_batch_tokens": sc.tokens_per_micro_batch,

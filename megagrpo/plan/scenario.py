@@ -37,6 +37,9 @@ class Hardware:
     """One small collective inside a node (NCCL, 8 GPUs), microseconds."""
     ib_latency_us: float = 50.0
     """One small collective across nodes, microseconds."""
+    host_memory_gib_per_node: float = 2048.0
+    """Host memory of one node, GiB (DGX H100: 2 TB DDR5): the pinned buffers of every GPU
+    of the node must fit in it, with the OS and the data loaders beside them."""
 
 
 @dataclass
@@ -46,12 +49,32 @@ class Assumptions:
     mean_completion_tokens: float = 1100.0
     """Mean completion length (the seed's job: thinking answers to MCQs, soft_overlong from
     2,048 tokens; tools/bench_packing.py's model has mean ~1,080)."""
+    completion_sigma: float = 0.6
+    """Shape of the completion lengths: log-normal with mean ``mean_completion_tokens``,
+    clipped to [16, rollout.max_tokens] (an assumption: tools/bench_packing.py's model, median
+    ~900; no 235B completions exist to fit it); 0: every completion of the mean length. Sets
+    how fast a round's batch shrinks (:mod:`megagrpo.plan.decode`)."""
     mean_prompt_tokens: float = 330.0
     """Mean prompt length (IgakuQA + the built-in prompt; tools/bench_packing.py)."""
     generation_rounds: float = 1.0
     """Generated batches per trained batch (dynamic sampling refills: 1 / (1 - ACR))."""
-    train_mfu: float = 0.35
-    """Fraction of bf16 peak the trainer's GEMMs reach (MoE, LoRA; communication separate)."""
+    train_mfu: float = 0.25
+    """Fraction of bf16 dense peak the trainer's GEMMs reach (MoE, LoRA; communication
+    separate). An assumption bounded by the best published H100 figure for this model:
+    NVIDIA Megatron-Bridge's Qwen3-235B-A22B pretraining, FP8 with forced expert balance, 1,712
+    tokens/s/GPU = 253 TFLOP/s = 0.256 of the bf16 dense peak (reviews/scale-audit.md). bf16
+    LoRA training with full recompute and real routing is not expected to beat it; the plan's
+    earlier 0.35 (~1,780 tokens/s/GPU) did."""
+    moe_lora_decode_speed: float = 0.74
+    """Decode speed of an engine serving LoRA on the MoE experts, as a fraction of the same
+    engine without LoRA (every decode step divided by it). Source: SGLang PR #26602 measured
+    MoE-LoRA decode at ~0.45 of no-LoRA speed before kernel tuning and 0.74-0.85 after
+    (reviews/scale-audit.md); no figure for vLLM 0.33 on this model exists: the low end of the
+    tuned range is assumed (``--assume moe_lora_decode_speed=0.45`` for untuned kernels)."""
+    partial_chunk_s: float = 0.2
+    """Overhead of one engine call of a partial round (``rollout.partial.chunk_tokens`` per
+    call: requests re-admitted from the prefix cache, results gathered over the ranks),
+    seconds. An assumption, not measured."""
     prefill_mfu: float = 0.4
     """Fraction of bf16 peak of the engine's prefill."""
     decode_hbm_eff: float = 0.6
@@ -119,6 +142,24 @@ class Scenario:
     load_format: str
     extra_forwards: int
     """No-grad forwards per trained batch (recomputed old log-probs, the KL reference)."""
+    adapter_transport: str = "streamed"
+    """``trainer.adapter_transport`` (adapter sync): streamed bf16 buckets or a PEFT directory."""
+    fused_linear: bool = True
+    """``loss.fused_linear``: no ``[T, V/TP]`` logits on the last stage, chunks only."""
+    partial_finish_fraction: float = 0.0
+    """``rollout.partial.finish_fraction`` when partial rollouts are on, 0 when off."""
+    partial_max_staleness: int = 0
+    """``rollout.partial.max_staleness`` (partial rollouts)."""
+    partial_chunk_tokens: int = 64
+    """``rollout.partial.chunk_tokens`` (partial rollouts)."""
+    placement: str = "colocated"
+    """colocated (trainer and engine share every GPU, phases in turn) | separate (the engines
+    own ``rollout_gpus`` GPUs, the trainer the rest; the next batch is generated under the
+    previous weights while the trainer trains: one-step off-policy). A planner toggle: no
+    config key yet (:mod:`megagrpo.plan.ladder`)."""
+    rollout_gpus: int = 0
+    """GPUs of the engines under ``placement=separate``; ``parallel.*`` then lays out the
+    trainer's ``num_gpus - rollout_gpus``."""
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -189,6 +230,11 @@ def scenario_from_config(cfg: Any, hf: dict) -> Scenario:
         weight_sync=planned_weight_sync(cfg, hf),
         offload_during_rollout=tr.offload_during_rollout,
         extra_forwards=extra,
+        adapter_transport=tr.adapter_transport,
+        fused_linear=bool(cfg.loss.fused_linear),
+        partial_finish_fraction=ro.partial.finish_fraction if ro.partial.enabled else 0.0,
+        partial_max_staleness=ro.partial.max_staleness,
+        partial_chunk_tokens=ro.partial.chunk_tokens,
     )
 
 

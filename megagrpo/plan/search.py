@@ -27,13 +27,30 @@ def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     """:func:`~megagrpo.plan.memory.memory_plan` + ``time`` (step-time estimate) +
     the inputs (``assumptions``, ``hardware``)."""
     mem = memory_plan(sc, a)
+    check_host_memory(mem, a, hw)
     mem["time"] = step_time(sc, a, hw, mem)
     mem["assumptions"] = vars(a)
     mem["hardware"] = vars(hw)
     return mem
 
 
-def _best_utilization(sc: Scenario, a: Assumptions) -> float | None:
+def check_host_memory(mem: dict, a: Assumptions, hw: Hardware) -> None:
+    """``mem["host"]["fits_node"]``: the pinned buffers of a node's GPUs leave ``headroom`` of
+    its ``Hardware.host_memory_gib_per_node`` free; advice (and ``fits`` false) when not."""
+    host = mem["host"]
+    limit = (1 - a.headroom) * hw.host_memory_gib_per_node
+    host["fits_node"] = host["pinned_gib_per_node"] <= limit
+    if not host["fits_node"]:
+        mem["fits"] = False
+        mem["advice"].append(
+            f"pinned host memory {host['pinned_gib_per_node']:.0f} GiB per node is over "
+            f"{limit:.0f} GiB ({1 - a.headroom:.0%} of --hw host_memory_gib_per_node="
+            f"{hw.host_memory_gib_per_node:.0f}): rollout.sleep_level=2 (merged sync), no "
+            "trainer.offload_during_rollout, or more GPUs per model copy"
+        )
+
+
+def best_utilization(sc: Scenario, a: Assumptions) -> float | None:
     """The largest engine budget (0.05 steps, <= 0.9) whose generate phase fits."""
     probe = memory_plan(sc.with_(gpu_memory_utilization=0.0), a)
     limit = (1 - a.headroom) * sc.gpu_memory_gib
@@ -92,11 +109,12 @@ def search(sc: Scenario, a: Assumptions, hw: Hardware, gpus: int, top: int = 5) 
     each a :func:`full_plan` with ``overrides`` (the config keys to set)."""
     found = []
     for cand in candidates(sc, gpus):
-        util = _best_utilization(cand, a)
+        util = best_utilization(cand, a)
         if util is None:
             continue
         cand = cand.with_(gpu_memory_utilization=util)
         mem = memory_plan(cand, a)
+        check_host_memory(mem, a, hw)
         if not mem["fits"]:
             continue
         t = step_time(cand, a, hw, mem)
@@ -135,13 +153,15 @@ def overrides_of(sc: Scenario) -> list[str]:
 def format_plan(p: dict) -> str:
     """Human-readable table of :func:`full_plan`."""
     lay = p["layout"]
+    adapter = lay["weight_sync"] == "adapter"
+    transport = lay["adapter_transport"] if adapter else lay["sync_transport"]
     lines = [
         f"layout: {p['num_gpus']} GPUs, trainer tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} "
         f"etp={lay['etp']} dp={lay['dp']} sp={lay['sequence_parallel']}, "
         f"{lay['micro_batch_tokens']} tokens per micro-batch",
         f"        vLLM tp={lay['vllm_tp']} replicas={lay['replicas']} "
         f"weights={lay['rollout_quantization']} util={lay['gpu_memory_utilization']}, "
-        f"sync={lay['weight_sync']}/{lay['sync_transport']}, "
+        f"sync={lay['weight_sync']}/{transport}, "
         f"offload_during_rollout={lay['offload_during_rollout']}",
     ]
     for k, v in p["breakdown_gib"].items():
@@ -182,8 +202,14 @@ def _format_time(t: dict, gpus: int) -> list[str]:
     if math.isfinite(g["s"]):
         lines.append(
             f"    generate    {g['s']:>7.1f} s  ({g['decode_steps']:.0f} decode steps x "
-            f"{g['step_ms']:.1f} ms, {g['concurrent_per_replica']:.0f} sequences/replica "
-            f"at once, prefill {g['prefill_s']:.1f} s)"
+            f"{g['step_ms']:.1f} ms, batch shrinking from {g['concurrent_per_replica']:.0f} "
+            f"sequences/replica (at full batch throughout: {g['full_batch_decode_s']:.0f} s), "
+            f"MoE-LoRA speed {g['moe_lora_decode_speed']:.2f}, prefill {g['prefill_s']:.1f} s"
+            + (
+                f", {g['partial_chunks_s']:.1f} s of partial chunks)"
+                if g["partial_chunks_s"]
+                else ")"
+            )
         )
     else:
         lines.append("    generate    no KV cache: cannot generate")

@@ -3,20 +3,27 @@ FLOPs and bytes over the bandwidths of :class:`~megagrpo.plan.scenario.Hardware`
 the efficiencies and workload of :class:`~megagrpo.plan.scenario.Assumptions`. Nothing
 here is measured; every input is printed with the result.
 
-* **generate**: prefill (2 x active params x prompt tokens at ``prefill_mfu``) + decode.
-  Decode is memory-bound: every step each GPU reads its engine weights (the experts that the
-  step's tokens touch: all of them once a replica decodes more than a few dozen sequences) and
-  the KV cache of its running sequences at ``decode_hbm_eff`` x HBM bandwidth, plus per layer
-  two tensor-parallel all-reduces and, for lock-stepped expert-parallel replicas, the MoE
-  all-gather / reduce-scatter over every GPU (latency + bytes; across nodes over InfiniBand).
-  Steps: ``rollout.max_tokens`` (the longest completion ends the phase) when the KV cache holds
-  every sequence of a replica at once, plus one mean completion per extra wave otherwise.
+* **generate**: prefill (2 x active params x prompt tokens at ``prefill_mfu``; with partial
+  rollouts also the carried completions' prefixes: the prefix cache is keyed by the adapter
+  version) + decode. Decode is memory-bound: every step each GPU reads its engine weights (the
+  experts that the step's tokens touch: all of them once a replica decodes more than a few
+  dozen sequences) and the KV cache of its running sequences at ``decode_hbm_eff`` x HBM
+  bandwidth, plus per layer two tensor-parallel all-reduces and, for lock-stepped
+  expert-parallel replicas, the MoE all-gather / reduce-scatter over every GPU (latency +
+  bytes; across nodes over InfiniBand); an engine serving LoRA on the experts decodes at
+  ``moe_lora_decode_speed`` of that. The batch shrinks as completions finish
+  (:mod:`megagrpo.plan.decode`: log-normal lengths, expected cost of every step up to
+  ``rollout.max_tokens``); partial rollouts end a round at its budget. When the KV cache
+  cannot hold every sequence of a replica, the extra waves run one mean completion each at
+  the cache's concurrency. ``full_batch_decode_s``: the same steps billed at full batch.
 * **sync**: bytes each GPU moves for the weight update over NVLink / InfiniBand (merged:
   ``allreduce`` = zero-filled full tensors all-reduced over the model-parallel groups, twice a
   tensor's bytes per GPU, and every full tensor fed to every engine rank's loader;
-  ``broadcast`` = once; ``sliced`` = only the engine shard of this GPU; adapter: the PEFT
-  directory today (``allreduce``: gathered in fp32, written and read back), this GPU's bf16
-  adapter share when streamed) + the loader's per-tensor overhead.
+  ``broadcast`` = once; ``sliced`` = only the engine shard of this GPU) + the loader's
+  per-tensor overhead. Adapter sync as ``trainer.adapter_transport`` says: ``peft_dir``
+  gathers in fp32, writes and reads back a directory; ``streamed`` all-reduces bf16 buckets of
+  the full factors over the model-parallel groups, copies them to host, and loads the
+  engine's share into its LoRA slot (over InfiniBand to the engines' GPUs when separate).
 * **train**: (1 forward + 1 input-gradient pass, the frozen base has no weight gradient,
   + 1 recomputed forward under ``model.recompute=full``, + the no-grad forwards for old /
   reference log-probs) x 2 x active params per token, attention scores added, at
@@ -26,6 +33,10 @@ here is measured; every input is printed with the result.
   with ``trainer.offload_during_rollout``; the engine's weights backed up and restored at
   sleep level 1.
 
+Placement ``separate`` (a planner toggle, :mod:`megagrpo.plan.ladder`): the engines generate
+the next batch on their own GPUs while the trainer trains on the rest (one-step off-policy):
+``max(generate, train) + sync``, no transitions (``overlap_s`` is what the overlap hides).
+
 ``tokens_per_s_per_gpu`` = (prompt + completion tokens of the trained batch) / step time /
 GPUs, the figure NeMo-RL reports.
 """
@@ -34,13 +45,23 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from megagrpo.model.arch import arch_from_hf, param_counts
+from megagrpo.plan.decode import (
+    RoundShape,
+    expected_decode_s,
+    lognormal_survival,
+    partial_round,
+    synchronous_round,
+)
 from megagrpo.plan.memory import (
     DTYPE_BYTES,
     GIB,
     engine_weight_bytes,
     kv_bytes_per_token,
     lora_numel,
+    memory_plan,
     shapes_of,
 )
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
@@ -55,46 +76,100 @@ def _lat(gpus: int, per_node: int, hw: Hardware) -> float:
     return (hw.nvlink_latency_us if gpus <= per_node else hw.ib_latency_us) * 1e-6
 
 
-def _generate(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
+def serves_moe_lora_adapter(sc: Scenario) -> bool:
+    """Whether the engine serves the adapter on the MoE experts (MoE-LoRA decode speed)."""
+    s = shapes_of(sc.hf)
+    experts = any(t in sc.lora_targets for t in ("linear_fc1", "linear_fc2"))
+    return bool(sc.weight_sync == "adapter" and sc.enable_lora and s.experts and experts)
+
+
+def decode_step_cost(sc: Scenario, a: Assumptions, hw: Hardware):
+    """``cost(n [steps], context [steps]) -> seconds [steps]`` of one decode step of a replica
+    running ``n`` sequences whose completions hold ``context`` tokens (module doc)."""
     s = shapes_of(sc.hf)
     active = param_counts(arch_from_hf(sc.hf))["active"]
     replicas = max(1, sc.num_gpus // sc.vllm_tp)
-    seqs = sc.batch_groups * sc.group_size * a.generation_rounds / replicas
-    final_ctx = a.mean_prompt_tokens + a.mean_completion_tokens
-    conc = min(seqs, mem["engine"]["kv_tokens_per_replica"] / final_ctx)
-    if conc < 1:
-        return {"s": math.inf, "concurrent_per_replica": conc, "waves": math.inf}
-    waves = seqs / conc
-    steps = sc.max_tokens + max(0.0, waves - 1) * a.mean_completion_tokens
     lockstep_ep = sc.replicas == "lockstep" and sc.enable_expert_parallel
-    group_tokens = conc * (replicas if lockstep_ep else 1)
-    touched = 1 - (1 - s.topk / s.experts) ** group_tokens if s.experts else 1.0
     lin = 1 if sc.quantization == "fp8" else 2
     expert_gpus = sc.num_gpus if lockstep_ep else sc.vllm_tp
     experts_gpu = s.moe_layers * s.expert_layer_params * lin / expert_gpus
-    weights = engine_weight_bytes(s, sc) - experts_gpu * (1 - touched)
-    kv = conc * (a.mean_prompt_tokens + a.mean_completion_tokens / 2) * kv_bytes_per_token(s, sc)
-    t_mem = (weights + kv) / (hw.hbm_gb_s * 1e9 * a.decode_hbm_eff)
-    t_flops = 2 * active * conc / sc.vllm_tp / (hw.bf16_tflops * 1e12 * 0.5)
+    w_all = engine_weight_bytes(s, sc)
+    kvt = kv_bytes_per_token(s, sc)
     per = sc.gpus_per_node
-    comm = 0.0
-    if sc.vllm_tp > 1:  # attention + MoE output all-reduces
-        b = conc * s.h * 2 * 2 * (sc.vllm_tp - 1) / sc.vllm_tp
-        comm += 2 * (_lat(sc.vllm_tp, per, hw) + b / (_bw(sc.vllm_tp, per, hw) * a.comm_eff))
-    if lockstep_ep and replicas > 1:  # all-gather + reduce-scatter of every replica's tokens
-        b = group_tokens * s.h * 2 * (sc.num_gpus - 1) / sc.num_gpus
-        n = sc.num_gpus
-        comm += 2 * (_lat(n, per, hw) + b / (_bw(n, per, hw) * a.comm_eff)) * s.moe_frac
-    t_step = max(t_mem, t_flops) + s.layers * comm
-    prompts = sc.batch_groups * sc.group_size * a.generation_rounds * a.mean_prompt_tokens
+    speed = a.moe_lora_decode_speed if serves_moe_lora_adapter(sc) else 1.0
+
+    def cost(n: np.ndarray, context: np.ndarray) -> np.ndarray:
+        group_tokens = n * (replicas if lockstep_ep else 1)
+        touched = 1 - (1 - s.topk / s.experts) ** group_tokens if s.experts else 1.0
+        weights = w_all - experts_gpu * (1 - touched)
+        kv = n * (a.mean_prompt_tokens + context) * kvt
+        t_mem = (weights + kv) / (hw.hbm_gb_s * 1e9 * a.decode_hbm_eff)
+        t_flops = 2 * active * n / sc.vllm_tp / (hw.bf16_tflops * 1e12 * 0.5)
+        comm = np.zeros_like(n)
+        if sc.vllm_tp > 1:  # attention + MoE output all-reduces
+            b = n * s.h * 2 * 2 * (sc.vllm_tp - 1) / sc.vllm_tp
+            comm = comm + 2 * (
+                _lat(sc.vllm_tp, per, hw) + b / (_bw(sc.vllm_tp, per, hw) * a.comm_eff)
+            )
+        if lockstep_ep and replicas > 1:  # all-gather + reduce-scatter of every replica's tokens
+            b = group_tokens * s.h * 2 * (sc.num_gpus - 1) / sc.num_gpus
+            m = sc.num_gpus
+            comm = comm + 2 * (_lat(m, per, hw) + b / (_bw(m, per, hw) * a.comm_eff)) * s.moe_frac
+        return (np.maximum(t_mem, t_flops) + s.layers * comm) / speed
+
+    return cost
+
+
+def _round_shape(sc: Scenario, a: Assumptions, n_total: float) -> RoundShape:
+    surv = lognormal_survival(a.mean_completion_tokens, a.completion_sigma, sc.max_tokens)
+    if sc.partial_finish_fraction > 0:
+        return partial_round(
+            surv,
+            n_total,
+            sc.partial_finish_fraction,
+            sc.partial_max_staleness,
+            sc.partial_chunk_tokens,
+        )
+    return synchronous_round(surv, n_total)
+
+
+def _generate(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
+    active = param_counts(arch_from_hf(sc.hf))["active"]
+    replicas = max(1, sc.num_gpus // sc.vllm_tp)
+    n_round = sc.batch_groups * sc.group_size * a.generation_rounds
+    shape = _round_shape(sc, a, n_round)
+    seqs = n_round / replicas  # new completions per replica and round
+    final_ctx = a.mean_prompt_tokens + a.mean_completion_tokens
+    conc = min(seqs * shape.in_flight, mem["engine"]["kv_tokens_per_replica"] / final_ctx)
+    if conc < 1:
+        return {"s": math.inf, "concurrent_per_replica": conc, "waves": math.inf}
+    waves = seqs * shape.in_flight / conc
+    cost = decode_step_cost(sc, a, hw)
+    # waves beyond the first run at the KV cache's concurrency; the last one drains
+    full_steps = max(0.0, waves - 1) * a.mean_completion_tokens
+    mean_ctx = np.array([a.mean_completion_tokens / 2])
+    full = full_steps * float(cost(np.array([conc]), mean_ctx)[0])
+    last = seqs if waves <= 1 else conc / shape.in_flight
+    decode = expected_decode_s(shape, last, cost)
+    full_batch = shape.expected_steps * float(cost(np.array([conc]), mean_ctx)[0])
+    prompts = n_round * a.mean_prompt_tokens + n_round * shape.carried_context
     prefill = 2 * active * prompts / (sc.num_gpus * hw.bf16_tflops * 1e12 * a.prefill_mfu)
+    steps = full_steps + shape.expected_steps
+    chunks = 0.0
+    if sc.partial_finish_fraction > 0:
+        chunks = math.ceil(steps / sc.partial_chunk_tokens) * a.partial_chunk_s
     return {
-        "s": steps * t_step + prefill,
+        "s": full + decode + prefill + chunks,
+        "decode_s": full + decode,
         "decode_steps": steps,
-        "step_ms": t_step * 1e3,
+        "step_ms": (full + decode) / steps * 1e3 if steps else 0.0,
+        "full_batch_decode_s": full + full_batch,
         "concurrent_per_replica": conc,
         "waves": waves,
         "prefill_s": prefill,
+        "partial_chunks_s": chunks,
+        "round_budget_tokens": shape.round_tokens,
+        "moe_lora_decode_speed": a.moe_lora_decode_speed if serves_moe_lora_adapter(sc) else 1.0,
     }
 
 
@@ -107,13 +182,7 @@ def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     n_tensors = s.layers * (10 + 3 * s.experts) + 3
     mp, emp = sc.tp * sc.pp, sc.ep * sc.etp * sc.pp
     if sc.weight_sync == "adapter":
-        ld, le = lora_numel(s, sc.lora_rank, sc.lora_targets)
-        full = s.layers * ld + s.moe_layers * le  # parameters of the whole adapter
-        # what the trainer does (trainer.sync.weight_update), whatever sync_transport says: the
-        # PEFT directory (fp32 gather to rank 0, write, the engines read it back). Streamed bf16
-        # shards (2 x params / GPUs bytes per GPU) are measured by tools/bench_sync.py, not built.
-        t = 2 * full * 4 / (_bw(max(mp, emp), per, hw) * a.comm_eff) + 2 * full * 2 / 2e9
-        return {"s": t + 2 * n_tensors * a.loader_s_per_tensor, "bytes_per_gpu": full * 8}
+        return _adapter_sync(sc, a, hw, s, n_tensors)
     factor = {"allreduce": 2.0, "broadcast": 1.0}.get(sc.sync_transport)
     if factor is None:  # sliced: only this GPU's engine shard crosses the links
         shard = engine_weight_bytes(s, sc)
@@ -128,7 +197,37 @@ def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     return {"s": t_comm + t_load, "bytes_per_gpu": moved}
 
 
-def _train(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
+def _adapter_sync(sc: Scenario, a: Assumptions, hw: Hardware, s, n_tensors: int) -> dict:
+    """Seconds and bytes per GPU of an adapter sync, as ``trainer.adapter_transport`` sends it."""
+    per = sc.gpus_per_node
+    ld, le = lora_numel(s, sc.lora_rank, sc.lora_targets)
+    dense, expert = s.layers * ld, s.moe_layers * le  # parameters of the whole adapter
+    mp, emp = sc.tp * sc.pp, sc.ep * sc.etp * sc.pp
+    if sc.adapter_transport != "streamed":
+        # the PEFT directory: fp32 gather to rank 0 (two all-reduces per tensor), written, read
+        # back and fed to every engine's loader
+        full = dense + expert
+        t = 2 * full * 4 / (_bw(max(mp, emp), per, hw) * a.comm_eff) + 2 * full * 2 / 2e9
+        return {"s": t + 2 * n_tensors * a.loader_s_per_tensor, "bytes_per_gpu": full * 8}
+    # streamed: bf16 buckets summed over the model-parallel groups (every rank receives the full
+    # factors: all-reduce), copied to host, the engine's share loaded into its LoRA slot
+    ring = [(2 * dense * 2 * (mp - 1) / mp, mp), (2 * expert * 2 * (emp - 1) / emp, emp)]
+    moved = sum(b for b, _ in ring)
+    t = sum(b / (_bw(n, per, hw) * a.comm_eff) + _lat(n, per, hw) for b, n in ring if n > 1)
+    if sc.placement == "separate":  # trainer -> engine GPUs over InfiniBand
+        t += (dense + expert) * 2 / (hw.ib_gb_s * 1e9 * a.comm_eff)
+        moved += (dense + expert) * 2
+    lockstep_ep = sc.replicas == "lockstep" and sc.enable_expert_parallel
+    expert_gpus = sc.num_gpus if lockstep_ep else sc.vllm_tp
+    local = dense / sc.vllm_tp + expert / expert_gpus
+    local_tensors = s.layers * 8 + s.moe_layers * 6 * s.experts / expert_gpus
+    host = hw.host_gb_s * 1e9
+    t += (dense + expert) * 2 / host + local * 2 / host + local_tensors * a.loader_s_per_tensor
+    return {"s": t, "bytes_per_gpu": moved}
+
+
+def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
+    """The train phase of ``sc``: seconds (``s``) and its parts (module doc)."""
     s = shapes_of(sc.hf)
     active = param_counts(arch_from_hf(sc.hf))["active"]
     samples = sc.batch_groups * sc.group_size
@@ -180,20 +279,52 @@ def _transitions(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
     return {"s": offload + backup, "trainer_offload_s": offload, "engine_sleep_backup_s": backup}
 
 
-def step_time(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
-    """Per-phase seconds of one step and ``tokens_per_s_per_gpu`` (module doc); ``mem`` is
-    :func:`megagrpo.plan.memory.memory_plan` of the same scenario."""
+def split_placement(sc: Scenario) -> tuple[Scenario, Scenario]:
+    """(trainer, engine) scenarios of ``placement=separate``: the trainer on ``num_gpus -
+    rollout_gpus`` GPUs (``parallel.*``), nothing offloaded, no engine asleep beside it; the
+    engines on ``rollout_gpus`` GPUs with no trainer state beside them."""
+    trainer = sc.with_(num_gpus=sc.num_gpus - sc.rollout_gpus, offload_cudagraph=True)
+    engine = sc.with_(num_gpus=sc.rollout_gpus, offload_during_rollout=True)
+    return trainer, engine
+
+
+def _separate_step_time(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
+    """One-step off-policy on separate GPUs: the engines generate the next batch under the
+    previous weights while the trainer trains, then the adapter crosses over (the engines
+    pause for it): ``max(generate, train) + sync``; no offload, no sleep."""
+    trainer, engine = split_placement(sc)
     phases = {
-        "generate": _generate(sc, a, hw, mem),
-        "sync": _sync(sc, a, hw),
-        "train": _train(sc, a, hw),
-        "transitions": _transitions(sc, a, hw, mem),
+        "generate": _generate(engine, a, hw, memory_plan(engine, a)),
+        "sync": _sync(engine, a, hw),
+        "train": train_phase(trainer, a, hw),
+        "transitions": {"s": 0.0, "trainer_offload_s": 0.0, "engine_sleep_backup_s": 0.0},
     }
-    total = sum(p["s"] for p in phases.values())
+    overlap = min(phases["generate"]["s"], phases["train"]["s"])
+    return _summary(sc, a, phases, overlap)
+
+
+def _summary(sc: Scenario, a: Assumptions, phases: dict, overlap: float) -> dict:
+    total = sum(p["s"] for p in phases.values()) - overlap
     tokens = sc.batch_groups * sc.group_size * (a.mean_prompt_tokens + a.mean_completion_tokens)
     return {
         "step_s": total,
         "phases": phases,
+        "overlap_s": overlap,
+        "placement": sc.placement,
         "tokens_per_step": tokens,
         "tokens_per_s_per_gpu": tokens / total / sc.num_gpus if total else 0.0,
     }
+
+
+def step_time(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
+    """Per-phase seconds of one step and ``tokens_per_s_per_gpu`` (module doc); ``mem`` is
+    :func:`megagrpo.plan.memory.memory_plan` of the same scenario (colocated)."""
+    if sc.placement == "separate":
+        return _separate_step_time(sc, a, hw)
+    phases = {
+        "generate": _generate(sc, a, hw, mem),
+        "sync": _sync(sc, a, hw),
+        "train": train_phase(sc, a, hw),
+        "transitions": _transitions(sc, a, hw, mem),
+    }
+    return _summary(sc, a, phases, 0.0)
