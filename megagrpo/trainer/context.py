@@ -132,6 +132,9 @@ class Ahead:
 
     step: int
     rounds: Rounds
+    samplers: dict[str, Any] = field(default_factory=dict)
+    """The curriculum and dynamic samplers' state before the early start: what a checkpoint
+    of the step before holds (a resumed run draws step ``step``'s first round again)."""
 
 
 class _EnginesNotStarted:

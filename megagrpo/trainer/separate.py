@@ -22,14 +22,16 @@ rollouts: recomputed old log-probs and token-level importance weights against th
 log-probs (``loss.tis_cap``). ``max_staleness: 0``: nothing is sent ahead, every round waits
 for the new adapter (on-policy, no overlap).
 
-What it drops: more than one engine rank (engine replicas, vLLM TP across ranks); resuming
-into the prefetched round (a resumed run draws step k+1's first round again, on-policy).
+A checkpoint of step k holds the samplers as they were before step k+1's rounds started, so
+a resumed run draws the same first round again (on-policy this time: the round in flight is
+not saved). What it drops: more than one engine rank (engine replicas, vLLM TP across ranks).
 ``perf/overlap_frac``: the fraction of the step during which the trainer trained while the
 engine generated (both clocks are ``time.time()`` of one machine or NTP-synchronised nodes).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -276,15 +278,22 @@ def submit_ahead(ctx: TrainContext, step: int) -> None:
     if step >= ctx.cfg.trainer.max_steps:
         return
     nxt = step + 1
+    samplers = copy.deepcopy(sampler_states(ctx))  # what this step's checkpoint holds
     rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, nxt)
+    ctx.ahead = Ahead(nxt, rounds, samplers)
     requests = rounds.next_requests()
-    if requests is None:
-        ctx.ahead = Ahead(nxt, rounds)
-        return
-    problems, counts = [r.problem for r in requests], [r.n for r in requests]
-    seed = round_seed(ctx.cfg.trainer.seed, nxt, 0)
-    rollouts.submit(problems, counts, SamplingSpec(seed=seed))
-    ctx.ahead = Ahead(nxt, rounds)
+    if requests is not None:
+        problems, counts = [r.problem for r in requests], [r.n for r in requests]
+        seed = round_seed(ctx.cfg.trainer.seed, nxt, 0)
+        rollouts.submit(problems, counts, SamplingSpec(seed=seed))
+
+
+def sampler_states(ctx: TrainContext) -> dict[str, Any]:
+    """The samplers' state a checkpoint of the last completed step holds: as they were before
+    :func:`submit_ahead` started the next step's rounds, else as they are."""
+    if ctx.ahead is not None and ctx.ahead.samplers:
+        return ctx.ahead.samplers
+    return {"sampler": ctx.sampler.state_dict(), "dynamic": ctx.dynamic.state_dict()}
 
 
 def take_ahead(ctx: TrainContext, step: int) -> tuple[Rounds, list[Group] | None] | None:

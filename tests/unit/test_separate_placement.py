@@ -46,25 +46,25 @@ class SlowBigram(StoppingBigram):
         return super().generate(problems, n, sampling)
 
 
-def _config(out: Path, model_dir: Path, name: str, **rollout) -> RunConfig:
+def _config(out: Path, model_dir: Path, name: str, trainer=None, **rollout) -> RunConfig:
     cfg = tiny_run_config(
         model_dir,
         out,
         name,
         loss={"backend": "torch"},
-        trainer={"max_steps": 5, "lr": 0.3, "save_every": 0},
+        trainer={"max_steps": 5, "lr": 0.3, "save_every": 0, **(trainer or {})},
         rollout={"max_tokens": MAX_TOKENS, "probe_len": 8, "placement": "separate", **rollout},
         dynamic={"enabled": False},
     )
     return load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
 
 
-def _run(model_dir: Path, out: Path, monkeypatch, **rollout):
-    """Train 5 steps; returns (rows, [(step, weights at collection, groups)])."""
+def _run(model_dir: Path, out: Path, monkeypatch, trainer=None, resume=False, **rollout):
+    """Train (5 steps); returns (ctx, rows, [(step, weights at collection, groups)])."""
     from megagrpo.trainer import loop
     from megagrpo.trainer.setup import build_context, shutdown
 
-    run = _config(out, model_dir, "run", **rollout)
+    run = _config(out, model_dir, "run", trainer, **rollout)
     trainer_end, engine_end = thread_pair()
     engine = SlowBigram(run.rollout, "", 0)
     server = threading.Thread(target=serve_engine, args=(engine, engine_end), daemon=True)
@@ -80,7 +80,9 @@ def _run(model_dir: Path, out: Path, monkeypatch, **rollout):
         return batch, gen
 
     monkeypatch.setattr(loop, "collect_batch", record)
-    ctx = build_context(run, policy_factory=lambda m, p: BigramPolicy(), channel=trainer_end)
+    ctx = build_context(
+        run, resume=resume, policy_factory=lambda m, p: BigramPolicy(), channel=trainer_end
+    )
     try:
         rows = loop.train(ctx)
     finally:
@@ -148,6 +150,23 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
                     assert got[(step, round(lp, 5))] == pytest.approx(ref, rel=1e-4, abs=1e-5)
                     stale += v < step and abs(ref - 1.0) > 1e-3
     assert stale > 0, "no stale token with a weight != 1: the test would not see a mix-up"
+
+
+def test_resume_draws_the_round_that_was_sent_ahead(model_dir, tmp_path, monkeypatch):
+    """Step 3's first round was in flight while step 2 trained; the checkpoint of step 2 does
+    not hold it, and the resumed run trains step 3 on the same problems, generated on-policy
+    this time (the samplers are saved as before the early start: a carry buffer is not lost
+    to it)."""
+    trainer = {"max_steps": 4, "save_every": 2, "keep_checkpoints": 5}
+    _, _, full = _run(model_dir, tmp_path, monkeypatch, trainer)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000004")
+    _, _, resumed = _run(model_dir, tmp_path, monkeypatch, trainer, resume=True)
+    assert [step for step, _, _ in resumed] == [3, 4]
+    ids = {step: [g.problem.id for g in groups] for step, _, groups in full}
+    again = {step: [g.problem.id for g in groups] for step, _, groups in resumed}
+    assert again[3] == ids[3] and again[4] == ids[4]
+    assert {g.meta["staleness"] for g in resumed[0][2]} == {0}  # nothing was ahead of it
+    assert {g.meta["staleness"] for g in full[2][2]} == {1}
 
 
 def _group(version: int) -> Group:
