@@ -109,8 +109,12 @@ def run(args: argparse.Namespace) -> int:
         from megagrpo.trainer.separate import serve_engine_rank, trainer_channel
 
         split = split_world(cfg.parallel.timeout_minutes)
-        if split.is_engine:
-            serve_engine_rank(cfg, split)
+        if split.is_engine:  # a stop signal is the trainers' to act on: they checkpoint at
+            held = StopSignals().install()  # the step boundary, then close the link
+            try:
+                serve_engine_rank(cfg, split)
+            finally:
+                held.restore()
             return 0
     stop = StopSignals().install()  # a signal during start-up stops before step 1
     try:

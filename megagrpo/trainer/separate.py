@@ -245,14 +245,18 @@ class SeparateRollouts(Rollouts):
         return busy
 
     def close(self) -> None:
-        """Collect what is still in flight, then stop the engine rank."""
-        if self.comm.is_main and self.channel is not None:
-            for _ in range(len(self.submitted) - len(self._early)):
-                self.channel.recv(GEN)
-            self.channel.send(REQ, ("close",))
-            _reply(self.channel.recv(CTRL), "closed")
-            self.channel.close()
-            self.channel = None
+        """Collect what is still in flight, then stop the engine rank (best effort: after a
+        failure the engine rank may be gone, and the failure is what the run reports)."""
+        channel, self.channel = self.channel, None
+        if self.comm.is_main and channel is not None:
+            try:
+                for _ in range(len(self.submitted) - len(self._early)):
+                    channel.recv(GEN)
+                channel.send(REQ, ("close",))
+                _reply(channel.recv(CTRL), "closed")
+                channel.close()
+            except Exception:  # noqa: BLE001 - at exit; the engine rank's own error is logged there
+                log.warning("engine rank did not close cleanly", exc_info=True)
         self.submitted, self._early = [], []
 
 
