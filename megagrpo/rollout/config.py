@@ -103,12 +103,19 @@ class RolloutConfig:
     """GPU only: fraction of device memory vLLM may take (weights + KV cache) while awake."""
     kv_cache_gib: int = 1
     """CPU only: KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE; else ~20 GiB)."""
-    placement: Literal["auto", "rank0", "sharded"] = "auto"
+    placement: Literal["auto", "rank0", "sharded", "separate"] = "auto"
     """Where the trainer generates with several processes: rank0 (one engine on global rank
     0, results broadcast) | sharded (an engine on every rank; each round's problems are split
     over the ``world / tensor_parallel_size`` replicas and the groups gathered) | auto
-    (sharded for engine=vllm, on GPU and vllm-cpu, rank0 for engine=hf). One process:
-    always one engine."""
+    (sharded for engine=vllm, on GPU and vllm-cpu, rank0 for engine=hf) | separate (the last
+    process is the engine's own rank and never trains; the others train; with
+    ``max_staleness: 1`` the engine generates step k+1's first round while step k trains:
+    :mod:`megagrpo.trainer.separate`). One process: always one engine."""
+    max_staleness: int | None = None
+    """Placement separate: how many policy versions the trained batch may lag the weights it
+    trains from: 0 (on-policy: generation waits for the new adapter) | 1 (one step ahead:
+    generation of step k+1 overlaps training of step k; importance-corrected like partial
+    rollouts: ``loss.tis_cap``). null: 1 with placement separate, 0 otherwise."""
     tensor_parallel_size: int = 1
     """vLLM tensor-parallel size (its own layout, independent of Megatron's)."""
     enable_expert_parallel: bool = False
@@ -253,6 +260,24 @@ class RolloutConfig:
             "must be a list of plugin names (no commas)",
         )
         require(self.probe_len >= 2, f"{path}.probe_len", "must be >= 2")
+        if self.max_staleness is not None:
+            require(
+                self.max_staleness in (0, 1),
+                f"{path}.max_staleness",
+                f"must be 0 (on-policy) or 1 (one step ahead), got {self.max_staleness}",
+            )
+            require(
+                self.max_staleness == 0 or self.placement == "separate",
+                f"{path}.max_staleness",
+                "only placement=separate generates ahead of training (partial rollouts have "
+                "their own bound: rollout.partial.max_staleness)",
+            )
+
+    def resolved_max_staleness(self) -> int:
+        """``max_staleness`` as it runs: 1 for placement separate, 0 otherwise, unless set."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.placement == "separate" else 0
 
 
 SP_MOE_BACKENDS = (

@@ -123,7 +123,7 @@ class Rule:
 
 def _engine_dp(cfg: RunConfig, world: int) -> int:
     ro = cfg.rollout
-    if ro.engine != "vllm" or ro.replicas != "lockstep" or ro.placement == "rank0":
+    if ro.engine != "vllm" or ro.replicas != "lockstep" or ro.placement in ("rank0", "separate"):
         return 1
     return max(world // ro.tensor_parallel_size, 1)
 

@@ -276,6 +276,7 @@ class RunConfig:
         self._resolve_sync_thresholds()
         self._check_routing_replay()
         self._resolve_partial()
+        self._resolve_separate()
         require(
             self.trainer.pack_tokens == 0 or self.trainer.pack_tokens >= self.rollout.max_model_len,
             "trainer.pack_tokens",
@@ -314,6 +315,13 @@ class RunConfig:
         key = "rollout.partial.enabled"
         require(self.budget.mode == "uniform", key, "needs budget.mode=uniform")
         require(self.model.routing_replay == "off", key, "needs model.routing_replay=off")
+        self._importance_correction(key)
+
+    def _importance_correction(self, key: str) -> None:
+        """Off-policy tokens (partial rollouts, one step ahead): the trainer recomputes the
+        behaviour log-probs (``trainer.old_logprobs: recompute``) and weights each token by
+        its importance ratio against the engine's log-prob (``loss.tis_cap``, 2.0 when 0 and
+        ``loss.tis_auto``). ConfigError names ``key``."""
         require(
             self.trainer.old_logprobs in ("auto", "recompute"),
             key,
@@ -324,7 +332,33 @@ class RunConfig:
         if self.loss.tis_cap == 0:
             require(self.loss.tis_auto, key, "needs loss.tis_cap >= 1 (or loss.tis_auto)")
             self.loss.tis_cap = 2.0
-            log.info("rollout.partial: token-level importance weights on (loss.tis_cap=2.0)")
+            log.info("%s: token-level importance weights on (loss.tis_cap=2.0)", key)
+
+    def _resolve_separate(self) -> None:
+        """Placement separate (:mod:`megagrpo.trainer.separate`): one engine rank (the last
+        process; ``rollout.tensor_parallel_size`` 1), every other process trains in any
+        Megatron layout of its own. ``rollout.max_staleness`` resolved (1 unless set); with 1
+        the importance correction of partial rollouts is on. Not with partial rollouts (two
+        staleness mechanisms) nor dummy engine weights. ConfigError names the key."""
+        ro = self.rollout
+        if ro.placement != "separate":
+            ro.max_staleness = ro.resolved_max_staleness()
+            return
+        key = "rollout.placement"
+        require(
+            ro.tensor_parallel_size == 1,
+            "rollout.tensor_parallel_size",
+            "placement=separate runs one engine on one rank: must be 1",
+        )
+        require(not ro.partial.enabled, key, "separate is not wired with rollout.partial")
+        require(
+            ro.load_format == "auto",
+            "rollout.load_format",
+            "placement=separate: the engine rank reads its own weights (auto)",
+        )
+        ro.max_staleness = ro.resolved_max_staleness()
+        if ro.max_staleness > 0:
+            self._importance_correction("rollout.max_staleness")
 
     def _resolve_sync_thresholds(self) -> None:
         """Weight-sync verification bounds for the trainer's *and* the engine's dtype (the

@@ -31,6 +31,7 @@ from megagrpo.trainer.offload import Offload
 from megagrpo.types import Problem
 
 if TYPE_CHECKING:
+    from megagrpo.curriculum.rounds import Rounds
     from megagrpo.trainer.partial import PartialRollouts
     from megagrpo.trainer.rollouts import Rollouts
 
@@ -124,6 +125,18 @@ class Comm:
         return float(t.item())
 
 
+@dataclass
+class Ahead:
+    """Step ``step``'s rounds, started while the step before trained (placement separate, one
+    step ahead: :func:`megagrpo.trainer.separate.submit_ahead`); its first round in flight."""
+
+    step: int
+    rounds: Rounds
+    samplers: dict[str, Any] = field(default_factory=dict)
+    """The curriculum and dynamic samplers' state before the early start: what a checkpoint
+    of the step before holds (a resumed run draws step ``step``'s first round again)."""
+
+
 class _EnginesNotStarted:
     """``TrainContext.rollouts`` before the engines start: any use is an error naming why."""
 
@@ -162,6 +175,11 @@ class TrainContext:
     step: int = 0
     """Optimiser steps completed."""
     timings: dict[str, float] = field(default_factory=dict)
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """The last ``(start, end)`` (``time.time()``) of each :meth:`timed` block of the step."""
+    ahead: Ahead | None = None
+    """Placement separate, one step ahead: the next step's rounds, started while this step
+    trains (:mod:`megagrpo.trainer.separate`); None otherwise."""
     problem_set: dict[str, Any] = field(default_factory=dict)
     """The training problems as a checkpoint records them (count, digest, ids the
     prompt-length policy dropped or truncated): compared on resume."""
@@ -202,8 +220,9 @@ class TrainContext:
     @contextmanager
     def timed(self, key: str) -> Iterator[None]:
         """Add the wall time of the block to ``timings[key]`` (seconds)."""
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
             self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+            self.intervals[key] = (wall, time.time())

@@ -15,7 +15,8 @@ MoE routing replay (``model.routing_replay``) happens inside phase 5; its
 ``train/routing_agreement`` (and ``train/logprob_mismatch`` when old log-probs are recomputed)
 come with the loss metrics of the step's row.
 
-What it deliberately drops: value baselines, asynchronous (off-policy) generation.
+What it deliberately drops: value baselines, generation more than one step ahead of training
+(``rollout.placement: separate`` generates at most one: :mod:`megagrpo.trainer.separate`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megagrpo.rewards.answers import answer_bias
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
 from megagrpo.trainer.rollouts import evaluate, round_seed
+from megagrpo.trainer.separate import overlap_metrics, submit_ahead, take_ahead
 from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
 from megagrpo.trainer.train_state import save_checkpoint
@@ -71,8 +73,15 @@ class GenStats:
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     """Phases 1-2: generate and score rounds until the dynamic sampler has decided the batch
     (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
-    rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
     stats = GenStats()
+    ahead = take_ahead(ctx, step)  # placement separate: started while the last step trained
+    if ahead is None:
+        rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
+    else:
+        rounds, first = ahead
+        if first is not None:
+            stats.add(first)
+            rounds.add(first)
     partial = ctx.partial
     if partial is not None:
         partial.begin_step()
@@ -147,7 +156,7 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
 
 def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     """Run GRPO step ``step`` (1-based) and return its metrics row."""
-    ctx.timings = {}
+    ctx.timings, ctx.intervals = {}, {}
     t0 = time.perf_counter()
     ctx.reward_fn.begin_step(step, ctx.cfg.trainer.max_steps)  # trainer_state for ORM plugins
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
@@ -157,6 +166,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if ctx.completions is not None:  # what was trained on: rewards, advantages (rank 0)
         ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of, advantages=adv)
     trained = len(batch.groups) > 0
+    submit_ahead(ctx, step)  # separate ranks, one step ahead: the engine generates step + 1
     if trained:  # 4: free the engines' memory for training (the sync wakes them in stages)
         ctx.rollouts.sleep()
         ctx.offload.for_training()
@@ -170,6 +180,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen), **losses, **sync}
     metrics.update(effective_metrics(gen, adv))
     metrics.update(_perf(ctx, gen, step_s))
+    metrics.update(overlap_metrics(ctx, step_s))  # placement separate: perf/overlap_frac
     metrics.update(ctx.offload.pop_metrics())
     metrics.update(ctx.sampler.metrics())
     metrics.update(ctx.reward_fn.pop_metrics())

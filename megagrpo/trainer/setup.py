@@ -46,6 +46,7 @@ from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
 from megagrpo.trainer import compat
+from megagrpo.trainer.bridge import Channel
 from megagrpo.trainer.checkpoint import ResumePoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
@@ -54,6 +55,7 @@ from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import prepare_run_dir
+from megagrpo.trainer.separate import SeparateRollouts
 from megagrpo.trainer.sync import first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
@@ -327,6 +329,7 @@ def build_context(
     overwrite: bool = False,
     policy_factory: PolicyFactory = build_policy,
     engine_factory: EngineFactory = build_engine,
+    channel: Channel | None = None,
 ) -> TrainContext:
     """Everything a run needs, on every rank (see module docstring); ``cfg`` is resolved
     (:meth:`RunConfig.resolve`, done by the loader) and saved as the run's config.yaml once
@@ -337,13 +340,15 @@ def build_context(
             (CheckpointError when there is none, or when a setting changed that the
             checkpoint cannot continue under); the engines are then synced to it.
         overwrite: move a run already in the directory aside instead of refusing to start.
+        channel: ``rollout.placement: separate``: trainer rank 0's link to the engine rank
+            (:mod:`megagrpo.trainer.separate`; the engine rank never builds a context).
     """
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     point, changes, lock = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
     try:
-        ctx = _build(cfg, pgs, run_dir, point, changes, policy_factory, engine_factory)
+        ctx = _build(cfg, pgs, run_dir, point, changes, policy_factory, engine_factory, channel)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -360,6 +365,7 @@ def _build(
     changes: list,
     policy_factory: PolicyFactory,
     engine_factory: EngineFactory,
+    channel: Channel | None = None,
 ) -> TrainContext:
     """:func:`build_context` once the run directory is locked and checked."""
     comm = Comm(pgs)
@@ -406,13 +412,18 @@ def _build(
         ctx.partial = PartialRollouts(cfg.rollout.partial, cfg.rollout.max_tokens, cfg.trainer.seed)
     if point is not None:
         restore_checkpoint(ctx, point)
-    start_rollouts(ctx, tokenizer, model_path, engine_factory, resumed=point is not None)
+    start_rollouts(ctx, tokenizer, model_path, engine_factory, point is not None, channel)
     open_run(ctx)
     return ctx
 
 
 def start_rollouts(
-    ctx: TrainContext, tokenizer: Any, model_path: str, engine_factory: EngineFactory, resumed: bool
+    ctx: TrainContext,
+    tokenizer: Any,
+    model_path: str,
+    engine_factory: EngineFactory,
+    resumed: bool,
+    channel: Channel | None = None,
 ) -> None:
     """Start the engines and give them the policy's weights (collective). With
     ``offload_during_rollout`` the trainer's probes are computed first (on the probe sequence
@@ -428,15 +439,24 @@ def start_rollouts(
     probes = first_probes(ctx, probe_ids, dummy or resumed) if early else None
     ctx.offload.for_generation()
     rng = rng_state()
-    ctx.rollouts = build_rollouts(
-        cfg.rollout,
-        ctx.comm,
-        model_path,
-        cfg.trainer.seed,
-        ctx.reward_fn,
-        engine_factory,
-        torch.cuda.is_available(),
-    )
+    if cfg.rollout.placement == "separate":  # the engine runs on its own rank
+        ctx.rollouts = SeparateRollouts(
+            channel,
+            ctx.comm,
+            ctx.reward_fn,
+            cfg.rollout.resolved_max_staleness(),
+            cfg.rollout.sync_bucket_mb,
+        )
+    else:
+        ctx.rollouts = build_rollouts(
+            cfg.rollout,
+            ctx.comm,
+            model_path,
+            cfg.trainer.seed,
+            ctx.reward_fn,
+            engine_factory,
+            torch.cuda.is_available(),
+        )
     set_rng_state(rng)
     if probes is None or ctx.rollouts.probe_token_ids != probe_ids:
         ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)

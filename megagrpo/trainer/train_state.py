@@ -27,6 +27,7 @@ from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.plain_state import set_rng_state
 from megagrpo.trainer.resume_check import apply_optimizer_settings, drop_foreign_carry
+from megagrpo.trainer.separate import sampler_states
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,7 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     """Adapters, optimiser, scheduler and RNGs of every rank; samplers (collective)."""
     rank_state, layout = _rank_state(ctx)
     trainer_state = {
-        "sampler": ctx.sampler.state_dict(),
-        "dynamic": ctx.dynamic.state_dict(),
+        **sampler_states(ctx),  # (one step ahead: as before the next step's rounds started)
         "loop": {"nonfinite_streak": ctx.nonfinite_streak},
     }
     if ctx.partial is not None:

