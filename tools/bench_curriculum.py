@@ -23,7 +23,7 @@ import numpy as np
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.plan.simulate import BernoulliEngine, run_plan, synthetic_population
+from megagrpo.plan.simulate import BernoulliEngine, PlanSetup, run_plan, synthetic_population
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
 
@@ -40,7 +40,7 @@ def bench_planner(num_problems: int, steps: int) -> None:
         for policy in ("original", "carry"):
             cur = CurriculumConfig(keep_levels=keep, retire_streak=0)
             dyn = DynamicSamplingConfig(policy=policy, max_resample=3)
-            r = run_plan(hist, 5, 8, 96, steps, cur, dyn).to_dict()
+            r = run_plan(PlanSetup(hist, 5, 8, 96, steps, cur), dyn).to_dict()
             print(
                 f"{'L1-L6' if len(keep) == 6 else 'L2-L5':<7}{policy:<10}{r['seconds']:>9.2f}"
                 f"{1e3 * r['seconds'] / steps:>9.2f}{r['gen_batches_per_step']:>10.2f}"

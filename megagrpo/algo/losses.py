@@ -97,6 +97,16 @@ def tis_weights(old: Tensor, rollout: Tensor, cap: float, mode: str = "truncate"
     return torch.clamp(r, max=cap).detach()
 
 
+def tis_factor(old: Tensor, rollout: Tensor | None, cfg: LossConfig) -> Tensor | None:
+    """:func:`tis_weights` ``[T]`` under ``cfg`` (``loss.tis_cap``, ``loss.tis_mode``); None
+    when ``tis_cap`` is 0 (no correction). ValueError without rollout log-probs."""
+    if cfg.tis_cap <= 0:
+        return None
+    if rollout is None:
+        raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
+    return tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
+
+
 def make_seq_ids(shape: torch.Size, seq_ids: Tensor | None, device) -> tuple[Tensor | None, int]:
     """Flat sequence ids [T] and their count: rows of a [B, S] batch, or the given packed ids."""
     if seq_ids is not None:
@@ -291,11 +301,8 @@ def policy_loss(
     else:
         pg, clipped, ratio = clipped_surrogate(logp, old, adv, cfg.eps_low, cfg.eps_high)
     c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens, seq_weights)
-    tis_w = None
-    if cfg.tis_cap > 0:
-        if rollout is None:
-            raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
-        tis_w = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
+    tis_w = tis_factor(old, rollout, cfg)
+    if tis_w is not None:
         pg = pg * tis_w
     pg_loss = (c * pg).sum()
     loss = pg_loss

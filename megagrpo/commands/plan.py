@@ -20,7 +20,7 @@ from megagrpo.curriculum.levels import (
 )
 from megagrpo.errors import ConfigError
 from megagrpo.plan.inputs import ARTICLE_LEVELS, PlanInputs, plan_inputs
-from megagrpo.plan.simulate import run_plan
+from megagrpo.plan.simulate import PlanSetup, run_plan
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = """\
@@ -164,21 +164,21 @@ def run(args: argparse.Namespace) -> int:
 def plan_policies(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) -> int:
     """The dynamic-sampling policies (--policy, or the config's) on the inputs."""
     policies = list(get_args(SamplingPolicy)) if args.policy == "all" else [cfg.dynamic.policy]
+    setup = PlanSetup(
+        inputs.hist,
+        inputs.k,
+        cfg.rollout.group_size,
+        cfg.trainer.batch_groups,
+        args.steps,
+        inputs.curriculum,
+        drift=args.drift,
+        seed=inputs.curriculum.seed,
+        population=inputs.population,
+    )
     results = {}
     for policy in policies:
         dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")
-        results[policy] = run_plan(
-            inputs.hist,
-            inputs.k,
-            cfg.rollout.group_size,
-            cfg.trainer.batch_groups,
-            args.steps,
-            inputs.curriculum,
-            dyn,
-            drift=args.drift,
-            seed=inputs.curriculum.seed,
-            population=inputs.population,
-        ).to_dict()
+        results[policy] = run_plan(setup, dyn).to_dict()
     if args.json:
         print(json.dumps(results[policies[0]] if len(policies) == 1 else results, indent=1))
         return 0

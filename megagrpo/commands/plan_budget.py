@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megagrpo.errors import ConfigError
 from megagrpo.plan.inputs import PlanInputs
-from megagrpo.plan.simulate import population_from_records
+from megagrpo.plan.simulate import PlanSetup, population_from_records
 from megagrpo.trainer.config import RunConfig
 
 BUDGET_ROWS = (
@@ -86,19 +86,19 @@ def run_budget(
     from megagrpo.plan.simulate_budget import compare_budgets
 
     g, b, r = cfg.rollout.group_size, cfg.trainer.batch_groups, cfg.dynamic.max_resample
-    results = compare_budgets(
+    setup = PlanSetup(
         inputs.hist,
         inputs.k,
         g,
         b,
         args.steps,
         inputs.curriculum,
-        r,
-        _budget_configs(args, g),
+        drift=args.drift,
         seed=inputs.curriculum.seed,
         population=population or inputs.population,
-        drift=args.drift,
-        budget_policies=("partial", "carry"),
+    )
+    results = compare_budgets(
+        setup, r, _budget_configs(args, g), budget_policies=("partial", "carry")
     )
     base = results["uniform/carry"]["effective_ratio"]
     for row in results.values():

@@ -84,32 +84,6 @@ def extrapolate(
     }
 
 
-def memory_rows(
-    phases: list[dict[str, Any]],
-    plan_n: dict[str, float],
-    plan_full: dict[str, float],
-    n: int,
-    full: int,
-) -> dict[str, dict[str, float]]:
-    """Per phase the planner predicts (``PLAN_PHASE``): measured, plan at ``n`` and at
-    ``full`` layers, and the extrapolation."""
-    from megagrpo.trainer.preflight import PLAN_PHASE
-
-    out: dict[str, dict[str, float]] = {}
-    for ph in phases:
-        key = PLAN_PHASE.get(ph["name"])
-        if key is None or not ph["ok"] or key not in plan_n:
-            continue
-        row = {
-            "measured_gib": ph["peak_gib"],
-            "plan_gib": plan_n[key],
-            "plan_full_gib": plan_full[key],
-        }
-        row.update(extrapolate(ph["peak_gib"], plan_n[key], plan_full[key], n, full))
-        out[ph["name"]] = row
-    return out
-
-
 def format_report(report: dict[str, Any]) -> str:
     """The text table of a report (:func:`build_report`)."""
     n, full = report["layers"], report["full_layers"]
@@ -150,7 +124,23 @@ def build_report(
     memory_kind: str,
     violations: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON report: ``ok``, ``failed_phase``, ``error``, ``phases`` and ``memory``."""
+    """The JSON report: ``ok``, ``failed_phase``, ``error``, ``phases`` and ``memory`` (per
+    phase the planner predicts, ``PLAN_PHASE``: measured, plan at ``n`` and at ``full``
+    layers, and the extrapolation)."""
+    from megagrpo.trainer.preflight import PLAN_PHASE
+
+    memory: dict[str, dict[str, float]] = {}
+    for ph in phases:
+        key = PLAN_PHASE.get(ph["name"])
+        if key is None or not ph["ok"] or key not in plan_n:
+            continue
+        row = {
+            "measured_gib": ph["peak_gib"],
+            "plan_gib": plan_n[key],
+            "plan_full_gib": plan_full[key],
+        }
+        row.update(extrapolate(ph["peak_gib"], plan_n[key], plan_full[key], n, full))
+        memory[ph["name"]] = row
     failed = next((p for p in phases if not p["ok"]), None)
     return {
         "ok": failed is None and not violations,
@@ -161,7 +151,7 @@ def build_report(
         "world_size": world,
         "memory_kind": memory_kind,
         "phases": phases,
-        "memory": memory_rows(phases, plan_n, plan_full, n, full),
+        "memory": memory,
         "plan_gib": plan_n,
         "plan_full_gib": plan_full,
         "violations": violations or [],

@@ -137,7 +137,7 @@ def translate_loss_type(t: Translation) -> None:
         t.done.add("importance_sampling_level")
         return
     if level not in ("token", "sequence"):
-        t.add("loss_type", EXACT, {}, given="loss_type" in t.flags, value=loss)
+        t.add("loss_type", EXACT, {}, value=loss)
         t.add(
             "importance_sampling_level",
             MISSING,
@@ -154,7 +154,6 @@ def translate_loss_type(t: Translation) -> None:
         EXACT,
         keys,
         f"{SWIFT_LOSS_AGG[loss]}: ms-swift's normaliser of '{loss}'",
-        given="loss_type" in t.flags,
         value=loss,
     )
     if "importance_sampling_level" in t.flags:
@@ -394,7 +393,6 @@ def translate_steps(t: Translation, problems_per_step: int) -> None:
             {"trainer.max_steps": steps},
             f"{epochs} epochs x {rows} rows / {problems_per_step} problems per step = {steps} "
             "optimizer steps" + ("" if "num_train_epochs" in t.flags else " (ms-swift's default)"),
-            given="num_train_epochs" in t.flags,
             value=epochs,
         )
         return
@@ -405,7 +403,6 @@ def translate_steps(t: Translation, problems_per_step: int) -> None:
         {},
         f"the number of optimizer steps is not known here ({why}): set trainer.max_steps "
         "(megagrpo's default is 10)",
-        given="num_train_epochs" in t.flags,
         value=epochs,
     )
 

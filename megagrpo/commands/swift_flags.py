@@ -153,6 +153,14 @@ class Translation:
         self.entries.append(Entry(flag, shown, status, keys, note, is_given))
         self.done.add(flag)
 
+    def copy(
+        self, flag: str, key: str, cast: Any = None, status: str = EXACT, note: str = ""
+    ) -> None:
+        """When ``flag`` is given: set ``key`` to its value (``cast(value)``), one report line."""
+        if flag in self.flags:
+            value = self.get(flag)
+            self.add(flag, status, {key: value if cast is None else cast(value)}, note)
+
 
 def _bool(v: Any) -> bool:
     if isinstance(v, bool):
@@ -201,7 +209,6 @@ def translate_algorithm(t: Translation) -> None:
         EXACT,
         {},
         "megagrpo train CONFIG runs GRPO",
-        given="rlhf_type" in t.flags,
         value=rlhf,
     )
     g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
@@ -210,7 +217,6 @@ def translate_algorithm(t: Translation) -> None:
         EXACT if g >= 2 else MISSING,
         {"rollout.group_size": g} if g >= 2 else {},
         "" if g >= 2 else "not supported: groups of one answer (distillation); GRPO needs >= 2",
-        given="num_generations" in t.flags,
         value=g,
     )
     _default(t, "beta", "loss.kl_coef", SWIFT_DEFAULTS["beta"], 0.0, cast=float)
@@ -235,7 +241,7 @@ def translate_algorithm(t: Translation) -> None:
         value=temp,
     )
     eps = float(t.get("epsilon", SWIFT_DEFAULTS["epsilon"]))
-    t.add("epsilon", EXACT, {"loss.eps_low": eps}, given="epsilon" in t.flags, value=eps)
+    t.add("epsilon", EXACT, {"loss.eps_low": eps}, value=eps)
     if t.get("epsilon_high") is not None:
         t.add("epsilon_high", EXACT, {"loss.eps_high": float(t.get("epsilon_high"))})
     else:
@@ -263,7 +269,6 @@ def translate_algorithm(t: Translation) -> None:
         )
         if dyn
         else "not given or false: megagrpo's default is true (dynamic sampling on)",
-        given="dynamic_sample" in t.flags,
         value=dyn,
     )
     if "max_resample_times" in t.flags:
@@ -275,9 +280,7 @@ def translate_algorithm(t: Translation) -> None:
             if dyn
             else "no effect without --dynamic_sample true",
         )
-    for flag, key in (("top_p", "rollout.top_p"),):
-        if flag in t.flags:
-            t.add(flag, EXACT, {key: float(t.get(flag))})
+    t.copy("top_p", "rollout.top_p", float)
     scale = t.get("scale_rewards", "group")
     ok = scale in ("group", "batch", "none")
     t.add(
@@ -292,7 +295,6 @@ def translate_algorithm(t: Translation) -> None:
         )
         if ok
         else f"'{scale}' is not implemented",
-        given="scale_rewards" in t.flags,
         value=scale,
     )
     est = t.get("advantage_estimator", "grpo")
@@ -314,8 +316,7 @@ def translate_algorithm(t: Translation) -> None:
             "" if ok else f"'{mode}' is not implemented",
         )
         t.done.add("rollout_importance_sampling_threshold")
-    if "num_iterations" in t.flags:
-        t.add("num_iterations", EXACT, {"trainer.ppo_epochs": int(t.get("num_iterations"))})
+    t.copy("num_iterations", "trainer.ppo_epochs", int)
 
 
 def translate_model(t: Translation) -> None:
@@ -347,7 +348,6 @@ def translate_model(t: Translation) -> None:
         f"{dropout} not carried over: megagrpo trains without LoRA dropout (dropout > 0 "
         "breaks the weight-sync probe at step 1 until the trainer's no-grad forwards run in "
         "eval mode; the fused expert PEFT export has no dropout)",
-        given="lora_dropout" in t.flags,
         value=dropout,
     )
     _targets(t)
@@ -363,21 +363,10 @@ def translate_model(t: Translation) -> None:
         ("tensor_model_parallel_size", "parallel.tp"),
         ("expert_model_parallel_size", "parallel.ep"),
         ("expert_tensor_parallel_size", "parallel.etp"),
+        ("pipeline_model_parallel_size", "parallel.pp"),
     ):
-        if flag in t.flags:
-            t.add(flag, EXACT, {key: int(t.get(flag))})
-    if "pipeline_model_parallel_size" in t.flags:
-        t.add(
-            "pipeline_model_parallel_size",
-            EXACT,
-            {"parallel.pp": int(t.get("pipeline_model_parallel_size"))},
-        )
-    if "sequence_parallel" in t.flags:
-        t.add(
-            "sequence_parallel",
-            EXACT,
-            {"parallel.sequence_parallel": _bool(t.get("sequence_parallel"))},
-        )
+        t.copy(flag, key, int)
+    t.copy("sequence_parallel", "parallel.sequence_parallel", _bool)
     if "recompute_granularity" in t.flags:
         gran = str(t.get("recompute_granularity"))
         t.add("recompute_granularity", EXACT, {"model.recompute": gran if gran else "none"})
@@ -385,12 +374,7 @@ def translate_model(t: Translation) -> None:
         if flag in t.flags:
             value = t.get(flag)
             t.add(flag, EXACT, {f"model.{flag}": int(value) if flag.endswith("layers") else value})
-    if "recompute_modules" in t.flags:
-        t.add(
-            "recompute_modules",
-            EXACT,
-            {"model.recompute_modules": _list(t.get("recompute_modules"))},
-        )
+    t.copy("recompute_modules", "model.recompute_modules", _list)
 
 
 def _targets(t: Translation) -> None:
@@ -433,7 +417,6 @@ def translate_lengths(t: Translation) -> None:
         "max_completion_length",
         EXACT,
         {"rollout.max_tokens": max_tokens},
-        given="max_completion_length" in t.flags,
         value=max_tokens,
     )
     prompt = t.get("max_length")
@@ -454,7 +437,6 @@ def translate_lengths(t: Translation) -> None:
         ""
         if "truncation_strategy" in t.flags
         else "not given: ms-swift's GRPO default 'left' applied (megagrpo's default is 'delete')",
-        given="truncation_strategy" in t.flags,
         value=trunc,
     )
     model_len = t.get("vllm_max_model_len")
@@ -525,8 +507,7 @@ def translate_rollout(t: Translation) -> None:
         ("vllm_max_lora_rank", "rollout.max_lora_rank", int),
         ("vllm_enable_expert_parallel", "rollout.enable_expert_parallel", _bool),
     ):
-        if flag in t.flags:
-            t.add(flag, EXACT, {key: cast(t.get(flag))})
+        t.copy(flag, key, cast)
     if "sleep_level" in t.flags:
         level = int(t.get("sleep_level"))
         if level in (1, 2):

@@ -29,7 +29,7 @@ def translate_optim(t: Translation) -> None:
     g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
     mb_flag = "micro_batch_size" if "micro_batch_size" in t.flags else "per_device_train_batch_size"
     mb = int(t.get(mb_flag, 1))
-    t.add(mb_flag, EXACT, {"trainer.micro_batch_size": mb}, given=mb_flag in t.flags, value=mb)
+    t.add(mb_flag, EXACT, {"trainer.micro_batch_size": mb}, value=mb)
     if t.flavor == "megatron" or "global_batch_size" in t.flags:
         gbs = int(t.get("global_batch_size", MEGATRON_DEFAULTS["global_batch_size"]))
         flag, completions = "global_batch_size", gbs
@@ -48,12 +48,10 @@ def translate_optim(t: Translation) -> None:
         f"ms-swift counts completions ({completions} per optimizer step); trainer.batch_groups "
         f"counts problems: {completions} / {g} generations = {completions // g}"
         + ("" if t.flavor == "megatron" else f" (world size {t.world_size})"),
-        given=flag in t.flags,
         value=t.get(flag, completions),
     )
     for flag in ("lr", "learning_rate"):
-        if flag in t.flags:
-            t.add(flag, EXACT, {"trainer.lr": float(t.get(flag))})
+        t.copy(flag, "trainer.lr", float)
     style_flag = "lr_decay_style" if t.flavor == "megatron" else "lr_scheduler_type"
     style = t.get("lr_decay_style", t.get("lr_scheduler_type", SWIFT_DEFAULTS["lr_schedule"]))
     supported, given = style in ("constant", "linear", "cosine"), style_flag in t.flags
@@ -74,8 +72,7 @@ def translate_optim(t: Translation) -> None:
     for flag in ("lr_decay_style", "lr_scheduler_type"):
         if flag in t.flags and flag != style_flag:
             t.add(flag, EXACT if supported else MISSING, {}, "see " + style_flag)
-    if "min_lr" in t.flags:
-        t.add("min_lr", EXACT, {"trainer.min_lr": float(t.get("min_lr"))})
+    t.copy("min_lr", "trainer.min_lr", float)
     _steps_and_warmup(t)
     _default(
         t, "weight_decay", "trainer.weight_decay", OPTIM_DEFAULTS["weight_decay"], 0.0, cast=float
@@ -96,35 +93,29 @@ def translate_optim(t: Translation) -> None:
     if "adam_beta1" in t.flags:
         t.add("adam_beta1", EXACT, {"trainer.adam_betas": [b1, b2]})
     for flag in ("clip_grad", "max_grad_norm"):
-        if flag in t.flags:
-            t.add(flag, EXACT, {"trainer.grad_clip": float(t.get(flag))})
+        t.copy(flag, "trainer.grad_clip", float)
     _default(t, "seed", "trainer.seed", OPTIM_DEFAULTS["seed"], 0, cast=int)
-    if "save_steps" in t.flags:
-        t.add(
-            "save_steps",
-            DIFFERS,
-            {"trainer.save_every": int(t.get("save_steps"))},
-            "a megagrpo checkpoint is LoRA + optimizer state for --resume, not a PEFT adapter",
-        )
-    if "save_total_limit" in t.flags:
-        t.add(
-            "save_total_limit", EXACT, {"trainer.keep_checkpoints": int(t.get("save_total_limit"))}
-        )
-    if "eval_steps" in t.flags:
-        t.add(
-            "eval_steps",
-            DIFFERS,
-            {"trainer.eval_every": int(t.get("eval_steps"))},
-            "evaluates data.eval with the official IgakuQA rule (also `megagrpo eval`)",
-        )
+    t.copy(
+        "save_steps",
+        "trainer.save_every",
+        int,
+        DIFFERS,
+        "a megagrpo checkpoint is LoRA + optimizer state for --resume, not a PEFT adapter",
+    )
+    t.copy("save_total_limit", "trainer.keep_checkpoints", int)
+    t.copy(
+        "eval_steps",
+        "trainer.eval_every",
+        int,
+        DIFFERS,
+        "evaluates data.eval with the official IgakuQA rule (also `megagrpo eval`)",
+    )
 
 
 def _steps_and_warmup(t: Translation) -> None:
-    if "lr_warmup_iters" in t.flags:
-        t.add("lr_warmup_iters", EXACT, {"trainer.warmup_steps": int(t.get("lr_warmup_iters"))})
+    t.copy("lr_warmup_iters", "trainer.warmup_steps", int)
     for flag in ("lr_warmup_fraction", "warmup_ratio"):
-        if flag in t.flags:
-            t.add(flag, EXACT, {"trainer.warmup_ratio": float(t.get(flag))})
+        t.copy(flag, "trainer.warmup_ratio", float)
 
 
 def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
@@ -173,18 +164,8 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
             )
         else:
             t.add("system", EXACT, {"data.prompt.system": system})
-    if "enable_thinking" in t.flags:
-        t.add(
-            "enable_thinking",
-            EXACT,
-            {"data.prompt.enable_thinking": _bool(t.get("enable_thinking"))},
-        )
-    if "external_plugins" in t.flags:
-        t.add(
-            "external_plugins",
-            EXACT,
-            {"rewards.external_plugins": [str(p) for p in _list(t.get("external_plugins"))]},
-        )
+    t.copy("enable_thinking", "data.prompt.enable_thinking", _bool)
+    t.copy("external_plugins", "rewards.external_plugins", lambda v: [str(p) for p in _list(v)])
     _rewards(t, keep_swift_accuracy)
     _logging(t)
 
@@ -300,7 +281,6 @@ def _soft_overlong_beyond(t: Translation, max_len: int, cache: int, max_tokens: 
                 f"{max_tokens}: ms-swift's ramp from {start} tokens is cut at {max_tokens} "
                 "(never -1); megagrpo's soft_overlong needs max_len <= rollout.max_tokens"
             ),
-            given=flag in t.flags,
             value=t.get(flag),
         )
 
@@ -333,12 +313,10 @@ def _logging(t: Translation) -> None:
         ("wandb_project", "metrics.wandb_project"),
         ("logging_steps", "metrics.log_every"),
     ):
-        if flag in t.flags:
-            t.add(flag, EXACT, {key: t.get(flag)})
-    if "log_completions" in t.flags:
-        t.add(
-            "log_completions",
-            EXACT,
-            {"metrics.log_completions": _bool(t.get("log_completions"))},
-            "RUN_DIR/completions.jsonl (+ a W&B table every metrics.completions_table_every)",
-        )
+        t.copy(flag, key)
+    t.copy(
+        "log_completions",
+        "metrics.log_completions",
+        _bool,
+        note="RUN_DIR/completions.jsonl (+ a W&B table every metrics.completions_table_every)",
+    )

@@ -30,11 +30,24 @@ class _Lexer:
         j = self.i + k
         return self.text[j] if j < len(self.text) else ""
 
+    def _unclosed(self, start: int, what: str) -> ConfigError:
+        """The error for a quote or bracket opened at ``start`` that never closes."""
+        line = self.text.count("\n", 0, start) + 1
+        return ConfigError(f"script line {line}: no closing {what}")
+
+    def _quoted_char(self, start: int, close: str, what: str) -> str | None:
+        """The next character inside the quote opened at ``start`` (consumed); None at
+        ``close``."""
+        c = self.peek()
+        if not c:
+            raise self._unclosed(start, what)
+        self.i += 1
+        return None if c == close else c
+
     def _until(self, close: str, start: int) -> str:
         j = self.text.find(close, self.i)
         if j < 0:
-            line = self.text.count("\n", 0, start) + 1
-            raise ConfigError(f"script line {line}: no closing {close!r}")
+            raise self._unclosed(start, repr(close))
         out, self.i = self.text[self.i : j], j + len(close)
         return out
 
@@ -49,8 +62,7 @@ class _Lexer:
             if depth == 0:
                 break
         else:
-            line = self.text.count("\n", 0, start) + 1
-            raise ConfigError(f"script line {line}: no closing ')' of $(")
+            raise self._unclosed(start, "')' of $(")
         out, self.i = self.text[self.i - 1 : j], j  # from the '$'
         self.dynamic = True
         return out
@@ -85,14 +97,7 @@ class _Lexer:
 
     def double_quoted(self, start: int) -> str:
         out = []
-        while True:
-            c = self.peek()
-            if not c:
-                line = self.text.count("\n", 0, start) + 1
-                raise ConfigError(f"script line {line}: no closing '\"'")
-            self.i += 1
-            if c == '"':
-                return "".join(out)
+        while (c := self._quoted_char(start, '"', "'\"'")) is not None:
             if c == "\\" and self.peek() in ('"', "\\", "$", "`", "\n"):
                 nxt = self.peek()
                 self.i += 1
@@ -104,23 +109,18 @@ class _Lexer:
                 self.dynamic = True
             else:
                 out.append(c)
+        return "".join(out)
 
     def ansi_c(self, start: int) -> str:
         out = []
-        while True:
-            c = self.peek()
-            if not c:
-                line = self.text.count("\n", 0, start) + 1
-                raise ConfigError(f"script line {line}: no closing \"'\" of $'")
-            self.i += 1
-            if c == "'":
-                return "".join(out)
+        while (c := self._quoted_char(start, "'", "\"'\" of $'")) is not None:
             if c == "\\" and self.peek():
                 nxt = self.peek()
                 self.i += 1
                 out.append(ANSI_ESCAPES.get(nxt, "\\" + nxt))
             else:
                 out.append(c)
+        return "".join(out)
 
 
 def shell_commands(text: str) -> list[list[str]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megagrpo.algo.config import LossConfig
-from megagrpo.algo.losses import loss_metrics, tis_weights, token_weights
+from megagrpo.algo.losses import loss_metrics, tis_factor, token_weights
 
 Tensor = torch.Tensor
 
@@ -95,13 +95,8 @@ def assemble(
     """Loss (0-d), metrics, g [T] = dL/dlogp and h [T] = dL/dH (None when entropy_coef == 0).
     ``seq_weights`` [num_seqs]: per-sequence aggregation weights (see ``token_weights``)."""
     c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens, seq_weights)
-    w = None
-    cw = c
-    if cfg.tis_cap > 0:
-        if rollout is None:
-            raise ValueError("loss.tis_cap > 0 needs rollout_logprobs")
-        w = tis_weights(old, rollout, cfg.tis_cap, cfg.tis_mode)
-        cw = c * w
+    w = tis_factor(old, rollout, cfg)
+    cw = c if w is None else c * w
     pg_loss = (cw * terms.pg).sum()
     if cfg.variant == "gspo":  # pg_i is shared by all tokens of i: dL/dlogp_t = C_i dpg_i/dlogp_t
         if ids is None:

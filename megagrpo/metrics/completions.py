@@ -129,7 +129,8 @@ class CompletionsLog:
         prompt_texts: Mapping[str, str] | None = None,
         advantages: Sequence[Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """The rows of one step (see module docstring)."""
+        """The rows of one step (see module docstring); ``prompt_texts``: problem id ->
+        rendered prompt text (else its messages); the other arguments as :meth:`log`."""
         out = []
         for gi, g in enumerate(groups):
             pid = g.problem.id
@@ -167,7 +168,6 @@ class CompletionsLog:
         step: int,
         groups: Sequence[Group],
         levels: Levels = None,
-        prompt_texts: Mapping[str, str] | None = None,
         advantages: Sequence[Any] | None = None,
     ) -> int:
         """Append the step's rows (flushed); the W&B table when due. Returns rows written.
@@ -176,10 +176,9 @@ class CompletionsLog:
             step: 1-based optimiser step. groups: the trained groups (rewards filled).
             levels: problem id -> curriculum level, a mapping or a function such as
                 ``CurriculumSampler.level_of`` (else ``problem.meta['level']``).
-            prompt_texts: problem id -> rendered prompt text (else its messages).
             advantages: one row ``[G_n]`` per group (the trained advantages), or None.
         """
-        rows = self.rows(step, groups, levels, prompt_texts, advantages)
+        rows = self.rows(step, groups, levels, advantages=advantages)
         self._fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         self._fh.flush()
         os.fsync(self._fh.fileno())

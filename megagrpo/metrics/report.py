@@ -67,6 +67,14 @@ def _legend(fig: Any, axes: list[Any]) -> None:
         fig.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 0.95))
 
 
+def _finish(fig: Any, bottom_ax: Any, axes: list[Any]) -> Any:
+    """``fig`` with step ticks on ``bottom_ax``, a tight layout and one legend for ``axes``."""
+    _steps_axis(bottom_ax)
+    fig.tight_layout()
+    _legend(fig, axes)
+    return fig
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     import matplotlib.pyplot as plt
@@ -115,10 +123,7 @@ def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
         ax_ok.plot(x, y, "d", color="tab:purple", ms=5, label="batch filled (dynamic/success)")
     ax_ok.set_ylim(-0.1, 1.1)
     ax_ok.set_yticks([0, 1], ["short", "filled"])
-    _steps_axis(ax_dyn)
-    fig.tight_layout()
-    _legend(fig, [ax, ax_dyn, ax_ok])
-    return fig
+    return _finish(fig, ax_dyn, [ax, ax_dyn, ax_ok])
 
 
 def learning_summary(rows: list[dict]) -> dict[str, Any]:
@@ -285,10 +290,7 @@ def figure_reward(rows: list[dict]) -> Any:
     ax_err.set_ylabel("failed")
     ax_err.set_ylim(bottom=0, top=max(1.0, ax_err.get_ylim()[1]))
     ax_err.yaxis.set_major_locator(MaxNLocator(integer=True))
-    _steps_axis(ax_err)
-    fig.tight_layout()
-    _legend(fig, [ax, ax_err])
-    return fig
+    return _finish(fig, ax_err, [ax, ax_err])
 
 
 def _draw_eval_vs_guessing(ax: Any, rows: list[dict]) -> None:
@@ -363,10 +365,7 @@ def figure_calibration(rows: list[dict], window: int = 5) -> Any:
     ax.set_ylim(-0.03, 1.03)
     ax.set_ylabel("raw ACR (first round)")
     ax.set_title("Planner calibration: predicted vs measured collapse per level")
-    _steps_axis(ax)
-    fig.tight_layout()
-    _legend(fig, [ax])
-    return fig
+    return _finish(fig, ax, [ax])
 
 
 def figure_length(rows: list[dict]) -> Any:
@@ -393,10 +392,7 @@ def figure_length(rows: list[dict]) -> Any:
     ax2.set_ylabel("clip ratio")
     ax2.set_ylim(-0.03, 1.03)
     ax.set_title("Completion length")
-    _steps_axis(ax)
-    fig.tight_layout()
-    _legend(fig, [ax, ax2])
-    return fig
+    return _finish(fig, ax, [ax, ax2])
 
 
 def figure_kl_entropy(rows: list[dict]) -> Any:
@@ -412,10 +408,7 @@ def figure_kl_entropy(rows: list[dict]) -> Any:
     ax2.plot(x, y, "-s", ms=3, color="tab:orange", label="loss/entropy (nats/token)")
     ax2.set_ylabel("entropy")
     ax.set_title("KL and entropy")
-    _steps_axis(ax)
-    fig.tight_layout()
-    _legend(fig, [ax, ax2])
-    return fig
+    return _finish(fig, ax, [ax, ax2])
 
 
 def figure_levels(rows: list[dict]) -> Any:
@@ -433,10 +426,7 @@ def figure_levels(rows: list[dict]) -> Any:
         ax.stackplot(steps, stacks, labels=[k.rsplit("/", 1)[1] for k in levels])
     ax.set_ylabel("problems")
     ax.set_title("Online difficulty levels (L1 = always solved ... L6 = never)")
-    _steps_axis(ax)
-    fig.tight_layout()
-    _legend(fig, [ax])
-    return fig
+    return _finish(fig, ax, [ax])
 
 
 def figure_time(rows: list[dict]) -> Any:
@@ -460,10 +450,7 @@ def figure_time(rows: list[dict]) -> Any:
     ax2.plot(x, y, color="black", label="tokens/s")
     ax2.set_ylabel("generated tokens / s")
     ax.set_title("Step time breakdown")
-    _steps_axis(ax)
-    fig.tight_layout()
-    _legend(fig, [ax, ax2])
-    return fig
+    return _finish(fig, ax, [ax, ax2])
 
 
 def make_report(

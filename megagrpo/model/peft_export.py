@@ -79,14 +79,7 @@ def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor,
                 la = _grad_view(la, pa)
                 lb = _grad_view(lb, pb)
             la, lb = la.detach().float().to(g.device), lb.detach().float().to(g.device)
-            if kind == "column":
-                b[p.src[0]] = lb[p.dst[0]]
-                if lead:
-                    a.copy_(la)
-            else:
-                a[:, p.src[1]] = la[:, p.dst[1]]
-                if lead:
-                    b.copy_(lb)
+            _place_shard(kind, p, a, b, la, lb, lead)
         group = g.expert_mp if expert else g.mp
         if dist.get_world_size(group) > 1:
             dist.all_reduce(a, group=group)
@@ -169,16 +162,23 @@ def _fill_bucket(policy, bucket: list, dtype: torch.dtype):
                 continue
             la, lb, _, _ = _adapter_for(policy, p.param)
             la, lb = la.detach().to(g.device, dtype), lb.detach().to(g.device, dtype)
-            if kind == "column":
-                b[p.src[0]] = lb[p.dst[0]]
-                if lead:
-                    a.copy_(la)
-            else:
-                a[:, p.src[1]] = la[:, p.dst[1]]
-                if lead:
-                    b.copy_(lb)
+            _place_shard(kind, p, a, b, la, lb, lead)
         views[name] = (a, b)
     return flat, views
+
+
+def _place_shard(kind: str, p, a, b, la, lb, lead: bool) -> None:
+    """Write one rank's LoRA shards ``la [r, in/TP]``, ``lb [out/TP, r]`` of placement ``p``
+    into the full factors ``a [r, in]``, ``b [out, r]``: a column-parallel layer splits B's
+    rows, a row-parallel one A's columns; the TP-replicated factor is copied by the lead rank."""
+    if kind == "column":
+        b[p.src[0]] = lb[p.dst[0]]
+        if lead:
+            a.copy_(la)
+    else:
+        a[:, p.src[1]] = la[:, p.dst[1]]
+        if lead:
+            b.copy_(lb)
 
 
 def _grad_view(view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

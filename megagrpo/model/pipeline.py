@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megagrpo.model.model_inputs import LossFn
+from megagrpo.model.model_inputs import LossFn, model_inputs
 from megagrpo.parallel.cpu_shims import pipeline_schedule_compat
 
 if TYPE_CHECKING:
@@ -51,33 +51,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def forward_backward(
-    policy: MegatronPolicy,
-    batches: Sequence[Any],
-    loss_fn: LossFn,
-    *,
-    forward_only: bool = False,
-    broadcast: bool = True,
-    routing: Callable[[int], Routing | None] | None = None,
-) -> list[Any]:
-    """See :meth:`megagrpo.model.policy.MegatronPolicy.forward_backward` and the module doc."""
-    if policy.groups.pp_size == 1:
-        return _loop(policy, batches, loss_fn, forward_only, routing)
-    if routing is not None and any(routing(i) is not None for i in range(len(batches))):
-        raise NotImplementedError("MoE routing replay with pipeline parallelism (parallel.pp > 1)")
-    outs = _pipeline(policy, batches, loss_fn, forward_only)
-    if broadcast:
-        outs = _broadcast_from_last_stage(outs, policy.groups)
-    return outs
-
-
-def _loop(
+def micro_batch_loop(
     policy: MegatronPolicy,
     batches: Sequence[Any],
     loss_fn: LossFn,
     forward_only: bool,
     routing: Callable[[int], Routing | None] | None = None,
 ) -> list[Any]:
+    """pp == 1: forward, ``loss_fn``, ``loss.backward()`` (unless ``forward_only``), one
+    micro-batch after the other; ``routing(i)``: micro-batch ``i``'s MoE routing."""
     outs = []
     for i, mb in enumerate(batches):
         logits = policy.forward_logits(
@@ -96,7 +78,7 @@ def _loop(
     return outs
 
 
-def _pipeline(
+def pipeline_schedule(
     policy: MegatronPolicy, batches: Sequence[Any], loss_fn: LossFn, forward_only: bool
 ) -> list[Any]:
     """Megatron's schedule over ``batches``; ``loss_fn``'s outputs on the last stage, ``None``
@@ -117,8 +99,12 @@ def _pipeline(
     def forward_step(data_iterator: Iterator[int], model: torch.nn.Module):
         i = next(data_iterator)
         mb = batches[i]
-        x = policy.model_inputs(
-            mb.input_ids, mb.position_ids, cu_seqlens=getattr(mb, "cu_seqlens", None)
+        x = model_inputs(
+            g,
+            policy.spec,
+            mb.input_ids,
+            mb.position_ids,
+            cu_seqlens=getattr(mb, "cu_seqlens", None),
         )
         output = model(x.input_ids, x.position_ids, x.attention_mask, **x.extra)
 
@@ -158,7 +144,7 @@ def _pipeline(
     return list(outs) if g.is_last_stage else [None] * len(batches)
 
 
-def _broadcast_from_last_stage(outs: list[Any], g) -> list[Any]:
+def broadcast_from_last_stage(outs: list[Any], g) -> list[Any]:
     """``outs`` of the last pipeline stage on every stage (one object broadcast)."""
     src = dist.get_global_rank(g.pp, g.pp_size - 1)
     box: list[Any] = [outs if g.is_last_stage else None]

@@ -32,7 +32,7 @@ from megagrpo.model.hf_mapping import build_plan, hf_weight_shapes
 from megagrpo.model.lm_head import hidden_instead_of_logits
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
-from megagrpo.model.model_inputs import LossFn, ModelInputs, model_inputs
+from megagrpo.model.model_inputs import LossFn, model_inputs
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.routing import Routing, routed_forward, stage_routers
 from megagrpo.model.sync_transport import Counter, ExportLayout, RegionFn, exchange_layout
@@ -212,20 +212,6 @@ class MegatronPolicy(nn.Module):
         )
 
     # ------------------------------------------------------------------ training API
-    def model_inputs(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> ModelInputs:
-        """What ``self.model`` takes for token ids ``[B, T]`` (see :meth:`forward_logits`):
-        ids padded for sequence parallelism, RoPE positions, the attention mask (local spec)
-        or ``PackedSeqParams`` (TE spec, packed micro-batches)."""
-        return model_inputs(
-            self.groups, self.spec, input_ids, position_ids, attention_mask, cu_seqlens
-        )
-
     def forward_logits(
         self,
         input_ids: torch.Tensor,
@@ -255,7 +241,9 @@ class MegatronPolicy(nn.Module):
             )
         if routing is not None and cu_seqlens is not None:
             raise NotImplementedError("routing replay with packed rows (trainer.pack_tokens)")
-        x = self.model_inputs(input_ids, position_ids, attention_mask, cu_seqlens)
+        x = model_inputs(
+            self.groups, self.spec, input_ids, position_ids, attention_mask, cu_seqlens
+        )
         shape = (input_ids.shape[0], x.length, x.input_ids.shape[1] - x.length)
         logits = routed_forward(
             self.model,
@@ -285,12 +273,21 @@ class MegatronPolicy(nn.Module):
         schedule (1F1B, the loss on the last stage); ``out`` is broadcast from the last stage
         to every stage when ``broadcast`` (else ``None`` there); ``routing(i)``: micro-batch
         ``i``'s MoE routing (replay is not wired into the pipeline schedule: pp == 1).
-        Collective over the pipeline. See :func:`megagrpo.model.pipeline.forward_backward`."""
-        from megagrpo.model.pipeline import forward_backward
-
-        return forward_backward(
-            self, batches, loss_fn, forward_only=forward_only, broadcast=broadcast, routing=routing
+        Collective over the pipeline. See :mod:`megagrpo.model.pipeline`."""
+        from megagrpo.model.pipeline import (
+            broadcast_from_last_stage,
+            micro_batch_loop,
+            pipeline_schedule,
         )
+
+        if self.groups.pp_size == 1:
+            return micro_batch_loop(self, batches, loss_fn, forward_only, routing)
+        if routing is not None and any(routing(i) is not None for i in range(len(batches))):
+            raise NotImplementedError(
+                "MoE routing replay with pipeline parallelism (parallel.pp > 1)"
+            )
+        outs = pipeline_schedule(self, batches, loss_fn, forward_only)
+        return broadcast_from_last_stage(outs, self.groups) if broadcast else outs
 
     @contextlib.contextmanager
     def hidden_output(self) -> Iterator[torch.Tensor | None]:

@@ -162,78 +162,76 @@ class Counter:
         self.received += received * n
 
 
-def broadcast_tensor(
-    name: str,
-    shape: tuple[int, ...],
-    local: list[torch.Tensor],
-    layout: ExportLayout,
-    group,
-    dtype: torch.dtype,
-    device: torch.device,
-    counter: Counter,
-) -> torch.Tensor:
-    """The full tensor ``name`` on every rank of ``group``: each owner broadcasts its pieces
-    (``local``: this rank's owned pieces in plan order, already in ``dtype`` on ``device``)."""
-    full = torch.empty(shape, dtype=dtype, device=device)
-    me, ranks = _me(), _ranks(group)
-    for r in ranks:
-        for k, b in enumerate(layout.owners[r].get(name, [])):
-            if r == me:
-                buf = local[k]
-            else:
-                buf = torch.empty([e - s for s, e in b], dtype=dtype, device=device)
-            if len(ranks) > 1:
-                dist.broadcast(buf, src=r, group=group)
-                counter.add(buf, sent=len(ranks) - 1 if r == me else 0, received=int(r != me))
-            full[_slices(b)] = buf
-    return full
+@dataclass
+class Exchange:
+    """How one export moves HF tensors between ranks: who owns and needs which pieces, the
+    wire dtype and device, and the byte counter. ``local``: this rank's owned pieces of a
+    tensor in plan order, already in ``dtype`` on ``device``."""
 
+    layout: ExportLayout
+    dtype: torch.dtype
+    device: torch.device
+    counter: Counter
 
-def sliced_tensor(
-    name: str,
-    shape: tuple[int, ...],
-    local: list[torch.Tensor],
-    layout: ExportLayout,
-    group,
-    dtype: torch.dtype,
-    device: torch.device,
-    counter: Counter,
-) -> torch.Tensor | None:
-    """The regions of ``name`` this rank needs (a full-shaped tensor, zero elsewhere; None
-    when it needs none), each received from its owner point to point; this rank's own
-    pieces are sent to the ranks of ``group`` that need them."""
-    me, ranks = _me(), _ranks(group)
-    mine = (layout.needs[me] or {}).get(name, [])
-    full = torch.zeros(shape, dtype=dtype, device=device) if mine else None
-    ops, received = [], []
-    tag = itertools.count()
-    for r in ranks:
-        for k, owned in enumerate(layout.owners[r].get(name, [])):
-            for d in ranks:
-                for want in (layout.needs[d] or {}).get(name, []):
-                    box = intersect(owned, want)
-                    if box is None:
-                        continue
-                    t = next(tag)
-                    if r == me and d == me:
-                        assert full is not None
-                        full[_slices(box)] = local[k][_relative(box, owned)]
-                    elif r == me:
-                        piece = local[k][_relative(box, owned)].contiguous()
-                        ops.append(dist.P2POp(dist.isend, piece, d, group, t))
-                        counter.add(piece, sent=1)
-                    elif d == me:
-                        buf = torch.empty([e - s for s, e in box], dtype=dtype, device=device)
-                        ops.append(dist.P2POp(dist.irecv, buf, r, group, t))
-                        received.append((box, buf))
-                        counter.add(buf, received=1)
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    for box, buf in received:
-        assert full is not None
-        full[_slices(box)] = buf
-    return full
+    def broadcast(
+        self, name: str, shape: tuple[int, ...], local: list[torch.Tensor], group
+    ) -> torch.Tensor:
+        """The full tensor ``name`` on every rank of ``group``: each owner broadcasts its
+        pieces."""
+        layout, dtype, device, counter = self.layout, self.dtype, self.device, self.counter
+        full = torch.empty(shape, dtype=dtype, device=device)
+        me, ranks = _me(), _ranks(group)
+        for r in ranks:
+            for k, b in enumerate(layout.owners[r].get(name, [])):
+                if r == me:
+                    buf = local[k]
+                else:
+                    buf = torch.empty([e - s for s, e in b], dtype=dtype, device=device)
+                if len(ranks) > 1:
+                    dist.broadcast(buf, src=r, group=group)
+                    counter.add(buf, sent=len(ranks) - 1 if r == me else 0, received=int(r != me))
+                full[_slices(b)] = buf
+        return full
+
+    def sliced(
+        self, name: str, shape: tuple[int, ...], local: list[torch.Tensor], group
+    ) -> torch.Tensor | None:
+        """The regions of ``name`` this rank needs (a full-shaped tensor, zero elsewhere;
+        None when it needs none), each received from its owner point to point; this rank's
+        own pieces are sent to the ranks of ``group`` that need them."""
+        layout, dtype, device, counter = self.layout, self.dtype, self.device, self.counter
+        me, ranks = _me(), _ranks(group)
+        mine = (layout.needs[me] or {}).get(name, [])
+        full = torch.zeros(shape, dtype=dtype, device=device) if mine else None
+        ops, received = [], []
+        tag = itertools.count()
+        for r in ranks:
+            for k, owned in enumerate(layout.owners[r].get(name, [])):
+                for d in ranks:
+                    for want in (layout.needs[d] or {}).get(name, []):
+                        box = intersect(owned, want)
+                        if box is None:
+                            continue
+                        t = next(tag)
+                        if r == me and d == me:
+                            assert full is not None
+                            full[_slices(box)] = local[k][_relative(box, owned)]
+                        elif r == me:
+                            piece = local[k][_relative(box, owned)].contiguous()
+                            ops.append(dist.P2POp(dist.isend, piece, d, group, t))
+                            counter.add(piece, sent=1)
+                        elif d == me:
+                            buf = torch.empty([e - s for s, e in box], dtype=dtype, device=device)
+                            ops.append(dist.P2POp(dist.irecv, buf, r, group, t))
+                            received.append((box, buf))
+                            counter.add(buf, received=1)
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        for box, buf in received:
+            assert full is not None
+            full[_slices(box)] = buf
+        return full
 
 
 def warm_up_groups(groups: ParallelGroups) -> None:
@@ -258,11 +256,12 @@ def transported(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every HF tensor this rank receives under ``transport``
     (broadcast: all of them; sliced: the ones it needs), collective over the world."""
-    fn = broadcast_tensor if transport == "broadcast" else sliced_tensor
+    ex = Exchange(layout, dtype, groups.device, counter)
+    fn = ex.broadcast if transport == "broadcast" else ex.sliced
     if transport == "sliced":
         warm_up_groups(groups)
     for name, shape in names:
         group = groups.expert_mp if ".mlp.experts." in name else groups.mp
-        t = fn(name, shape, local_pieces(name), layout, group, dtype, groups.device, counter)
+        t = fn(name, shape, local_pieces(name), group)
         if t is not None:
             yield name, t

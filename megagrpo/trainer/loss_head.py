@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -76,22 +77,10 @@ def micro_batch_loss(
     x = tempered(output, temperature)
     rollout = mb.rollout_logprobs if cfg.tis_cap > 0 else None
     if weight is None:
-        return fused_policy_loss(
-            x,
-            mb.target_ids,
-            old,
-            mb.advantages,
-            mb.mask,
-            cfg,
-            ref_logprobs=ref,
-            tp_group=tp_group,
-            rollout_logprobs=rollout,
-            seq_ids=mb.seq_ids,
-            seq_weights=mb.seq_weights,
-        )
-    return fused_linear_policy_loss(
-        x,
-        weight,
+        fused = partial(fused_policy_loss, x)
+    else:
+        fused = partial(fused_linear_policy_loss, x, weight)
+    return fused(
         mb.target_ids,
         old,
         mb.advantages,

@@ -15,6 +15,7 @@ from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.plan.simulate import (
     CORRECTNESS_KEY,
     BernoulliEngine,
+    PlanSetup,
     run_plan,
     synthetic_population,
 )
@@ -28,12 +29,7 @@ def test_knapsack_reaches_1_4x_the_effective_ratio_of_uniform_carry():
     """The issue's target: the article's histogram, all levels, levels measured once."""
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=0)
     res = compare_budgets(
-        SPECIALIST,
-        5,
-        8,
-        96,
-        60,
-        cur,
+        PlanSetup(SPECIALIST, 5, 8, 96, 60, cur),
         3,
         {"knapsack": BudgetConfig(mode="knapsack")},
         uniform_policies=("carry",),
@@ -113,7 +109,7 @@ def _run_rows(true_prior, steps=60, seed=0):
     pop = synthetic_population(SPECIALIST, 5, seed=seed, prior=true_prior)
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=0, seed=seed)
     dyn = DynamicSamplingConfig(policy="carry")
-    plan = run_plan(SPECIALIST, 5, 8, 96, steps, cur, dyn, seed=seed, population=pop)
+    plan = run_plan(PlanSetup(SPECIALIST, 5, 8, 96, steps, cur, seed=seed, population=pop), dyn)
     return [{"step": i + 1, **row} for i, row in enumerate(plan.steps)]
 
 

@@ -18,7 +18,7 @@ from megagrpo.curriculum.budget_rounds import (
 )
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.sampler import CurriculumSampler
-from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, run_plan
+from megagrpo.plan.simulate import CORRECTNESS_KEY, BernoulliEngine, PlanSetup, run_plan
 from megagrpo.plan.simulate_budget import BudgetLoop, generate_mixed, run_budget_plan
 from megagrpo.types import Group, Problem
 
@@ -32,8 +32,9 @@ def test_uniform_budget_reproduces_dynamic_sampler(policy, retire):
     """The round loop + planner with budget=uniform is the real DynamicSampler, draw for draw."""
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=retire)
     dyn = DynamicSamplingConfig(policy=policy, max_resample=3)
-    ref = run_plan(SPECIALIST, 5, 8, 96, 25, cur, dyn, seed=1)
-    got = run_budget_plan(SPECIALIST, 5, 8, 96, 25, cur, dyn, BudgetConfig(), seed=1)
+    setup = PlanSetup(SPECIALIST, 5, 8, 96, 25, cur, seed=1)
+    ref = run_plan(setup, dyn)
+    got = run_budget_plan(setup, dyn, BudgetConfig())
     for a, b in zip(ref.steps, got.steps):
         assert b["budget/completions"] == a["dynamic/gen_batches"] * 96 * 8
         assert b["collapse/acr_raw"] == a["collapse/acr_raw"]
@@ -181,7 +182,9 @@ def test_sequential_expected_rounds_match_the_geometric_closed_form():
 def test_knapsack_gives_extreme_levels_a_probe_and_every_problem_is_observed_once():
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=0)
     dyn = DynamicSamplingConfig(policy="partial", max_resample=3)
-    res = run_budget_plan(SPECIALIST, 5, 8, 96, 6, cur, dyn, BudgetConfig(mode="knapsack"))
+    res = run_budget_plan(
+        PlanSetup(SPECIALIST, 5, 8, 96, 6, cur), dyn, BudgetConfig(mode="knapsack")
+    )
     summary = res.to_dict()
     assert summary["trained_group_size_mean"] == 8.0
     assert summary["first_request_mean_n"] < 5  # most draws are L1/L6 probes of 2

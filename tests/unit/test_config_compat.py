@@ -33,7 +33,7 @@ def _run(**sections) -> RunConfig:
 
 
 def _rules(cfg: RunConfig, hf=MOE, world: int = 8) -> set[str]:
-    return {v.rule for v in compat.check_run(cfg, hf, world)}
+    return {v.rule.name for v in compat.check_run(cfg, hf, world)}
 
 
 def _serving(**extra):

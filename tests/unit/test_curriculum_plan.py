@@ -10,7 +10,7 @@ import pytest
 from megagrpo.curriculum.config import CurriculumConfig, DynamicSamplingConfig
 from megagrpo.curriculum.levels import read_levels_file
 from megagrpo.curriculum.profile import format_level_table, run_profile
-from megagrpo.plan.simulate import BernoulliEngine, run_plan, synthetic_population
+from megagrpo.plan.simulate import BernoulliEngine, PlanSetup, run_plan, synthetic_population
 from megagrpo.types import Problem
 
 SPECIALIST = {1: 2164, 2: 294, 3: 223, 4: 180, 5: 216, 6: 636}
@@ -21,7 +21,7 @@ def _plan(keep, policy, steps=150, retire=0, seed=0):
     # retire_streak=0: the article measured levels once, before training (no online retirement)
     cur = CurriculumConfig(keep_levels=keep, retire_streak=retire, seed=seed)
     dyn = DynamicSamplingConfig(policy=policy, max_resample=3)
-    return run_plan(SPECIALIST, 5, 8, 96, steps, cur, dyn, seed=seed).to_dict()
+    return run_plan(PlanSetup(SPECIALIST, 5, 8, 96, steps, cur, seed=seed), dyn).to_dict()
 
 
 def test_article_all_levels_msswift_fails_almost_every_step():
@@ -212,9 +212,8 @@ def test_drift_makes_pre_training_levels_stale_and_online_levels_show_it():
     # Article section 7: levels measured before training go stale as the policy learns, and
     # while dynamic sampling keeps succeeding, frac_reward_zero_std (post-filter) hides it.
     cur = CurriculumConfig(keep_levels=MID, retire_streak=0)
-    res = run_plan(
-        SPECIALIST, 5, 8, 96, 200, cur, DynamicSamplingConfig(policy="carry"), drift=0.08
-    ).to_dict()
+    setup = PlanSetup(SPECIALIST, 5, 8, 96, 200, cur, drift=0.08)
+    res = run_plan(setup, DynamicSamplingConfig(policy="carry")).to_dict()
     assert res["ds_success_rate"] == 1.0 and res["frac_reward_zero_std_mean"] == 0.0
     assert res["acr_raw_last_10pct"] > res["acr_raw_first_10pct"] + 0.2
     assert res["level_hist_final"]["L1"] > 0.5 * res["pool"]  # online levels moved to L1
