@@ -58,27 +58,40 @@ class GoldItem:
 
 @dataclass
 class Tally:
-    """Counts for one group of questions."""
+    """Counts for one group of questions, derived from one mark per question answered."""
 
-    correct: int = 0
-    total: int = 0
-    score: int = 0
-    points_total: int = 0
-    kinki_selected: int = 0
+    marks: list[tuple[bool, int, bool]] = field(default_factory=list)
+    """(correct, points, selected a contraindicated choice) per question, in scoring order."""
 
     def add(self, ok: bool, points: int, kinki: bool = False) -> None:
-        self.total += 1
-        self.points_total += points
-        self.kinki_selected += int(kinki)
-        if ok:
-            self.correct += 1
-            self.score += points
+        self.marks.append((ok, points, kinki))
+
+    @property
+    def total(self) -> int:
+        return len(self.marks)
+
+    @property
+    def correct(self) -> int:
+        return sum(ok for ok, _, _ in self.marks)
+
+    @property
+    def score(self) -> int:
+        return sum(points for ok, points, _ in self.marks if ok)
+
+    @property
+    def points_total(self) -> int:
+        return sum(points for _, points, _ in self.marks)
+
+    @property
+    def kinki_selected(self) -> int:
+        return sum(kinki for _, _, kinki in self.marks)
 
     def as_dict(self) -> dict[str, Any]:
+        correct, total = self.correct, self.total
         return {
-            "correct": self.correct,
-            "total": self.total,
-            "accuracy": self.correct / self.total if self.total else 0.0,
+            "correct": correct,
+            "total": total,
+            "accuracy": correct / total if total else 0.0,
             "score": self.score,
             "points_total": self.points_total,
             "kinki_selected": self.kinki_selected,
