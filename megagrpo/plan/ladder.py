@@ -13,7 +13,7 @@ estimate of the config's layout with one lever added per rung, each with its per
 A rung is a :class:`Rung`: the :class:`~megagrpo.plan.scenario.Scenario` fields it sets (what
 the config keys would set), the phases it may change, and what the trainer has of it
 (``status``). Separate placement is a planner toggle here (``Scenario.placement``); the config
-keys that will run it are being built. Every figure is the estimate of
+keys that run it exist on CPU with one engine rank. Every figure is the estimate of
 :mod:`megagrpo.plan.time` under the printed assumptions.
 """
 
@@ -115,8 +115,8 @@ def rungs(sc: Scenario, partial: PartialConfig | None = None) -> list[Rung]:
                 "+ one-step off-policy",
                 dict(placement="separate", rollout_gpus=rollout_gpus),
                 PHASES,
-                f"separate placement, {rollout_gpus} engine GPUs",
-                "rollout.placement / rollout.max_staleness are being built",
+                f"built: rollout.placement=separate, max_staleness 1 ({rollout_gpus} engine GPUs)",
+                "the trainer's separate placement has one engine rank and refuses rollout.partial",
             )
         )
     return ladder

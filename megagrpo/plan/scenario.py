@@ -155,8 +155,9 @@ class Scenario:
     placement: str = "colocated"
     """colocated (trainer and engine share every GPU, phases in turn) | separate (the engines
     own ``rollout_gpus`` GPUs, the trainer the rest; the next batch is generated under the
-    previous weights while the trainer trains: one-step off-policy). A planner toggle: no
-    config key yet (:mod:`megagrpo.plan.ladder`)."""
+    previous weights while the trainer trains: one-step off-policy). ``rollout.placement:
+    separate`` plans the trainer's one engine rank; the ladder (:mod:`megagrpo.plan.ladder`)
+    also plans engines on whole nodes."""
     rollout_gpus: int = 0
     """GPUs of the engines under ``placement=separate``; ``parallel.*`` then lays out the
     trainer's ``num_gpus - rollout_gpus``."""
@@ -235,6 +236,8 @@ def scenario_from_config(cfg: Any, hf: dict) -> Scenario:
         partial_finish_fraction=ro.partial.finish_fraction if ro.partial.enabled else 0.0,
         partial_max_staleness=ro.partial.max_staleness,
         partial_chunk_tokens=ro.partial.chunk_tokens,
+        placement="separate" if ro.placement == "separate" else "colocated",
+        rollout_gpus=1 if ro.placement == "separate" else 0,  # the last process: the engine
     )
 
 
