@@ -177,7 +177,6 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
     """Each trained token's weight is min(pi_now(tok) / pi_v(tok), cap) with pi_v the weights of
     the step that sampled it (its version tag) and pi_now the trainer's at the training step."""
     from megagrpo.algo import losses
-    from megagrpo.kernels import epilogue
 
     seen = _record_batches(monkeypatch)
     recorded: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -189,8 +188,7 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
         recorded.append((CURRENT["step"], r, flat))
         return w
 
-    monkeypatch.setattr(losses, "tis_weights", spy)
-    monkeypatch.setattr(epilogue, "tis_weights", spy)
+    monkeypatch.setattr(losses, "tis_weights", spy)  # the kernel's too: algo.tis_factor
     ctx = _context(model_dir, tmp_path, "run", trainer={"max_steps": 5})
     cap = ctx.cfg.loss.tis_cap
     assert cap == 2.0 and ctx.cfg.trainer.old_logprobs == "recompute"

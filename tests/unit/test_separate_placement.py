@@ -120,7 +120,6 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
     """Each trained token's weight is min(pi_now(tok) / pi_v(tok), cap), pi_v the weights of
     the version the engine stamped on it, pi_now the trainer's at the training step."""
     from megagrpo.algo import losses
-    from megagrpo.kernels import epilogue
 
     recorded: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     real = losses.tis_weights
@@ -130,8 +129,7 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
         recorded.append((CURRENT["step"], rollout.detach().reshape(-1), w.reshape(-1).clone()))
         return w
 
-    monkeypatch.setattr(losses, "tis_weights", spy)
-    monkeypatch.setattr(epilogue, "tis_weights", spy)
+    monkeypatch.setattr(losses, "tis_weights", spy)  # the kernel's too: algo.tis_factor
     ctx, _, seen = _run(model_dir, tmp_path, monkeypatch)
     cap = ctx.cfg.loss.tis_cap
     assert cap == 2.0 and ctx.cfg.trainer.old_logprobs == "recompute"
