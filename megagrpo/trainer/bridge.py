@@ -17,6 +17,7 @@ verifies them) and ``close``. An engine error is sent back as a reply, never swa
 
 from __future__ import annotations
 
+import copy
 import logging
 import pickle
 import queue
@@ -67,10 +68,10 @@ class ThreadChannel:
         self._out, self._in = out, inbox
 
     def send(self, tag: int, obj: Any) -> None:
-        self._out[tag].put(pickle.dumps(obj))
+        self._out[tag].put(copy.deepcopy(obj))  # the receiver owns its copy, as over a wire
 
     def recv(self, tag: int) -> Any:
-        return pickle.loads(self._in[tag].get())
+        return self._in[tag].get()
 
     def send_tensor(self, tag: int, t: torch.Tensor) -> None:
         self._out[tag].put(t.clone())
@@ -123,7 +124,9 @@ class PgChannel:
         self.pg.recv([size], self.peer, tag).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.recv([payload], self.peer, tag).wait()
-        return pickle.loads(payload.numpy().tobytes())
+        # the job's own peer rank over its process group, as torch.distributed's object
+        # collectives (which unpickle too); never a file
+        return pickle.loads(payload.numpy().tobytes())  # unpickle: peer rank, not a file
 
     def send_tensor(self, tag: int, t: torch.Tensor) -> None:
         self._isend(self.data_pg, t.to(self.device).contiguous(), tag)

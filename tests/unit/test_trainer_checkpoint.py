@@ -169,12 +169,16 @@ def test_to_plain_names_what_cannot_be_checkpointed():
 def test_nothing_in_the_package_unpickles_a_file():
     """Every torch.load in megagrpo/ says weights_only=True; nothing in megagrpo/ or tools/
     passes weights_only=False or unpickles with pickle / dill / numpy (tools/ may rely on
-    torch's own default, weights_only=True since torch 2.6)."""
+    torch's own default, weights_only=True since torch 2.6). A line that unpickles a message
+    from the job's own peer rank (never a file) says so: ``# unpickle: peer rank, not a file``
+    (the separate placement's bridge, as torch.distributed's object collectives)."""
     offenders = []
     for path in [*REPO.joinpath("megagrpo").rglob("*.py"), *REPO.joinpath("tools").rglob("*.py")]:
         package = "tools" not in path.relative_to(REPO).parts[:1]
         for num, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             code = line.split("#", 1)[0]
+            if line.endswith("# unpickle: peer rank, not a file") and path.name == "bridge.py":
+                continue
             if package and "torch.load(" in code and "weights_only=True" not in code:
                 offenders.append(f"{path}:{num}")
             if re.search(r"\bpickle\.loads?\(|\bdill\.|allow_pickle=True|weights_only=False", code):
