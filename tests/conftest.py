@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,24 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tiny_tokenizer(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def hf235(repo_root):
+    """The HF config of Qwen3-235B-A22B shipped in configs/ (the planner tests)."""
+    from megagrpo.model.arch import load_hf_config
+
+    return load_hf_config(repo_root / "configs/qwen3_235b_a22b.hf_config.json")
+
+
+@pytest.fixture
+def bigram_dir(tmp_path, tiny_tokenizer_dir) -> Path:
+    """Model directory of the bigram fakes (``model_type: bigram``) with the tiny tokenizer:
+    a real tokenizer, since runs check for one and count prompt tokens with it."""
+    path = tmp_path / "bigram"
+    shutil.copytree(tiny_tokenizer_dir, path)
+    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,6 @@ interpolation, never as the secret: config.yaml, every checkpoint manifest, W&B'
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
-import pytest
 from test_trainer_reliability import _context, _train
 
 from megagrpo.config import load_config, to_yaml
@@ -17,19 +12,10 @@ from megagrpo.trainer.config import RunConfig
 SECRET = "s3cr3t-token-value"
 
 
-@pytest.fixture
-def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
-    """The bigram fakes' model directory (test_trainer_reliability)."""
-    path = tmp_path / "bigram"
-    shutil.copytree(tiny_tokenizer_dir, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
-    return path
-
-
-def test_environment_values_are_not_written(model_dir, tmp_path, monkeypatch):
+def test_environment_values_are_not_written(bigram_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAGRPO_TEST_SECRET", SECRET)
     entity = "${oc.env:MEGAGRPO_TEST_SECRET}"
-    ctx = _context(model_dir, tmp_path, "s", metrics={"wandb_entity": entity})
+    ctx = _context(bigram_dir, tmp_path, "s", metrics={"wandb_entity": entity})
     assert ctx.cfg.metrics.wandb_entity == SECRET  # the run uses the value
     assert written(ctx.cfg)["metrics"]["wandb_entity"] == entity
     _train(ctx)

@@ -7,7 +7,6 @@ computed by hand from the version tags, and carried completions across a SIGTERM
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 from pathlib import Path
 
@@ -79,15 +78,7 @@ class StoppingBigram(BigramEngine):
         return out
 
 
-@pytest.fixture
-def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
-    path = tmp_path / "bigram"
-    shutil.copytree(tiny_tokenizer_dir, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
-    return path
-
-
-def _context(model_dir: Path, out: Path, name: str, *, engine=StoppingBigram, partial=None, **kw):
+def _context(bigram_dir: Path, out: Path, name: str, *, engine=StoppingBigram, partial=None, **kw):
     from megagrpo.trainer.setup import build_context
 
     resume = kw.pop("resume", False)
@@ -109,7 +100,7 @@ def _context(model_dir: Path, out: Path, name: str, *, engine=StoppingBigram, pa
         "dynamic": {"enabled": False},
         **kw,
     }
-    cfg = tiny_run_config(model_dir, out, name, **sections)
+    cfg = tiny_run_config(bigram_dir, out, name, **sections)
     run = load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
     return build_context(
         run, resume=resume, policy_factory=lambda m, p: BigramPolicy(), engine_factory=engine
@@ -147,10 +138,10 @@ def _record_batches(monkeypatch) -> list[tuple[int, torch.Tensor, list[Group]]]:
 
 @pytest.mark.parametrize("limit", [0, 1, 2])
 def test_staleness_bound_is_never_exceeded_and_groups_train_complete(
-    model_dir, tmp_path, monkeypatch, limit
+    bigram_dir, tmp_path, monkeypatch, limit
 ):
     seen = _record_batches(monkeypatch)
-    rows = _train(_context(model_dir, tmp_path, "run", partial={"max_staleness": limit}))
+    rows = _train(_context(bigram_dir, tmp_path, "run", partial={"max_staleness": limit}))
     carried = [r["partial/carried_completions"] for r in rows]
     assert (max(carried) > 0) == (limit > 0), carried  # the budget did stop rounds early
     assert all(r["partial/staleness_max"] <= limit for r in rows)
@@ -171,14 +162,11 @@ def test_staleness_bound_is_never_exceeded_and_groups_train_complete(
                 ), (reason, ids)
 
 
-def test_importance_weights_equal_a_reference_from_the_version_tags(
-    model_dir, tmp_path, monkeypatch
-):
-    """Each trained token's weight is min(pi_now(tok) / pi_v(tok), cap) with pi_v the weights of
-    the step that sampled it (its version tag) and pi_now the trainer's at the training step."""
+def spy_tis_weights(monkeypatch) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(training step, engine log-probs, importance weights) of every ``tis_weights`` call
+    (the reference loss and the kernel's epilogue both reach it through algo.tis_factor)."""
     from megagrpo.algo import losses
 
-    seen = _record_batches(monkeypatch)
     recorded: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     real = losses.tis_weights
 
@@ -188,11 +176,14 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
         recorded.append((CURRENT["step"], r, flat))
         return w
 
-    monkeypatch.setattr(losses, "tis_weights", spy)  # the kernel's too: algo.tis_factor
-    ctx = _context(model_dir, tmp_path, "run", trainer={"max_steps": 5})
-    cap = ctx.cfg.loss.tis_cap
-    assert cap == 2.0 and ctx.cfg.trainer.old_logprobs == "recompute"
-    _train(ctx)
+    monkeypatch.setattr(losses, "tis_weights", spy)
+    return recorded
+
+
+def check_weights_from_version_tags(seen, recorded, cap: float) -> None:
+    """Every trained token's weight equals min(pi_now(tok) / pi_v(tok), cap), computed here
+    from the bigram weights of each step (``seen``: (step, weights, groups)) with pi_v those of
+    the token's version tag; fails unless some stale token has a weight != 1."""
     weights = {step: w for step, w, _ in seen}
     got = {
         (step, round(float(r), 5)): float(w) for step, rs, ws in recorded for r, w in zip(rs, ws)
@@ -212,6 +203,20 @@ def test_importance_weights_equal_a_reference_from_the_version_tags(
     assert stale > 0, "no stale token with a weight != 1: the test would not see a mix-up"
 
 
+def test_importance_weights_equal_a_reference_from_the_version_tags(
+    bigram_dir, tmp_path, monkeypatch
+):
+    """Each trained token's weight is min(pi_now(tok) / pi_v(tok), cap) with pi_v the weights of
+    the step that sampled it (its version tag) and pi_now the trainer's at the training step."""
+    seen = _record_batches(monkeypatch)
+    recorded = spy_tis_weights(monkeypatch)
+    ctx = _context(bigram_dir, tmp_path, "run", trainer={"max_steps": 5})
+    cap = ctx.cfg.loss.tis_cap
+    assert cap == 2.0 and ctx.cfg.trainer.old_logprobs == "recompute"
+    _train(ctx)
+    check_weights_from_version_tags(seen, recorded, cap)
+
+
 class SignalAtSleep(StoppingBigram):
     """Sends SIGTERM to this process during phase 4 of the second step that trains."""
 
@@ -229,14 +234,14 @@ def _pending(run_dir: Path, step: int) -> dict:
     return state["partial"]
 
 
-def test_carried_completions_survive_sigterm_and_resume(model_dir, tmp_path):
+def test_carried_completions_survive_sigterm_and_resume(bigram_dir, tmp_path):
     from megagrpo.trainer.signals import StopSignals
 
-    _train(_context(model_dir, tmp_path, "full", trainer={"save_every": 1}))
+    _train(_context(bigram_dir, tmp_path, "full", trainer={"save_every": 1}))
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")
     stop = StopSignals().install()
     try:
-        ctx = _context(model_dir, tmp_path, "stop", engine=SignalAtSleep)
+        ctx = _context(bigram_dir, tmp_path, "stop", engine=SignalAtSleep)
         part = _train(ctx, stop)
     finally:
         stop.restore()
@@ -245,7 +250,7 @@ def test_carried_completions_survive_sigterm_and_resume(model_dir, tmp_path):
     saved = _pending(tmp_path / "stop", stopped)
     assert saved["pending"], "nothing was carried at the stop: the test would prove nothing"
     assert saved == _pending(tmp_path / "full", stopped)
-    _train(_context(model_dir, tmp_path, "stop", resume=True, trainer={"save_every": 1}))
+    _train(_context(bigram_dir, tmp_path, "stop", resume=True, trainer={"save_every": 1}))
     resumed = read_metrics(tmp_path / "stop" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [r["step"] for r in full]
     for a, b in zip(full, resumed, strict=True):
@@ -256,6 +261,6 @@ def test_carried_completions_survive_sigterm_and_resume(model_dir, tmp_path):
         assert _pending(tmp_path / "stop", step) == _pending(tmp_path / "full", step)
 
 
-def test_partial_needs_recomputed_old_logprobs(model_dir, tmp_path):
+def test_partial_needs_recomputed_old_logprobs(bigram_dir, tmp_path):
     with pytest.raises(ConfigError, match="rollout.partial.enabled"):
-        _context(model_dir, tmp_path, "bad", trainer={"old_logprobs": "rollout"})
+        _context(bigram_dir, tmp_path, "bad", trainer={"old_logprobs": "rollout"})

@@ -12,26 +12,13 @@ import subprocess
 import sys
 
 import pytest
+from test_plan_phases import _two_node
 
 from megagrpo.commands.plan_memory import plan_run
-from megagrpo.config import load_config
-from megagrpo.model.arch import load_hf_config
 from megagrpo.plan.ladder import PHASES, TARGET_STEP_S, ladder, rungs
 from megagrpo.plan.memory import FUSED_CHUNK_BYTES, GIB, memory_plan, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
 from megagrpo.plan.time import step_time
-from megagrpo.trainer.config import RunConfig
-
-
-@pytest.fixture(scope="module")
-def hf235(repo_root):
-    return load_hf_config(repo_root / "configs/qwen3_235b_a22b.hf_config.json")
-
-
-def _two_node(repo_root, *overrides):
-    return load_config(
-        RunConfig, [repo_root / "configs/qwen3_235b_a22b_2node.yaml"], list(overrides)
-    )
 
 
 @pytest.fixture(scope="module")

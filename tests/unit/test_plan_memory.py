@@ -11,14 +11,9 @@ import pytest
 
 from megagrpo.commands.plan_memory import plan_run as plan
 from megagrpo.config.loader import load_config
-from megagrpo.model.arch import arch_from_hf, load_hf_config, param_counts
+from megagrpo.model.arch import arch_from_hf, param_counts
 from megagrpo.plan.memory import GIB
 from megagrpo.trainer.config import RunConfig
-
-
-@pytest.fixture(scope="module")
-def hf235(repo_root):
-    return load_hf_config(repo_root / "configs/qwen3_235b_a22b.hf_config.json")
 
 
 def _cfg(repo_root, *overrides):

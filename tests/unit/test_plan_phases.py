@@ -15,16 +15,10 @@ import pytest
 from megagrpo.commands.plan_memory import plan_run
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
-from megagrpo.model.arch import load_hf_config
 from megagrpo.plan.memory import GIB, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
 from megagrpo.plan.search import search
 from megagrpo.trainer.config import RunConfig
-
-
-@pytest.fixture(scope="module")
-def hf235(repo_root):
-    return load_hf_config(repo_root / "configs/qwen3_235b_a22b.hf_config.json")
 
 
 def _two_node(repo_root, *overrides):

@@ -7,14 +7,17 @@ tags the engine stamped, the overlap metric, and the config rules."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
-import torch
-from test_partial_rollouts import CURRENT, StoppingBigram
+from test_partial_rollouts import (
+    CURRENT,
+    StoppingBigram,
+    check_weights_from_version_tags,
+    spy_tis_weights,
+)
 from test_trainer_loop import BigramPolicy
 
 from megagrpo.config import load_config
@@ -28,14 +31,6 @@ from megagrpo.types import Group, Problem
 MAX_TOKENS = 8
 
 
-@pytest.fixture
-def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
-    path = tmp_path / "bigram"
-    shutil.copytree(tiny_tokenizer_dir, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
-    return path
-
-
 class SlowBigram(StoppingBigram):
     """Generation that takes measurable time (the overlap metric needs some)."""
 
@@ -46,9 +41,9 @@ class SlowBigram(StoppingBigram):
         return super().generate(problems, n, sampling)
 
 
-def _config(out: Path, model_dir: Path, name: str, trainer=None, **rollout) -> RunConfig:
+def _config(out: Path, bigram_dir: Path, name: str, trainer=None, **rollout) -> RunConfig:
     cfg = tiny_run_config(
-        model_dir,
+        bigram_dir,
         out,
         name,
         loss={"backend": "torch"},
@@ -59,12 +54,12 @@ def _config(out: Path, model_dir: Path, name: str, trainer=None, **rollout) -> R
     return load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
 
 
-def _run(model_dir: Path, out: Path, monkeypatch, trainer=None, resume=False, **rollout):
+def _run(bigram_dir: Path, out: Path, monkeypatch, trainer=None, resume=False, **rollout):
     """Train (5 steps); returns (ctx, rows, [(step, weights at collection, groups)])."""
     from megagrpo.trainer import loop
     from megagrpo.trainer.setup import build_context, shutdown
 
-    run = _config(out, model_dir, "run", trainer, **rollout)
+    run = _config(out, bigram_dir, "run", trainer, **rollout)
     trainer_end, engine_end = thread_pair()
     engine = SlowBigram(run.rollout, "", 0)
     server = threading.Thread(target=serve_engine, args=(engine, engine_end), daemon=True)
@@ -93,8 +88,8 @@ def _run(model_dir: Path, out: Path, monkeypatch, trainer=None, resume=False, **
 
 
 @pytest.mark.parametrize("limit", [0, 1])
-def test_staleness_bound_is_never_exceeded(model_dir, tmp_path, monkeypatch, limit):
-    ctx, rows, seen = _run(model_dir, tmp_path, monkeypatch, max_staleness=limit)
+def test_staleness_bound_is_never_exceeded(bigram_dir, tmp_path, monkeypatch, limit):
+    ctx, rows, seen = _run(bigram_dir, tmp_path, monkeypatch, max_staleness=limit)
     assert ctx.cfg.rollout.max_staleness == limit
     lags = {step: {g.meta["staleness"] for g in groups} for step, _, groups in seen}
     for _, _, groups in seen:
@@ -115,50 +110,26 @@ def test_staleness_bound_is_never_exceeded(model_dir, tmp_path, monkeypatch, lim
 
 
 def test_importance_weights_equal_a_reference_from_the_version_tags(
-    model_dir, tmp_path, monkeypatch
+    bigram_dir, tmp_path, monkeypatch
 ):
     """Each trained token's weight is min(pi_now(tok) / pi_v(tok), cap), pi_v the weights of
     the version the engine stamped on it, pi_now the trainer's at the training step."""
-    from megagrpo.algo import losses
-
-    recorded: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-    real = losses.tis_weights
-
-    def spy(old, rollout, cap, mode="truncate"):
-        w = real(old, rollout, cap, mode)
-        recorded.append((CURRENT["step"], rollout.detach().reshape(-1), w.reshape(-1).clone()))
-        return w
-
-    monkeypatch.setattr(losses, "tis_weights", spy)  # the kernel's too: algo.tis_factor
-    ctx, _, seen = _run(model_dir, tmp_path, monkeypatch)
+    recorded = spy_tis_weights(monkeypatch)
+    ctx, _, seen = _run(bigram_dir, tmp_path, monkeypatch)  # step s trains version s - 1's
     cap = ctx.cfg.loss.tis_cap
     assert cap == 2.0 and ctx.cfg.trainer.old_logprobs == "recompute"
-    weights = {step: w for step, w, _ in seen}  # step s generates/trains from version s - 1
-    got = {(s, round(float(r), 5)): float(w) for s, rs, ws in recorded for r, w in zip(rs, ws)}
-    stale = 0
-    for step, _, groups in seen:
-        for g in groups:
-            for ids, lps, versions in zip(g.token_ids, g.logprobs, g.meta["policy_versions"]):
-                prev = [g.prompt_ids[-1], *ids[:-1]]
-                for p, t, lp, v in zip(prev, ids, lps, versions):
-                    behaviour = float(torch.log_softmax(weights[v][p], -1)[t])
-                    now = float(torch.log_softmax(weights[step][p], -1)[t])
-                    assert lp == pytest.approx(behaviour, abs=1e-5)  # the engine's, version v
-                    ref = min(torch.exp(torch.tensor(now - behaviour)).item(), cap)
-                    assert got[(step, round(lp, 5))] == pytest.approx(ref, rel=1e-4, abs=1e-5)
-                    stale += v < step and abs(ref - 1.0) > 1e-3
-    assert stale > 0, "no stale token with a weight != 1: the test would not see a mix-up"
+    check_weights_from_version_tags(seen, recorded, cap)
 
 
-def test_resume_draws_the_round_that_was_sent_ahead(model_dir, tmp_path, monkeypatch):
+def test_resume_draws_the_round_that_was_sent_ahead(bigram_dir, tmp_path, monkeypatch):
     """Step 3's first round was in flight while step 2 trained; the checkpoint of step 2 does
     not hold it, and the resumed run trains step 3 on the same problems, generated on-policy
     this time (the samplers are saved as before the early start: a carry buffer is not lost
     to it)."""
     trainer = {"max_steps": 4, "save_every": 2, "keep_checkpoints": 5}
-    _, _, full = _run(model_dir, tmp_path, monkeypatch, trainer)
+    _, _, full = _run(bigram_dir, tmp_path, monkeypatch, trainer)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000004")
-    _, _, resumed = _run(model_dir, tmp_path, monkeypatch, trainer, resume=True)
+    _, _, resumed = _run(bigram_dir, tmp_path, monkeypatch, trainer, resume=True)
     assert [step for step, _, _ in resumed] == [3, 4]
     ids = {step: [g.problem.id for g in groups] for step, _, groups in full}
     again = {step: [g.problem.id for g in groups] for step, _, groups in resumed}
@@ -199,18 +170,18 @@ def test_overlap_seconds_closed_form():
         ({"placement": "separate", "load_format": "dummy"}, "rollout.load_format"),
     ],
 )
-def test_separate_config_rules_name_the_key(model_dir, tmp_path, rollout, key):
-    cfg = tiny_run_config(model_dir, tmp_path, "bad", rollout=rollout)
+def test_separate_config_rules_name_the_key(bigram_dir, tmp_path, rollout, key):
+    cfg = tiny_run_config(bigram_dir, tmp_path, "bad", rollout=rollout)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(RunConfig, [write_run_config(tmp_path / "bad.yaml", cfg)])
 
 
 def test_separate_defaults_to_one_step_ahead_with_the_importance_correction(
-    model_dir,
+    bigram_dir,
     tmp_path,
 ):
-    run = _config(tmp_path, model_dir, "ok")
+    run = _config(tmp_path, bigram_dir, "ok")
     assert run.rollout.max_staleness == 1 and run.loss.tis_cap == 2.0
     assert run.trainer.old_logprobs == "recompute"
-    on_policy = _config(tmp_path, model_dir, "on", max_staleness=0)
+    on_policy = _config(tmp_path, bigram_dir, "on", max_staleness=0)
     assert on_policy.rollout.max_staleness == 0 and on_policy.loss.tis_cap == 0.0

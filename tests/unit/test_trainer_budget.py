@@ -213,18 +213,6 @@ def test_mixed_counts_split_over_replicas_by_completions():
 from tests.unit.test_trainer_loop import _context, _train  # noqa: E402
 
 
-@pytest.fixture
-def bigram_dir(tmp_path, tiny_tokenizer_dir):
-    """The bigram model's directory (a real tokenizer, as test_trainer_loop's)."""
-    import json
-    import shutil
-
-    path = tmp_path / "bigram"
-    shutil.copytree(tiny_tokenizer_dir, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
-    return path
-
-
 @pytest.mark.parametrize(
     "budget",
     [

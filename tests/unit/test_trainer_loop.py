@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -202,22 +201,14 @@ class BigramEngine:
         self.calls.append("close")
 
 
-@pytest.fixture
-def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
-    path = tmp_path / "bigram"
-    shutil.copytree(tiny_tokenizer_dir, path)  # a real tokenizer: the run checks for one
-    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
-    return path
-
-
-def _context(model_dir: Path, out: Path, name: str, resume: bool = False, **sections):
+def _context(bigram_dir: Path, out: Path, name: str, resume: bool = False, **sections):
     from megagrpo.trainer.setup import build_context
 
     sections.setdefault("loss", {"backend": "torch"})
     sections.setdefault("trainer", {})
     sections["trainer"] = {"max_steps": 4, "lr": 0.05, "save_every": 2, **sections["trainer"]}
     sections.setdefault("rollout", {"max_tokens": 3, "probe_len": 8})
-    cfg = tiny_run_config(model_dir, out, name, **sections)
+    cfg = tiny_run_config(bigram_dir, out, name, **sections)
     run = load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
     return build_context(
         run,
@@ -237,9 +228,9 @@ def _train(ctx):
         shutdown(ctx)
 
 
-def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
+def test_steps_train_sync_and_log_every_metric(bigram_dir, tmp_path):
     ctx = _context(
-        model_dir, tmp_path, "run", metrics={"log_completions": True, "progress_bar": False}
+        bigram_dir, tmp_path, "run", metrics={"log_completions": True, "progress_bar": False}
     )
     engine = ctx.rollouts.engine
     rows = _train(ctx)
@@ -264,9 +255,9 @@ def test_steps_train_sync_and_log_every_metric(model_dir, tmp_path):
     assert (tmp_path / "run" / "config.yaml").is_file()
 
 
-def test_collapsed_steps_skip_the_update(model_dir, tmp_path):
+def test_collapsed_steps_skip_the_update(bigram_dir, tmp_path):
     # mcq_accuracy scores every bigram completion 0: every group collapses, nothing trains
-    ctx = _context(model_dir, tmp_path, "flat", rewards={"functions": [{"name": "mcq_accuracy"}]})
+    ctx = _context(bigram_dir, tmp_path, "flat", rewards={"functions": [{"name": "mcq_accuracy"}]})
     before = ctx.policy.lora_state_dict()
     rows = _train(ctx)
     assert all(r["train/skipped_empty_batch"] == 1.0 for r in rows)
@@ -276,11 +267,11 @@ def test_collapsed_steps_skip_the_update(model_dir, tmp_path):
         assert torch.equal(value, before[key])
 
 
-def test_resume_continues_like_the_uninterrupted_run(model_dir, tmp_path):
-    full = _train(_context(model_dir, tmp_path, "full"))
-    part = _context(model_dir, tmp_path, "part", trainer={"max_steps": 2})
+def test_resume_continues_like_the_uninterrupted_run(bigram_dir, tmp_path):
+    full = _train(_context(bigram_dir, tmp_path, "full"))
+    part = _context(bigram_dir, tmp_path, "part", trainer={"max_steps": 2})
     _train(part)
-    resumed = _context(model_dir, tmp_path, "part", resume=True)
+    resumed = _context(bigram_dir, tmp_path, "part", resume=True)
     assert resumed.step == 2
     rest = _train(resumed)
     assert [r["step"] for r in read_metrics(tmp_path / "part" / "metrics.jsonl")] == [1, 2, 3, 4]
@@ -291,12 +282,12 @@ def test_resume_continues_like_the_uninterrupted_run(model_dir, tmp_path):
             assert b[key] == value or (value != value and b[key] != b[key]), key  # NaN: NaN
 
 
-def test_train_and_sync_time_is_broken_into_its_parts(model_dir, tmp_path):
+def test_train_and_sync_time_is_broken_into_its_parts(bigram_dir, tmp_path):
     """``perf/train_s`` = old / reference log-probs + forward-backward + optimiser + checks +
     the rest (batch building); ``perf/sync_s`` >= probe + push. Fails before the breakdown:
     none of the ``perf/train/*`` keys existed."""
     ctx = _context(
-        model_dir,
+        bigram_dir,
         tmp_path,
         "parts",
         loss={"backend": "torch", "kl_coef": 0.05},  # a reference forward
@@ -336,11 +327,11 @@ class NoisyBigramEngine(BigramEngine):
         return groups
 
 
-def _noisy_rows(model_dir: Path, out: Path, name: str, **trainer) -> list[dict]:
+def _noisy_rows(bigram_dir: Path, out: Path, name: str, **trainer) -> list[dict]:
     from megagrpo.trainer.setup import build_context
 
     cfg = tiny_run_config(
-        model_dir,
+        bigram_dir,
         out,
         name,
         loss={"backend": "torch", "tis_cap": 2.0},
@@ -356,13 +347,13 @@ def _noisy_rows(model_dir: Path, out: Path, name: str, **trainer) -> list[dict]:
     return [r for r in _train(ctx) if r["train/skipped_empty_batch"] == 0.0]
 
 
-def test_old_logprobs_are_recomputed_by_default(model_dir, tmp_path):
+def test_old_logprobs_are_recomputed_by_default(bigram_dir, tmp_path):
     """The default, as ms-swift: old log-probs from a trainer forward, so an on-policy step's
     ratio is exactly 1 although the engine's log-probs are off; the engine's log-probs still
     weight the tokens (TIS) and measure the mismatch. With ``rollout`` the ratio is the
     engine's error and the clip acts on it."""
     assert RunConfig().trainer.old_logprobs == "recompute"
-    rows = _noisy_rows(model_dir, tmp_path, "default")
+    rows = _noisy_rows(bigram_dir, tmp_path, "default")
     assert rows, "no step trained"
     for r in rows:
         assert r["train/old_logprobs_recompute"] == 1.0
@@ -370,7 +361,7 @@ def test_old_logprobs_are_recomputed_by_default(model_dir, tmp_path):
         assert r["loss/clip_frac"] == 0.0
         assert r["train/logprob_mismatch"] > 0.05  # the engine's error, measured
         assert r["loss/tis_weight_mean"] != 1.0  # TIS still reads the engine's log-probs
-    engine_rows = _noisy_rows(model_dir, tmp_path, "rollout", old_logprobs="rollout")
+    engine_rows = _noisy_rows(bigram_dir, tmp_path, "rollout", old_logprobs="rollout")
     assert engine_rows[0]["loss/ratio_min"] < 0.9 and engine_rows[0]["loss/ratio_max"] > 1.1
     assert engine_rows[0]["loss/tis_weight_mean"] == 1.0  # old = rollout: weight 1 exactly
 

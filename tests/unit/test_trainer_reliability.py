@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 import signal
 from pathlib import Path
 
@@ -30,15 +29,6 @@ LONG_TEXT = "What is the name of the long river that flows through the city? " *
 """Some 870 prompt tokens with the tiny tokenizer (the demo prompts: 146-181)."""
 
 
-@pytest.fixture
-def model_dir(tmp_path, tiny_tokenizer_dir) -> Path:
-    """The bigram's model directory: a config and a real tokenizer (prompt lengths)."""
-    path = tmp_path / "bigram"
-    shutil.copytree(tiny_tokenizer_dir, path)
-    (path / "config.json").write_text(json.dumps({"model_type": "bigram"}))
-    return path
-
-
 def _sections(**sections) -> dict:
     """test_trainer_loop's settings: 4 steps, a checkpoint every 2, torch loss backend."""
     sections.setdefault("loss", {"backend": "torch"})
@@ -52,12 +42,12 @@ def _sections(**sections) -> dict:
     return sections
 
 
-def _context(model_dir: Path, out: Path, name: str, *, calls=None, engine=BigramEngine, **kw):
+def _context(bigram_dir: Path, out: Path, name: str, *, calls=None, engine=BigramEngine, **kw):
     """build_context on the bigram fakes; ``calls`` records each policy construction."""
     from megagrpo.trainer.setup import build_context
 
     flags = {k: kw.pop(k) for k in ("resume", "overwrite") if k in kw}
-    cfg = tiny_run_config(model_dir, out, name, **_sections(**kw))
+    cfg = tiny_run_config(bigram_dir, out, name, **_sections(**kw))
     run = load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
 
     def policy(model_cfg, pgs):
@@ -115,34 +105,34 @@ def _same_state(dir_a: Path, dir_b: Path) -> None:
 # ----------------------------------------------------------------------------- run directory
 
 
-def test_a_fresh_start_over_a_run_is_refused_and_changes_nothing(model_dir, tmp_path):
-    _train(_context(model_dir, tmp_path, "run", trainer={"max_steps": 2}))
+def test_a_fresh_start_over_a_run_is_refused_and_changes_nothing(bigram_dir, tmp_path):
+    _train(_context(bigram_dir, tmp_path, "run", trainer={"max_steps": 2}))
     before = _snapshot(tmp_path / "run")
     calls: list[str] = []
     with pytest.raises(ConfigError, match=r"'trainer.name'.*already holds a run") as err:
-        _context(model_dir, tmp_path, "run", calls=calls, trainer={"max_steps": 2, "seed": 7})
+        _context(bigram_dir, tmp_path, "run", calls=calls, trainer={"max_steps": 2, "seed": 7})
     assert "metrics.jsonl with 2 row(s)" in str(err.value) and "step_000002" in str(err.value)
     assert calls == []  # refused before any model was built
     assert _snapshot(tmp_path / "run") == before
 
 
-def test_overwrite_moves_the_old_run_aside(model_dir, tmp_path):
-    _train(_context(model_dir, tmp_path, "run", trainer={"max_steps": 2}))
+def test_overwrite_moves_the_old_run_aside(bigram_dir, tmp_path):
+    _train(_context(bigram_dir, tmp_path, "run", trainer={"max_steps": 2}))
     before = _snapshot(tmp_path / "run")
-    _train(_context(model_dir, tmp_path, "run", overwrite=True, trainer={"max_steps": 1}))
+    _train(_context(bigram_dir, tmp_path, "run", overwrite=True, trainer={"max_steps": 1}))
     (aside,) = tmp_path.glob("run.old-*")
     assert _snapshot(aside) == before  # moved, never deleted
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
 
 
-def test_resume_without_a_checkpoint_fails_before_the_model(model_dir, tmp_path):
+def test_resume_without_a_checkpoint_fails_before_the_model(bigram_dir, tmp_path):
     calls: list[str] = []
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        _context(model_dir, tmp_path, "none", calls=calls, resume=True)
+        _context(bigram_dir, tmp_path, "none", calls=calls, resume=True)
     assert calls == []
 
 
-def test_a_failed_start_writes_no_config_and_can_be_retried(model_dir, tmp_path):
+def test_a_failed_start_writes_no_config_and_can_be_retried(bigram_dir, tmp_path):
     class BrokenEngine(BigramEngine):
         def __init__(self, *args):
             raise RuntimeError("engine does not start")
@@ -150,9 +140,9 @@ def test_a_failed_start_writes_no_config_and_can_be_retried(model_dir, tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "memory_plan.txt").write_text("plan\n")  # the Slurm launcher's
     with pytest.raises(RuntimeError, match="engine does not start"):
-        _context(model_dir, tmp_path, "run", engine=BrokenEngine)
+        _context(bigram_dir, tmp_path, "run", engine=BrokenEngine)
     assert not (tmp_path / "run" / "config.yaml").exists()
-    _train(_context(model_dir, tmp_path, "run", trainer={"max_steps": 1}))
+    _train(_context(bigram_dir, tmp_path, "run", trainer={"max_steps": 1}))
     assert (tmp_path / "run" / "config.yaml").is_file()
     assert (tmp_path / "run" / "memory_plan.txt").read_text() == "plan\n"
 
@@ -170,11 +160,11 @@ def _data_with_a_long_prompt(tmp_path: Path) -> str:
     return str(path)
 
 
-def _template_length(model_dir: Path, data_file: str, pid: str) -> int:
+def _template_length(bigram_dir: Path, data_file: str, pid: str) -> int:
     """Prompt length of ``pid`` by transformers' own chat-template tokenisation."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(bigram_dir)
     for line in Path(data_file).read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
         if record["id"] == pid:
@@ -183,13 +173,13 @@ def _template_length(model_dir: Path, data_file: str, pid: str) -> int:
     raise KeyError(pid)
 
 
-def test_an_over_long_prompt_is_an_error_naming_it_before_the_model(model_dir, tmp_path):
+def test_an_over_long_prompt_is_an_error_naming_it_before_the_model(bigram_dir, tmp_path):
     data = {"train": [_data_with_a_long_prompt(tmp_path)], "truncation": "error"}
-    n = _template_length(model_dir, data["train"][0], "long1")
+    n = _template_length(bigram_dir, data["train"][0], "long1")
     assert n > 256 - 3  # rollout.max_model_len - rollout.max_tokens
     calls: list[str] = []
     with pytest.raises(DataError, match=rf"1 prompts are longer than .*=253: long1 \({n} tokens\)"):
-        _context(model_dir, tmp_path, "long", calls=calls, data=data)
+        _context(bigram_dir, tmp_path, "long", calls=calls, data=data)
     assert calls == [] and not (tmp_path / "long" / "config.yaml").exists()
 
 
@@ -201,12 +191,12 @@ class RecordingEngine(BigramEngine):
         return super().generate(problems, n, sampling)
 
 
-def test_an_over_long_prompt_is_dropped_counted_and_resume_checks_the_set(model_dir, tmp_path):
+def test_an_over_long_prompt_is_dropped_counted_and_resume_checks_the_set(bigram_dir, tmp_path):
     data = {"train": [_data_with_a_long_prompt(tmp_path)]}  # truncation: delete (default)
     RecordingEngine.generated = []
     rows = _train(
         _context(
-            model_dir,
+            bigram_dir,
             tmp_path,
             "drop",
             engine=RecordingEngine,
@@ -219,7 +209,7 @@ def test_an_over_long_prompt_is_dropped_counted_and_resume_checks_the_set(model_
     manifest = json.loads((tmp_path / "drop/checkpoints/step_000002/meta.json").read_text())
     assert manifest["problems"]["dropped"] == ["long1"] and manifest["problems"]["count"] == 56
     resumed = _context(
-        model_dir,
+        bigram_dir,
         tmp_path,
         "drop",
         resume=True,
@@ -232,7 +222,7 @@ def test_an_over_long_prompt_is_dropped_counted_and_resume_checks_the_set(model_
     calls: list[str] = []
     with pytest.raises(CheckpointError, match=r"problem set differs.*56 -> 57") as err:
         _context(
-            model_dir,
+            bigram_dir,
             tmp_path,
             "drop",
             calls=calls,
@@ -245,7 +235,7 @@ def test_an_over_long_prompt_is_dropped_counted_and_resume_checks_the_set(model_
     assert calls == []
 
 
-def test_left_truncation_reaches_the_engines_or_is_refused(model_dir, tmp_path):
+def test_left_truncation_reaches_the_engines_or_is_refused(bigram_dir, tmp_path):
     """``data.truncation=left`` keeps a prompt's last max_prompt_tokens tokens in
     ``meta['prompt_ids']``, which the engines' chat_prompt_ids returns (rollout/base.py
     delegates to data.prompts.prompt_ids); a build whose engines ignored them would refuse
@@ -255,9 +245,9 @@ def test_left_truncation_reaches_the_engines_or_is_refused(model_dir, tmp_path):
     from megagrpo.rollout.base import chat_prompt_ids
 
     data = {"train": [_data_with_a_long_prompt(tmp_path)], "truncation": "left"}
-    ctx = _context(model_dir, tmp_path, "left", data=data)
+    ctx = _context(bigram_dir, tmp_path, "left", data=data)
     long1 = next(p for p in ctx.sampler.problems if p.id == "long1")
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(bigram_dir)
     full = tok.apply_chat_template(long1.messages, add_generation_prompt=True, tokenize=False)
     full_ids = tok(full, add_special_tokens=False)["input_ids"]
     assert chat_prompt_ids(tok, long1) == full_ids[-253:]  # the last 256 - 3 tokens
@@ -281,11 +271,14 @@ def _nan_advantages_at(monkeypatch, steps: set[int]) -> None:
 
 
 def test_a_nonfinite_update_is_skipped_and_leaves_weights_and_optimizer_unchanged(
-    model_dir, tmp_path, monkeypatch
+    bigram_dir, tmp_path, monkeypatch
 ):
     _nan_advantages_at(monkeypatch, {2})
     ctx = _context(
-        model_dir, tmp_path, "nan", trainer={"max_steps": 3, "save_every": 1, "keep_checkpoints": 3}
+        bigram_dir,
+        tmp_path,
+        "nan",
+        trainer={"max_steps": 3, "save_every": 1, "keep_checkpoints": 3},
     )
     rows = _train(ctx)
     assert [r["train/skipped_nonfinite"] for r in rows] == [0.0, 1.0, 0.0]
@@ -296,11 +289,11 @@ def test_a_nonfinite_update_is_skipped_and_leaves_weights_and_optimizer_unchange
     assert torch.isfinite(ctx.policy.weight()).all()
 
 
-def test_nonfinite_updates_in_a_row_stop_the_run_naming_the_step(model_dir, tmp_path, monkeypatch):
+def test_nonfinite_updates_in_a_row_stop_the_run_naming_the_step(bigram_dir, tmp_path, monkeypatch):
     from megagrpo.trainer.optimize import NonFiniteError
 
     _nan_advantages_at(monkeypatch, {2, 3})
-    ctx = _context(model_dir, tmp_path, "nan2", trainer={"max_nonfinite_steps": 2})
+    ctx = _context(bigram_dir, tmp_path, "nan2", trainer={"max_nonfinite_steps": 2})
     with pytest.raises(NonFiniteError, match=r"at step 3: 2 optimiser steps in a row"):
         _train(ctx)
     steps = [r["step"] for r in read_metrics(tmp_path / "nan2" / "metrics.jsonl")]
@@ -328,40 +321,42 @@ class SignalAtSleep(BigramEngine):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_mid_step_checkpoints_and_resume_continues_identically(
-    model_dir, tmp_path, signum
+    bigram_dir, tmp_path, signum
 ):
     from megagrpo.trainer.signals import StopSignals
 
-    _train(_context(model_dir, tmp_path, "full", trainer={"save_every": 0}))
+    _train(_context(bigram_dir, tmp_path, "full", trainer={"save_every": 0}))
     full = _rows(tmp_path / "full")
     SignalAtSleep.signum = signum
     stop = StopSignals().install()
     try:
-        ctx = _context(model_dir, tmp_path, "stop", engine=SignalAtSleep, trainer={"save_every": 0})
+        ctx = _context(
+            bigram_dir, tmp_path, "stop", engine=SignalAtSleep, trainer={"save_every": 0}
+        )
         part = _train(ctx, stop)
     finally:
         stop.restore()
     assert ctx.stopped_by == signal.Signals(signum).name
     assert len(part) == 2  # step 2 finished, then stopped
     assert checkpoint.latest(tmp_path / "stop" / "checkpoints").name == "step_000002"
-    _train(_context(model_dir, tmp_path, "stop", resume=True, trainer={"save_every": 0}))
+    _train(_context(bigram_dir, tmp_path, "stop", resume=True, trainer={"save_every": 0}))
     _same_rows(full, _rows(tmp_path / "stop"))
     ckpt = "checkpoints/step_000004"
     _same_state(tmp_path / "full" / ckpt, tmp_path / "stop" / ckpt)
 
 
-def test_a_stop_before_the_first_step_writes_no_checkpoint_and_a_restart_runs(model_dir, tmp_path):
+def test_a_stop_before_the_first_step_writes_no_checkpoint_and_a_restart_runs(bigram_dir, tmp_path):
     """A requeued job stopped during start-up starts again with the same command (a step-0
     checkpoint would hold an untrained LoRA and refuse the plain restart)."""
     from megagrpo.trainer.signals import StopSignals
 
-    _train(_context(model_dir, tmp_path, "full"))
+    _train(_context(bigram_dir, tmp_path, "full"))
     stop = StopSignals()
     stop.signum = signal.SIGUSR1  # arrived while the run was starting
-    ctx = _context(model_dir, tmp_path, "early")
+    ctx = _context(bigram_dir, tmp_path, "early")
     assert _train(ctx, stop) == [] and ctx.stopped_by == "SIGUSR1"
     assert checkpoint.latest(tmp_path / "early" / "checkpoints") is None
-    _train(_context(model_dir, tmp_path, "early"))
+    _train(_context(bigram_dir, tmp_path, "early"))
     _same_rows(_rows(tmp_path / "full"), _rows(tmp_path / "early"))
 
 
@@ -389,14 +384,14 @@ def test_signal_handler_records_and_a_second_ctrl_c_stops_at_once():
 
 
 def test_a_damaged_newest_checkpoint_falls_back_and_continues_identically(
-    model_dir, tmp_path, caplog
+    bigram_dir, tmp_path, caplog
 ):
-    _train(_context(model_dir, tmp_path, "full", trainer={"save_every": 1}))
-    _train(_context(model_dir, tmp_path, "bad", trainer={"save_every": 1, "max_steps": 3}))
+    _train(_context(bigram_dir, tmp_path, "full", trainer={"save_every": 1}))
+    _train(_context(bigram_dir, tmp_path, "bad", trainer={"save_every": 1, "max_steps": 3}))
     shard = tmp_path / "bad/checkpoints/step_000003/rank00000.pt"
     shard.write_bytes(shard.read_bytes()[:1000])  # red-team row 57
     with caplog.at_level(logging.WARNING):
-        ctx = _context(model_dir, tmp_path, "bad", resume=True, trainer={"save_every": 1})
+        ctx = _context(bigram_dir, tmp_path, "bad", resume=True, trainer={"save_every": 1})
     assert ctx.step == 2
     assert any(
         "step_000003" in r.getMessage() and "rank00000.pt: 1000 bytes" in r.getMessage()
@@ -410,21 +405,21 @@ def test_a_damaged_newest_checkpoint_falls_back_and_continues_identically(
 # ----------------------------------------------------------------------------- changed settings
 
 
-def test_a_changed_lr_on_resume_reaches_the_restored_optimizer(model_dir, tmp_path, caplog):
-    _train(_context(model_dir, tmp_path, "lr", trainer={"max_steps": 2}))
+def test_a_changed_lr_on_resume_reaches_the_restored_optimizer(bigram_dir, tmp_path, caplog):
+    _train(_context(bigram_dir, tmp_path, "lr", trainer={"max_steps": 2}))
     with caplog.at_level(logging.WARNING):
-        ctx = _context(model_dir, tmp_path, "lr", resume=True, trainer={"lr": 0.01})
+        ctx = _context(bigram_dir, tmp_path, "lr", resume=True, trainer={"lr": 0.01})
     assert ctx.optimizer.param_groups[0]["lr"] == 0.01  # the checkpoint's was 0.05
     assert any("trainer.lr: 0.05 -> 0.01" in r.getMessage() for r in caplog.records)
     _train(ctx)
 
 
-def test_settings_a_checkpoint_cannot_continue_under_are_all_named(model_dir, tmp_path):
-    _train(_context(model_dir, tmp_path, "ref", trainer={"max_steps": 2}))
+def test_settings_a_checkpoint_cannot_continue_under_are_all_named(bigram_dir, tmp_path):
+    _train(_context(bigram_dir, tmp_path, "ref", trainer={"max_steps": 2}))
     calls: list[str] = []
     with pytest.raises(CheckpointError) as err:
         _context(
-            model_dir,
+            bigram_dir,
             tmp_path,
             "ref",
             calls=calls,
@@ -438,10 +433,10 @@ def test_settings_a_checkpoint_cannot_continue_under_are_all_named(model_dir, tm
     assert calls == []
 
 
-def test_a_changed_group_size_on_resume_runs(model_dir, tmp_path):
+def test_a_changed_group_size_on_resume_runs(bigram_dir, tmp_path):
     _train(
         _context(
-            model_dir,
+            bigram_dir,
             tmp_path,
             "g",
             trainer={"max_steps": 2},
@@ -451,7 +446,7 @@ def test_a_changed_group_size_on_resume_runs(model_dir, tmp_path):
     saved = json.loads((tmp_path / "g/checkpoints/step_000002/trainer.json").read_text())
     assert len(saved["dynamic"]["carry"]) > 0  # groups of 4 carried into step 3
     ctx = _context(
-        model_dir,
+        bigram_dir,
         tmp_path,
         "g",
         resume=True,
@@ -466,12 +461,14 @@ def test_a_changed_group_size_on_resume_runs(model_dir, tmp_path):
 # ----------------------------------------------------------------------------- silent states
 
 
-def test_steps_that_train_nothing_are_visible(model_dir, tmp_path, caplog):
+def test_steps_that_train_nothing_are_visible(bigram_dir, tmp_path, caplog):
     from megagrpo.metrics.report import make_report
 
     with caplog.at_level(logging.WARNING):
         rows = _train(
-            _context(model_dir, tmp_path, "flat", rewards={"functions": [{"name": "mcq_accuracy"}]})
+            _context(
+                bigram_dir, tmp_path, "flat", rewards={"functions": [{"name": "mcq_accuracy"}]}
+            )
         )
     assert all(r["train/skipped_empty_batch"] == 1.0 for r in rows)
     for r in rows:  # a post-filter 0.0 would read as "dynamic sampling filled the batch"
