@@ -110,8 +110,18 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--model", choices=["demo", "tiny"], default="demo")
-    ap.add_argument("--out", default="", help="keep the runs here (default: a temporary dir)")
+    ap.add_argument(
+        "--out", default="", help="keep the runs here: a new or empty directory (default: temp)"
+    )
     args = ap.parse_args()
+    if args.out:  # a run already there would mix its metrics rows into these
+        from megagrpo.errors import ConfigError
+        from megagrpo.fileio import check_out_dir
+
+        try:
+            check_out_dir(args.out, {})
+        except ConfigError as exc:
+            raise SystemExit(f"bench_placement: {exc}") from None
     steps = 3 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="bench_placement-") as tmp:
         out = Path(args.out or tmp).resolve()
