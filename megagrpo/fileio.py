@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -276,3 +277,22 @@ def atomic_dir(out: str | os.PathLike, unique: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def stdout_to_stderr(active: bool = True) -> Iterator[None]:
+    """While active, file descriptor 1 is stderr: whatever the engine prints (vLLM's logger
+    writes to stdout, its worker processes inherit the descriptor) stays off stdout, which
+    then holds only what the command prints afterwards (``--json``)."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -45,6 +45,13 @@ PERF = (
     "perf/gen_tokens_per_s",
     "perf/gen_tokens",
     "perf/sync_bytes",
+    "perf/train/old_logprobs_s",
+    "perf/train/fwd_bwd_s",
+    "perf/train/optim_s",
+    "perf/train/checks_s",
+    "perf/train/other_s",
+    "perf/sync/probe_s",
+    "perf/sync/push_s",
 )
 # The pinned workload of both sides (the demo of commit 35b297f, where this benchmark began).
 WORKLOAD = {
@@ -62,8 +69,9 @@ WORKLOAD = {
 QUICK = {"model": "tiny-dense", "groups": 2, "max_tokens": 8, "steps": 2}
 
 
-def megagrpo_overrides(w: dict, out_dir: str) -> list[str]:
-    """The pinned workload as megagrpo config keys (on top of the schema's defaults)."""
+def megagrpo_overrides(w: dict, out_dir: str, extra: list[str] | None = None) -> list[str]:
+    """The pinned workload as megagrpo config keys (on top of the schema's defaults), then
+    ``extra`` (``--set``: engine or trainer settings that leave the work as it is)."""
     return [
         f"model.hf_path={w['model']}",
         "model.dtype=float32",
@@ -96,10 +104,11 @@ def megagrpo_overrides(w: dict, out_dir: str) -> list[str]:
         "metrics.wandb_mode=disabled",
         "metrics.progress_bar=false",
         "metrics.log_completions=false",
+        *(extra or []),
     ]
 
 
-def bench_megagrpo(w: dict, out_dir: str) -> dict:
+def bench_megagrpo(w: dict, out_dir: str, extra: list[str] | None = None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -108,7 +117,7 @@ def bench_megagrpo(w: dict, out_dir: str) -> dict:
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context, shutdown
 
-    cfg = load_config(RunConfig, [], megagrpo_overrides(w, out_dir))
+    cfg = load_config(RunConfig, [], megagrpo_overrides(w, out_dir, extra))
     t0 = time.perf_counter()
     ctx = build_context(cfg)
     startup = time.perf_counter() - t0
@@ -200,18 +209,28 @@ def main() -> int:
     ap.add_argument("--trl", default=None, help="directory holding trl + datasets (see above)")
     ap.add_argument("--no-trl", action="store_true", help="megagrpo only")
     ap.add_argument("--quick", action="store_true", help="a tiny workload: does it run?")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a megagrpo config override on top of the workload (repeatable), e.g. "
+        "rollout.enable_lora=false to measure the merged sync",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     w = {**WORKLOAD, **(QUICK if args.quick else {})}
     if args.steps is not None:
         w["steps"] = args.steps
     run_trl = not args.no_trl and (args.trl or importlib.util.find_spec("trl") is not None)
-    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+    from megagrpo.fileio import stdout_to_stderr  # --json: vLLM logs to stdout
+
+    with stdout_to_stderr(args.json), tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         if w["model"] == "tiny-dense":
             from megagrpo.testing import build_tiny_model
 
             w["model"] = str(build_tiny_model(Path(tmp) / "tiny-dense", "dense"))
-        res = {"megagrpo": bench_megagrpo(w, tmp)}
+        res = {"megagrpo": bench_megagrpo(w, tmp, args.set)}
         if run_trl:
             res["trl"] = bench_trl(w, args.trl, str(Path(tmp) / "trl"))
     res["workload"] = w
@@ -228,6 +247,7 @@ def main() -> int:
         "completions_per_step",
         "perf/sync_bytes",
         "startup_s",
+        *(k for k in PERF if k.count("/") == 2),
     ]
     cols = [c for c in res if c != "workload"]
     print(f"{'metric (mean over steps 2..N)':<32}" + "".join(f"{c:>14}" for c in cols))

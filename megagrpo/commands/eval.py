@@ -26,11 +26,9 @@ stdout holds the JSON object only (the engine's output goes to stderr).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +36,7 @@ from typing import Any
 
 from megagrpo import fileio
 from megagrpo.errors import ConfigError
+from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = (
     (__doc__ or "")
@@ -331,25 +330,6 @@ def format_guess(guess: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- run
-
-
-@contextlib.contextmanager
-def stdout_to_stderr(active: bool = True) -> Iterator[None]:
-    """While active, file descriptor 1 is stderr: whatever the engine prints (vLLM's logger
-    writes to stdout, its worker processes inherit the descriptor) stays off stdout, which
-    then holds only what the command prints afterwards (``--json``)."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:

@@ -31,9 +31,10 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = __doc__
 
@@ -212,23 +213,6 @@ def _violations(cfg: Any, hf: dict[str, Any], world: int) -> list[str]:
     return [str(v) for v in check_run(cfg, hf, world)]
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr(active: bool) -> Iterator[None]:
-    """With ``--json``: whatever the phases print (vLLM logs to stdout) goes to stderr."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def run(args: argparse.Namespace) -> int:
     from megagrpo.commands.train import _env_defaults
 
@@ -277,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
         violations = _violations(base, hf_full, world)
         phases: list[dict[str, Any]] = []
         if not violations:
-            with _stdout_to_stderr(args.json):
+            with stdout_to_stderr(args.json):
                 phases = [as_dict(r) for r in run_phases(cfg)]
         kind = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "RSS high-water"
         report = build_report(

@@ -120,3 +120,15 @@ def assemble(
     )
     metrics["loss/total"] = loss.detach()
     return loss, metrics, g, h
+
+
+def mismatch_sums(logp: Tensor, probe: Tensor, m: Tensor) -> dict[str, Tensor]:
+    """Unweighted sums of ``|logp - probe|`` over the mask (``loss/logprob_mismatch_sum``,
+    ``_tokens_sum``, ``_max``): the train/inference mismatch measured on the training forward
+    when it is also the behaviour forward (no separate old-log-prob forward ran)."""
+    diff = (logp.detach() - probe).abs() * m
+    return {
+        "loss/logprob_mismatch_sum": diff.sum(),
+        "loss/logprob_mismatch_tokens_sum": m.sum(),
+        "loss/logprob_mismatch_max": diff.max() if diff.numel() else diff.sum(),
+    }

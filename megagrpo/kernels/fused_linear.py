@@ -42,27 +42,71 @@ def _chunks(T: int, step: int):
         yield r0, min(T, r0 + step)
 
 
+INERT = (0.0, 1.0, 0.0, 0.0)
+"""Stats (max, sum exp, E[x], target logit) of a row whose logits are never computed: finite
+log-prob and entropy 0, so a masked-out token's terms stay 0 (not NaN) in the epilogue."""
+
+
+def active_rows(mask: Tensor | None, T: int) -> Tensor | None:
+    """Indices of the tokens the loss reads (``mask != 0``), None when that is all of them.
+    Prompt and padding tokens carry no loss: their ``[., V]`` logits are never computed."""
+    if mask is None:
+        return None
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    return None if rows.numel() == T else rows
+
+
+def _stats_of_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    rows: Tensor | None,
+    start: int,
+    backend: str,
+    chunk_bytes: int,
+    chunk_tokens: int,
+) -> Tensor:
+    """Local stats [T, 4] of ``hidden @ weight^T`` on ``rows`` (all when None), chunk by
+    chunk; :data:`INERT` elsewhere."""
+    T = hidden.shape[0]
+    hid = hidden if rows is None else hidden.index_select(0, rows)
+    tgt = target if rows is None else target.index_select(0, rows)
+    local = torch.empty(hid.shape[0], 4, device=hidden.device, dtype=torch.float32)
+    for r0, r1 in _chunks(hid.shape[0], chunk_tokens):
+        logits = hid[r0:r1] @ weight.T
+        local[r0:r1] = stats_pass(logits, tgt[r0:r1], start, backend, chunk_bytes, None)[0]
+    if rows is None:
+        return local
+    stats = torch.tensor(INERT, device=hidden.device).expand(T, 4).clone()
+    stats[rows] = local
+    return stats
+
+
 class _FusedLinearPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, plan: LossPlan, chunk_tokens: int) -> Tensor:
         T, V = hidden.shape[0], weight.shape[0]
         start = vocab_start_of(plan.tp_group, V)
         cb = plan.cfg.chunk_bytes
-        stats = torch.empty(T, 4, device=hidden.device, dtype=torch.float32)
-        for r0, r1 in _chunks(T, chunk_tokens):  # pass 1: stats
-            logits = hidden[r0:r1] @ weight.T
-            stats[r0:r1] = stats_pass(logits, plan.target[r0:r1], start, plan.backend, cb, None)[0]
+        rows = active_rows(plan.mask, T)  # pass 1: stats of the loss tokens only
+        stats = _stats_of_rows(
+            hidden, weight, plan.target, rows, start, plan.backend, cb, chunk_tokens
+        )
         loss, lse, ex, g, h = loss_from_stats(combine_stats(stats, plan.tp_group), plan)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         if need_h or need_w:
-            for r0, r1 in _chunks(T, chunk_tokens):  # pass 2: gradients
+            if rows is not None:  # the other rows' g and h are 0: no gradient
+                hidden, lse, ex, g = (x.index_select(0, rows) for x in (hidden, lse, ex, g))
+                h = None if h is None else h.index_select(0, rows)
+            target = plan.target if rows is None else plan.target.index_select(0, rows)
+            for r0, r1 in _chunks(hidden.shape[0], chunk_tokens):  # pass 2: gradients
                 logits = hidden[r0:r1] @ weight.T
                 hc = None if h is None else h[r0:r1]
                 grad_pass(
                     logits,
-                    plan.target[r0:r1],
+                    target[r0:r1],
                     lse[r0:r1],
                     ex[r0:r1],
                     g[r0:r1],
@@ -73,7 +117,11 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                     cb,
                 )
                 if grad_h is not None:
-                    grad_h[r0:r1] = (logits @ weight).float()
+                    gh = (logits @ weight).float()
+                    if rows is None:
+                        grad_h[r0:r1] = gh
+                    else:
+                        grad_h.index_copy_(0, rows[r0:r1], gh)
                 if grad_w is not None:
                     grad_w.addmm_(logits.T.float(), hidden[r0:r1].float())
         ctx.save_for_backward(grad_h, grad_w)
@@ -103,6 +151,7 @@ def fused_linear_policy_loss(
     seq_ids: Tensor | None = None,
     seq_weights: Tensor | None = None,
     chunk_tokens: int | None = None,
+    probe_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO-family loss of logits = hidden @ weight^T without materialising the logits.
 
@@ -130,6 +179,7 @@ def fused_linear_policy_loss(
         rollout_logprobs,
         seq_ids,
         seq_weights,
+        probe_logprobs,
     )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
@@ -149,13 +199,15 @@ def fused_linear_token_stats(
     backend: str = "auto",
     chunk_bytes: int = 32 << 20,
     chunk_tokens: int | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token (logp, entropy) [T] fp32 of logits = hidden @ weight^T, chunk by chunk.
 
     The no-grad twin of :func:`megagrpo.kernels.token_stats` for old / reference log-probs:
     hidden [T, H] or [B, S, H], weight [V_local, H] (this rank's vocab shard with
     ``tp_group``; results are global, identical on every rank). At most one
-    ``[chunk_tokens, V_local]`` block of logits exists at a time.
+    ``[chunk_tokens, V_local]`` block of logits exists at a time. ``mask`` (shaped as
+    ``target_ids``): only its nonzero tokens are computed, the others are 0.
     """
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target = target_ids.reshape(-1)
@@ -166,10 +218,10 @@ def fused_linear_token_stats(
     if chunk_tokens is None:
         chunk_tokens = max(1, chunk_bytes // (V * hidden.element_size()))
     start = vocab_start_of(tp_group, V)
-    stats = torch.empty(T, 4, device=hidden.device, dtype=torch.float32)
-    for r0, r1 in _chunks(T, chunk_tokens):
-        logits = hidden2d[r0:r1] @ weight.T
-        stats[r0:r1] = stats_pass(logits, target[r0:r1], start, backend, chunk_bytes, None)[0]
+    rows = active_rows(mask, T)
+    stats = _stats_of_rows(
+        hidden2d, weight, target, rows, start, backend, chunk_bytes, chunk_tokens
+    )
     stats = combine_stats(stats, tp_group)
     lse = stats[:, 0] + torch.log(stats[:, 1])
     return stats[:, 3] - lse, lse - stats[:, 2]

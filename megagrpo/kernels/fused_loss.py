@@ -112,6 +112,7 @@ class LossPlan:
     tp_group: object
     backend: str
     seq_weights: Tensor | None = None
+    probe: Tensor | None = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -155,6 +156,8 @@ def loss_from_stats(
     loss, p.metrics, g, h = epilogue.assemble(
         logp, ent, old, p.adv, p.mask, p.cfg, p.ids, p.num_seqs, terms, p.rollout, p.seq_weights
     )
+    if p.probe is not None:
+        p.metrics |= epilogue.mismatch_sums(logp, p.probe, p.mask)
     return loss, lse, ex, g, h
 
 
@@ -221,6 +224,7 @@ def fused_policy_loss(
     rollout_logprobs: Tensor | None = None,
     seq_ids: Tensor | None = None,
     seq_weights: Tensor | None = None,
+    probe_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO/DAPO/Dr.GRPO/GSPO loss straight from logits, without a [T, V] fp32 log-softmax.
 
@@ -237,6 +241,9 @@ def fused_policy_loss(
         seq_ids: [T] sequence index per token for packed flat input (GRPO/Dr.GRPO/GSPO).
         seq_weights: [num_seqs] per-sequence aggregation weights (groups of different sizes:
             :func:`megagrpo.algo.advantages.sequence_weights`); None: all 1.
+        probe_logprobs: [T] / [B, S] log-probs to compare this forward's with (the engine's,
+            when the training forward is also the behaviour forward): adds the unweighted
+            ``loss/logprob_mismatch_sum`` / ``_tokens_sum`` / ``_max`` metrics.
 
     Returns:
         (loss 0-d fp32 tensor, differentiable w.r.t. logits; metrics: detached 0-d tensors
@@ -257,6 +264,7 @@ def fused_policy_loss(
         rollout_logprobs,
         seq_ids,
         seq_weights,
+        probe_logprobs,
     )
     logits2d = logits.reshape(-1, v_local)
     if logits2d.stride(1) != 1:
@@ -285,6 +293,7 @@ def make_plan(
     rollout_logprobs: Tensor | None,
     seq_ids: Tensor | None,
     seq_weights: Tensor | None,
+    probe_logprobs: Tensor | None = None,
 ) -> LossPlan:
     """The per-token inputs checked against the leading shape ``lead`` ([T] or [B, S]) and
     flattened to [T] (ValueError naming the input whose shape differs)."""
@@ -295,6 +304,7 @@ def make_plan(
         ("old_logprobs", old_logprobs),
         ("ref_logprobs", ref_logprobs),
         ("rollout_logprobs", rollout_logprobs),
+        ("probe_logprobs", probe_logprobs),
     ):
         if t is not None and tuple(t.shape) != tuple(lead):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(lead)}")
@@ -316,4 +326,5 @@ def make_plan(
         tp_group,
         resolve_backend(cfg.backend, device),
         flat(seq_weights),
+        flat(probe_logprobs),
     )

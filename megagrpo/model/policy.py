@@ -401,9 +401,12 @@ class MegatronPolicy(nn.Module):
         lora_grad_sync(self.lora_parameters(), self.groups)
 
     # ------------------------------------------------------------------ export
-    def merged_param(self, name: str, merge_lora: bool = True) -> torch.Tensor:
-        """Local Megatron tensor ``name``, with its adapter's delta added when ``merge_lora``."""
-        p = self.params()[name].detach()
+    def merged_param(
+        self, name: str, merge_lora: bool = True, params: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Local Megatron tensor ``name``, with its adapter's delta added when ``merge_lora``
+        (``params``: :meth:`params`, built once by a caller that merges many tensors)."""
+        p = (self.params() if params is None else params)[name].detach()
         mod_name, _, leaf = name.rpartition(".")
         adapter = self.adapters.get(mod_name)
         if not merge_lora or adapter is None:
@@ -457,11 +460,12 @@ class MegatronPolicy(nn.Module):
                 )
             layout = self._layouts[key][0]
         self.export_counter = Counter()
+        params = self.params()  # one walk of the module tree, not one per tensor
 
         def get(name: str) -> torch.Tensor:
             if name not in cache:
                 cache.clear()  # pieces of one Megatron tensor are consecutive: keep one
-                cache[name] = self.merged_param(name, merge_lora)
+                cache[name] = self.merged_param(name, merge_lora, params)
             return cache[name]
 
         yield from export_hf_tensors(

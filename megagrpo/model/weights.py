@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -196,12 +197,17 @@ def _allreduced(shapes, plan, get_param, groups, dtype, counter) -> Iterator[tup
     for name, shape in shapes.items():
         pieces = [p for p in plan.get(name, []) if p.owner]
         expert = ".mlp.experts." in name
-        full = torch.zeros(shape, dtype=dtype, device=groups.device)  # NCCL needs CUDA
-        with torch.no_grad():
-            for p in pieces:
-                full[p.src] = get_param(p.param)[p.dst].to(groups.device, dtype)
         group = groups.expert_mp if expert else groups.mp
         n = dist.get_world_size(group)
+        with torch.no_grad():
+            local = [get_param(p.param)[p.dst] for p in pieces]
+            # pieces that cover the whole tensor (alone in the group): no zero fill needed
+            covers = n == 1 and sum(t.numel() for t in local) == math.prod(shape)
+            full = (torch.empty if covers else torch.zeros)(  # NCCL needs CUDA
+                shape, dtype=dtype, device=groups.device
+            )
+            for p, t in zip(pieces, local):
+                full[p.src] = t.to(groups.device, dtype)
         if n > 1:
             dist.all_reduce(full, group=group)
             # a ring all-reduce sends and receives 2 (n - 1) / n of the tensor per rank

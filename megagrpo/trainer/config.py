@@ -49,7 +49,10 @@ class TrainerConfig:
     default, as ms-swift, verl and NeMo-RL): a trainer forward before the update, so an
     on-policy step has a ratio of exactly 1 and clipping never acts on inference noise; the
     engine's log-probs are still used for truncated importance sampling (``loss.tis_cap``)
-    and the ``train/logprob_mismatch`` metrics. rollout: the engine's sampled-token log-probs
+    and the ``train/logprob_mismatch`` metrics. With one update per batch (ppo_epochs 1), no
+    LoRA dropout and no r2 routing replay, the training forward runs under those same
+    weights, so its detached log-probs serve and no extra forward runs
+    (``train/old_logprobs_reused`` 1). rollout: the engine's sampled-token log-probs
     (one forward less per step, but in bf16 the ratio departs from 1 by the engine/trainer
     mismatch). auto: recompute when ppo_epochs > 1 or the engine returns none, else rollout.
     none: ratio 1 (no clipping)."""

@@ -61,9 +61,12 @@ def micro_batch_loss(
     cfg: LossConfig,
     tp_group: dist.ProcessGroup | None,
     temperature: float,
+    probe: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The fused GRPO-family loss of micro-batch ``mb`` from ``output`` (logits
-    ``[B, T, V/TP]`` when ``weight`` is None, else hidden states ``[B, T, H]``)."""
+    ``[B, T, V/TP]`` when ``weight`` is None, else hidden states ``[B, T, H]``). ``probe``:
+    also the unweighted ``loss/logprob_mismatch_*`` sums of this forward's log-probs
+    against the engine's (``mb.rollout_logprobs``)."""
     check_on_device(
         "loss",
         output=output,
@@ -91,6 +94,7 @@ def micro_batch_loss(
         rollout_logprobs=rollout,
         seq_ids=mb.seq_ids,
         seq_weights=mb.seq_weights,
+        probe_logprobs=mb.rollout_logprobs if probe else None,
     )
 
 
@@ -112,6 +116,6 @@ def micro_batch_logprobs(
         )
     else:
         lp, _ = fused_linear_token_stats(
-            x, weight, mb.target_ids, tp_group, cfg.backend, cfg.chunk_bytes
+            x, weight, mb.target_ids, tp_group, cfg.backend, cfg.chunk_bytes, mask=mb.mask
         )
     return lp.reshape(mb.target_ids.shape).float() * mb.mask

@@ -5,8 +5,9 @@ Memory is bounded by ``trainer.micro_batch_size`` x longest sample, never by the
 each micro-batch's loss is scaled (:func:`microbatch_weight`) so the accumulated gradient is
 the gradient of the whole batch's loss. Behaviour ("old") log-probs come from the rollout
 engine, from a no-grad trainer forward before the update (``recompute``; required for
-``ppo_epochs > 1``) or not at all (ratio 1). Reference log-probs (k3 KL) come from a no-grad
-forward with the adapters disabled (the frozen base is the reference policy).
+``ppo_epochs > 1``; with one update per batch the training forward's own detached log-probs,
+:func:`reuses_training_forward`) or not at all (ratio 1). Reference log-probs (k3 KL) come
+from a no-grad forward with the adapters disabled (the frozen base is the reference policy).
 
 A non-finite loss or gradient norm on any rank skips the optimiser step on every rank (the
 weights, optimiser and scheduler state stay exactly as they were): ``train/skipped_nonfinite``
@@ -16,8 +17,8 @@ is 1 in the step's row, and :func:`stop_on_nonfinite` stops the run after
 MoE routing replay (``model.routing_replay``, :class:`megagrpo.model.routing.ReplayPlan`):
 r3 replays the engine's expert choices in every forward (old, reference, training), r2 the
 trainer's own first forward's; ``train/routing_agreement`` is measured in any mode when the
-engine returned routing, and ``train/logprob_mismatch`` (recomputed vs engine log-probs)
-whenever old log-probs are recomputed.
+engine returned routing, and ``train/logprob_mismatch`` (trainer vs engine log-probs)
+whenever old log-probs are recomputed (measured on the training forward when it is reused).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from megagrpo.trainer.batch import (
     pack_samples,
     padding_micro_batch,
 )
+from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm, TrainContext
 from megagrpo.trainer.loss_head import micro_batch_logprobs, micro_batch_loss, model_output
 from megagrpo.types import Group
@@ -158,6 +160,13 @@ def logprob_mismatch(
         diff_sum += float(diff.sum())
         tokens += float(mb.mask.sum())
         diff_max = max(diff_max, float(diff.max())) if diff.numel() else diff_max
+    return _mismatch_metrics(ctx, diff_sum, tokens, diff_max)
+
+
+def _mismatch_metrics(
+    ctx: TrainContext, diff_sum: float, tokens: float, diff_max: float
+) -> dict[str, float]:
+    """``train/logprob_mismatch`` (mean) and ``_max`` from this rank's sums (collective)."""
     sums = ctx.comm.mean_over({"diff": diff_sum, "tokens": tokens})
     return {
         "train/logprob_mismatch": sums["diff"] / max(sums["tokens"], 1.0),
@@ -208,9 +217,11 @@ def _backward_pass(
     ref: list | None,
     totals: BatchTotals,
     plan: ReplayPlan | None = None,
+    probe: bool = False,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch (through the pipeline when pp > 1, the loss on the
-    last stage), accumulating gradients; the weighted loss metrics, on every stage."""
+    last stage), accumulating gradients; the weighted loss metrics, on every stage
+    (``probe``: plus the unweighted ``loss/logprob_mismatch_*`` sums against the engine)."""
     cfg = ctx.cfg.loss
     agg = cfg.resolved_loss_agg()
     temperature = ctx.cfg.rollout.logprob_temperature()
@@ -230,6 +241,7 @@ def _backward_pass(
                 cfg,
                 ctx.tp_group,
                 temperature,
+                probe,
             )
             w = microbatch_weight(mb, agg, totals)
             return loss * w, {
@@ -288,6 +300,20 @@ def _weighted_mass(ctx: TrainContext, mbs: list[MicroBatch], agg: str) -> float:
     return ctx.comm.sum_over(local, pgs.dp) / pgs.dp_size
 
 
+def reuses_training_forward(cfg: RunConfig) -> bool:
+    """True when recomputed old log-probs need no forward of their own: one optimiser update
+    per batch (``ppo_epochs`` 1), no LoRA dropout (the training forward then equals the
+    scoring forward) and no r2 routing replay (which records the old forward's routing).
+    The training forward's detached log-probs are then the behaviour log-probs: the weights
+    are those a separate forward would have used, so the ratio is 1 as with ``recompute``,
+    the importance weights against the engine are the same, and a forward is saved."""
+    return (
+        cfg.trainer.ppo_epochs == 1
+        and cfg.model.lora.dropout == 0
+        and cfg.model.routing_replay != "r2"
+    )
+
+
 def train_on_batch(
     ctx: TrainContext, groups: list[Group], adv: Sequence[torch.Tensor]
 ) -> dict[str, float]:
@@ -334,7 +360,9 @@ def train_on_batch(
     )
     old = None
     extra: dict[str, float] = {}
-    if source == "recompute":
+    reused = source == "recompute" and reuses_training_forward(ctx.cfg)
+    probe = reused and has_rollout_logprobs(groups)  # old = logp.detach() in the loss
+    if source == "recompute" and not reused:
         with ctx.timed("train/old_logprobs"):
             old = policy_logprobs(
                 ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
@@ -361,7 +389,7 @@ def train_on_batch(
     for _ in range(tcfg.ppo_epochs):
         ctx.optimizer.zero_grad(set_to_none=True)
         with ctx.timed("train/fwd_bwd"):
-            sums = _backward_pass(ctx, mbs, old, ref, totals, plan)
+            sums = _backward_pass(ctx, mbs, old, ref, totals, plan, probe)
         with ctx.timed("train/optim"):
             ctx.policy.finish_grad_sync()
             grad_norm = clip_grad_norm(
@@ -377,6 +405,14 @@ def train_on_batch(
             if ctx.scheduler is not None:
                 ctx.scheduler.step()
         steps += 1
+    if probe:
+        with ctx.timed("train/checks"):
+            extra = _mismatch_metrics(
+                ctx,
+                sums.pop("loss/logprob_mismatch_sum", 0.0),
+                sums.pop("loss/logprob_mismatch_tokens_sum", 0.0),
+                sums.pop("loss/logprob_mismatch_max", 0.0),
+            )
     extra |= swift_loss_metrics(ctx.comm, sums, pgs.dp)
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums
     metrics = ctx.comm.mean_over(metrics, pgs.dp)
@@ -386,6 +422,7 @@ def train_on_batch(
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
     metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
     metrics["train/old_logprobs_" + source] = 1.0
+    metrics["train/old_logprobs_reused"] = float(reused)
     return metrics | extra | ({} if plan is None else plan.metrics(ctx.comm.mean_over))
 
 

@@ -70,3 +70,54 @@ def test_fused_linear_frozen_weight_and_shape_errors():
         fused_linear_policy_loss(hidden, weight.T, tgt, old, adv, mask, cfg)
     with pytest.raises(ValueError, match="mask"):
         fused_linear_policy_loss(hidden, weight, tgt, old, adv, mask[:, :2], cfg)
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["logits", "fused-linear"])
+def test_probe_mismatch_sums_equal_torch(linear):
+    """``probe_logprobs`` (old log-probs None: the training forward is the behaviour forward)
+    gives |logp - probe| summed and maxed over the mask, equal to torch's log_softmax + gather
+    (fp32: 1e-5 on sums of ~10 terms of magnitude ~1), and leaves the loss unchanged."""
+    from megagrpo.kernels import fused_policy_loss
+
+    hidden, weight, tgt, old, _, adv, mask = _inputs(3, 5, 16, 150, torch.float32, seed=3)
+    cfg = LossConfig(variant="grpo", backend="torch", chunk_bytes=2048)
+    logits = hidden @ weight.T
+    logp = token_logprobs(logits, tgt)
+    if linear:
+        loss, m = fused_linear_policy_loss(
+            hidden, weight, tgt, None, adv, mask, cfg, probe_logprobs=old, chunk_tokens=4
+        )
+        base, _ = fused_linear_policy_loss(hidden, weight, tgt, None, adv, mask, cfg)
+    else:
+        loss, m = fused_policy_loss(logits, tgt, None, adv, mask, cfg, probe_logprobs=old)
+        base, _ = fused_policy_loss(logits, tgt, None, adv, mask, cfg)
+    diff = (logp - old).abs() * mask
+    assert float(m["loss/logprob_mismatch_sum"]) == pytest.approx(float(diff.sum()), abs=1e-5)
+    assert float(m["loss/logprob_mismatch_max"]) == pytest.approx(float(diff.max()), abs=1e-5)
+    assert float(m["loss/logprob_mismatch_tokens_sum"]) == float(mask.sum())
+    assert torch.equal(loss, base)
+
+
+def test_masked_tokens_never_reach_the_output_layer():
+    """Prompt and padding tokens (mask 0) carry no loss, so their rows of hidden @ W^T are
+    never computed: with those rows set to NaN the loss, both gradients and the no-grad
+    log-probs equal the reference's on clean inputs (a path that computed them would give
+    NaN), and the masked rows' hidden gradient is exactly 0."""
+    from megagrpo.kernels import fused_linear_token_stats
+
+    hidden, weight, tgt, old, _, adv, mask = _inputs(3, 7, 16, 150, torch.float32, seed=5)
+    cfg = LossConfig(variant="grpo", backend="torch", chunk_bytes=2048)
+    dirty = hidden.masked_fill((mask == 0).unsqueeze(-1), float("nan"))
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    l1, _ = reference_policy_loss(h1 @ w1.T, tgt, old, adv, mask, cfg)
+    l1.backward()
+    h2, w2 = dirty.clone().requires_grad_(), weight.clone().requires_grad_()
+    l2, _ = fused_linear_policy_loss(h2, w2, tgt, old, adv, mask, cfg, chunk_tokens=4)
+    l2.backward()
+    assert torch.allclose(l2, l1, atol=1e-6)
+    assert torch.allclose(w2.grad, w1.grad, atol=1e-5)
+    assert torch.allclose(h2.grad, h1.grad, atol=1e-5)
+    assert torch.equal(h2.grad[mask == 0], torch.zeros_like(h2.grad[mask == 0]))
+    lp, _ = fused_linear_token_stats(dirty, weight, tgt, chunk_tokens=4, mask=mask)
+    want = token_logprobs(hidden @ weight.T, tgt) * mask
+    assert torch.allclose(lp.reshape(mask.shape) * mask, want, atol=1e-5)

@@ -291,7 +291,7 @@ def test_train_and_sync_time_is_broken_into_its_parts(bigram_dir, tmp_path):
         tmp_path,
         "parts",
         loss={"backend": "torch", "kl_coef": 0.05},  # a reference forward
-        trainer={"old_logprobs": "recompute"},  # an old-log-prob forward
+        trainer={"old_logprobs": "recompute", "ppo_epochs": 2},  # an old-log-prob forward
     )
     rows = _train(ctx)
     trained = [r for r in rows if r["train/optimizer_steps"]]
@@ -364,6 +364,44 @@ def test_old_logprobs_are_recomputed_by_default(bigram_dir, tmp_path):
     engine_rows = _noisy_rows(bigram_dir, tmp_path, "rollout", old_logprobs="rollout")
     assert engine_rows[0]["loss/ratio_min"] < 0.9 and engine_rows[0]["loss/ratio_max"] > 1.1
     assert engine_rows[0]["loss/tis_weight_mean"] == 1.0  # old = rollout: weight 1 exactly
+
+
+def test_reused_training_forward_equals_a_separate_old_forward(bigram_dir, tmp_path, monkeypatch):
+    """With one update per batch the old log-probs come from the training forward itself
+    (``train/old_logprobs_reused``, no ``perf/train/old_logprobs_s``): every loss metric, the
+    importance weights, the gradient norm and the engine mismatch equal those of a run with
+    the separate no-grad forward, step after step (so the updated weights are equal too)."""
+    from megagrpo.trainer import optimize
+
+    reused = _noisy_rows(bigram_dir, tmp_path, "reused")
+    monkeypatch.setattr(optimize, "reuses_training_forward", lambda cfg: False)
+    separate = _noisy_rows(bigram_dir, tmp_path, "separate")
+    assert len(reused) == len(separate) >= 2
+    keys = [k for k in separate[0] if k.startswith("loss/")] + [
+        "train/grad_norm",
+        "train/logprob_mismatch",
+        "train/logprob_mismatch_max",
+    ]
+    assert "loss/tis_weight_mean" in keys and "loss/ratio_max" in keys
+    for a, b in zip(reused, separate):
+        assert a["train/old_logprobs_reused"] == 1.0 and b["train/old_logprobs_reused"] == 0.0
+        assert a["perf/train/old_logprobs_s"] == 0.0 < b["perf/train/old_logprobs_s"]
+        assert not any(k.startswith("loss/logprob_mismatch") for k in a)
+        for k in keys:  # fp32 bigram, same ops in both forwards: equal to rounding
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), k
+
+
+def test_old_forward_runs_when_the_training_forward_differs():
+    """A second update (weights moved), LoRA dropout (a noisy training forward) or r2 (it
+    records the old forward's routing) keep the separate no-grad forward."""
+    from megagrpo.trainer.optimize import reuses_training_forward
+
+    assert reuses_training_forward(RunConfig())
+    two, dropout, r2 = RunConfig(), RunConfig(), RunConfig()
+    two.trainer.ppo_epochs = 2
+    dropout.model.lora.dropout = 0.05
+    r2.model.routing_replay = "r2"
+    assert not any(reuses_training_forward(c) for c in (two, dropout, r2))
 
 
 def _check_swift_dashboards(saved: list[dict], logged: list[dict]) -> None:
