@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 
-from megagrpo.plan.memory import GIB, memory_plan, shapes_of
+from megagrpo.plan.memory import GIB, engine_weight_bytes, memory_plan, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
-from megagrpo.plan.time import step_time
+from megagrpo.plan.time import split_placement, step_time
 from megagrpo.rollout.config import serves_moe_lora
 
 SYNCS = (("merged", "allreduce"), ("merged", "sliced"), ("adapter", "sliced"))
@@ -28,6 +28,8 @@ def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     the inputs (``assumptions``, ``hardware``)."""
     mem = memory_plan(sc, a)
     check_host_memory(mem, a, hw)
+    if sc.placement == "separate":
+        check_engine_gpus(mem, sc, a)
     mem["time"] = step_time(sc, a, hw, mem)
     mem["assumptions"] = vars(a)
     mem["hardware"] = vars(hw)
@@ -47,6 +49,36 @@ def check_host_memory(mem: dict, a: Assumptions, hw: Hardware) -> None:
             f"{limit:.0f} GiB ({1 - a.headroom:.0%} of --hw host_memory_gib_per_node="
             f"{hw.host_memory_gib_per_node:.0f}): rollout.sleep_level=2 (merged sync), no "
             "trainer.offload_during_rollout, or more GPUs per model copy"
+        )
+
+
+def check_engine_gpus(mem: dict, sc: Scenario, a: Assumptions) -> None:
+    """``placement=separate``: the engines' ``rollout_gpus`` GPUs hold the whole engine with
+    no trainer beside it (``mem["engine_gpus"]``); ``fits`` false and advice when its
+    weights leave no KV cache or its generate phase is over the limit (the colocated
+    per-phase lines above are the trainer's GPUs)."""
+    _, engine = split_placement(sc)
+    eng = memory_plan(engine, a)
+    limit = (1 - a.headroom) * sc.gpu_memory_gib
+    weights = engine_weight_bytes(shapes_of(sc.hf), engine) / GIB
+    kv = eng["engine"]["kv_tokens_per_replica"]
+    peak = eng["phase_peak_gib"]["generate"]
+    fits = kv > 0 and peak <= limit
+    mem["engine_gpus"] = {
+        "gpus": sc.rollout_gpus,
+        "vllm_tp": sc.vllm_tp,
+        "weights_gib_per_gpu": round(weights, 2),
+        "kv_tokens_per_replica": kv,
+        "generate_gib": peak,
+        "fits": fits,
+    }
+    if not fits:
+        mem["fits"] = False
+        mem["advice"].append(
+            f"rollout.placement=separate: the engine's {sc.rollout_gpus} GPU(s) hold "
+            f"{weights:.0f} GiB of weights per GPU at vLLM tp={sc.vllm_tp} (no room for a KV "
+            "cache): the separate placement runs one engine rank today; place it colocated "
+            "(rollout.placement=colocated)"
         )
 
 
@@ -176,6 +208,14 @@ def format_plan(p: dict) -> str:
         f"  engine: {eng['replicas']} replica(s), KV cache {eng['kv_tokens_per_replica']:,.0f} "
         f"tokens per replica ({eng['kv_bytes_per_token'] / 1024:.0f} KiB/token/GPU)"
     )
+    sep = p.get("engine_gpus")
+    if sep:
+        lines.append(
+            f"  engine GPUs (placement=separate): {sep['gpus']} GPU(s), vLLM tp={sep['vllm_tp']}, "
+            f"weights {sep['weights_gib_per_gpu']:.2f} GiB per GPU, generate "
+            f"{sep['generate_gib']:.2f} GiB, KV cache {sep['kv_tokens_per_replica']:,.0f} tokens "
+            f"-> {'ok' if sep['fits'] else 'DOES NOT FIT'} (the lines above: the trainer's GPUs)"
+        )
     if "time" in p:
         lines += _format_time(p["time"], p["num_gpus"])
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"

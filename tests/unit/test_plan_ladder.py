@@ -193,3 +193,24 @@ def test_cli_ladder_table_and_json(repo_root, rows, capsys):
     # the config as written syncs streamed (the default): not the baseline's PEFT directory
     assert data["config"]["phases"]["sync"] < table[0]["phases"]["sync"] / 5
     assert data["config"]["phases"]["generate"] == pytest.approx(table[0]["phases"]["generate"])
+
+
+def test_separate_placement_checks_the_engine_gpus(repo_root, hf235):
+    """`rollout.placement: separate` as the trainer runs it today (one engine rank, TP 1):
+    the whole 235B model on one H100 (bf16, ~438 GiB by hand: every parameter x 2 bytes)
+    leaves no KV cache, so the plan says DOES NOT FIT and names the key, where it used to
+    print FITS from the colocated phases; the same placement with the engine on 8 GPUs
+    (the ladder's rung) fits."""
+    cfg = _two_node(repo_root, "rollout.placement=separate", "rollout.load_format=auto")
+    sc = scenario_from_config(cfg, hf235)
+    assert sc.placement == "separate" and sc.rollout_gpus == 1
+    p = plan_run(cfg, hf235)
+    eng = p["engine_gpus"]
+    params = 235e9  # Qwen3-235B-A22B: ~235 B parameters, all on the engine's one GPU
+    assert eng["weights_gib_per_gpu"] == pytest.approx(params * 2 / GIB, rel=0.05)
+    assert eng["kv_tokens_per_replica"] == 0 and not eng["fits"] and not p["fits"]
+    assert any("rollout.placement=separate" in t for t in p["advice"])
+    from megagrpo.plan.search import full_plan
+
+    wide = full_plan(sc.with_(rollout_gpus=8, vllm_tp=8), Assumptions(), Hardware())
+    assert wide["engine_gpus"]["fits"] and wide["engine_gpus"]["kv_tokens_per_replica"] > 0
