@@ -214,14 +214,22 @@ def main() -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a megagrpo config override on top of the workload (repeatable), e.g. "
-        "rollout.enable_lora=false to measure the merged sync",
+        help="a megagrpo engine or trainer setting on top of the workload (repeatable), e.g. "
+        "rollout.enable_lora=true to measure the adapter sync; keys the workload pins (model, "
+        "data, LoRA, batch, lengths, lr, ...) are refused: both sides keep the same work",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     w = {**WORKLOAD, **(QUICK if args.quick else {})}
     if args.steps is not None:
         w["steps"] = args.steps
+    pinned = {o.split("=", 1)[0] for o in megagrpo_overrides(w, "")}
+    for item in args.set:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        if key in pinned:
+            ap.error(f"--set {key}: the workload pins it (both sides must do the same work)")
     run_trl = not args.no_trl and (args.trl or importlib.util.find_spec("trl") is not None)
     from megagrpo.fileio import stdout_to_stderr  # --json: vLLM logs to stdout
 
@@ -234,6 +242,7 @@ def main() -> int:
         if run_trl:
             res["trl"] = bench_trl(w, args.trl, str(Path(tmp) / "trl"))
     res["workload"] = w
+    res["megagrpo_settings"] = args.set
     if args.json:
         print(json.dumps(res))
         return 1 if "error" in res.get("trl", {}) else 0
@@ -249,7 +258,9 @@ def main() -> int:
         "startup_s",
         *(k for k in PERF if k.count("/") == 2),
     ]
-    cols = [c for c in res if c != "workload"]
+    cols = [c for c in res if c not in ("workload", "megagrpo_settings")]
+    if args.set:
+        print("megagrpo settings: " + " ".join(args.set))
     print(f"{'metric (mean over steps 2..N)':<32}" + "".join(f"{c:>14}" for c in cols))
     for k in keys:
         vals = [res[c].get(k) for c in cols]

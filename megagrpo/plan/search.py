@@ -55,8 +55,8 @@ def check_host_memory(mem: dict, a: Assumptions, hw: Hardware) -> None:
 def check_engine_gpus(mem: dict, sc: Scenario, a: Assumptions) -> None:
     """``placement=separate``: the engines' ``rollout_gpus`` GPUs hold the whole engine with
     no trainer beside it (``mem["engine_gpus"]``); ``fits`` false and advice when its
-    weights leave no KV cache or its generate phase is over the limit (the colocated
-    per-phase lines above are the trainer's GPUs)."""
+    weights leave no KV cache or its generate phase is over the limit; ``mem["engine"]``
+    becomes the engine GPUs' replicas and KV cache."""
     _, engine = split_placement(sc)
     eng = memory_plan(engine, a)
     limit = (1 - a.headroom) * sc.gpu_memory_gib
@@ -72,6 +72,7 @@ def check_engine_gpus(mem: dict, sc: Scenario, a: Assumptions) -> None:
         "generate_gib": peak,
         "fits": fits,
     }
+    mem["engine"] = eng["engine"]  # replicas and KV cache of the engine's own GPUs
     if not fits:
         mem["fits"] = False
         mem["advice"].append(
@@ -214,7 +215,8 @@ def format_plan(p: dict) -> str:
             f"  engine GPUs (placement=separate): {sep['gpus']} GPU(s), vLLM tp={sep['vllm_tp']}, "
             f"weights {sep['weights_gib_per_gpu']:.2f} GiB per GPU, generate "
             f"{sep['generate_gib']:.2f} GiB, KV cache {sep['kv_tokens_per_replica']:,.0f} tokens "
-            f"-> {'ok' if sep['fits'] else 'DOES NOT FIT'} (the lines above: the trainer's GPUs)"
+            f"-> {'ok' if sep['fits'] else 'DOES NOT FIT'} (per phase above: train on the "
+            "trainer's GPUs, generate on the engine's)"
         )
     if "time" in p:
         lines += _format_time(p["time"], p["num_gpus"])

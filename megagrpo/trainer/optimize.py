@@ -306,7 +306,10 @@ def reuses_training_forward(cfg: RunConfig) -> bool:
     scoring forward) and no r2 routing replay (which records the old forward's routing).
     The training forward's detached log-probs are then the behaviour log-probs: the weights
     are those a separate forward would have used, so the ratio is 1 as with ``recompute``,
-    the importance weights against the engine are the same, and a forward is saved."""
+    the importance weights against the engine are the same, and a forward is saved.
+    Megatron's other training-mode differences do not apply to the models we build: the
+    provider sets no sinkhorn routing and no router input jitter, and full recompute leaves
+    values unchanged."""
     return (
         cfg.trainer.ppo_epochs == 1
         and cfg.model.lora.dropout == 0

@@ -4,6 +4,7 @@ runs it; the test checks the exit status and the line that says the tool did its
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,9 @@ QUICK = {
     "repro_article.py": ("all levels, knapsack + carry", [SLOW]),
 }
 
+# tools whose smoke run also checks that --json prints nothing but JSON
+JSON_QUICK = {"bench_step.py": ["--json"]}
+
 
 def test_every_tool_has_a_quick_mode_and_a_smoke_run():
     tools = sorted(p.name for p in TOOLS.glob("*.py"))
@@ -47,8 +51,9 @@ def test_every_tool_has_a_quick_mode_and_a_smoke_run():
 )
 def test_tool_quick_runs(tool):
     expected = QUICK[tool][0]
+    args = JSON_QUICK.get(tool, [])
     proc = subprocess.run(
-        [sys.executable, str(TOOLS / tool), "--quick"],
+        [sys.executable, str(TOOLS / tool), "--quick", *args],
         capture_output=True,
         text=True,
         cwd=TOOLS.parent,
@@ -57,3 +62,5 @@ def test_tool_quick_runs(tool):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{tool} --quick exited {proc.returncode}:\n{out[-4000:]}"
     assert expected in proc.stdout, f"{tool} --quick printed no {expected!r}:\n{out[-4000:]}"
+    if "--json" in args:  # stdout holds the JSON object only (vLLM logs to stdout)
+        json.loads(proc.stdout)
