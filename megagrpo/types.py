@@ -31,6 +31,16 @@ class Problem:
     answer: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def variant(self, k: int) -> Problem:
+        """Rendering ``k`` of ``meta['variants']`` (``data.variants``) as a problem of its own:
+        same id, ``meta['variant'] = k``, no truncated ``prompt_ids``; ``k = -1``: this one."""
+        if k < 0:
+            return self
+        v = self.meta["variants"][k]
+        meta = {key: val for key, val in self.meta.items() if key not in ("variants", "prompt_ids")}
+        meta["variant"] = k
+        return Problem(id=self.id, messages=v["messages"], answer=list(v["answer"]), meta=meta)
+
 
 @dataclass
 class Group:
@@ -54,6 +64,12 @@ class Group:
             token was never fed; rows of dense layers are 0). Empty when the engine returned
             none (dense model, ``rollout.return_routing`` off). See
             :mod:`megagrpo.rollout.routing`.
+        member_variants: per completion, which rendering of the problem it answered: ``k``
+            is ``problem.meta['variants'][k]`` (an equivalent question whose gold letter
+            differs, e.g. the options in another order), ``-1`` the problem itself. Empty:
+            every completion answered the problem itself (see :mod:`megagrpo.data.variants`).
+        member_prompt_ids: per completion, the prompt ids ``[P_i]`` it continues, when the
+            members answered different renderings; empty: all continue ``prompt_ids``.
     """
 
     problem: Problem
@@ -67,6 +83,8 @@ class Group:
     reward_parts: dict[str, list[float]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     routing: list[torch.Tensor] = field(default_factory=list)
+    member_variants: list[int] = field(default_factory=list)
+    member_prompt_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.lengths and self.token_ids:
@@ -76,3 +94,29 @@ class Group:
     def size(self) -> int:
         """G, the number of completions."""
         return len(self.completions)
+
+    def prompt_of(self, i: int) -> list[int]:
+        """The prompt ids ``[P_i]`` completion ``i`` continues."""
+        return self.member_prompt_ids[i] if self.member_prompt_ids else self.prompt_ids
+
+    def variant_of(self, i: int) -> int:
+        """The rendering completion ``i`` answered (``-1``: the problem itself)."""
+        return self.member_variants[i] if self.member_variants else -1
+
+    def member_slices(self) -> list[tuple[Problem, list[int]]]:
+        """The completions by the problem they answered: ``[(problem, indices)]`` in order of
+        first appearance (one item, every index, when the members share the problem)."""
+        if not self.member_variants:
+            return [(self.problem, list(range(self.size)))]
+        order: dict[int, list[int]] = {}
+        for i, k in enumerate(self.member_variants):
+            order.setdefault(k, []).append(i)
+        return [(self.problem.variant(k), idx) for k, idx in order.items()]
+
+    def member_golds(self) -> list[list[str]]:
+        """Per completion, the gold of the rendering it answered ``[G]``."""
+        golds: list[list[str]] = [[] for _ in range(self.size)]
+        for problem, idx in self.member_slices():
+            for i in idx:
+                golds[i] = list(problem.answer)
+        return golds

@@ -257,6 +257,29 @@ RULE_TEMPLATES: dict[str, Callable[[random.Random, int], RuleQuestion]] = {
 map a position to a letter, find a number among the options, add, compare."""
 
 
+def rule_variants(name: str, question: str, options: list[str], pos: int) -> list[dict]:
+    """The question rendered with its gold at a, b, c and d in turn (``data.variants``: the
+    members of a group answer different ones, so a policy that always gives one letter is
+    right for exactly one of four and its group keeps an advantage): the letter and ordinal
+    rules name the k-th option instead; the others move the right option to position k
+    (the options rotated, their cyclic order kept)."""
+    out = []
+    for k, letter in enumerate(LETTERS):
+        if name == "letter":
+            text, opts = f"Choose option {letter}.", options
+        elif name == "ordinal":
+            text, opts = f"Choose the {ORDINALS[k]} option.", options
+        else:
+            shift = k - pos
+            text, opts = (
+                question,
+                [options[(i - shift) % len(options)] for i in range(len(options))],
+            )
+        body = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(opts))
+        out.append({"query": f"{text}\n{body}", "solution": letter})
+    return out
+
+
 def build_rule(
     num_train: int,
     num_eval: int,
@@ -265,7 +288,8 @@ def build_rule(
 ) -> tuple[list[dict], list[dict]]:
     """(train, eval) four-option records: templates in turn, template t's j-th question with
     its right option at letter j mod 4 (each split balanced when its size is a multiple of
-    4 x templates), every prompt distinct, none shared between the splits."""
+    4 x templates), every prompt distinct, none shared between the splits; each training
+    record lists its four renderings as ``variants`` (:func:`rule_variants`)."""
     templates = templates or RULE_TEMPLATES
     rng = random.Random(seed)
     names = list(templates)
@@ -286,17 +310,18 @@ def build_rule(
             if content in seen or len(set(options)) != len(options):
                 continue
             seen.add(content)
-            out.append(
-                {
-                    "id": f"{name}{len(seen):04d}",
-                    "messages": [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": content},
-                    ],
-                    "solution": LETTERS[pos],
-                    "choices": options,
-                }
-            )
+            rec = {
+                "id": f"{name}{len(seen):04d}",
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": content},
+                ],
+                "solution": LETTERS[pos],
+                "choices": options,
+            }
+            if not splits:  # training questions: one rendering per gold letter
+                rec["variants"] = rule_variants(name, question, options, pos)
+            out.append(rec)
         rng.shuffle(out)
         splits.append(out)
     return splits[0], splits[1]

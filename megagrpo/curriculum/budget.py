@@ -252,6 +252,9 @@ def merge_groups(parts: Sequence[Group]) -> Group:
     fields = {name: [x for p in parts for x in getattr(p, name)] for name in _PER_COMPLETION}
     names = set().union(*(p.reward_parts for p in parts))
     reward_parts = {k: [x for p in parts for x in p.reward_parts.get(k, [])] for k in names}
+    if any(p.member_variants for p in parts):  # data.variants: who answered what, kept
+        fields["member_variants"] = [p.variant_of(i) for p in parts for i in range(p.size)]
+        fields["member_prompt_ids"] = [p.prompt_of(i) for p in parts for i in range(p.size)]
     return Group(
         problem=first.problem,
         prompt_ids=list(first.prompt_ids),
@@ -274,5 +277,7 @@ def select_completions(group: Group, indices: Sequence[int]) -> Group:
         prompt_ids=list(group.prompt_ids),
         reward_parts={k: pick(v) for k, v in group.reward_parts.items()},
         meta=dict(group.meta),
+        member_variants=pick(group.member_variants),
+        member_prompt_ids=pick(group.member_prompt_ids),
         **{name: pick(getattr(group, name)) for name in _PER_COMPLETION},
     )

@@ -10,6 +10,7 @@ import yaml
 from megagrpo.errors import require
 
 TRUNCATION = ("delete", "left", "error")
+VARIANTS = ("per_member", "rotate", "ignore")
 
 
 def pairs(entries: list[str], key: str) -> list[tuple[str, str]]:
@@ -89,6 +90,15 @@ class DataConfig:
     """What to do with a longer prompt, checked when the data loads: delete (drop the
     problem; counted and logged) | left (keep its last max_prompt_tokens tokens, as ms-swift's
     GRPO default) | error (stop, naming the problems)."""
+    variants: str = "per_member"
+    """Problems that list 'variants' (equivalent renderings whose gold letter differs, e.g.
+    the options in another order; megagrpo.data.variants): per_member | ignore. per_member:
+    the G answers of a group go to the variants in turn, so a policy that always gives the
+    same letter is right for some members and wrong for others and its groups keep an
+    advantage (an answer-bias collapse cannot silence them). rotate: per_member, and every
+    problem rendered from a question and choices (IgakuQA) without listed variants gets its
+    options' rotations. ignore: only the problem itself. Evaluation and the level profile
+    always use the problem itself."""
     prompt: PromptConfig = field(default_factory=PromptConfig)
 
     def validate(self, path: str) -> None:
@@ -96,6 +106,11 @@ class DataConfig:
             all(isinstance(p, str) and p for p in self.train),
             f"{path}.train",
             "entries must be non-empty paths",
+        )
+        require(
+            self.variants in VARIANTS,
+            f"{path}.variants",
+            f"must be one of {VARIANTS}, got {self.variants!r}",
         )
         require(self.max_prompt_tokens >= 0, f"{path}.max_prompt_tokens", "must be >= 0")
         require(

@@ -33,6 +33,7 @@ from pathlib import Path
 from megagrpo.data.config import PromptConfig
 from megagrpo.data.gold import igakuqa_gold, parse_gold
 from megagrpo.data.prompts import render_messages
+from megagrpo.data.variants import parse_variants
 from megagrpo.errors import DataError, not_utf8
 from megagrpo.types import Problem
 
@@ -288,6 +289,8 @@ def _swift_problem(rec: dict, where: str, path: Path, num: int, prompt: PromptCo
     except (TypeError, ValueError) as exc:
         raise DataError(f"{where}: problem {pid} has non-integer points") from exc
     meta.update(source=where, points=points, solution=solution)
+    if "variants" in rec:
+        meta["variants"] = parse_variants(rec["variants"], messages, where)
     answer = _normalise_answer(gold) if gold is not None else []
     return Problem(id=pid, messages=messages, answer=answer, meta=meta)
 

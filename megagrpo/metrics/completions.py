@@ -134,6 +134,7 @@ class CompletionsLog:
         out = []
         for gi, g in enumerate(groups):
             pid = g.problem.id
+            golds = g.member_golds()  # data.variants: each member's own rendering
             level = _level(levels, pid, g.problem.meta.get("level"))
             tail = prompt_tail(g, prompt_texts, self.prompt_chars)
             prompt = prompt_text(g, prompt_texts)
@@ -158,7 +159,8 @@ class CompletionsLog:
                         "finish_reason": (
                             g.finish_reasons[si] if si < len(g.finish_reasons) else None
                         ),
-                        "gold": list(g.problem.answer),
+                        "gold": golds[si],
+                        **({"variant": g.variant_of(si)} if g.member_variants else {}),
                     }
                 )
         return out

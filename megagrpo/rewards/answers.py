@@ -63,10 +63,11 @@ def answer_bias(groups: Sequence[Any]) -> dict[str, float]:
     for g in groups:
         if not g.problem.meta.get("choices"):
             continue
-        for text in g.completions:
-            letters = extract_answer(text, g.problem)
-            answers.append(",".join(letters) if letters else "")
-            golds.append(list(g.problem.answer))
+        for problem, idx in g.member_slices():  # each member against its own rendering
+            for i in idx:
+                letters = extract_answer(g.completions[i], problem)
+                answers.append(",".join(letters) if letters else "")
+                golds.append(list(problem.answer))
     given = [a for a in answers if a]
     if not given:
         return dict.fromkeys(

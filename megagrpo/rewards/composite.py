@@ -178,11 +178,7 @@ class CompositeReward:
             if self.swift_calls == "batch" and isinstance(term.fn, SwiftORMReward) and groups:
                 batch = self._score_batch(term, groups)
             for i, g in enumerate(groups):
-                parts[i][term.name] = (
-                    batch[i]
-                    if batch is not None
-                    else self._score(term, g.completions, g.problem, g.lengths, g.token_ids)
-                )
+                parts[i][term.name] = batch[i] if batch is not None else self._score_group(term, g)
         for g, part in zip(groups, parts):
             total = [0.0] * len(g.completions)
             for term in self.terms:
@@ -193,12 +189,20 @@ class CompositeReward:
         """The batch call's values per group, or None when it failed (then per group)."""
         fn = term.fn
         assert isinstance(fn, SwiftORMReward)
-        items = [(g.completions, g.problem, g.lengths or None, g.token_ids or None) for g in groups]
+        slices = [g.member_slices() for g in groups]
+        items = []
+        for g, s in zip(groups, slices):
+            for problem, idx in s:
+                completions, lengths, token_ids = _members(g, idx)
+                items.append((completions, problem, lengths or None, token_ids or None))
         try:
             out = call_with_timeout(lambda: fn.call_batch(items), self.timeout_s)
             if not all(math.isfinite(v) for vals in out for v in vals):
                 raise ValueError("returned a non-finite value")
-            return out
+            it = iter(out)
+            return [
+                _scatter(g.size, [(idx, next(it)) for _, idx in s]) for g, s in zip(groups, slices)
+            ]
         except Exception as exc:  # noqa: BLE001 - retried per group, which names the failure
             logger.warning(
                 "reward '%s': the batch call failed (%s: %s); scoring group by group",
@@ -223,6 +227,16 @@ class CompositeReward:
         if not all(math.isfinite(v) for v in values):
             raise ValueError(f"returned a non-finite value: {values}")
         return values
+
+    def _score_group(self, term: _Term, g: Group) -> list[float]:
+        """``term``'s values ``[G]`` for group ``g``, each completion scored against the
+        rendering it answered (:meth:`~megagrpo.types.Group.member_slices`: one call for the
+        group unless its members answered variants)."""
+        parts = []
+        for problem, idx in g.member_slices():
+            completions, lengths, token_ids = _members(g, idx)
+            parts.append((idx, self._score(term, completions, problem, lengths, token_ids)))
+        return _scatter(g.size, parts)
 
     def _score(self, term: _Term, completions, problem, lengths, token_ids) -> list[float]:
         try:
@@ -298,3 +312,24 @@ def build_composite(cfg: RewardsConfig, run_args: dict[str, Any] | None = None) 
     return CompositeReward(
         terms, on_error=cfg.on_error, timeout_s=cfg.timeout_s, swift_calls=cfg.swift_calls
     )
+
+
+def _members(g: Group, idx: list[int]) -> tuple[list[str], list[int], list]:
+    """(completions, lengths, token_ids) of the completions ``idx`` of ``g`` (a list the
+    group leaves empty stays empty); the group's own lists when ``idx`` is all of it."""
+    if idx == list(range(g.size)):
+        return g.completions, g.lengths, g.token_ids
+
+    def pick(xs: list) -> list:
+        return [xs[i] for i in idx] if len(xs) == g.size else []
+
+    return pick(g.completions), pick(g.lengths), pick(g.token_ids)
+
+
+def _scatter(size: int, parts: list[tuple[list[int], list[float]]]) -> list[float]:
+    """Values ``[size]`` from ``(indices, values)`` parts."""
+    out = [0.0] * size
+    for idx, values in parts:
+        for i, v in zip(idx, values):
+            out[i] = v
+    return out

@@ -61,7 +61,7 @@ def attach_routing(groups: Sequence[Group], routes: Sequence[Any]) -> None:
     for group in groups:
         group.routing = [compact(next(it)) for _ in range(group.size)]
         for i, (toks, r) in enumerate(zip(group.token_ids, group.routing)):
-            expect = len(group.prompt_ids) + len(toks) - 1
+            expect = len(group.prompt_of(i)) + len(toks) - 1
             if r.shape[0] != expect:
                 raise ValueError(
                     f"problem {group.problem.id!r} sample {i}: routing has {r.shape[0]} rows, "

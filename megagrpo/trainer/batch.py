@@ -158,10 +158,11 @@ def build_samples(
             raise ValueError(f"group for problem {group.problem.id} has no prompt_ids")
         for g, completion in enumerate(group.token_ids):
             lp = group.logprobs[g] if g < len(group.logprobs) else []
+            prompt = group.prompt_of(g)  # data.variants: members answer other renderings
             samples.append(
                 Sample(
-                    list(group.prompt_ids) + list(completion),
-                    len(group.prompt_ids),
+                    list(prompt) + list(completion),
+                    len(prompt),
                     float(advantages[n][g]),
                     list(lp),
                     len(samples),

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megagrpo.data.variants import expand_round, fold_round, has_variants
 from megagrpo.errors import ConfigError
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.rewards import CompositeReward, extract_answer
@@ -231,10 +232,15 @@ class Rollouts(ABC):
     ) -> list[Group]:
         """One generation round, scored by the composite reward (on rank 0), on every rank;
         ``n``: completions per problem, one count for all or one per problem (mixed counts
-        are generated in one engine call)."""
+        are generated in one engine call). Problems with variants (``data.variants``) spread
+        their members over them: :mod:`megagrpo.data.variants`."""
         counts = round_counts(n, len(problems))
-        groups = self._generate_on_main(problems, counts, SamplingSpec(seed=seed))
-        return self._score_and_share(groups, problems)
+        if not any(has_variants(p) for p in problems):
+            groups = self._generate_on_main(problems, counts, SamplingSpec(seed=seed))
+            return self._score_and_share(groups, problems)
+        requests, sizes, plan = expand_round(problems, counts, seed)  # data.variants
+        groups = self._generate_on_main(requests, sizes, SamplingSpec(seed=seed))
+        return self._score_and_share(fold_round(groups, problems, plan) if groups else [], problems)
 
     def score(self, groups: list[Group]) -> list[Group]:
         """Collective: ``groups`` (the same on every rank) scored by the composite reward on

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megagrpo.data.variants import expand_round, fold_round, has_variants
 from megagrpo.errors import ConfigError
 from megagrpo.parallel.split import WorldSplit
 from megagrpo.rewards import CompositeReward
@@ -141,6 +142,8 @@ class SeparateRollouts(Rollouts):
         """The engine's generation intervals reported since :meth:`pop_engine_busy`."""
         self.lags: list[int] = []
         """Staleness of every training group collected since :meth:`pop_staleness` (rank 0)."""
+        self._plans: list = []
+        """Per submitted round, how its problems' variants were spread (None: no variants)."""
         self._early: list[list[Group]] = []
         """Rank 0: replies to submitted rounds received before a synchronous round's."""
 
@@ -164,10 +167,15 @@ class SeparateRollouts(Rollouts):
 
     def submit(self, problems: list[Problem], n: Counts, spec: SamplingSpec) -> None:
         """Collective: rank 0 sends a round to the engine without waiting (:meth:`collect`)."""
+        plan = None
+        if any(has_variants(p) for p in problems):  # data.variants, as generate_round does
+            requests, sizes, plan = expand_round(problems, n, int(spec.seed or 0))
         if self.comm.is_main:
             assert self.channel is not None
-            self.channel.send(REQ, ("generate", problems, n, spec))
+            asked = (problems, n) if plan is None else (requests, sizes)
+            self.channel.send(REQ, ("generate", *asked, spec))
         self.submitted.append(problems)
+        self._plans.append(plan)
 
     def _receive(self) -> list[Group]:
         """Rank 0: the next generation reply, checked against the staleness bound."""
@@ -179,10 +187,11 @@ class SeparateRollouts(Rollouts):
     def collect(self) -> list[Group]:
         """Collective: the oldest submitted round, checked against the staleness bound at the
         version about to train on it, scored, on every rank."""
-        problems = self.submitted.pop(0)
+        problems, plan = self.submitted.pop(0), self._plans.pop(0)
         groups = []
         if self.comm.is_main:
             groups = self._early.pop(0) if self._early else self._receive()
+            groups = groups if plan is None else fold_round(groups, problems, plan)
             check_staleness(groups, self.version, self.max_staleness)
             self.lags += stamp_staleness(groups, self.version)
         return self._score_and_share(groups, problems)
@@ -257,7 +266,7 @@ class SeparateRollouts(Rollouts):
                 channel.close()
             except Exception:  # noqa: BLE001 - at exit; the engine rank's own error is logged there
                 log.warning("engine rank did not close cleanly", exc_info=True)
-        self.submitted, self._early = [], []
+        self.submitted, self._early, self._plans = [], [], []
 
 
 def _reply(msg: tuple, kind: str) -> tuple:

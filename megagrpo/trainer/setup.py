@@ -36,6 +36,7 @@ from megagrpo.curriculum.levels import (
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
 from megagrpo.data.truncation import PromptPolicyResult, apply_prompt_policy
+from megagrpo.data.variants import rotated_choices
 from megagrpo.errors import ConfigError
 from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
 from megagrpo.metrics.logger import build_logger
@@ -233,6 +234,17 @@ def fit_prompts(
     the problems under ``error``."""
     ids = [chat_prompt_ids(tokenizer, p) for p in problems]
     limit = cfg.data.max_prompt_tokens or cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    for i, p in enumerate(problems):  # data.variants: the longest rendering decides
+        for k in range(len(p.meta.get("variants") or [])):
+            longer = chat_prompt_ids(tokenizer, p.variant(k))
+            if len(longer) > limit and cfg.data.truncation == "left":
+                raise ConfigError(
+                    f"config key 'data.truncation': 'left' cannot cut the variants of problem "
+                    f"{p.id} ({p.meta.get('source', where)}; variant {k} has {len(longer)} "
+                    f"tokens > {limit}): use delete or error, or data.variants=ignore"
+                )
+            if len(longer) > len(ids[i]):
+                ids[i] = longer
     result = apply_prompt_policy(problems, ids, limit, cfg.data.truncation, where=where)
     truncated = set(result.truncated)
     cut = [p for p in result.problems if p.id in truncated][:1]
@@ -294,6 +306,22 @@ def load_run_data(cfg: RunConfig, tokenizer: Any) -> RunData:
     )
     if not train:
         raise ConfigError("config key 'data.train': no training problems found")
+    if data.variants == "rotate":
+        for p in train:
+            rotations = [] if p.meta.get("variants") else rotated_choices(p, data.prompt)
+            if rotations:
+                p.meta["variants"] = rotations
+    with_variants = [p for p in train if p.meta.get("variants")]
+    if with_variants and data.variants == "ignore":
+        for p in with_variants:
+            del p.meta["variants"]
+    elif with_variants and cfg.rollout.partial.enabled:
+        raise ConfigError(
+            "config key 'data.variants': per_member is not supported with "
+            f"rollout.partial.enabled ({len(with_variants)} training problems list variants, "
+            f"first {with_variants[0].meta.get('source', with_variants[0].id)}): set "
+            "data.variants=ignore or rollout.partial.enabled=false"
+        )
     if cfg.rewards.functions[0].name == "mcq_accuracy" and len(train.free_text_gold) == len(train):
         raise ConfigError(
             "config key 'data.train': no problem has a letter or number gold answer, so "

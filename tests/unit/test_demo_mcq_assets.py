@@ -21,7 +21,7 @@ def test_make_demo_mcq_regenerates_the_shipped_files(tmp_path, repo_root):
     for name in ("demo_mcq_train.jsonl", "demo_mcq_eval.jsonl"):
         shipped = (repo_root / "megagrpo" / "assets" / name).read_bytes()
         assert (tmp_path / name).read_bytes() == shipped, name
-        assert len(shipped) < 200_000, (name, len(shipped))
+        assert len(shipped) < 300_000, (name, len(shipped))
 
 
 def test_demo_mcq_sets_are_disjoint_and_answerable(repo_root):
@@ -73,3 +73,20 @@ def test_demo_mcq_golds_follow_the_rule_and_are_balanced(repo_root):
         assert counts == dict.fromkeys("abcd", len(recs) // 4), (split, counts)  # best constant 1/4
         per_template = Counter((r["id"].rstrip("0123456789"), r["solution"]) for r in recs)
         assert len(set(per_template.values())) == 1, per_template  # each template balanced
+
+
+def test_demo_mcq_variants_put_each_gold_letter_once(repo_root):
+    """data.variants: every training question lists four renderings, its gold at a, b, c, d in
+    turn, each following the question's rule (the same independent solver), the original
+    among them; the held-out questions have none (evaluation reads the question itself)."""
+    assets = repo_root / "megagrpo" / "assets"
+    train = [json.loads(x) for x in (assets / "demo_mcq_train.jsonl").read_text().splitlines()]
+    for rec in train:
+        variants = rec["variants"]
+        assert [v["solution"] for v in variants] == list("abcd"), rec["id"]
+        for v in variants:
+            assert _right({"messages": [{"content": v["query"]}], "solution": v["solution"]})
+        assert rec["messages"][-1]["content"] in {v["query"] for v in variants}
+        assert len({v["query"] for v in variants}) == 4
+    evals = (assets / "demo_mcq_eval.jsonl").read_text().splitlines()
+    assert not any("variants" in json.loads(x) for x in evals)
