@@ -28,7 +28,8 @@ in the first and last third of the run. Each run is calibrated with ``megagrpo p
 --calibrate``: planner prediction vs measured raw ACR per level.
 
     python tools/learning_efficiency.py --quick   # smoke: 2 conditions x 1 seed x 2 steps, in runs/
-    python tools/learning_efficiency.py --seeds 0 1 2      # the full experiment (hours on 2 cores)
+    python tools/learning_efficiency.py --seeds 0 1 2 --jobs 2   # the full experiment (hours)
+    python tools/learning_efficiency.py --finished-only    # report the finished runs so far
     python tools/learning_efficiency.py --plot-only        # redraw from the committed JSON
 """
 
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,19 +182,27 @@ def _done(rows: list[dict], budget: float) -> bool:
     )
 
 
+def finished(run_dir: Path, args: argparse.Namespace) -> bool:
+    """The run reached the token budget (and evaluated) or ``--max-steps``."""
+    rows = _rows(run_dir)
+    return bool(rows) and (_done(rows, args.tokens) or rows[-1].get("step") == args.max_steps)
+
+
 def train(cond: Condition, seed: int, args: argparse.Namespace, levels: Path, data) -> Path:
     """One run until the token budget (or ``--max-steps``); returns its run dir (cached)."""
     out = Path(args.out)
     name = f"{cond.slug}_s{seed}"
     run_dir = out / name
-    rows = _rows(run_dir)
-    if rows and (_done(rows, args.tokens) or rows[-1].get("step") == args.max_steps):
+    if finished(run_dir, args):
         return run_dir
     cli = ["train", str(DEMO_CONFIG), *data, *COMMON, *cond.args(levels)]
     cli += [f"trainer.name={name}", f"trainer.output_dir={out}", f"trainer.seed={seed}"]
     cli += [f"curriculum.seed={seed}", f"trainer.max_steps={args.max_steps}"]
     cli += [f"trainer.eval_every={args.eval_every}", "--overwrite"]
-    print(f"train {name}: budget {args.tokens:.0f} tokens, at most {args.max_steps} steps")
+    print(
+        f"train {name}: budget {args.tokens:.0f} tokens, at most {args.max_steps} steps", flush=True
+    )
+    t0 = time.monotonic()
     log = out / f"{name}.log"
     with open(log, "w", encoding="utf-8") as fh:
         proc = subprocess.Popen(_cmd(cli), env=_env(), stdout=fh, stderr=subprocess.STDOUT)
@@ -206,6 +216,7 @@ def train(cond: Condition, seed: int, args: argparse.Namespace, levels: Path, da
     if proc.returncode != 0 and not (stopped and _done(_rows(run_dir), args.tokens)):
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
         raise SystemExit(f"train {name} failed (log {log}):\n{tail}")
+    print(f"done {name}: {(time.monotonic() - t0) / 60:.1f} min", flush=True)
     return run_dir
 
 
@@ -331,7 +342,7 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     data = data_args(out, args.train_problems, args.eval_problems)
-    levels = profile(out, data)
+    levels = out / "levels.jsonl" if args.finished_only else profile(out, data)
     chosen = [c for c in CONDITIONS if not args.only or c.slug in args.only]
     result: dict = {
         "setup": {
@@ -348,10 +359,22 @@ def run(args: argparse.Namespace) -> dict:
         },
         "conditions": {},
     }
+    pairs = [(c, seed) for seed in args.seeds for c in chosen]  # every condition's seed 0 first
+    if args.finished_only:
+        dirs = {(c.slug, s): d for c, s in pairs if finished(d := out / f"{c.slug}_s{s}", args)}
+        result["setup"]["missing"] = [f"{c.slug}_s{s}" for c, s in pairs if (c.slug, s) not in dirs]
+    else:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # one core per run
+            futures = {(c.slug, s): pool.submit(train, c, s, args, levels, data) for c, s in pairs}
+            dirs = {key: f.result() for key, f in futures.items()}
     for cond in chosen:
-        runs = {}
-        for seed in args.seeds:
-            runs[str(seed)] = run_record(train(cond, seed, args, levels, data))
+        runs = {
+            str(seed): run_record(dirs[(cond.slug, seed)])
+            for seed in args.seeds
+            if (cond.slug, seed) in dirs
+        }
+        if not runs:
+            continue
         result["conditions"][cond.slug] = {
             "label": cond.label,
             "runs": runs,
@@ -471,6 +494,9 @@ def table(result: dict) -> str:
             f"{_fmt(s['frac_reward_zero_std_first_third'], 2)} / "
             f"{_fmt(s['frac_reward_zero_std_last_third'], 2)} |"
         )
+    missing = result.get("setup", {}).get("missing")
+    if missing:
+        lines.append(f"\nnot finished ({len(missing)} runs): {', '.join(missing)}")
     return "\n".join(lines)
 
 
@@ -497,6 +523,7 @@ def calibration_table(result: dict) -> str:
 
 QUICK = {
     "only": ["original", "carry"],
+    "jobs": 2,
     "seeds": [0],
     "tokens": 1.0,
     "max_steps": 2,
@@ -504,7 +531,7 @@ QUICK = {
     "train_problems": 16,
     "eval_problems": 16,
 }
-"""--quick: 2 conditions x 1 seed x 2 steps on 16 + 16 problems (a smoke test)."""
+"""--quick: 2 conditions (at once) x 1 seed x 2 steps on 16 + 16 problems (a smoke test)."""
 
 
 def main() -> None:
@@ -522,6 +549,17 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=128, help="first N (0: all)")
     slugs = [c.slug for c in CONDITIONS]
     parser.add_argument("--only", nargs="+", choices=slugs, help="run these conditions only")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once (each uses one core: OMP_NUM_THREADS=1); 2 on a 2-core machine",
+    )
+    parser.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="train nothing: report the runs in --out that reached the budget, list the rest",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run (minutes)")
     parser.add_argument("--plot-only", action="store_true", help="redraw from the JSON")
     args = parser.parse_args()

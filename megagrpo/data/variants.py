@@ -164,15 +164,17 @@ def fold_round(
             first.problem = problem
             out.append(first)
             continue
-        fields = {name: [x for _, g in mine for x in getattr(g, name)] for name in _PER_COMPLETION}
-        out.append(
-            Group(
-                problem=problem,
-                prompt_ids=list(first.prompt_ids),
-                meta=dict(first.meta),
-                member_variants=[e.variant for e, g in mine for _ in range(g.size)],
-                member_prompt_ids=[list(g.prompt_ids) for _, g in mine for _ in range(g.size)],
-                **fields,
-            )
+        merged = Group(
+            problem=problem,
+            completions=[],
+            token_ids=[],
+            logprobs=[],
+            prompt_ids=list(first.prompt_ids),
+            meta=dict(first.meta),
+            member_variants=[e.variant for e, g in mine for _ in range(g.size)],
+            member_prompt_ids=[list(g.prompt_ids) for _, g in mine for _ in range(g.size)],
         )
+        for name in _PER_COMPLETION:
+            setattr(merged, name, [x for _, g in mine for x in getattr(g, name)])
+        out.append(merged)
     return out

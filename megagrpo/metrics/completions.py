@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
-from megagrpo.types import Group
+from megagrpo.types import Group, Problem
 
 COLUMNS = (
     "step",
@@ -86,6 +86,13 @@ def prompt_tail(group: Group, prompt_texts: Mapping[str, str] | None, chars: int
     return text[-chars:] if chars > 0 else ""
 
 
+def _texts(problem: Problem, chars: int) -> tuple[str, str]:
+    """(prompt, tail) of a rendering a member answered (``data.variants``): its messages."""
+    contents = [str(m.get("content", "")) for m in problem.messages]
+    tail = contents[-1] if contents else ""
+    return "\n".join(contents), tail[-chars:] if chars > 0 else ""
+
+
 class CompletionsLog:
     """Writes ``completions.jsonl`` (every call) and a W&B table (every ``table_every``)."""
 
@@ -135,6 +142,9 @@ class CompletionsLog:
         for gi, g in enumerate(groups):
             pid = g.problem.id
             golds = g.member_golds()  # data.variants: each member's own rendering
+            shown = {
+                k: _texts(g.problem.variant(k), self.prompt_chars) for k in set(g.member_variants)
+            }
             level = _level(levels, pid, g.problem.meta.get("level"))
             tail = prompt_tail(g, prompt_texts, self.prompt_chars)
             prompt = prompt_text(g, prompt_texts)
@@ -147,8 +157,8 @@ class CompletionsLog:
                         "level": level,
                         "group": gi,
                         "sample": si,
-                        "prompt": prompt,
-                        "prompt_tail": tail,
+                        "prompt": shown[g.variant_of(si)][0] if g.member_variants else prompt,
+                        "prompt_tail": shown[g.variant_of(si)][1] if g.member_variants else tail,
                         "completion": text,
                         "reward": float(g.rewards[si]) if si < len(g.rewards) else None,
                         "reward_parts": {

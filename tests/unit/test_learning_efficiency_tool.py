@@ -76,3 +76,30 @@ def test_summary_over_seeds(tool):
     assert s["frac_reward_zero_std_last_third"]["mean"] == pytest.approx(0.5)
     table = tool.table({"conditions": {"carry": {"label": "carry", "summary": s}}})
     assert "| carry | 2 |" in table and "0.600 [0.500, 0.700]" in table
+
+
+def test_finished_only_reports_the_runs_at_budget_and_lists_the_rest(tool, tmp_path):
+    """--finished-only trains nothing (no profile, no subprocess): the runs in --out that
+    reached the budget are summarised, the others named as missing."""
+    import argparse
+    import json
+
+    def write(name, rows):
+        (tmp_path / name).mkdir()
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        (tmp_path / name / "metrics.jsonl").write_text(text, encoding="utf-8")
+
+    write("original_s0", _rows())  # 1000 tokens, evaluated at the end
+    write("carry_s0", _rows()[:4])  # 600 tokens: short of the budget
+    args = argparse.Namespace(
+        out=str(tmp_path), train_problems=0, eval_problems=0, only=["original", "carry"],
+        seeds=[0], tokens=1000.0, target=0.4, eval_every=2, max_steps=200, jobs=2,
+        finished_only=True,
+    )  # fmt: skip
+    result = tool.run(args)
+    assert list(result["conditions"]) == ["original"]
+    assert result["setup"]["missing"] == ["carry_s0"]
+    assert not (tmp_path / "levels.jsonl").exists()
+    per_seed = result["conditions"]["original"]["summary"]["per_seed"]
+    assert per_seed["0"]["accuracy_at_budget"] == pytest.approx(0.5)
+    assert "not finished (1 runs): carry_s0" in tool.table(result)

@@ -16,6 +16,7 @@ from megagrpo.curriculum.budget import merge_groups, select_completions
 from megagrpo.data import load_problems
 from megagrpo.data.variants import expand_round, fold_round, member_assignment
 from megagrpo.errors import DataError
+from megagrpo.metrics.completions import CompletionsLog
 from megagrpo.rewards import build_composite
 from megagrpo.rewards.answers import answer_bias
 from megagrpo.rewards.config import RewardsConfig
@@ -57,6 +58,11 @@ def _solve(user_text: str) -> str:
     question, *lines = user_text.split("\n")
     number = question.rstrip("?").split()[-1]
     return next(line[0] for line in lines if line.split(". ", 1)[1] == number)
+
+
+def texts_of(g: Group) -> list[str]:
+    """The user text each member of ``g`` answered."""
+    return [g.problem.meta["variants"][k]["messages"][-1]["content"] for k in g.member_variants]
 
 
 @pytest.fixture
@@ -127,7 +133,7 @@ def test_members_spread_over_the_variants_deterministically(problems):
     assert {r.meta["variant"] for r in requests[:4]} == {0, 1, 2, 3}
 
 
-def test_a_constant_letter_keeps_an_advantage_with_variants(problems):
+def test_a_constant_letter_keeps_an_advantage_with_variants(problems, tmp_path):
     """The mechanism: answering `d` to everything is right for one member in four, so no
     group collapses and the letter is rewarded only where the question says `d`; with the
     problem alone every group of the same policy collapses (all rewards equal)."""
@@ -152,6 +158,10 @@ def test_a_constant_letter_keeps_an_advantage_with_variants(problems):
     assert samples[1].input_ids[: samples[1].prompt_len] == groups[0].prompt_of(1)
     bias = answer_bias(groups)
     assert bias["collapse/answer_bias"] == 1.0 and bias["collapse/answer_bias_gold"] == 0.25
+    rows = CompletionsLog(tmp_path / "c.jsonl").rows(1, groups[:1])
+    for row, text in zip(rows, texts_of(groups[0])):  # what each member was asked
+        assert row["prompt_tail"] == text and row["gold"] == [_solve(text)]
+    assert [r["variant"] for r in rows] == groups[0].member_variants
 
     plain = [
         dataclasses.replace(p, meta={k: v for k, v in p.meta.items() if k != "variants"})
