@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,18 +176,19 @@ def _cli(args: list[str], log: Path) -> None:
 
 
 def profile(config: Path, sets: dict[str, Path], out: Path) -> dict[str, Path]:
-    """Levels of A and B from the model's own k answers (resumable), and of A+B."""
-    levels = {}
+    """Levels of A and B from the model's own k answers (resumable; both at once, one core
+    each), and of A+B."""
+    levels = {name: out / f"levels_{name}.jsonl" for name in sets}
+    todo = []
     for name, path in sets.items():
-        dest = out / f"levels_{name}.jsonl"
-        done = dest.is_file() and sum(1 for _ in open(dest)) >= sum(1 for _ in open(path))
-        if not done:
+        dest = levels[name]
+        if not (dest.is_file() and sum(1 for _ in open(dest)) >= sum(1 for _ in open(path))):
             print(f"profile {name}: {path}", flush=True)
-            _cli(
-                ["profile", str(config), f"data.train=[{path}]", "--k", str(K), "--out", str(dest)],
-                out / f"profile_{name}.log",
-            )
-        levels[name] = dest
+            args = ["profile", str(config), f"data.train=[{path}]", "--k", str(K)]
+            todo.append((args + ["--out", str(dest)], out / f"profile_{name}.log"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(_cli, *job) for job in todo]:
+            future.result()
     both = out / "levels_AB.jsonl"
     both.write_text("".join(p.read_text(encoding="utf-8") for p in levels.values()))
     levels["AB"] = both
