@@ -364,9 +364,12 @@ def run(args: argparse.Namespace) -> dict:
         dirs = {(c.slug, s): d for c, s in pairs if finished(d := out / f"{c.slug}_s{s}", args)}
         result["setup"]["missing"] = [f"{c.slug}_s{s}" for c, s in pairs if (c.slug, s) not in dirs]
     else:
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # one core per run
-            futures = {(c.slug, s): pool.submit(train, c, s, args, levels, data) for c, s in pairs}
+        pool = ThreadPoolExecutor(max_workers=max(1, args.jobs))  # one core per run
+        futures = {(c.slug, s): pool.submit(train, c, s, args, levels, data) for c, s in pairs}
+        try:
             dirs = {key: f.result() for key, f in futures.items()}
+        finally:  # a failed run: the queued ones are not started (the running ones finish)
+            pool.shutdown(wait=True, cancel_futures=True)
     for cond in chosen:
         runs = {
             str(seed): run_record(dirs[(cond.slug, seed)])

@@ -186,7 +186,7 @@ def profile(config: Path, sets: dict[str, Path], out: Path) -> dict[str, Path]:
             print(f"profile {name}: {path}", flush=True)
             args = ["profile", str(config), f"data.train=[{path}]", "--k", str(K)]
             todo.append((args + ["--out", str(dest)], out / f"profile_{name}.log"))
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:  # a failure raises once both ended
         for future in [pool.submit(_cli, *job) for job in todo]:
             future.result()
     both = out / "levels_AB.jsonl"

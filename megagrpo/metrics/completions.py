@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
-from megagrpo.types import Group, Problem
+from megagrpo.types import Group
 
 COLUMNS = (
     "step",
@@ -67,30 +67,26 @@ def find_wandb_run(logger: Any) -> Any:
     return None
 
 
-def prompt_text(group: Group, prompt_texts: Mapping[str, str] | None) -> str:
-    """The group's prompt: the rendered text when given, else its messages' contents."""
-    text = (prompt_texts or {}).get(group.problem.id)
+def prompt_text(group: Group, prompt_texts: Mapping[str, str] | None, variant: int = -1) -> str:
+    """The group's prompt: the rendered text when given, else its messages' contents;
+    ``variant >= 0`` (``data.variants``): that rendering's messages."""
+    text = None if variant >= 0 else (prompt_texts or {}).get(group.problem.id)
     if text is None:
-        text = "\n".join(str(m.get("content", "")) for m in group.problem.messages)
+        msgs = group.problem.variant(variant).messages
+        text = "\n".join(str(m.get("content", "")) for m in msgs)
     return text
 
 
-def prompt_tail(group: Group, prompt_texts: Mapping[str, str] | None, chars: int) -> str:
+def prompt_tail(
+    group: Group, prompt_texts: Mapping[str, str] | None, chars: int, variant: int = -1
+) -> str:
     """The last ``chars`` characters of the group's prompt (the rendered text when given,
-    else its last message)."""
-    pid = group.problem.id
-    text = (prompt_texts or {}).get(pid)
+    else its last message; ``variant >= 0``: that rendering's last message)."""
+    text = None if variant >= 0 else (prompt_texts or {}).get(group.problem.id)
     if text is None:
-        msgs = group.problem.messages
+        msgs = group.problem.variant(variant).messages
         text = str(msgs[-1].get("content", "")) if msgs else ""
     return text[-chars:] if chars > 0 else ""
-
-
-def _texts(problem: Problem, chars: int) -> tuple[str, str]:
-    """(prompt, tail) of a rendering a member answered (``data.variants``): its messages."""
-    contents = [str(m.get("content", "")) for m in problem.messages]
-    tail = contents[-1] if contents else ""
-    return "\n".join(contents), tail[-chars:] if chars > 0 else ""
 
 
 class CompletionsLog:
@@ -142,12 +138,14 @@ class CompletionsLog:
         for gi, g in enumerate(groups):
             pid = g.problem.id
             golds = g.member_golds()  # data.variants: each member's own rendering
-            shown = {
-                k: _texts(g.problem.variant(k), self.prompt_chars) for k in set(g.member_variants)
+            shown = {  # what each member was asked (data.variants: its own rendering)
+                k: (
+                    prompt_text(g, prompt_texts, k),
+                    prompt_tail(g, prompt_texts, self.prompt_chars, k),
+                )
+                for k in set(g.member_variants) or {-1}
             }
             level = _level(levels, pid, g.problem.meta.get("level"))
-            tail = prompt_tail(g, prompt_texts, self.prompt_chars)
-            prompt = prompt_text(g, prompt_texts)
             adv = None if advantages is None else [float(a) for a in advantages[gi]]
             for si, text in enumerate(g.completions):
                 out.append(
@@ -157,8 +155,8 @@ class CompletionsLog:
                         "level": level,
                         "group": gi,
                         "sample": si,
-                        "prompt": shown[g.variant_of(si)][0] if g.member_variants else prompt,
-                        "prompt_tail": shown[g.variant_of(si)][1] if g.member_variants else tail,
+                        "prompt": shown[g.variant_of(si)][0],
+                        "prompt_tail": shown[g.variant_of(si)][1],
                         "completion": text,
                         "reward": float(g.rewards[si]) if si < len(g.rewards) else None,
                         "reward_parts": {

@@ -103,3 +103,30 @@ def test_finished_only_reports_the_runs_at_budget_and_lists_the_rest(tool, tmp_p
     per_seed = result["conditions"]["original"]["summary"]["per_seed"]
     assert per_seed["0"]["accuracy_at_budget"] == pytest.approx(0.5)
     assert "not finished (1 runs): carry_s0" in tool.table(result)
+
+
+def test_a_failed_run_stops_the_queue(tool, tmp_path, monkeypatch):
+    """--jobs: when a run fails, the runs still queued are not started (the error surfaces
+    now, not after hours of the other conditions)."""
+    import argparse
+    import threading
+
+    started, lock = [], threading.Lock()
+
+    def fake_train(cond, seed, args, levels, data):
+        with lock:
+            started.append(f"{cond.slug}_s{seed}")
+        if cond.slug == "original":
+            raise SystemExit(f"train {cond.slug}_s{seed} failed")
+        threading.Event().wait(0.5)  # still running when the failure is seen
+        return tmp_path / f"{cond.slug}_s{seed}"
+
+    monkeypatch.setattr(tool, "train", fake_train)
+    monkeypatch.setattr(tool, "profile", lambda out, data: out / "levels.jsonl")
+    args = argparse.Namespace(
+        out=str(tmp_path), train_problems=4, eval_problems=4, only=None, seeds=[0, 1, 2],
+        tokens=1000.0, target=0.4, eval_every=2, max_steps=200, jobs=2, finished_only=False,
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="original_s0 failed"):
+        tool.run(args)
+    assert started[0] == "original_s0" and len(started) <= 3  # of 18 queued
