@@ -42,6 +42,14 @@ def group_advantages(
     return torch.where(group_std < COLLAPSE_STD, torch.zeros_like(adv), adv)
 
 
+def weight_positive(adv: torch.Tensor, weight: float) -> torch.Tensor:
+    """``adv`` with every positive entry multiplied by ``weight`` (``loss.positive_weight``:
+    W-REINFORCE's lambda; 1 returns ``adv`` itself, 0 keeps the negative samples only)."""
+    if weight == 1.0:
+        return adv
+    return torch.where(adv > 0, adv * weight, adv)
+
+
 # ----------------------------------------------------------------------------- variable G
 
 

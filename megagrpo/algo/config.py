@@ -48,6 +48,14 @@ class LossConfig:
     loss as ``seq_weights``). Identical when all groups have the same size."""
     advantage_scale: str = "auto"
     """auto | group | batch | none: divisor of group-centred rewards (auto: none for dr_grpo)."""
+    positive_weight: float = 1.0
+    """Weight of the positive advantages (W-REINFORCE's lambda, Zhu et al. 2025, "The
+    Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"): each advantage > 0
+    is multiplied by it after normalisation, the negative ones are kept. 1: plain GRPO; 0:
+    negative samples only (NSR); the paper uses 0.1. Below 1 the answers that were right push
+    less than the wrong ones pull, which slows the policy's sharpening onto the answers it
+    already gives (entropy collapse; on multiple choice, one letter for every question).
+    Applied to every advantage the loss sees, after ``advantage_scale``."""
     tis_cap: float = 0.0
     """Truncated importance sampling for rollout/trainer mismatch: each token's loss is weighted
     by min(exp(old_logprob - rollout_logprob), tis_cap); 0 disables it."""
@@ -87,12 +95,13 @@ class LossConfig:
 
     def validate(self, path: str = "loss") -> None:
         """Check values; raises ConfigError naming the key."""
-        for key in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "tis_cap"):
+        for key in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "tis_cap", "positive_weight"):
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.variant in VARIANTS, f"{path}.variant", f"must be one of {VARIANTS}")
         require(0.0 <= self.eps_low < 1.0, f"{path}.eps_low", "must be in [0, 1)")
         require(self.eps_high >= 0.0, f"{path}.eps_high", "must be >= 0")
         require(self.kl_coef >= 0.0, f"{path}.kl_coef", "must be >= 0")
+        require(0.0 <= self.positive_weight <= 1.0, f"{path}.positive_weight", "must be in [0, 1]")
         require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
         require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")
         require(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megagrpo.algo.advantages import flat_group_advantages, group_advantages
+from megagrpo.algo.advantages import flat_group_advantages, group_advantages, weight_positive
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.answers import answer_bias_warning
@@ -108,16 +108,18 @@ def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Ten
     if not groups:
         return []
     scale = ctx.cfg.loss.resolved_advantage_scale()
+    weight = ctx.cfg.loss.positive_weight
     sizes = [g.size for g in groups]
     if ctx.cfg.budget.advantage_baseline != "pool" and len(set(sizes)) == 1:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        return list(group_advantages(rewards, scale=scale).unbind(0))
+        adv = group_advantages(rewards, scale=scale)
+        return list(weight_positive(adv, weight).unbind(0))
     flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     mean = std = None
     if ctx.cfg.budget.advantage_baseline == "pool":
         mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
     flat = flat_group_advantages(flat_rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
-    return list(torch.split(flat, sizes))
+    return list(torch.split(weight_positive(flat, weight), sizes))
 
 
 def effective_metrics(gen: GenStats, adv: list[torch.Tensor]) -> dict[str, float]:

@@ -146,10 +146,10 @@ def test_micro_batches_of_ragged_groups_equal_the_per_group_reference(variant, a
         assert abs(plain.item() - ref.item()) > 1e-4
 
 
-def _ctx(baseline="group", scale="group"):
+def _ctx(baseline="group", scale="group", weight=1.0):
     cfg = SimpleNamespace(
         budget=SimpleNamespace(advantage_baseline=baseline),
-        loss=SimpleNamespace(resolved_advantage_scale=lambda: scale),
+        loss=SimpleNamespace(resolved_advantage_scale=lambda: scale, positive_weight=weight),
     )
     return SimpleNamespace(cfg=cfg)
 
@@ -184,6 +184,20 @@ def test_advantages_of_ragged_groups_and_the_pool_baseline(scale):
         torch.testing.assert_close(pooled[0], r0 - 0.25)
     torch.testing.assert_close(pooled[2], adv[2])  # no pool recorded: its own statistics
     assert compute_advantages(_ctx(), []) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sizes", [[4, 4, 4], SIZES])
+@pytest.mark.parametrize("weight", [0.0, 0.1])
+def test_positive_weight_scales_only_the_positive_advantages(sizes, weight):
+    """loss.positive_weight (W-REINFORCE's lambda): right answers push weight times as hard,
+    wrong ones pull as before; the same on the uniform and the ragged path."""
+    groups = _groups(sizes=sizes)
+    plain = compute_advantages(_ctx(), groups)  # type: ignore[arg-type]
+    weighted = compute_advantages(_ctx(weight=weight), groups)  # type: ignore[arg-type]
+    assert any((a > 0).any() for a in plain) and any((a < 0).any() for a in plain)
+    for a, w in zip(plain, weighted):
+        want = torch.tensor([x * weight if x > 0 else x for x in a.tolist()], dtype=a.dtype)
+        torch.testing.assert_close(w, want, rtol=0, atol=0)
 
 
 def test_mixed_counts_split_over_replicas_by_completions():
