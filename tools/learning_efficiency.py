@@ -89,6 +89,7 @@ COMMON = [
     f"dynamic.max_resample={R}",
     f"curriculum.level_k={K}",
     "curriculum.retire_streak=0",  # levels measured once, as in the article
+    "curriculum.balance_answers=false",  # the study's order (measured before the demo's)
     "dynamic.preflight=warn",
     "budget.max_samples=8",
     "trainer.save_every=0",

@@ -27,6 +27,12 @@ class CurriculumConfig:
     """Keep problems that the levels file does not list (counted and logged)."""
     seed: int = 0
     """Seed of the per-epoch shuffles and of the independent resampling stream."""
+    balance_answers: bool = False
+    """Stratify each epoch's shuffle by gold answer: the problems of each answer (``a``,
+    ``b``, ... or a multi-answer set) are shuffled apart and dealt in turns, so every run of
+    as many draws as there are answers holds one of each (a step of 8 four-option questions:
+    two golds of each letter). A policy that favours one letter then meets it as the gold of
+    a quarter of every batch, not of an unlucky streak of them. False: one plain shuffle."""
     online: bool = True
     """Update each problem's pass-rate posterior from every rollout (observe)."""
     online_decay: float = 0.5

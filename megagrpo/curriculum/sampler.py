@@ -40,11 +40,40 @@ STREAMS = ("main", "resample")
 ONLINE_PRIOR_MAX_STRENGTH = 2.0
 
 
+def stratified_order(
+    members: np.ndarray, classes: np.ndarray, rng: np.random.Generator
+) -> list[int]:
+    """``members`` shuffled within each class, then dealt a round at a time: each round
+    takes the next member of every class not yet exhausted, in a fresh random class order.
+    Every window of a round holds one member of each class (until the smaller classes run
+    out, after which the larger ones continue on their own)."""
+    queues = [
+        members[classes == c][rng.permutation(int((classes == c).sum()))].tolist()
+        for c in np.unique(classes)
+    ]
+    out: list[int] = []
+    depth = 0
+    while True:
+        live = [q for q in queues if depth < len(q)]
+        if not live:
+            return out
+        out.extend(live[j][depth] for j in rng.permutation(len(live)).tolist())
+        depth += 1
+
+
 class _Walk:
     """Endless walk over ``members``: a fresh seeded permutation per epoch."""
 
-    def __init__(self, members: np.ndarray, seed: int, stream: int, bucket: int) -> None:
+    def __init__(
+        self,
+        members: np.ndarray,
+        seed: int,
+        stream: int,
+        bucket: int,
+        classes: np.ndarray | None = None,
+    ) -> None:
         self.members = members
+        self.classes = classes  # [len(members)] class of each member (balance_answers)
         self.key = (seed, stream, bucket)
         self.epoch = 0
         self.pos = 0
@@ -52,7 +81,9 @@ class _Walk:
 
     def _permutation(self) -> list[int]:
         rng = np.random.default_rng([*self.key, self.epoch])
-        return self.members[rng.permutation(len(self.members))].tolist()
+        if self.classes is None:
+            return self.members[rng.permutation(len(self.members))].tolist()
+        return stratified_order(self.members, self.classes, rng)
 
     def next(self) -> int:
         if self.pos >= len(self._order):
@@ -189,11 +220,23 @@ class CurriculumSampler:
             if not buckets:
                 raise ConfigError("curriculum.level_weights: every weighted level is empty")
             self.bucket_weights = np.asarray(weights, dtype=np.float64) / sum(weights)
+        answer = self._answer_classes() if cfg.balance_answers else None
         self.walks = {
-            s: [_Walk(m, self.cfg.seed, j, b) for b, m in enumerate(buckets)]
+            s: [
+                _Walk(m, cfg.seed, j, b, None if answer is None else answer[m])
+                for b, m in enumerate(buckets)
+            ]
             for j, s in enumerate(STREAMS)
         }
         log.info("curriculum: %d of %d problems in the pool", len(self.pool), n)
+
+    def _answer_classes(self) -> np.ndarray:
+        """``[n]`` class id of each problem's gold answer (``curriculum.balance_answers``)."""
+        ids: dict[tuple[str, ...], int] = {}
+        return np.asarray(
+            [ids.setdefault(tuple(sorted(p.answer)), len(ids)) for p in self.problems],
+            dtype=np.int64,
+        )
 
     # ------------------------------------------------------------------ drawing
 
@@ -371,6 +414,8 @@ class CurriculumSampler:
             h.update(p.id.encode())
             h.update(b"\0")
         h.update(np.asarray(self.pool).tobytes())
+        if self.cfg.balance_answers:  # another order: a resume must not switch it silently
+            h.update(b"balance_answers")
         return h.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:

@@ -179,3 +179,43 @@ def test_all_retired_pool_is_still_served_and_duplicates_observe_sequentially():
     u.observe([_group(probs[0], [1, 1, 1, 1])])
     assert t.succ[0] == u.succ[0] and t.retired[0] == u.retired[0]
     assert t.level_histogram() == u.level_histogram()
+
+
+def _lettered(golds):
+    return [Problem(id=f"q{i}", messages=[], answer=list(g)) for i, g in enumerate(golds)]
+
+
+def test_balance_answers_deals_one_gold_of_each_letter_per_round():
+    """curriculum.balance_answers: every 4 draws of the main stream hold the four golds, each
+    epoch still visits every problem once; the unbalanced tail follows the exhausted letters."""
+    golds = ["a"] * 30 + ["b"] * 30 + ["c"] * 30 + ["d"] * 30  # sorted: a plain cut is one letter
+    probs = _lettered(golds)
+    s = CurriculumSampler(probs, CurriculumConfig(seed=5, balance_answers=True, retire_streak=0))
+    for _epoch in range(2):
+        drawn = s.next_problems(120)
+        assert sorted(p.id for p in drawn) == sorted(p.id for p in probs)
+        for i in range(0, 120, 4):
+            assert sorted(p.answer[0] for p in drawn[i : i + 4]) == list("abcd"), i
+    plain = CurriculumSampler(probs, CurriculumConfig(seed=5, retire_streak=0)).next_problems(120)
+    rounds = [sorted(p.answer[0] for p in plain[i : i + 4]) for i in range(0, 120, 4)]
+    assert rounds.count(list("abcd")) < 10  # a plain shuffle does not (P(one round) = 0.09)
+    # uneven classes and multi-answer golds: one of each per round while all last
+    uneven = _lettered(["a"] * 6 + ["b"] * 3 + ["ab"] * 3)
+    order = CurriculumSampler(uneven, CurriculumConfig(balance_answers=True)).next_problems(12)
+    keys = ["".join(p.answer) for p in order]
+    assert [sorted(keys[i : i + 3]) for i in (0, 3, 6)] == [["a", "ab", "b"]] * 3
+    assert keys[9:] == ["a", "a", "a"]
+
+
+def test_balance_answers_resumes_exactly_and_refuses_a_switched_order():
+    probs = _lettered("abcd" * 20)
+    cfg = CurriculumConfig(seed=2, balance_answers=True, retire_streak=0)
+    full = [p.id for p in CurriculumSampler(probs, cfg).next_problems(50)]
+    first = CurriculumSampler(probs, cfg)
+    head = [p.id for p in first.next_problems(20)]
+    resumed = CurriculumSampler(probs, cfg)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert head + [p.id for p in resumed.next_problems(30)] == full
+    plain = CurriculumSampler(probs, CurriculumConfig(seed=2, retire_streak=0))
+    with pytest.raises(CheckpointError):
+        plain.load_state_dict(first.state_dict())
