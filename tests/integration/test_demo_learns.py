@@ -18,7 +18,7 @@ import pytest
 from megagrpo.metrics import read_metrics
 from megagrpo.metrics.report import learning_summary
 
-pytestmark = [pytest.mark.slow, pytest.mark.demo]
+pytestmark = [pytest.mark.slow, pytest.mark.demo, pytest.mark.timeout(3600)]  # as the run
 
 
 @pytest.mark.parametrize(
