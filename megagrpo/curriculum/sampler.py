@@ -233,10 +233,19 @@ class CurriculumSampler:
     def _answer_classes(self) -> np.ndarray:
         """``[n]`` class id of each problem's gold answer (``curriculum.balance_answers``)."""
         ids: dict[tuple[str, ...], int] = {}
-        return np.asarray(
+        classes = np.asarray(
             [ids.setdefault(tuple(sorted(p.answer)), len(ids)) for p in self.problems],
             dtype=np.int64,
         )
+        if len(ids) > len(self.problems) // 2:
+            log.warning(
+                "curriculum.balance_answers: %d distinct gold answers among %d problems "
+                "(free-form answers?): a round holds nearly every problem, so it balances "
+                "nothing; it is meant for a few answer letters",
+                len(ids),
+                len(self.problems),
+            )
+        return classes
 
     # ------------------------------------------------------------------ drawing
 

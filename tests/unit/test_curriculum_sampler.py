@@ -207,6 +207,17 @@ def test_balance_answers_deals_one_gold_of_each_letter_per_round():
     assert keys[9:] == ["a", "a", "a"]
 
 
+def test_balance_answers_warns_when_the_answers_are_free_form(caplog):
+    probs = _lettered([[str(i)] for i in range(20)])  # every answer its own class
+    with caplog.at_level("WARNING", logger="megagrpo.curriculum.sampler"):
+        CurriculumSampler(probs, CurriculumConfig(balance_answers=True))
+    assert "20 distinct gold answers among 20 problems" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megagrpo.curriculum.sampler"):
+        CurriculumSampler(_lettered("abcd" * 5), CurriculumConfig(balance_answers=True))
+    assert "balance_answers" not in caplog.text
+
+
 def test_balance_answers_resumes_exactly_and_refuses_a_switched_order():
     probs = _lettered("abcd" * 20)
     cfg = CurriculumConfig(seed=2, balance_answers=True, retire_streak=0)
