@@ -56,6 +56,13 @@ class LossConfig:
     less than the wrong ones pull, which slows the policy's sharpening onto the answers it
     already gives (entropy collapse; on multiple choice, one letter for every question).
     Applied to every advantage the loss sees, after ``advantage_scale``."""
+    overlong_filter: bool = False
+    """Truncated completions (finish reason ``length``: stopped at ``rollout.max_tokens``)
+    carry no loss: their tokens are masked out of the policy loss and the KL term, as
+    ms-swift's ``--overlong_filter`` (DAPO's overlong filtering) masks ``completion_mask``.
+    They still count in the normalisers, as in ms-swift (the loss is divided by the
+    unfiltered tokens or sequences), and in every reward, collapse and length metric
+    (``train/overlong_filtered``: the share of the step's completions left out)."""
     tis_cap: float = 0.0
     """Truncated importance sampling for rollout/trainer mismatch: each token's loss is weighted
     by min(exp(old_logprob - rollout_logprob), tis_cap); 0 disables it."""

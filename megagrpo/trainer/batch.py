@@ -49,6 +49,9 @@ class Sample:
     """The engine's experts ``[L - 1, num_layers, top_k]`` int16 (None: none returned)."""
     weight: float | None = None
     """Sequence weight in the loss aggregation (``loss.group_weighting: group``); None: 1."""
+    excluded: bool = False
+    """Truncated and ``loss.overlong_filter``: no loss token, still counted in the batch's
+    normalisers (ms-swift masks it out of ``completion_mask`` in the loss only)."""
 
     @property
     def length(self) -> int:
@@ -80,6 +83,10 @@ class MicroBatch:
     """``[B, T]`` bool: positions the engine fed through the model (0 .. L-2 per sample)."""
     seq_weights: torch.Tensor | None = None
     """[B] sequence weights of the loss aggregation (None: every sequence weighs 1)."""
+    filtered_tokens: int = 0
+    """Completion tokens of its samples the overlong filter took out of ``mask``."""
+    filtered_nonempty: int = 0
+    """Its non-empty samples the overlong filter took out of ``mask`` entirely."""
 
     @property
     def num_seqs(self) -> int:
@@ -116,6 +123,8 @@ class MicroBatch:
             routing=None if self.routing is None else self.routing.to(device),
             routing_valid=None if self.routing_valid is None else self.routing_valid.to(device),
             seq_weights=None if self.seq_weights is None else self.seq_weights.to(device),
+            filtered_tokens=self.filtered_tokens,
+            filtered_nonempty=self.filtered_nonempty,
         )
 
 
@@ -148,10 +157,12 @@ def build_samples(
     groups: Sequence[Group],
     advantages: torch.Tensor | Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor] | None = None,
+    overlong_filter: bool = False,
 ) -> list[Sample]:
     """One :class:`Sample` per completion; ``advantages``: one row per group (``[N, G]``, or
     one ``[G_n]`` tensor per group when sizes differ); ``weights``: optional per-group
-    sequence weights ``[G_n]`` (:attr:`Sample.weight`)."""
+    sequence weights ``[G_n]`` (:attr:`Sample.weight`); ``overlong_filter``: completions
+    that stopped at the length limit (finish reason ``length``) are :attr:`Sample.excluded`."""
     samples = []
     for n, group in enumerate(groups):
         if not group.prompt_ids:
@@ -168,6 +179,9 @@ def build_samples(
                     len(samples),
                     group.routing[g] if group.routing else None,
                     None if weights is None else float(weights[n][g]),
+                    overlong_filter
+                    and g < len(group.finish_reasons)
+                    and group.finish_reasons[g] == "length",
                 )
             )
     return samples
@@ -185,7 +199,7 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         input_ids[i, : s.length] = ids
         target[i, : s.length - 1] = ids[1:]
         lo, hi = s.prompt_len - 1, s.length - 1  # positions predicting completion tokens
-        mask[i, lo:hi] = 1.0
+        mask[i, lo:hi] = 0.0 if s.excluded else 1.0
         adv[i, lo:hi] = s.advantage
         if len(s.rollout_logprobs) == hi - lo:
             rollout[i, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
@@ -202,7 +216,15 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         routing=routing,
         routing_valid=valid,
         seq_weights=_seq_weights(samples),
+        filtered_tokens=_filtered(samples)[0],
+        filtered_nonempty=_filtered(samples)[1],
     )
+
+
+def _filtered(samples: Sequence[Sample]) -> tuple[int, int]:
+    """``(filtered_tokens, filtered_nonempty)`` of the overlong-filtered ``samples``."""
+    out = [s.length - s.prompt_len for s in samples if s.excluded]
+    return sum(out), sum(1 for n in out if n > 0)
 
 
 def _seq_weights(samples: Sequence[Sample]) -> torch.Tensor | None:
@@ -269,6 +291,8 @@ def _pad(mb: MicroBatch, extra: int, pad_id: int) -> MicroBatch:
         routing=None if mb.routing is None else pad_routing(mb.routing, extra),
         routing_valid=None if mb.routing_valid is None else right(mb.routing_valid, False),
         seq_weights=mb.seq_weights,
+        filtered_tokens=mb.filtered_tokens,
+        filtered_nonempty=mb.filtered_nonempty,
     )
 
 
@@ -366,7 +390,7 @@ def _packed_row(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int) ->
         ids[o : o + n] = x
         target[o : o + n - 1] = x[1:]
         lo, hi = o + s.prompt_len - 1, o + n - 1  # positions predicting completion tokens
-        mask[lo:hi] = 1.0
+        mask[lo:hi] = 0.0 if s.excluded else 1.0
         adv[lo:hi] = s.advantage
         if len(s.rollout_logprobs) == hi - lo:
             rollout[lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
@@ -385,6 +409,8 @@ def _packed_row(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int) ->
         cu_seqlens=cu_t,
         seq_ids=seq[None],
         seq_weights=_seq_weights(samples),
+        filtered_tokens=_filtered(samples)[0],
+        filtered_nonempty=_filtered(samples)[1],
     )
 
 

@@ -36,14 +36,24 @@ class TrainerConfig:
     output_dir: str = "runs"
     """Parent directory of run directories."""
     max_steps: int = 10
-    """Optimiser steps (GRPO steps) of the whole run."""
+    """Optimiser steps of the whole run (ms-swift's ``max_steps`` / ``train_iters``): one
+    metrics row each. A batch is generated every ``mini_batches x ppo_epochs`` of them."""
     batch_groups: int = 8
-    """Groups (problems) per training batch (B); each group holds rollout.group_size answers."""
+    """Groups (problems) per generated batch (B); each group holds rollout.group_size
+    answers. Each optimiser step trains ``batch_groups / mini_batches`` of them."""
+    mini_batches: int = 1
+    """Optimiser steps per pass over a generated batch (ms-swift's ``steps_per_generation``):
+    the batch is split into this many mini-batches of consecutive groups, each one optimiser
+    step; behaviour (old) and reference log-probs of every mini-batch are computed before the
+    first update, so the later mini-batches train off-policy and the clipped ratio bounds
+    how far they move. Must divide ``batch_groups``."""
     micro_batch_size: int = 4
     """Sequences per forward/backward micro-batch: activation memory is bounded by this and
     rollout.max_tokens, never by the batch size (gradients accumulate over micro-batches)."""
     ppo_epochs: int = 1
-    """Optimiser updates per generated batch (>1 needs old log-probs: recomputed)."""
+    """Passes over each generated batch (ms-swift's ``num_iterations``, the GRPO paper's
+    mu): ``mini_batches x ppo_epochs`` optimiser steps per generated batch, each counted in
+    ``max_steps`` (>1 needs old log-probs: recomputed)."""
     old_logprobs: Literal["auto", "rollout", "recompute", "none"] = "recompute"
     """recompute | rollout | auto | none. Behaviour log-probs for the ratio. recompute (the
     default, as ms-swift, verl and NeMo-RL): a trainer forward before the update, so an
@@ -68,8 +78,8 @@ class TrainerConfig:
     """Warm-up as a fraction of the optimiser steps (ms-swift's warmup_ratio); the larger of
     this and ``warmup_steps`` applies."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """constant | linear | cosine: the learning rate after warm-up, over max_steps x
-    ppo_epochs optimiser steps, from ``lr`` down to ``min_lr`` (transformers' schedulers).
+    """constant | linear | cosine: the learning rate after warm-up, over the max_steps
+    optimiser steps, from ``lr`` down to ``min_lr`` (transformers' schedulers).
     ms-swift's default is cosine; constant keeps early and late steps equally weighted."""
     min_lr: float = 0.0
     """Floor of the linear / cosine decay (ms-swift / Megatron ``min_lr``)."""
@@ -132,14 +142,19 @@ class TrainerConfig:
     @property
     def num_warmup_steps(self) -> int:
         """Warm-up optimiser steps: ``warmup_steps`` or ``warmup_ratio`` of all of them."""
-        total = self.max_steps * self.ppo_epochs
-        return max(self.warmup_steps, math.ceil(self.warmup_ratio * total))
+        return max(self.warmup_steps, math.ceil(self.warmup_ratio * self.max_steps))
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimiser steps per generated batch: ``mini_batches x ppo_epochs``."""
+        return self.mini_batches * self.ppo_epochs
 
     def resolved_old_logprobs(self, engine_has_logprobs: bool = True) -> str:
         """The behaviour log-prob source actually used (see ``old_logprobs``)."""
         if self.old_logprobs != "auto":
             return self.old_logprobs
-        return "recompute" if self.ppo_epochs > 1 or not engine_has_logprobs else "rollout"
+        several = self.updates_per_batch > 1
+        return "recompute" if several or not engine_has_logprobs else "rollout"
 
     def validate(self, path: str = "trainer") -> None:
         """Check values; raises ConfigError naming the key."""
@@ -155,11 +170,19 @@ class TrainerConfig:
         require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")
         require(self.micro_batch_size >= 1, f"{path}.micro_batch_size", "must be >= 1")
         require(self.ppo_epochs >= 1, f"{path}.ppo_epochs", "must be >= 1")
+        require(
+            1 <= self.mini_batches <= self.batch_groups
+            and self.batch_groups % self.mini_batches == 0,
+            f"{path}.mini_batches",
+            f"must divide batch_groups={self.batch_groups} (got {self.mini_batches}): each "
+            "optimiser step trains batch_groups / mini_batches groups",
+        )
         require_choice(self, "old_logprobs", path)
         require(
-            not (self.ppo_epochs > 1 and self.old_logprobs in ("none", "rollout")),
+            not (self.updates_per_batch > 1 and self.old_logprobs in ("none", "rollout")),
             f"{path}.old_logprobs",
-            "ppo_epochs > 1 needs 'recompute' (or 'auto')",
+            "several optimiser steps per generated batch (ppo_epochs or mini_batches > 1) "
+            "need 'recompute' (or 'auto'): the old log-probs are those before the first step",
         )
 
         for key in ("lr", "weight_decay", "grad_clip"):

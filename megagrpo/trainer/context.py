@@ -32,6 +32,7 @@ from megagrpo.types import Problem
 
 if TYPE_CHECKING:
     from megagrpo.curriculum.rounds import Rounds
+    from megagrpo.trainer.minibatch import Generated
     from megagrpo.trainer.partial import PartialRollouts
     from megagrpo.trainer.rollouts import Rollouts
 
@@ -190,9 +191,16 @@ class TrainContext:
     nonfinite_streak: int = 0
     """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
     stopped_by: str | None = None
+    """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
     partial: PartialRollouts | None = None
     """The carried completions of partial rollouts (``rollout.partial.enabled``); None: off."""
-    """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
+    generated: Generated | None = None
+    """The generated batch whose mini-batches the next steps train (None: the next step
+    generates; :mod:`megagrpo.trainer.minibatch`)."""
+    engines_awake: bool = True
+    """False from the engines' sleep before an update until they wake (phase 6)."""
+    engines_stale: bool = False
+    """An update changed the weights since the engines' last sync."""
     run_lock: Any = None
     """Rank 0: the run directory's lock (:mod:`megagrpo.trainer.runlock`), released at the
     end of the run; None elsewhere."""

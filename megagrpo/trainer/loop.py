@@ -2,10 +2,15 @@
 
     1-2. draw problems -> generate G answers each + rewards, in rounds of bounded dynamic
          sampling (the trainer generates, the curriculum decides: :func:`collect_batch`)
-    3.   group advantages                 4. engines sleep (when a sync follows)
+    3.   group advantages                 4. engines sleep (before the first update)
     5.   Megatron fwd/bwd with the fused loss over micro-batches -> optimiser step on LoRA
     6.   verified weight sync (engines wake in stages)  7. evaluation
     8.   metrics row                                  9. checkpoint
+
+One step is one optimiser step. Phases 1-3 run every ``trainer.mini_batches x ppo_epochs``
+steps: each step trains one mini-batch of the generated batch
+(:mod:`megagrpo.trainer.minibatch`), and phase 6 runs when the engines are needed next (the
+next step generates, an evaluation, the end). With the defaults (1 x 1) every step does all.
 
 Where generation runs (rank 0, or every rank's engine replica) is hidden by
 ``ctx.rollouts`` (:mod:`megagrpo.trainer.rollouts`); the samplers are replicated, so every rank
@@ -35,7 +40,8 @@ from megagrpo.metrics.answers import answer_bias_warning
 from megagrpo.metrics.names import group_std_mean, required_metrics, swift_aliases
 from megagrpo.rewards.answers import answer_bias
 from megagrpo.trainer.context import TrainContext
-from megagrpo.trainer.optimize import stop_on_nonfinite, train_on_batch
+from megagrpo.trainer.minibatch import new_batch, train_next
+from megagrpo.trainer.optimize import stop_on_nonfinite
 from megagrpo.trainer.rollouts import evaluate, round_seed
 from megagrpo.trainer.separate import overlap_metrics, submit_ahead, take_ahead
 from megagrpo.trainer.signals import StopSignals
@@ -156,32 +162,52 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
     return out
 
 
-def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
-    """Run GRPO step ``step`` (1-based) and return its metrics row."""
-    ctx.timings, ctx.intervals = {}, {}
-    t0 = time.perf_counter()
-    ctx.reward_fn.begin_step(step, ctx.cfg.trainer.max_steps)  # trainer_state for ORM plugins
+def generate_batch(ctx: TrainContext, step: int) -> tuple[dict[str, float], GenStats]:
+    """Phases 1-3 (every ``mini_batches x ppo_epochs`` steps): generate and score the batch,
+    its group advantages, the completions log; ``ctx.generated`` holds it for the optimiser
+    steps on it (:mod:`megagrpo.trainer.minibatch`). Returns its metrics and generation."""
     with ctx.timed("gen"):  # 1-2: problems -> rollouts -> rewards, dynamic sampling
         ctx.offload.for_generation()  # frozen weights + moments on the host (if configured)
         batch, gen = collect_batch(ctx, step)
     adv = compute_advantages(ctx, batch.groups)  # 3
     if ctx.completions is not None:  # what was trained on: rewards, advantages (rank 0)
         ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of, advantages=adv)
-    trained = len(batch.groups) > 0
-    submit_ahead(ctx, step)  # separate ranks, one step ahead: the engine generates step + 1
-    if trained:  # 4: free the engines' memory for training (the sync wakes them in stages)
+    ctx.generated = new_batch(ctx, step, batch.groups, adv)
+    metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen)}
+    metrics.update(effective_metrics(gen, adv))
+    metrics.update(overlong_metrics(ctx, batch.groups))
+    return metrics, gen
+
+
+def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
+    """Run optimiser step ``step`` (1-based) and return its metrics row. A batch is generated
+    at the first step on it; each step trains one of its mini-batches."""
+    ctx.timings, ctx.intervals = {}, {}
+    t0 = time.perf_counter()
+    ctx.reward_fn.begin_step(step, ctx.cfg.trainer.max_steps)  # trainer_state for ORM plugins
+    metrics, gen = generate_batch(ctx, step) if ctx.generated is None else ({}, GenStats())
+    gb = ctx.generated
+    assert gb is not None
+    if gb.is_last:  # separate ranks, one step ahead: the engine generates the next batch
+        submit_ahead(ctx, step)
+    groups = gb.current_groups()
+    trained = len(groups) > 0
+    if trained and ctx.engines_awake:  # 4: free the engines' memory for training
         ctx.rollouts.sleep()
         ctx.offload.for_training()
-    with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + LoRA optimiser step
-        losses = train_on_batch(ctx, batch.groups, adv) if trained else {}
-    updated = losses.get("train/optimizer_steps", 0.0) > 0  # none: empty or non-finite
-    with ctx.timed("sync"):  # 6: verified weight sync (the engines wake in stages)
-        sync = sync_weights(ctx) if updated else _no_sync(ctx, slept=trained)
+        ctx.engines_awake = False
+    with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + one LoRA optimiser step
+        losses = train_next(ctx, gb) if trained else gb.position()
+    ctx.engines_stale |= losses.get("train/optimizer_steps", 0.0) > 0  # none: non-finite
+    gb.done += 1
+    ctx.generated = gb if gb.done < gb.total else None  # the next step generates when None
+    eval_due = _due(step, ctx.cfg.trainer.eval_every, ctx.cfg.trainer.max_steps)
+    due = ctx.generated is None or eval_due or step == ctx.cfg.trainer.max_steps
+    with ctx.timed("sync"):  # 6: verified weight sync before the engines generate again
+        sync = wake_engines(ctx) if due else {"perf/sync_bytes": 0.0}
     ctx.step = step
     step_s = time.perf_counter() - t0
-    metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen), **losses, **sync}
-    metrics.update(effective_metrics(gen, adv))
-    metrics.update(_perf(ctx, gen, step_s))
+    metrics.update({**losses, **sync, **_perf(ctx, gen, step_s)})
     metrics.update(overlap_metrics(ctx, step_s))  # placement separate: perf/overlap_frac
     metrics.update(ctx.offload.pop_metrics())
     metrics.update(ctx.sampler.metrics())
@@ -189,13 +215,13 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     metrics["train/skipped_empty_batch"] = float(not trained)
     metrics["train/skipped_nonfinite"] = losses.get("train/skipped_nonfinite", 0.0)
     metrics.update(ctx.data_metrics)
-    if _due(step, ctx.cfg.trainer.eval_every, ctx.cfg.trainer.max_steps):  # 7: evaluation
+    if eval_due:  # 7: evaluation
         metrics.update(evaluate(ctx.rollouts, ctx.eval_problems, ctx.cfg.trainer.seed, step))
     row = complete_row(ctx, metrics)
     if ctx.comm.is_main and (bias := answer_bias_warning(row)):
         log.warning("step %d: %s", step, bias)
     if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
-        num = sum(g.size for g in batch.groups)
+        num = sum(g.size for g in gb.groups)  # the reward statistics' population
         scale = ctx.cfg.loss.resolved_advantage_scale()
         row.update(swift_aliases(row, ctx.reward_fn.names, num, scale))
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
@@ -203,6 +229,29 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)
         save_checkpoint(ctx, step)
     return row
+
+
+def overlong_metrics(ctx: TrainContext, groups: list[Group]) -> dict[str, float]:
+    """``train/overlong_filtered``: the share of the batch's completions that stopped at the
+    length limit and carry no loss (``loss.overlong_filter``); {} when the filter is off."""
+    if not ctx.cfg.loss.overlong_filter:
+        return {}
+    reasons = [r for g in groups for r in g.finish_reasons]
+    return {"train/overlong_filtered": reasons.count("length") / max(len(reasons), 1)}
+
+
+def wake_engines(ctx: TrainContext) -> dict[str, float]:
+    """Phase 6, when the engines are needed next (a generation or an evaluation follows, or
+    the run ends): a verified weight sync when an update changed the weights since the last
+    one (the engines wake in stages), else the engines wake as they were (:func:`_no_sync`).
+    Between two mini-batches of one generated batch nothing is synced."""
+    if ctx.engines_awake:
+        return {"perf/sync_bytes": 0.0}
+    ctx.engines_awake = True
+    if ctx.engines_stale:
+        ctx.engines_stale = False
+        return sync_weights(ctx)
+    return _no_sync(ctx, slept=True)
 
 
 def _no_sync(ctx: TrainContext, slept: bool) -> dict[str, float]:

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -91,12 +92,14 @@ def build_micro_batches(
     pad_to_multiple: int = 1,
     pack_tokens: int = 0,
     weights: Sequence[torch.Tensor] | None = None,
+    overlong_filter: bool = False,
 ) -> list[MicroBatch]:
     """Micro-batches of ``groups`` (advantage rows ``adv``, one per group; optional sequence
     ``weights``, one row per group) on ``device``: padded, of ``micro_batch_size`` samples,
     or packed rows of at most ``pack_tokens`` tokens; ``pad_to_multiple``: sequence
-    parallelism needs T % TP == 0."""
-    samples = build_samples(groups, adv, weights)
+    parallelism needs T % TP == 0; ``overlong_filter``: truncated completions carry no loss
+    token (``loss.overlong_filter``)."""
+    samples = build_samples(groups, adv, weights, overlong_filter)
     if pack_tokens:
         mbs = pack_samples(samples, pack_tokens, pad_id, pad_to_multiple)
     else:
@@ -302,32 +305,48 @@ def _weighted_mass(ctx: TrainContext, mbs: list[MicroBatch], agg: str) -> float:
 
 def reuses_training_forward(cfg: RunConfig) -> bool:
     """True when recomputed old log-probs need no forward of their own: one optimiser update
-    per batch (``ppo_epochs`` 1), no LoRA dropout (the training forward then equals the
-    scoring forward) and no r2 routing replay (which records the old forward's routing).
-    The training forward's detached log-probs are then the behaviour log-probs: the weights
-    are those a separate forward would have used, so the ratio is 1 as with ``recompute``,
-    the importance weights against the engine are the same, and a forward is saved.
-    Megatron's other training-mode differences do not apply to the models we build: the
-    provider sets no sinkhorn routing and no router input jitter, and full recompute leaves
-    values unchanged."""
+    per generated batch (``trainer.mini_batches`` and ``ppo_epochs`` 1), no LoRA dropout (the
+    training forward then equals the scoring forward) and no r2 routing replay (which records
+    the old forward's routing). The training forward's detached log-probs are then the
+    behaviour log-probs: the weights are those a separate forward would have used, so the
+    ratio is 1 as with ``recompute``, the importance weights against the engine are the same,
+    and a forward is saved. Megatron's other training-mode differences do not apply to the
+    models we build: the provider sets no sinkhorn routing and no router input jitter, and
+    full recompute leaves values unchanged."""
     return (
-        cfg.trainer.ppo_epochs == 1
+        cfg.trainer.updates_per_batch == 1
         and cfg.model.lora.dropout == 0
         and cfg.model.routing_replay != "r2"
     )
 
 
-def train_on_batch(
-    ctx: TrainContext, groups: list[Group], adv: Sequence[torch.Tensor]
-) -> dict[str, float]:
-    """Forward/backward over micro-batches, then ``ppo_epochs`` optimiser steps on LoRA.
+@dataclass
+class Update:
+    """This rank's share of one optimiser step: the micro-batches of one mini-batch of a
+    generated batch, the batch totals their weights divide by, and the behaviour (``old``)
+    and reference log-probs, one ``[B, T]`` per micro-batch, computed before the generated
+    batch's first update (:func:`behaviour_logprobs`)."""
 
-    Args:
-        groups: the batch (every rank holds all of it); adv: advantages, one row ``[G_n]``
-            per group (an ``[N, G]`` tensor works too).
-    Returns:
-        ``loss/*`` metrics (averaged over data-parallel ranks), ``train/grad_norm``, ``train/lr``.
-    """
+    mbs: list[MicroBatch]
+    totals: BatchTotals
+    source: str
+    """The resolved ``trainer.old_logprobs``."""
+    plan: ReplayPlan | None
+    reused: bool
+    """Old log-probs = the training forward's own (detached): :func:`reuses_training_forward`."""
+    probe: bool
+    old: list | None = None
+    ref: list | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+    """``train/logprob_mismatch*`` measured when the old log-probs were recomputed."""
+
+
+def prepare_update(
+    ctx: TrainContext, groups: list[Group], adv: Sequence[torch.Tensor], reuse: bool
+) -> Update:
+    """Micro-batches and totals of one optimiser step on ``groups`` (every rank holds all of
+    them; this rank trains its round-robin share). Collective over data-parallel ranks.
+    ``reuse``: one update per generated batch (:func:`reuses_training_forward`)."""
     tcfg, pgs = ctx.cfg.trainer, ctx.pgs
     mine, my_adv = local_share(groups, adv, pgs.dp_rank, pgs.dp_size)
     weights = group_seq_weights(groups, ctx.cfg.loss.group_weighting)
@@ -342,18 +361,23 @@ def train_on_batch(
         pad_to,
         tcfg.pack_tokens,
         my_w,
+        overlong_filter=ctx.cfg.loss.overlong_filter,
     )
     mbs = equalize_micro_batches(mbs, ctx.comm, pgs, ctx.pad_id)
     # Totals over the whole batch (all DP ranks): DP grad sync averages, so scale by dp_size.
+    # Completions the overlong filter left out of the loss still count (ms-swift's masks).
     agg = ctx.cfg.loss.resolved_loss_agg()
     totals = BatchTotals(
         seqs=ctx.comm.sum_over(sum(mb.num_seqs for mb in mbs), pgs.dp) / pgs.dp_size,
-        nonempty=ctx.comm.sum_over(sum(mb.num_nonempty for mb in mbs), pgs.dp) / pgs.dp_size,
-        tokens=ctx.comm.sum_over(sum(mb.num_tokens for mb in mbs), pgs.dp) / pgs.dp_size,
+        nonempty=ctx.comm.sum_over(
+            sum(mb.num_nonempty + mb.filtered_nonempty for mb in mbs), pgs.dp
+        )
+        / pgs.dp_size,
+        tokens=ctx.comm.sum_over(sum(mb.num_tokens + mb.filtered_tokens for mb in mbs), pgs.dp)
+        / pgs.dp_size,
         mass=_weighted_mass(ctx, mbs, agg) if weights is not None else 0.0,
     )
     source = tcfg.resolved_old_logprobs(has_rollout_logprobs(groups))
-    temperature = ctx.cfg.rollout.logprob_temperature()  # the engines' log-probs are of it too
     plan = step_plan(
         ctx.cfg.model.routing_replay,
         [(mb.routing, mb.routing_valid) for mb in mbs],
@@ -361,54 +385,65 @@ def train_on_batch(
         old_source=source,
         measurable=pgs.pp_size == 1 and not tcfg.pack_tokens,  # replay refused at load time
     )
-    old = None
-    extra: dict[str, float] = {}
-    reused = source == "recompute" and reuses_training_forward(ctx.cfg)
+    reused = source == "recompute" and reuse
     probe = reused and has_rollout_logprobs(groups)  # old = logp.detach() in the loss
-    if source == "recompute" and not reused:
+    return Update(mbs, totals, source, plan, reused, probe)
+
+
+def behaviour_logprobs(ctx: TrainContext, u: Update, engine_logprobs: bool) -> None:
+    """Fill ``u.old`` (recomputed, or the engine's) and ``u.ref`` (the frozen base, when
+    ``loss.kl_coef`` > 0) under the current weights: before the generated batch's first
+    update. ``engine_logprobs``: every completion carries the engine's log-probs (then the
+    recomputed ones are compared with them: ``train/logprob_mismatch``)."""
+    temperature = ctx.cfg.rollout.logprob_temperature()  # the engines' log-probs are of it too
+    if u.source == "recompute" and not u.reused:
         with ctx.timed("train/old_logprobs"):
-            old = policy_logprobs(
-                ctx.policy, mbs, ctx.cfg.loss, ctx.tp_group, plan=plan, temperature=temperature
+            u.old = policy_logprobs(
+                ctx.policy, u.mbs, ctx.cfg.loss, ctx.tp_group, plan=u.plan, temperature=temperature
             )
-        if has_rollout_logprobs(groups):
+        if engine_logprobs:
             with ctx.timed("train/checks"):
-                extra = logprob_mismatch(ctx, old, mbs)
-    elif source == "rollout":
-        old = [mb.rollout_logprobs for mb in mbs]
-    ref = None
+                u.extra = logprob_mismatch(ctx, u.old, u.mbs)
+    elif u.source == "rollout":
+        u.old = [mb.rollout_logprobs for mb in u.mbs]
     if ctx.cfg.loss.kl_coef > 0:
         with ctx.timed("train/ref_logprobs"):
-            ref = policy_logprobs(
+            u.ref = policy_logprobs(
                 ctx.policy,
-                mbs,
+                u.mbs,
                 ctx.cfg.loss,
                 ctx.tp_group,
                 base_only=True,
-                plan=plan,
+                plan=u.plan,
                 temperature=temperature,
             )
-    sums: dict[str, float] = {}
-    grad_norm, steps, skipped = 0.0, 0, False
-    for _ in range(tcfg.ppo_epochs):
+
+
+def optimizer_step(ctx: TrainContext, u: Update) -> dict[str, float]:
+    """One forward/backward over ``u``'s micro-batches and one optimiser (and scheduler) step
+    on LoRA, skipped on every rank when the loss or gradient norm is non-finite anywhere.
+    Returns ``loss/*`` (averaged over data-parallel ranks), ``train/grad_norm``,
+    ``train/lr``, ``train/optimizer_steps`` (1, or 0 when skipped) ..."""
+    tcfg, pgs = ctx.cfg.trainer, ctx.pgs
+    ctx.optimizer.zero_grad(set_to_none=True)
+    with ctx.timed("train/fwd_bwd"):
+        sums = _backward_pass(ctx, u.mbs, u.old, u.ref, u.totals, u.plan, u.probe)
+    with ctx.timed("train/optim"):
+        ctx.policy.finish_grad_sync()
+        grad_norm = clip_grad_norm(
+            ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
+        )
+    with ctx.timed("train/checks"):
+        skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
+    if skipped:  # nothing of this update may reach the weights or the Adam moments
         ctx.optimizer.zero_grad(set_to_none=True)
-        with ctx.timed("train/fwd_bwd"):
-            sums = _backward_pass(ctx, mbs, old, ref, totals, plan, probe)
-        with ctx.timed("train/optim"):
-            ctx.policy.finish_grad_sync()
-            grad_norm = clip_grad_norm(
-                ctx.policy.grad_norm_params(), ctx.policy.lora_parameters(), pgs, tcfg.grad_clip
-            )
-        with ctx.timed("train/checks"):
-            skipped = not finite_everywhere(ctx.comm, sums.get("loss/total", 0.0), grad_norm)
-        if skipped:  # nothing of this update may reach the weights or the Adam moments
-            ctx.optimizer.zero_grad(set_to_none=True)
-            break
+    else:
         with ctx.timed("train/optim"):
             ctx.optimizer.step()
             if ctx.scheduler is not None:
                 ctx.scheduler.step()
-        steps += 1
-    if probe:
+    extra = dict(u.extra)
+    if u.probe:
         with ctx.timed("train/checks"):
             extra = _mismatch_metrics(
                 ctx,
@@ -420,13 +455,42 @@ def train_on_batch(
     metrics = {k: sums.get(k, 0.0) for k in LOSS_METRICS} | sums
     metrics = ctx.comm.mean_over(metrics, pgs.dp)
     metrics["train/grad_norm"] = grad_norm
-    metrics["train/optimizer_steps"] = float(steps)
+    metrics["train/optimizer_steps"] = float(not skipped)
     metrics["train/skipped_nonfinite"] = float(skipped)
     metrics["train/lr"] = float(ctx.optimizer.param_groups[0]["lr"])
-    metrics["train/micro_batches"] = float(sum(1 for mb in mbs if mb.indices))
-    metrics["train/old_logprobs_" + source] = 1.0
-    metrics["train/old_logprobs_reused"] = float(reused)
-    return metrics | extra | ({} if plan is None else plan.metrics(ctx.comm.mean_over))
+    metrics["train/micro_batches"] = float(sum(1 for mb in u.mbs if mb.indices))
+    metrics["train/old_logprobs_" + u.source] = 1.0
+    metrics["train/old_logprobs_reused"] = float(u.reused)
+    if u.plan is not None:
+        extra |= u.plan.metrics(ctx.comm.mean_over)
+        u.plan.measured.clear()  # the next update of this mini-batch reports its own
+    return metrics | extra
+
+
+def train_on_batch(
+    ctx: TrainContext, groups: list[Group], adv: Sequence[torch.Tensor]
+) -> dict[str, float]:
+    """Forward/backward over micro-batches, then ``ppo_epochs`` optimiser steps on LoRA, all
+    on the whole of ``groups`` (one mini-batch; the loop splits a generated batch into
+    ``trainer.mini_batches`` of them: :mod:`megagrpo.trainer.minibatch`).
+
+    Args:
+        groups: the batch (every rank holds all of it); adv: advantages, one row ``[G_n]``
+            per group (an ``[N, G]`` tensor works too).
+    Returns:
+        the last update's metrics (:func:`optimizer_step`) with ``train/optimizer_steps``
+        counting the updates taken (a non-finite one stops the epochs).
+    """
+    u = prepare_update(ctx, groups, adv, reuse=ctx.cfg.trainer.ppo_epochs == 1)
+    behaviour_logprobs(ctx, u, has_rollout_logprobs(groups))
+    metrics: dict[str, float] = {}
+    steps = 0
+    for _ in range(ctx.cfg.trainer.ppo_epochs):
+        metrics = optimizer_step(ctx, u)
+        if metrics["train/skipped_nonfinite"]:
+            break
+        steps += 1
+    return metrics | {"train/optimizer_steps": float(steps)}
 
 
 def finite_everywhere(comm: Comm, loss: float, grad_norm: float) -> bool:

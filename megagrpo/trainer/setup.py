@@ -177,7 +177,7 @@ def lr_scheduler(
     transformers' schedulers (the ones ms-swift and TRL use); None: a constant rate."""
     from transformers import get_scheduler
 
-    warmup, total = tcfg.num_warmup_steps, tcfg.max_steps * tcfg.ppo_epochs
+    warmup, total = tcfg.num_warmup_steps, tcfg.max_steps  # optimiser steps
     if tcfg.lr_schedule == "constant":
         return get_scheduler("constant_with_warmup", opt, warmup) if warmup else None
     if tcfg.lr_schedule == "cosine":

@@ -14,6 +14,7 @@ from typing import Any
 
 from megagrpo.config.loader import written
 from megagrpo.errors import CheckpointError
+from megagrpo.trainer import minibatch
 from megagrpo.trainer.checkpoint import (
     LAYOUT_FREE,
     ResumePoint,
@@ -83,6 +84,9 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     }
     if ctx.partial is not None:
         trainer_state["partial"] = ctx.partial.state_dict()
+    if ctx.generated is not None:  # saved between two mini-batches of a generated batch
+        trainer_state["generated"] = minibatch.state_dict(ctx, ctx.generated)
+        rank_state["generated"] = minibatch.rank_state(ctx, ctx.generated)
     path = save(
         ctx.ckpt_root,
         step,
@@ -99,10 +103,10 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     return path
 
 
-def _restore_tensors(ctx: TrainContext, point: ResumePoint) -> tuple[dict, dict, dict | None]:
+def _restore_tensors(ctx: TrainContext, point: ResumePoint) -> tuple[dict, dict, dict | None, dict]:
     """Policy, optimiser and scheduler state of ``point``; returns ``(rng state of this rank
     or {}, trainer_state, the carried groups' routing or None when only rank 0's file holds
-    it)``."""
+    it, this rank's part of a generated batch saved between two of its mini-batches)``."""
     meta = checkpoint_meta(ctx.cfg)
     if not reshardable(point.manifest):
         rank_state, trainer_state = load(
@@ -113,7 +117,7 @@ def _restore_tensors(ctx: TrainContext, point: ResumePoint) -> tuple[dict, dict,
         if ctx.scheduler is not None and rank_state.get("scheduler"):
             ctx.scheduler.load_state_dict(rank_state["scheduler"])
         routing = rank_state.get("carry_routing") if ctx.comm.is_main else None
-        return rank_state["rng"], trainer_state, routing
+        return rank_state["rng"], trainer_state, routing, rank_state.get("generated") or {}
     states, trainer_state = load_resharded(point.path, rank=ctx.comm.rank, meta=meta)
     ctx.policy.load_lora_pieces([p for st in states for p in st["pieces"]], ctx.optimizer)
     for group, saved in zip(ctx.optimizer.param_groups, states[0].get("optimizer_groups") or []):
@@ -134,7 +138,21 @@ def _restore_tensors(ctx: TrainContext, point: ResumePoint) -> tuple[dict, dict,
             len(states),
         )
     mine = states[ctx.comm.rank] if ctx.comm.rank < len(states) else {}
-    return mine.get("rng") or {}, trainer_state, states[0].get("carry_routing") or {}
+    generated = dict(mine.get("generated") or {})
+    generated["routing"] = (states[0].get("generated") or {}).get("routing") or {}
+    return mine.get("rng") or {}, trainer_state, states[0].get("carry_routing") or {}, generated
+
+
+def _restore_generated(ctx: TrainContext, point: ResumePoint, state: dict, ranks: dict) -> None:
+    """The generated batch a checkpoint between two of its mini-batches holds (its engine
+    routing is in rank 0's file only)."""
+    routing = ranks.get("routing")
+    if routing is None:
+        rank0, _ = load(
+            point.path, rank=0, world_size=ctx.comm.world_size, meta=checkpoint_meta(ctx.cfg)
+        )
+        routing = (rank0.get("generated") or {}).get("routing") or {}
+    ctx.generated = minibatch.restore(ctx, state, ranks, routing, str(point.path))
 
 
 def _carry_routing_of_rank0(path: Path, world_size: int, cfg: RunConfig) -> dict[str, Any]:
@@ -150,7 +168,7 @@ def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
     ``trainer.lr`` / ``weight_decay`` / ``adam_betas`` is applied to the restored optimiser
     (its state would silently bring the old values back). The engines are synced by the
     caller."""
-    rng, trainer_state, routing = _restore_tensors(ctx, point)
+    rng, trainer_state, routing, generated = _restore_tensors(ctx, point)
     why = check_trainer_state(trainer_state, point.step, str(point.path), TRAINER_KEYS)
     if why:
         raise CheckpointError(why)
@@ -164,6 +182,8 @@ def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
     drop_foreign_carry(ctx.dynamic, ctx.cfg.rollout.group_size)
     if ctx.partial is not None:
         ctx.partial.load_state_dict(trainer_state.get("partial") or {})
+    if trainer_state.get("generated"):
+        _restore_generated(ctx, point, trainer_state["generated"], generated)
     if rng:
         set_rng_state(rng)
     ctx.step = ctx.saved_step = int(trainer_state["step"])

@@ -253,8 +253,9 @@ def test_resume_after_kill_matches_uninterrupted(full_run, tiny_moe_dir, repo_ro
 
 def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, repo_root):
     """kl_coef > 0: reference log-probs from the frozen base (adapters off); ppo_epochs = 2:
-    old log-probs recomputed by the trainer. At step 1 the LoRA B factors are zero, so the
-    first epoch is exactly on the reference (KL 0); the second epoch's KL is > 0."""
+    old log-probs recomputed by the trainer; max_steps 2 = the two optimiser steps on one
+    generated batch. At step 1 the LoRA B factors are zero, so the first epoch is exactly on
+    the reference (KL 0); the second epoch's KL is > 0."""
     extra = {"rollout": {"engine": "hf"}, "loss": {"kl_coef": 0.05}}
     cfg = write_config(
         tmp_path / "kl.yaml",
@@ -270,7 +271,8 @@ def test_kl_and_multiple_updates_recompute_old_logprobs(tiny_moe_dir, tmp_path, 
     run_train(cfg)
     rows = read_metrics(tmp_path / "kl" / "metrics.jsonl")
     assert rows[0]["train/old_logprobs_recompute"] == 1
-    assert rows[0]["loss/kl"] > 0 and rows[1]["loss/kl"] > 0
+    assert [r["train/epoch"] for r in rows] == [1, 2]
+    assert rows[0]["loss/kl"] == 0 and rows[1]["loss/kl"] > 0
     assert rows[0]["train/lr"] == pytest.approx(2e-2)
 
 
