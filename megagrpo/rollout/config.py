@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from megagrpo.errors import require, require_choice, require_finite
+
+if TYPE_CHECKING:
+    from megagrpo.rollout.sampling import SamplingParams
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -84,13 +87,25 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (which distribution log-probs are of: ``logprobs``)."""
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass (1: off)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 or -1: off; ms-swift's ``--top_k``)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` x the most likely one (0: off)."""
+    repetition_penalty: float = 1.0
+    """Divide the positive logits (multiply the others) of every token already in the
+    prompt or the completion by this (1: off). The order of all these is vLLM's
+    (:mod:`megagrpo.rollout.sampling`), on both engines."""
     logprobs: Literal["raw", "sampling"] = "raw"
     """Which policy the log-probs of the engines *and* the trainer are of: raw (the
     temperature-1 model: the policy that is trained, served and whose weight sync is
     verified; the default, and identical to sampling at temperature 1) | sampling (logits /
-    ``temperature``, as ms-swift and TRL compute training log-probs: the importance ratios are
-    then of the distribution that was actually sampled; needs top_p = 1)."""
+    ``temperature``, as ms-swift and TRL compute training log-probs). With top_p / top_k /
+    min_p / repetition_penalty the engines then report the log-probs of the processed
+    distribution they sampled from (vLLM's ``processed_logprobs``, which ms-swift requests)
+    while the trainer's stay of logits / temperature, as in ms-swift: the old log-probs are
+    recomputed by the trainer (the ratio is unaffected), ``train/logprob_mismatch`` and
+    truncated importance sampling see the truncation."""
     max_tokens: int = 512
     """Maximum completion length in tokens (longer ones stop with finish reason 'length')."""
     seed: int = 0
@@ -197,6 +212,20 @@ class RolloutConfig:
         """What the trainer divides logits by before log-probs (``logprobs``)."""
         return self.temperature if self.logprobs == "sampling" else 1.0
 
+    def sampling_params(
+        self, temperature: float | None = None, top_p: float | None = None
+    ) -> SamplingParams:
+        """The engines' sampling settings (a call's temperature / top_p override these)."""
+        from megagrpo.rollout.sampling import SamplingParams
+
+        return SamplingParams(
+            temperature=temperature or self.temperature,
+            top_p=top_p or self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+
     def validate(self, path: str = "rollout") -> None:
         """Check value ranges; raises ConfigError naming the key."""
         for key in ("engine", "logprobs", "dtype", "placement", "replicas", "load_format"):
@@ -219,13 +248,11 @@ class RolloutConfig:
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.temperature > 0, f"{path}.temperature", "must be > 0")
         require(0 < self.top_p <= 1, f"{path}.top_p", "must be in (0, 1]")
-        require(
-            self.logprobs == "raw" or self.top_p == 1.0,
-            f"{path}.logprobs",
-            "sampling log-probs are of logits / temperature; with top_p < 1 the sampled "
-            "distribution is also truncated, which the trainer's log-probs are not: set "
-            "rollout.top_p=1 or rollout.logprobs=raw",
-        )
+        require(self.top_k >= -1, f"{path}.top_k", "must be -1 or 0 (off), or >= 1")
+        for key in ("min_p", "repetition_penalty"):
+            require_finite(getattr(self, key), f"{path}.{key}")
+        require(0.0 <= self.min_p <= 1.0, f"{path}.min_p", "must be in [0, 1]")
+        require(self.repetition_penalty > 0, f"{path}.repetition_penalty", "must be > 0")
         require(self.max_tokens >= 1, f"{path}.max_tokens", "must be >= 1")
         require(
             self.max_model_len > self.max_tokens,

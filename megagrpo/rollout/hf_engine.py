@@ -2,7 +2,8 @@
 
 Slow (no paged KV cache, no continuous batching) but exact: it is also the reference the vLLM
 engine is tested against. Per-request seeds: a logits processor samples each row with its
-own ``torch.Generator`` (temperature, top-p) and hands ``generate`` a one-hot choice, so
+own ``torch.Generator`` (repetition penalty, temperature, min-p, top-k, top-p in vLLM's
+order: :mod:`megagrpo.rollout.sampling`) and hands ``generate`` a one-hot choice, so
 ``generate`` runs greedily over our samples; log-probs come from the raw logits
 (``rollout.logprobs=sampling``: from logits / temperature).
 """
@@ -37,6 +38,7 @@ from megagrpo.rollout.base import (
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter
 from megagrpo.rollout.routing import RoutingCapture, attach_routing, moe_routers
+from megagrpo.rollout.sampling import SamplingParams, process_logits
 from megagrpo.rollout.verify import (
     Key,
     Stats,
@@ -66,24 +68,41 @@ def sequence_logprobs(model, token_ids: Sequence[int]) -> list[float]:
 
 
 class _SeededSampler:
-    """Logits processor: sample row i with generator i; return a one-hot choice [B, V]."""
+    """Logits processor: sample row i with generator i from the processed logits
+    (:func:`megagrpo.rollout.sampling.process_logits`, vLLM's order); return a one-hot choice
+    [B, V]. Keeps each chosen token's log-prob under the processed distribution (float64):
+    ``rollout.logprobs=sampling`` with a truncating sampler reports those, as vLLM's
+    ``processed_logprobs``."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device) -> None:
+    def __init__(self, seeds: list[int], params: SamplingParams, prompts: list[list[int]], device):
         self.gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        self.temperature = temperature
-        self.top_p = top_p
+        self.params = params
+        self.prompts = prompts
+        self.seen: torch.Tensor | None = None
+        self.chosen_logprobs: list[torch.Tensor] = []
+
+    def _seen(self, scores: torch.Tensor) -> torch.Tensor | None:
+        if self.params.repetition_penalty == 1.0:
+            return None
+        if self.seen is None:  # the prompt's tokens (left padding excluded)
+            self.seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+            for i, row in enumerate(self.prompts):
+                self.seen[i, torch.tensor(row, dtype=torch.long, device=scores.device)] = True
+        return self.seen
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        if self.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > self.top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        seen = self._seen(scores)
+        logits = process_logits(scores.double(), seen, self.params)
+        probs = torch.softmax(logits, dim=-1).float()
         choice = torch.cat(
             [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.gens)]
         )
+        rows = torch.arange(len(choice), device=scores.device)
+        self.chosen_logprobs.append(torch.log_softmax(logits, -1)[rows, choice].cpu())
+        if seen is not None:
+            seen[rows, choice] = True
         out = torch.full_like(scores, float("-inf"))
-        out[torch.arange(len(choice)), choice] = 0.0
+        out[rows, choice] = 0.0
         return out
 
 
@@ -173,8 +192,7 @@ class HFEngine:
         self,
         rows: list[list[int]],
         seeds: list[int],
-        temperature: float,
-        top_p: float,
+        params: SamplingParams,
         max_tokens: int,
         routes: list | None = None,
     ) -> list[tuple[list[int], list[float], str]]:
@@ -189,7 +207,7 @@ class HFEngine:
             ids[i, width - len(r) :] = torch.tensor(r)
             mask[i, width - len(r) :] = 1
         dev = self.model.device
-        sampler = _SeededSampler(seeds, temperature, top_p, dev)
+        sampler = _SeededSampler(seeds, params, rows, dev)
         capture = self._capture() if routes is not None else None
         with capture or contextlib.nullcontext():
             out = self.model.generate(
@@ -209,8 +227,13 @@ class HFEngine:
         new = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, 1).double()  # [B, L, V], raw
         if self.cfg.logprobs == "sampling":  # the distribution sampled from (rollout.logprobs)
-            logits = logits / temperature
+            logits = logits / params.temperature
         logp = torch.log_softmax(logits, -1).cpu()
+        if self.cfg.logprobs == "sampling" and params.truncates:  # vLLM's processed_logprobs
+            chosen = torch.stack(sampler.chosen_logprobs, 1)  # [B, L]
+            logp = torch.zeros_like(logp).scatter_(
+                -1, new[:, : chosen.shape[1], None], chosen[..., None]
+            )
         results = []
         for i in range(len(rows)):
             toks, lps, finish = [], [], "length"
@@ -255,15 +278,11 @@ class HFEngine:
         )
         results = []
         routes: list | None = [] if self.returns_routing else None
+        params = cfg.sampling_params(s.temperature, s.top_p)
         try:
             for k in range(0, len(rows), MAX_ROWS):
                 results += self._generate_rows(
-                    rows[k : k + MAX_ROWS],
-                    seeds[k : k + MAX_ROWS],
-                    s.temperature or cfg.temperature,
-                    s.top_p or cfg.top_p,
-                    max_tokens,
-                    routes,
+                    rows[k : k + MAX_ROWS], seeds[k : k + MAX_ROWS], params, max_tokens, routes
                 )
         except torch.OutOfMemoryError as exc:
             raise EngineError(

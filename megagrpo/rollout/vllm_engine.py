@@ -289,6 +289,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         cfg = self.cfg
+        sp = cfg.sampling_params(s.temperature, s.top_p)  # (rollout.sampling's order is vLLM's)
         prompts: list[Any] = []
         params: list[Any] = []
         for j, (problem, ids, n) in enumerate(zip(problems, all_ids, counts)):
@@ -303,8 +304,11 @@ class VLLMEngine:
                 params.append(
                     SamplingParams(
                         n=1,
-                        temperature=s.temperature or cfg.temperature,
-                        top_p=s.top_p or cfg.top_p,
+                        temperature=sp.temperature,
+                        top_p=sp.top_p,
+                        top_k=sp.top_k,
+                        min_p=sp.min_p,
+                        repetition_penalty=sp.repetition_penalty,
                         max_tokens=min(s.max_tokens or cfg.max_tokens, room),
                         seed=request_seed(base, s.problem_offset + j, i),
                         logprobs=0,

@@ -474,7 +474,7 @@ def engine_kwargs(
         tensor_parallel_size=cfg.tensor_parallel_size,
         enforce_eager=True,
         disable_log_stats=True,
-        # processed: after temperature (top_p = 1 is required with rollout.logprobs=sampling)
+        # processed: of the distribution sampled from (penalty, temperature, min-p, top-k/p)
         logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs",
     )
     if cfg.load_format == "dummy":  # random weights: the trainer's first sync loads them

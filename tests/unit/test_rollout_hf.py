@@ -135,8 +135,8 @@ def test_config_validation():
     RolloutConfig().validate("rollout")
     with pytest.raises(ConfigError, match="rollout.logprobs"):
         RolloutConfig(logprobs="processed").validate("rollout")
-    with pytest.raises(ConfigError, match="rollout.logprobs.*top_p"):
-        RolloutConfig(logprobs="sampling", top_p=0.9).validate("rollout")
+    # sampling log-probs with a truncating sampler: ms-swift's setting (tests/unit/test_sampling.py)
+    RolloutConfig(logprobs="sampling", top_p=0.9).validate("rollout")
     with pytest.raises(ConfigError, match="rollout.engine"):
         RolloutConfig(engine="sglang").validate("rollout")
     with pytest.raises(ConfigError, match="rollout.max_model_len"):
@@ -182,10 +182,12 @@ def test_engine_error_messages_name_config_keys():
 
 def test_seeded_sampler_matches_temperature_top_p_distribution():
     from megagrpo.rollout.hf_engine import _SeededSampler
+    from megagrpo.rollout.sampling import SamplingParams
 
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     rows = 6000
-    sampler = _SeededSampler(list(range(rows)), temperature=0.7, top_p=0.8, device="cpu")
+    params = SamplingParams(temperature=0.7, top_p=0.8)
+    sampler = _SeededSampler(list(range(rows)), params, [[0]] * rows, device="cpu")
     chosen = sampler(None, logits.expand(rows, 4).clone()).argmax(-1)
     p = torch.softmax(logits / 0.7, -1)  # [0.745, 0.178, 0.087, 0.010]: top-p 0.8 keeps two
     keep = torch.tensor([1.0, 1.0, 0.0, 0.0])

