@@ -1,34 +1,39 @@
 """`megagrpo plan-memory CONFIG [key=value ...] [--hf-config FILE] [--gpus N] [--ladder]
-[--hw k=v] [--assume k=v] [--json]`: per-GPU memory of every phase (train, generate, sync,
-startup) of the config's layout on its cluster, and a per-phase step-time estimate, before
-renting GPUs. ``--gpus N`` prints the fastest layouts that fit N GPUs instead; ``--ladder`` the
+[--levels TEXT] [--hw k=v] [--assume k=v] [--json]`: per-GPU memory of every phase (train,
+generate, sync, startup) of the config's layout on its cluster, and a per-phase step-time
+estimate with its low / central / high bounds, before renting GPUs. ``--gpus N`` searches the
+layouts of N GPUs and prints the best runnable and the best unverified one; ``--ladder`` the
 step time with one throughput lever added per rung (:mod:`megagrpo.plan.ladder`).
 
-Every key the plan reads is the run config's own (overrides as for `megagrpo train`). What
-each line means: :mod:`megagrpo.plan.memory` and :mod:`megagrpo.plan.time`.
+Dynamic sampling is billed from the collapse simulation of `megagrpo plan` (the run's levels
+file, or ``--levels``; :mod:`megagrpo.plan.collapse`). Every layout goes through the
+compatibility gate (``megagrpo.trainer.compat``). Every key the plan reads is the run config's
+own (overrides as for `megagrpo train`). What each line means: :mod:`megagrpo.plan.memory` and
+:mod:`megagrpo.plan.time`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from typing import Any
 
 from megagrpo.config import load_config
-from megagrpo.plan.ladder import (
-    TARGET_STEP_S,
-    config_row,
-    format_ladder,
-    ladder,
-    runnable_ladder,
-)
+from megagrpo.errors import ConfigError
+from megagrpo.plan.collapse import billed, collapse_bill
+from megagrpo.plan.gate import Gate, Verdict, overrides_of, planner_unverified, settings_of
+from megagrpo.plan.ladder import ladder_report
 from megagrpo.plan.memory import hf_config_for
+from megagrpo.plan.report import format_ladder, format_plan, format_search
 from megagrpo.plan.scenario import (
     Assumptions,
     Hardware,
+    Scenario,
     parse_assignments,
     scenario_from_config,
 )
-from megagrpo.plan.search import format_plan, full_plan, search
+from megagrpo.plan.search import full_plan, search
 from megagrpo.trainer import compat
 from megagrpo.trainer.config import RunConfig
 
@@ -43,23 +48,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HF config.json of the model (default: model.hf_path/config.json)",
     )
-    parser.add_argument("--gpus", type=int, default=0, help="search layouts for N GPUs")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="search the layouts of N GPUs: the best runnable and the best unverified one",
+    )
     parser.add_argument(
         "--ladder",
         action="store_true",
-        help="step time per phase with FP8 rollout, streamed sync, partial rollouts and "
-        "one-step off-policy added in turn",
+        help="step time per phase with streamed sync, partial rollouts, vLLM TP 8 per node, "
+        "FP8 rollout and one-step off-policy added in turn",
+    )
+    parser.add_argument(
+        "--levels",
+        default=None,
+        metavar="L1=..,L2=..",
+        help="level histogram that dynamic sampling is billed from (default: "
+        "curriculum.levels_file; the article's when that file is not here)",
     )
     parser.add_argument("--hw", nargs="*", default=[], metavar="key=value", help="Hardware")
     parser.add_argument("--assume", nargs="*", default=[], metavar="key=value", help="Assumptions")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _replaced(obj: Any, dotted: list[str], value: Any) -> Any:
+    """``obj`` (a config dataclass) with the field at path ``dotted`` set to ``value``."""
+    head, rest = dotted[0], dotted[1:]
+    if not rest:
+        return dataclasses.replace(obj, **{head: value})
+    return dataclasses.replace(obj, **{head: _replaced(getattr(obj, head), rest, value)})
+
+
+def config_of(cfg: RunConfig, sc: Scenario) -> RunConfig:
+    """``cfg`` with every key a planned layout sets (:func:`megagrpo.plan.gate.settings_of`)."""
+    for key, value in settings_of(sc):
+        cfg = _replaced(cfg, key.split("."), value)
+    return cfg
+
+
+def make_gate(cfg: RunConfig, hf: dict) -> Gate:
+    """The compatibility gate (``megagrpo.trainer.compat.check_run``) on ``cfg`` with a
+    layout's keys, for the layout's GPUs; FP8 weights marked unverified on GPU."""
+
+    def gate(sc: Scenario) -> Verdict:
+        found = compat.check_run(config_of(cfg, sc), hf, world=sc.num_gpus)
+        refused = tuple(f"{v.rule.name} ({v.reason})" for v in found)
+        return Verdict(refused, planner_unverified(sc))
+
+    return gate
+
+
+def loads(config: str, overrides: list[str], sc: Scenario) -> str:
+    """'' when the config with a layout's overrides loads as `megagrpo train` loads it (the
+    trainer's own rules and the gate), else the loader's error."""
+    try:
+        load_config(RunConfig, [config], [*overrides, *overrides_of(sc)])
+    except ConfigError as exc:
+        return str(exc).splitlines()[0]
+    return ""
+
+
 def plan_run(cfg: RunConfig, hf: dict, **kw) -> dict:
-    """The full plan (memory per phase + step time) of a run config."""
+    """The full plan (memory per phase + step time, dynamic sampling billed: ``collapse``) of
+    a run config; ``levels``: a ``--levels`` histogram text."""
     a = kw.get("assumptions") or Assumptions()
     hw = kw.get("hardware") or Hardware()
-    return full_plan(scenario_from_config(cfg, hf), a, hw)
+    bill = collapse_bill(cfg, kw.get("levels"))
+    plan = full_plan(billed(scenario_from_config(cfg, hf), bill), a, hw)
+    plan["collapse"] = bill.as_dict()
+    return plan
+
+
+def _dump(obj: Any) -> str:
+    def default(o: Any) -> Any:
+        if isinstance(o, Scenario):
+            return None  # the overrides say it; the HF config would be repeated
+        return str(o)
+
+    return json.dumps(obj, default=default)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,28 +136,29 @@ def run(args: argparse.Namespace) -> int:
         compat.enforce(cfg, hf)
     a = parse_assignments(args.assume, Assumptions(), "--assume")
     hw = parse_assignments(args.hw, Hardware(), "--hw")
-    sc = scenario_from_config(cfg, hf)
+    bill = collapse_bill(cfg, args.levels)
+    sc = billed(scenario_from_config(cfg, hf), bill)
+    gate = make_gate(cfg, hf)
     if args.gpus:
-        best = search(sc, a, hw, args.gpus)
+        res = search(sc, a, hw, args.gpus, gate=gate)
+        for key in ("best_runnable", "best_unverified"):
+            if res[key] is not None:
+                res[key]["collapse"] = bill.as_dict()
+                res[key]["loader"] = loads(args.config, args.overrides, res[key]["scenario"])
         if args.json:
-            print(json.dumps(best, default=str))
+            print(_dump(res))
             return 0
-        if not best:
+        if not res["top"]:
             print(f"no layout fits {args.gpus} GPUs of {sc.gpu_memory_gib} GiB")
             return 1
-        for i, p in enumerate(best):
-            print(f"#{i + 1}: " + " ".join(p["overrides"]))
-            print(format_plan(p) + "\n")
+        print(format_search(res, args.gpus, sc.gpu_memory_gib))
         return 0
     if args.ladder:
-        rows, config = ladder(sc, a, hw), config_row(sc, a, hw)
-        runnable = runnable_ladder(sc, a, hw)
-        if args.json:
-            out = {"target_s": TARGET_STEP_S, "config": config, "rungs": rows}
-            print(json.dumps({**out, "runnable": runnable}, default=str))
-        else:
-            print(format_ladder(rows, sc.num_gpus, config, runnable))
+        report = ladder_report(sc, a, hw, gate=gate)
+        report["collapse"] = bill.as_dict()
+        print(_dump(report) if args.json else format_ladder(report))
         return 0
     result = full_plan(sc, a, hw)
-    print(json.dumps(result, default=str) if args.json else format_plan(result))
+    result["collapse"] = bill.as_dict()
+    print(_dump(result) if args.json else format_plan(result))
     return 0

@@ -32,57 +32,86 @@ class Hardware:
     """Inter-node bandwidth per GPU and direction, GB/s (one 400 Gb/s NDR HCA per GPU)."""
     host_gb_s: float = 25.0
     """Pinned host <-> GPU copy bandwidth per GPU when all 8 GPUs of a node copy at once,
-    GB/s (PCIe 5 x16 is ~55 GB/s alone; host memory bandwidth is shared)."""
+    GB/s (PCIe 5 x16 is ~55 GB/s alone; host memory bandwidth is shared). Assumption (range
+    15-40)."""
     nvlink_latency_us: float = 20.0
-    """One small collective inside a node (NCCL, 8 GPUs), microseconds."""
+    """One small collective inside a node (NCCL, 8 GPUs), microseconds. Assumption (range
+    10-30)."""
     ib_latency_us: float = 50.0
-    """One small collective across nodes, microseconds."""
+    """One small collective across nodes, microseconds. Assumption (range 20-80)."""
     host_memory_gib_per_node: float = 2048.0
     """Host memory of one node, GiB (DGX H100: 2 TB DDR5): the pinned buffers of every GPU
     of the node must fit in it, with the OS and the data loaders beside them."""
+    disk_gb_s: float = 2.0
+    """Write + read-back bandwidth of the directory a ``peft_dir`` adapter sync goes through,
+    GB/s. Assumption (range 1-7: one node-local NVMe SSD writes 2-7 GB/s, a shared file system
+    less per node)."""
 
 
 @dataclass
 class Assumptions:
-    """Efficiencies, workload figures and memory pools the plan cannot read from a config."""
+    """Efficiencies, workload figures and memory pools the plan cannot read from a config.
+
+    Each time figure names its source, or says "assumption" with a range; the ranged ones
+    (:data:`megagrpo.plan.ranges.RANGES`) give every estimate its low / high bound."""
 
     mean_completion_tokens: float = 1100.0
-    """Mean completion length (the seed's job: thinking answers to MCQs, soft_overlong from
-    2,048 tokens; tools/bench_packing.py's model has mean ~1,080)."""
+    """Mean completion length. Assumption (range 800-1,400): the seed's job answers MCQs with
+    thinking, soft_overlong from 2,048 tokens; tools/bench_packing.py's model has mean ~1,080;
+    no 235B completions exist to fit it."""
     completion_sigma: float = 0.6
     """Shape of the completion lengths: log-normal with mean ``mean_completion_tokens``,
-    clipped to [16, rollout.max_tokens] (an assumption: tools/bench_packing.py's model, median
-    ~900; no 235B completions exist to fit it); 0: every completion of the mean length. Sets
-    how fast a round's batch shrinks (:mod:`megagrpo.plan.decode`)."""
+    clipped to [16, rollout.max_tokens]; 0: every completion of the mean length. Assumption
+    (range 0.4-0.8; tools/bench_packing.py's model: 0.6, median ~900). Sets how fast a round's
+    batch shrinks (:mod:`megagrpo.plan.decode`)."""
     mean_prompt_tokens: float = 330.0
-    """Mean prompt length (IgakuQA + the built-in prompt; tools/bench_packing.py)."""
-    generation_rounds: float = 1.0
-    """Generated batches per trained batch (dynamic sampling refills: 1 / (1 - ACR))."""
-    train_mfu: float = 0.25
-    """Fraction of bf16 dense peak the trainer's GEMMs reach (MoE, LoRA; communication
-    separate). An assumption bounded by the best published H100 figure for this model:
-    NVIDIA Megatron-Bridge's Qwen3-235B-A22B pretraining, FP8 with forced expert balance, 1,712
-    tokens/s/GPU = 253 TFLOP/s = 0.256 of the bf16 dense peak (reviews/scale-audit.md). bf16
-    LoRA training with full recompute and real routing is not expected to beat it; the plan's
-    earlier 0.35 (~1,780 tokens/s/GPU) did."""
-    moe_lora_decode_speed: float = 0.74
-    """Decode speed of an engine serving LoRA on the MoE experts, as a fraction of the same
-    engine without LoRA (every decode step divided by it). Source: SGLang PR #26602 measured
-    MoE-LoRA decode at ~0.45 of no-LoRA speed before kernel tuning and 0.74-0.85 after
-    (reviews/scale-audit.md); no figure for vLLM 0.33 on this model exists: the low end of the
-    tuned range is assumed (``--assume moe_lora_decode_speed=0.45`` for untuned kernels)."""
+    """Mean prompt length (IgakuQA + the built-in prompt, tokenised: tools/bench_packing.py)."""
+    train_mfu: float = 0.225
+    """Fraction of the bf16 dense peak that the trainer's executed GEMM FLOPs reach (forward,
+    input gradient, full-recompute forward, no-grad forwards; communication separate).
+    Assumption (range 0.20-0.25) bounded by the best public H100 figure for this model:
+    Megatron-Bridge's Qwen3-235B-A22B pretraining, 1,575 tokens/s/GPU = 233 model TFLOP/s =
+    0.236 of 989 (docs performance-summary; FP8 GEMMs, ``moe_router_force_load_balancing``),
+    whose recipe recomputes only moe_act and layernorm
+    (scripts/moe_model_zoo/examples/qwen3/launch_qwen235b.sh): there model FLOPs are the
+    executed FLOPs, so the figure is a hardware utilisation and applies to this trainer's
+    recompute too. bf16 GEMMs with real routing: 0.20-0.25 (reviews/scale-audit-2.md)."""
+    lora_hbm_eff: float = 0.5
+    """Fraction of HBM bandwidth the LoRA adapters' thin GEMMs reach in training. A rank-r
+    adapter does r FLOPs per byte it reads or writes (``x A^T``: 2 T in r FLOPs over 2 T in
+    bytes), far below the H100's ~300 FLOP/B balance, so it is billed at ``r x HBM bandwidth
+    x lora_hbm_eff``. Assumption (range 0.35-0.7)."""
+    moe_lora_decode_speed: float = 0.60
+    """Speed of the MoE experts' decode time when the engine serves LoRA on them, as a
+    fraction of the same experts without LoRA (attention, KV reads and communication are not
+    slowed). Source: the Triton MoE-LoRA path that Hopper takes measures 0.54-0.65 of no-LoRA
+    speed (sglang #28466: 57.1 / 56.5 / 53.7 % at batch 16 / 32 / 64; #27329: ~62-65 %); the
+    0.74 once used here is SGLang's TRT-LLM FP8 backend, Blackwell only (sglang #34803).
+    Range 0.54-0.65 (reviews/scale-audit-2.md section 1)."""
     partial_chunk_s: float = 0.2
     """Overhead of one engine call of a partial round (``rollout.partial.chunk_tokens`` per
     call: requests re-admitted from the prefix cache, results gathered over the ranks),
-    seconds. An assumption, not measured."""
+    seconds. Assumption (range 0.05-0.5), not measured."""
     prefill_mfu: float = 0.4
-    """Fraction of bf16 peak of the engine's prefill."""
-    decode_hbm_eff: float = 0.6
-    """Fraction of HBM bandwidth a decode step reaches reading weights and KV cache."""
+    """Fraction of bf16 peak of the engine's prefill. Assumption (range 0.3-0.5)."""
+    decode_hbm_eff: float = 0.5
+    """Fraction of HBM bandwidth a decode step reaches reading weights and KV cache.
+    Assumption (range 0.4-0.6): at 0.6 the planner's FP8 TP 8 step without LoRA was ~1.3x
+    above the best public H100 figure for this model (gpustack performance lab, vLLM, bf16
+    TP 8: 9,638 output tokens/s per 8 GPUs; reviews/scale-audit-2.md section 1)."""
+    decode_mfu: float = 0.5
+    """Fraction of bf16 peak a decode step's GEMMs reach when its batch makes it
+    compute-bound. Assumption (range 0.3-0.6)."""
     comm_eff: float = 0.7
-    """Fraction of link bandwidth collectives reach."""
+    """Fraction of link bandwidth collectives reach. Assumption (range 0.6-0.8: NCCL's
+    all-reduce bus bandwidth over NVLink 4 / NDR InfiniBand reaches 70-85 % of the line rate
+    at large messages)."""
     loader_s_per_tensor: float = 2e-4
-    """vLLM weight-loader overhead per received tensor (Python, slicing), seconds."""
+    """vLLM weight-loader overhead per received tensor (Python, slicing), seconds. Assumption
+    (range 0.0001-0.0005)."""
+    loader_hbm_eff: float = 0.5
+    """Fraction of HBM bandwidth the engine's weight loader reaches copying received tensors
+    into place. Assumption (range 0.3-0.7)."""
     cuda_context_gib: float = 1.0
     """CUDA context, cuBLAS/cuDNN workspaces, kernels of one process."""
     nccl_gib_per_comm: float = 0.25
@@ -154,13 +183,28 @@ class Scenario:
     """``rollout.partial.chunk_tokens`` (partial rollouts)."""
     placement: str = "colocated"
     """colocated (trainer and engine share every GPU, phases in turn) | separate (the engines
-    own ``rollout_gpus`` GPUs, the trainer the rest; the next batch is generated under the
-    previous weights while the trainer trains: one-step off-policy). ``rollout.placement:
-    separate`` plans the trainer's one engine rank; the ladder (:mod:`megagrpo.plan.ladder`)
-    also plans engines on whole nodes."""
+    own ``rollout_gpus`` GPUs, the trainer the rest: ``rollout.placement: separate`` with
+    ``rollout.engine_ranks``; with ``offpolicy_staleness`` 1 the next step's first round is
+    generated under the previous weights while the trainer trains: one-step off-policy)."""
     rollout_gpus: int = 0
     """GPUs of the engines under ``placement=separate``; ``parallel.*`` then lays out the
     trainer's ``num_gpus - rollout_gpus``."""
+    offpolicy_staleness: int = 1
+    """``rollout.max_staleness`` of placement separate: 1 generates the next step's first
+    round while this step trains, 0 waits for the new weights (no overlap)."""
+    rounds_per_step: float = 1.0
+    """Generation rounds of ``batch_groups`` problems per step: dynamic sampling's resampling,
+    billed from the collapse simulation (:mod:`megagrpo.plan.collapse`)."""
+    trained_groups_per_step: float | None = None
+    """Groups trained per step (the shortfall policy may train fewer than ``batch_groups``);
+    None: ``batch_groups``."""
+
+    @property
+    def trained_groups(self) -> float:
+        """Groups trained per step (``trained_groups_per_step``, else ``batch_groups``)."""
+        if self.trained_groups_per_step is None:
+            return float(self.batch_groups)
+        return self.trained_groups_per_step
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -237,7 +281,8 @@ def scenario_from_config(cfg: Any, hf: dict) -> Scenario:
         partial_max_staleness=ro.partial.max_staleness,
         partial_chunk_tokens=ro.partial.chunk_tokens,
         placement="separate" if ro.placement == "separate" else "colocated",
-        rollout_gpus=1 if ro.placement == "separate" else 0,  # the last process: the engine
+        rollout_gpus=ro.engine_ranks if ro.placement == "separate" else 0,  # the last ranks
+        offpolicy_staleness=ro.resolved_max_staleness() if ro.placement == "separate" else 0,
     )
 
 

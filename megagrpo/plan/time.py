@@ -1,43 +1,53 @@
 """Step-time estimate of a GRPO step, per phase (`megagrpo plan-memory`): arithmetic on
 FLOPs and bytes over the bandwidths of :class:`~megagrpo.plan.scenario.Hardware`, with
-the efficiencies and workload of :class:`~megagrpo.plan.scenario.Assumptions`. Nothing
-here is measured; every input is printed with the result.
+the efficiencies and workload of :class:`~megagrpo.plan.scenario.Assumptions` (each sourced or
+an assumption with a range: :mod:`megagrpo.plan.ranges`). Nothing here is measured; every
+input is printed with the result.
 
-* **generate**: prefill (2 x active params x prompt tokens at ``prefill_mfu``; with partial
-  rollouts also the carried completions' prefixes: the prefix cache is keyed by the adapter
-  version) + decode. Decode is memory-bound: every step each GPU reads its engine weights (the
-  experts that the step's tokens touch: all of them once a replica decodes more than a few
-  dozen sequences) and the KV cache of its running sequences at ``decode_hbm_eff`` x HBM
-  bandwidth, plus per layer two tensor-parallel all-reduces and, for lock-stepped
+* **generate**: ``rounds_per_step`` rounds (dynamic sampling's resampling, billed from the
+  collapse simulation: :mod:`megagrpo.plan.collapse`), each a prefill (2 x active params x
+  prompt tokens at ``prefill_mfu``; with partial rollouts also the carried completions'
+  prefixes: the prefix cache is keyed by the adapter version) + decode. A decode step of a
+  replica costs the MoE experts' time (the expert weights its tokens touch, all of them once a
+  replica decodes more than a few dozen sequences, read at ``decode_hbm_eff`` x HBM bandwidth,
+  or their FLOPs at ``decode_mfu``) divided by ``moe_lora_decode_speed`` when the engine serves
+  LoRA on the experts, plus the rest (other weights and the KV cache of its running sequences,
+  or their FLOPs), plus per layer two tensor-parallel all-reduces and, for lock-stepped
   expert-parallel replicas, the MoE all-gather / reduce-scatter over every GPU (latency +
-  bytes; across nodes over InfiniBand); an engine serving LoRA on the experts decodes at
-  ``moe_lora_decode_speed`` of that. The batch shrinks as completions finish
-  (:mod:`megagrpo.plan.decode`: log-normal lengths, expected cost of every step up to
-  ``rollout.max_tokens``); partial rollouts end a round at its budget. When the KV cache
-  cannot hold every sequence of a replica, the extra waves run one mean completion each at
-  the cache's concurrency. ``full_batch_decode_s``: the same steps billed at full batch.
+  bytes; across nodes over InfiniBand; never slowed by LoRA). The batch shrinks as
+  completions finish (:mod:`megagrpo.plan.decode`: log-normal lengths, expected cost of every
+  step up to ``rollout.max_tokens``); partial rollouts end a round at its budget. When the KV
+  cache cannot hold every sequence of a replica, continuous batching keeps it full: a slot
+  holds the prompt and the completion so far (on average ``E[L^2] / 2 E[L]`` tokens:
+  :func:`length_moments`), the engine runs at that concurrency until the last sequences are
+  admitted, then drains. ``full_batch_decode_s``: the same steps billed at full batch.
 * **sync**: bytes each GPU moves for the weight update over NVLink / InfiniBand (merged:
   ``allreduce`` = zero-filled full tensors all-reduced over the model-parallel groups, twice a
   tensor's bytes per GPU, and every full tensor fed to every engine rank's loader;
-  ``broadcast`` = once; ``sliced`` = only the engine shard of this GPU) + the loader's
-  per-tensor overhead. Adapter sync as ``trainer.adapter_transport`` says: ``peft_dir``
-  gathers in fp32, writes and reads back a directory; ``streamed`` all-reduces bf16 buckets of
-  the full factors over the model-parallel groups, copies them to host, and loads the
-  engine's share into its LoRA slot (over InfiniBand to the engines' GPUs when separate).
-* **train**: (1 forward + 1 input-gradient pass, the frozen base has no weight gradient,
-  + 1 recomputed forward under ``model.recompute=full``, + the no-grad forwards for old /
-  reference log-probs) x 2 x active params per token, attention scores added, at
-  ``train_mfu``; the MoE all-to-alls (dispatch + combine per pass) and SP all-gather /
-  reduce-scatter bytes; the 1F1B bubble ``(pp - 1) / (micro-batches + pp - 1)``.
+  ``broadcast`` = once; ``sliced`` = only the engine shard of this GPU, in the trainer's
+  dtype whatever the engine quantises to) + the loader's per-tensor overhead. Adapter sync as
+  ``trainer.adapter_transport`` says: ``peft_dir`` gathers in fp32, writes and reads back a
+  directory (``Hardware.disk_gb_s``); ``streamed`` all-reduces bf16 buckets of the full
+  factors over the model-parallel groups, copies them to host, and loads the engine's share
+  into its LoRA slot (over InfiniBand to the engines' GPUs when separate).
+* **train**: the trained groups' tokens (the shortfall policy may train fewer than
+  ``batch_groups``) x (1 forward + 1 input-gradient pass, the frozen base has no weight
+  gradient, + 1 recomputed forward under ``model.recompute=full``, + the no-grad forwards for
+  old / reference log-probs) x 2 x active params, attention scores added, at ``train_mfu``
+  (a hardware utilisation: recompute included, see its docstring); the LoRA adapters' thin
+  GEMMs, memory-bound (``lora_hbm_eff``); the MoE all-to-alls (dispatch + combine in each of
+  those passes) and SP all-gather / reduce-scatter bytes; the 1F1B bubble
+  ``(pp - 1) / (micro-batches + pp - 1)``. ``model_flops_utilisation``: the FLOPs without
+  recompute over the phase, the figure public benchmarks report.
 * **transitions**: host copies per step: the trainer's weights and LoRA state out and back
   with ``trainer.offload_during_rollout``; the engine's weights backed up and restored at
   sleep level 1.
 
-Placement ``separate`` (a planner toggle, :mod:`megagrpo.plan.ladder`): the engines generate
-the next batch on their own GPUs while the trainer trains on the rest (one-step off-policy):
-``max(generate, train) + sync``, no transitions (``overlap_s`` is what the overlap hides).
+Placement ``separate`` (``rollout.placement: separate``, engines on ``rollout.engine_ranks``
+GPUs): no transitions; one step ahead the next step's first round overlaps training
+(``overlap_s``: what the overlap hides), the further rounds of dynamic sampling do not.
 
-``tokens_per_s_per_gpu`` = (prompt + completion tokens of the trained batch) / step time /
+``tokens_per_s_per_gpu`` = (prompt + completion tokens of the trained groups) / step time /
 GPUs, the figure NeMo-RL reports.
 """
 
@@ -83,28 +93,45 @@ def serves_moe_lora_adapter(sc: Scenario) -> bool:
     return bool(sc.weight_sync == "adapter" and sc.enable_lora and s.experts and experts)
 
 
+def length_moments(sc: Scenario, a: Assumptions) -> tuple[float, float]:
+    """``(E[L], E[L^2] / (2 E[L]))`` of the clipped completion lengths: the mean, and the mean
+    age of a running completion under continuous batching (a slot refilled as soon as its
+    completion ends holds, at a random moment, a completion that is length-biased: the
+    renewal-theory mean age; ``L / 2`` when every completion has the same length)."""
+    surv = lognormal_survival(a.mean_completion_tokens, a.completion_sigma, sc.max_tokens)
+    t = np.arange(len(surv), dtype=np.float64)
+    mean = float(surv.sum())  # sum_t P(L > t) = E[L]
+    second = float(((2 * t + 1) * surv).sum())  # sum_t (2t + 1) P(L > t) = E[L^2]
+    return mean, second / (2 * mean) if mean else 0.0
+
+
 def decode_step_cost(sc: Scenario, a: Assumptions, hw: Hardware):
     """``cost(n [steps], context [steps]) -> seconds [steps]`` of one decode step of a replica
-    running ``n`` sequences whose completions hold ``context`` tokens (module doc)."""
+    running ``n`` sequences whose completions hold ``context`` tokens (module doc): the MoE
+    experts' time (the expert weights the step touches, or their FLOPs) at
+    ``moe_lora_decode_speed`` when the engine serves LoRA on them, plus the rest (other
+    weights and the KV cache, or their FLOPs), plus the collectives (never slowed by LoRA)."""
     s = shapes_of(sc.hf)
     active = param_counts(arch_from_hf(sc.hf))["active"]
+    expert_active = s.moe_layers * s.topk * 3 * s.h * s.moe_ffn if s.experts else 0
     replicas = max(1, sc.num_gpus // sc.vllm_tp)
     lockstep_ep = sc.replicas == "lockstep" and sc.enable_expert_parallel
     lin = 1 if sc.quantization == "fp8" else 2
     expert_gpus = sc.num_gpus if lockstep_ep else sc.vllm_tp
     experts_gpu = s.moe_layers * s.expert_layer_params * lin / expert_gpus
-    w_all = engine_weight_bytes(s, sc)
+    w_rest = engine_weight_bytes(s, sc) - experts_gpu
     kvt = kv_bytes_per_token(s, sc)
     per = sc.gpus_per_node
     speed = a.moe_lora_decode_speed if serves_moe_lora_adapter(sc) else 1.0
+    bw = hw.hbm_gb_s * 1e9 * a.decode_hbm_eff
+    flops = hw.bf16_tflops * 1e12 * a.decode_mfu
 
     def cost(n: np.ndarray, context: np.ndarray) -> np.ndarray:
         group_tokens = n * (replicas if lockstep_ep else 1)
-        touched = 1 - (1 - s.topk / s.experts) ** group_tokens if s.experts else 1.0
-        weights = w_all - experts_gpu * (1 - touched)
+        touched = 1 - (1 - s.topk / s.experts) ** group_tokens if s.experts else 0.0
+        moe = np.maximum(experts_gpu * touched / bw, 2 * expert_active * n / sc.vllm_tp / flops)
         kv = n * (a.mean_prompt_tokens + context) * kvt
-        t_mem = (weights + kv) / (hw.hbm_gb_s * 1e9 * a.decode_hbm_eff)
-        t_flops = 2 * active * n / sc.vllm_tp / (hw.bf16_tflops * 1e12 * 0.5)
+        rest = np.maximum((w_rest + kv) / bw, 2 * (active - expert_active) * n / sc.vllm_tp / flops)
         comm = np.zeros_like(n)
         if sc.vllm_tp > 1:  # attention + MoE output all-reduces
             b = n * s.h * 2 * 2 * (sc.vllm_tp - 1) / sc.vllm_tp
@@ -115,7 +142,7 @@ def decode_step_cost(sc: Scenario, a: Assumptions, hw: Hardware):
             b = group_tokens * s.h * 2 * (sc.num_gpus - 1) / sc.num_gpus
             m = sc.num_gpus
             comm = comm + 2 * (_lat(m, per, hw) + b / (_bw(m, per, hw) * a.comm_eff)) * s.moe_frac
-        return (np.maximum(t_mem, t_flops) + s.layers * comm) / speed
+        return moe / speed + rest + s.layers * comm
 
     return cost
 
@@ -133,25 +160,28 @@ def _round_shape(sc: Scenario, a: Assumptions, n_total: float) -> RoundShape:
     return synchronous_round(surv, n_total)
 
 
-def _generate(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
+def _round(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
+    """One generation round of ``batch_groups x group_size`` completions (module doc)."""
     active = param_counts(arch_from_hf(sc.hf))["active"]
     replicas = max(1, sc.num_gpus // sc.vllm_tp)
-    n_round = sc.batch_groups * sc.group_size * a.generation_rounds
+    n_round = sc.batch_groups * sc.group_size
     shape = _round_shape(sc, a, n_round)
     seqs = n_round / replicas  # new completions per replica and round
-    final_ctx = a.mean_prompt_tokens + a.mean_completion_tokens
-    conc = min(seqs * shape.in_flight, mem["engine"]["kv_tokens_per_replica"] / final_ctx)
+    mean_len, mean_age = length_moments(sc, a)
+    # continuous batching: a slot holds its completion's prompt and the tokens so far
+    conc_kv = mem["engine"]["kv_tokens_per_replica"] / (a.mean_prompt_tokens + mean_age)
+    conc = min(seqs * shape.in_flight, conc_kv)
     if conc < 1:
         return {"s": math.inf, "concurrent_per_replica": conc, "waves": math.inf}
     waves = seqs * shape.in_flight / conc
     cost = decode_step_cost(sc, a, hw)
-    # waves beyond the first run at the KV cache's concurrency; the last one drains
-    full_steps = max(0.0, waves - 1) * a.mean_completion_tokens
-    mean_ctx = np.array([a.mean_completion_tokens / 2])
-    full = full_steps * float(cost(np.array([conc]), mean_ctx)[0])
+    # the KV cache holds ``conc`` sequences: until the last ``conc`` are admitted the engine
+    # runs full (continuous batching refills every slot that finishes), then drains
+    full_steps = max(0.0, waves - 1) * mean_len
+    full_cost = float(cost(np.array([conc]), np.array([mean_age]))[0])
+    full = full_steps * full_cost
     last = seqs if waves <= 1 else conc / shape.in_flight
     decode = expected_decode_s(shape, last, cost)
-    full_batch = shape.expected_steps * float(cost(np.array([conc]), mean_ctx)[0])
     prompts = n_round * a.mean_prompt_tokens + n_round * shape.carried_context
     prefill = 2 * active * prompts / (sc.num_gpus * hw.bf16_tflops * 1e12 * a.prefill_mfu)
     steps = full_steps + shape.expected_steps
@@ -163,7 +193,7 @@ def _generate(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
         "decode_s": full + decode,
         "decode_steps": steps,
         "step_ms": (full + decode) / steps * 1e3 if steps else 0.0,
-        "full_batch_decode_s": full + full_batch,
+        "full_batch_decode_s": full + shape.expected_steps * full_cost,
         "concurrent_per_replica": conc,
         "waves": waves,
         "prefill_s": prefill,
@@ -171,6 +201,23 @@ def _generate(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
         "round_budget_tokens": shape.round_tokens,
         "moe_lora_decode_speed": a.moe_lora_decode_speed if serves_moe_lora_adapter(sc) else 1.0,
     }
+
+
+def _generate(sc: Scenario, a: Assumptions, hw: Hardware, mem: dict) -> dict:
+    """Every generation round of a step: :func:`_round` x ``rounds_per_step`` (dynamic
+    sampling's resampling, :mod:`megagrpo.plan.collapse`); ``round_s``: one round."""
+    one = _round(sc, a, hw, mem)
+    rounds = sc.rounds_per_step
+    out = dict(one, round_s=one["s"], rounds=rounds, s=one["s"] * rounds)
+    if math.isfinite(one["s"]):
+        out.update(
+            decode_s=one["decode_s"] * rounds,
+            prefill_s=one["prefill_s"] * rounds,
+            partial_chunks_s=one["partial_chunks_s"] * rounds,
+            full_batch_decode_s=one["full_batch_decode_s"] * rounds,
+            collapse_s=one["s"] * (rounds - 1),
+        )
+    return out
 
 
 def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
@@ -184,8 +231,9 @@ def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     if sc.weight_sync == "adapter":
         return _adapter_sync(sc, a, hw, s, n_tensors)
     factor = {"allreduce": 2.0, "broadcast": 1.0}.get(sc.sync_transport)
-    if factor is None:  # sliced: only this GPU's engine shard crosses the links
-        shard = engine_weight_bytes(s, sc)
+    if factor is None:  # sliced: only this GPU's engine shard crosses the links, in the
+        # trainer's dtype (vLLM quantises an FP8 engine's share on load, after the wire)
+        shard = engine_weight_bytes(s, sc.with_(quantization="none")) * wbytes / 2
         bw = _bw(sc.num_gpus, per, hw) * a.comm_eff
         t = shard / bw + n_tensors / sc.num_gpus * sc.vllm_tp * a.loader_s_per_tensor
         return {"s": t, "bytes_per_gpu": shard}
@@ -193,7 +241,7 @@ def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     t_comm = factor * dense_b * (mp - 1) / max(mp, 1) / (_bw(mp, per, hw) * a.comm_eff)
     t_comm += factor * exp_b * (emp - 1) / max(emp, 1) / (_bw(emp, per, hw) * a.comm_eff)
     total = dense_b + exp_b  # every full tensor through every engine rank's loader
-    t_load = n_tensors * a.loader_s_per_tensor + total / (hw.hbm_gb_s * 1e9 * 0.5)
+    t_load = n_tensors * a.loader_s_per_tensor + total / (hw.hbm_gb_s * 1e9 * a.loader_hbm_eff)
     return {"s": t_comm + t_load, "bytes_per_gpu": moved}
 
 
@@ -207,7 +255,8 @@ def _adapter_sync(sc: Scenario, a: Assumptions, hw: Hardware, s, n_tensors: int)
         # the PEFT directory: fp32 gather to rank 0 (two all-reduces per tensor), written, read
         # back and fed to every engine's loader
         full = dense + expert
-        t = 2 * full * 4 / (_bw(max(mp, emp), per, hw) * a.comm_eff) + 2 * full * 2 / 2e9
+        disk = 2 * full * 2 / (hw.disk_gb_s * 1e9)  # written, then read back (bf16)
+        t = 2 * full * 4 / (_bw(max(mp, emp), per, hw) * a.comm_eff) + disk
         return {"s": t + 2 * n_tensors * a.loader_s_per_tensor, "bytes_per_gpu": full * 8}
     # streamed: bf16 buckets summed over the model-parallel groups (every rank receives the full
     # factors: all-reduce), copied to host, the engine's share loaded into its LoRA slot
@@ -226,18 +275,42 @@ def _adapter_sync(sc: Scenario, a: Assumptions, hw: Hardware, s, n_tensors: int)
     return {"s": t, "bytes_per_gpu": moved}
 
 
+def train_tokens(sc: Scenario, a: Assumptions) -> float:
+    """Prompt + completion tokens of the groups trained per step."""
+    mean_len, _ = length_moments(sc, a)
+    return sc.trained_groups * sc.group_size * (a.mean_prompt_tokens + mean_len)
+
+
+def _lora_s(sc: Scenario, a: Assumptions, hw: Hardware, s, tokens: float, passes: int) -> float:
+    """The LoRA adapters' GEMMs of a train phase: per token, every adapter of the layers and
+    of the token's top-k experts runs ``x A^T`` and ``(x A^T) B^T`` in each of ``passes``
+    passes plus its weight gradients, 2 r (in + out) FLOPs each; at r FLOPs per byte they are
+    memory-bound: billed at ``r x HBM bandwidth x lora_hbm_eff``."""
+    if not sc.lora_rank:
+        return 0.0
+    dense, expert = lora_numel(s, sc.lora_rank, sc.lora_targets)
+    per_token = s.layers * dense + (s.moe_layers * expert * s.topk / s.experts if s.experts else 0)
+    flops = 2 * per_token * (passes + 1) * tokens
+    rate = sc.lora_rank * hw.hbm_gb_s * 1e9 * a.lora_hbm_eff
+    return flops / (sc.num_gpus * rate)
+
+
 def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     """The train phase of ``sc``: seconds (``s``) and its parts (module doc)."""
     s = shapes_of(sc.hf)
     active = param_counts(arch_from_hf(sc.hf))["active"]
-    samples = sc.batch_groups * sc.group_size
-    mean_len = a.mean_prompt_tokens + a.mean_completion_tokens
-    tokens = samples * mean_len
-    passes = 2 + int(sc.recompute == "full")  # forward, input gradient, recomputed forward
-    passes_all = passes + sc.extra_forwards
+    mean_len = a.mean_prompt_tokens + length_moments(sc, a)[0]
+    tokens = train_tokens(sc, a)
+    recompute = int(sc.recompute == "full")
+    # forward, input gradient (the frozen base has no weight gradient), recomputed forward,
+    # no-grad forwards (old / reference log-probs)
+    passes_all = 2 + recompute + sc.extra_forwards
     attn = 4 * s.layers * (mean_len / 2) * s.heads * s.hd  # QK^T and AV per token, forward
-    flops = tokens * (2 * active + attn) * passes_all
-    t_compute = flops / (sc.num_gpus * hw.bf16_tflops * 1e12 * a.train_mfu)
+    gemm = active - s.vocab * s.h  # the input embedding is a lookup, not a GEMM
+    flops = tokens * (2 * gemm + attn) * passes_all
+    peak = sc.num_gpus * hw.bf16_tflops * 1e12
+    t_compute = flops / (peak * a.train_mfu)
+    t_lora = _lora_s(sc, a, hw, s, tokens, passes_all)
     per = sc.gpus_per_node
     tok_gpu_layer = tokens * sc.pp / sc.num_gpus  # tokens one GPU handles in one of its layers
     layers_gpu = s.layers / sc.pp
@@ -249,7 +322,7 @@ def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
             out * inter / (hw.ib_gb_s * 1e9 * a.comm_eff),
             out * (1 - inter) / (hw.nvlink_gb_s * 1e9 * a.comm_eff),
         ) + _lat(sc.ep, per, hw)
-        a2a = t_one * 2 * (passes_all + 1) * layers_gpu * s.moe_frac  # dispatch + combine
+        a2a = t_one * 2 * passes_all * layers_gpu * s.moe_frac  # dispatch + combine per pass
     sp = 0.0
     if sc.tp > 1:
         b = tok_gpu_layer * s.h * 2 * (sc.tp - 1)
@@ -258,14 +331,19 @@ def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     dp = max(1, sc.num_gpus // (sc.tp * sc.pp))
     n_micro = max(1, math.ceil(tokens / dp / sc.tokens_per_micro_batch))
     bubble = (sc.pp - 1) / (n_micro + sc.pp - 1)
-    body = t_compute + a2a + sp
+    body = t_compute + t_lora + a2a + sp
+    total = body / (1 - bubble)
+    model_flops = tokens * (2 * gemm + attn) * (passes_all - recompute)
     return {
-        "s": body / (1 - bubble),
+        "s": total,
         "compute_s": t_compute,
+        "lora_s": t_lora,
         "moe_all_to_all_s": a2a,
         "sp_collectives_s": sp,
         "pipeline_bubble": bubble,
         "micro_batches_per_dp_rank": n_micro,
+        "passes": passes_all,
+        "model_flops_utilisation": model_flops / (peak * total) if total else 0.0,
     }
 
 
@@ -289,9 +367,12 @@ def split_placement(sc: Scenario) -> tuple[Scenario, Scenario]:
 
 
 def _separate_step_time(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
-    """One-step off-policy on separate GPUs: the engines generate the next batch under the
-    previous weights while the trainer trains, then the adapter crosses over (the engines
-    pause for it): ``max(generate, train) + sync``; no offload, no sleep."""
+    """Placement separate: the engines generate on their own GPUs, the trainer trains on the
+    rest, then the adapter crosses over (the engines pause for it); no offload, no sleep.
+    One step ahead (``offpolicy_staleness`` 1) the next step's first round runs while this
+    step trains: ``max(round, train) + (rounds - 1) x round + sync`` (dynamic sampling's
+    further rounds wait for their decision, on the critical path); on-policy (0) the phases
+    run in turn."""
     trainer, engine = split_placement(sc)
     phases = {
         "generate": _generate(engine, a, hw, memory_plan(engine, a)),
@@ -299,19 +380,27 @@ def _separate_step_time(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
         "train": train_phase(trainer, a, hw),
         "transitions": {"s": 0.0, "trainer_offload_s": 0.0, "engine_sleep_backup_s": 0.0},
     }
-    overlap = min(phases["generate"]["s"], phases["train"]["s"])
+    overlap = 0.0
+    if sc.offpolicy_staleness >= 1:
+        overlap = min(phases["generate"]["round_s"], phases["train"]["s"])
     return _summary(sc, a, phases, overlap)
 
 
 def _summary(sc: Scenario, a: Assumptions, phases: dict, overlap: float) -> dict:
     total = sum(p["s"] for p in phases.values()) - overlap
-    tokens = sc.batch_groups * sc.group_size * (a.mean_prompt_tokens + a.mean_completion_tokens)
+    tokens = train_tokens(sc, a)
+    mean_len, _ = length_moments(sc, a)
+    generated = sc.rounds_per_step * sc.batch_groups * sc.group_size * mean_len
     return {
         "step_s": total,
         "phases": phases,
         "overlap_s": overlap,
         "placement": sc.placement,
         "tokens_per_step": tokens,
+        "generated_tokens_per_step": generated,
+        "rounds_per_step": sc.rounds_per_step,
+        "trained_groups_per_step": sc.trained_groups,
+        "collapse_s": phases["generate"].get("collapse_s", 0.0),
         "tokens_per_s_per_gpu": tokens / total / sc.num_gpus if total else 0.0,
     }
 

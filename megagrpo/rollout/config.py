@@ -126,6 +126,10 @@ class RolloutConfig:
     process is the engine's own rank and never trains; the others train; with
     ``max_staleness: 1`` the engine generates step k+1's first round while step k trains:
     :mod:`megagrpo.trainer.separate`). One process: always one engine."""
+    engine_ranks: int = 1
+    """Placement separate: how many processes (the last ones of the launch) serve engines,
+    in replicas of ``tensor_parallel_size`` ranks each (e.g. 8 with TP 8: one whole node);
+    the others train."""
     max_staleness: int | None = None
     """Placement separate: how many policy versions the trained batch may lag the weights it
     trains from: 0 (on-policy: generation waits for the new adapter) | 1 (one step ahead:
@@ -266,6 +270,7 @@ class RolloutConfig:
         )
         require(self.kv_cache_gib >= 1, f"{path}.kv_cache_gib", "must be >= 1")
         require(self.tensor_parallel_size >= 1, f"{path}.tensor_parallel_size", "must be >= 1")
+        require(self.engine_ranks >= 1, f"{path}.engine_ranks", "must be >= 1")
         require(self.sync_bucket_mb > 0, f"{path}.sync_bucket_mb", "must be > 0")
         for key in ("verify_tol", "verify_mean_tol", "verify_change_floor"):
             value = getattr(self, key)

@@ -1,11 +1,10 @@
-"""The step-time model users can trust (issue 21 item 5): each new term of `plan-memory` by
-hand (MoE-LoRA decode speed, streamed adapter bytes, the loss head's memory, fp32 LoRA while
-generating, pinned host memory per node), the throughput ladder (monotone, each rung moves
-only its phases, the off-policy rung's overlap in closed form) and `--ladder` on the CLI."""
+"""The throughput ladder (issue 32 items 3-4): every rung through the real compatibility gate,
+the TP 8 rung apart from FP8, the off-policy rung in closed form (first round overlapped,
+resampling rounds not), low / central / high bands, `--ladder` on the CLI; and the terms of
+issue 21 that stay (streamed adapter bytes, the loss head's memory, pinned host memory)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -14,48 +13,20 @@ import sys
 import pytest
 from test_plan_phases import _two_node
 
-from megagrpo.commands.plan_memory import plan_run
-from megagrpo.plan.ladder import PHASES, TARGET_STEP_S, ladder, rungs
-from megagrpo.plan.memory import FUSED_CHUNK_BYTES, GIB, memory_plan, shapes_of
+from megagrpo.commands.plan_memory import config_of, make_gate, plan_run
+from megagrpo.plan.collapse import billed, collapse_bill
+from megagrpo.plan.gate import REFUSED, RUNNABLE, UNVERIFIED
+from megagrpo.plan.ladder import PHASES, TARGETS, ladder_report, rungs
+from megagrpo.plan.memory import FUSED_CHUNK_BYTES, GIB, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
-from megagrpo.plan.time import step_time
+from megagrpo.trainer import compat
 
 
 @pytest.fixture(scope="module")
-def rows(repo_root, hf235):
-    sc = scenario_from_config(_two_node(repo_root), hf235)
-    return sc, ladder(sc, Assumptions(), Hardware())
-
-
-def _generate(sc, a=None):
-    a = a or Assumptions()
-    return step_time(sc, a, Hardware(), memory_plan(sc, a))["phases"]["generate"]
-
-
-def test_moe_lora_engine_decodes_at_the_assumed_speed(repo_root, hf235):
-    """Same layout, same KV capacity: serving the adapter on the experts divides every decode
-    step by moe_lora_decode_speed; merged weights (no LoRA served) do not."""
-    sc = scenario_from_config(_two_node(repo_root), hf235)
-    lora = _generate(sc)
-    merged = _generate(sc.with_(weight_sync="merged"))
-    assert lora["moe_lora_decode_speed"] == 0.74 and merged["moe_lora_decode_speed"] == 1.0
-    assert lora["decode_s"] * 0.74 == pytest.approx(merged["decode_s"], rel=1e-12)
-    slow = _generate(sc, Assumptions(moe_lora_decode_speed=0.45))
-    assert slow["decode_s"] * 0.45 == pytest.approx(merged["decode_s"], rel=1e-12)
-
-
-def test_shrinking_batch_bills_less_than_the_full_batch(repo_root, hf235):
-    """Lengths spread below max_tokens: the batch shrinks, the decode costs less than the same
-    steps at full batch; all completions max_tokens long (sigma 0): exactly the full batch."""
-    sc = scenario_from_config(_two_node(repo_root), hf235)
-    g = _generate(sc)
-    assert g["decode_s"] < 0.7 * g["full_batch_decode_s"]
-    assert g["decode_steps"] == pytest.approx(sc.max_tokens, abs=2)  # 768 draws: one is clipped
-    full = _generate(sc, Assumptions(mean_completion_tokens=sc.max_tokens, completion_sigma=0))
-    assert full["waves"] > 1  # 48 sequences of 4,426 tokens overflow the KV cache
-    assert full["decode_steps"] == pytest.approx(full["waves"] * sc.max_tokens)
-    # the same steps; context t per step against its mean (max_tokens / 2): ~1e-4 apart
-    assert full["decode_s"] == pytest.approx(full["full_batch_decode_s"], rel=1e-3)
+def report(repo_root, hf235):
+    cfg = _two_node(repo_root)
+    sc = billed(scenario_from_config(cfg, hf235), collapse_bill(cfg))
+    return cfg, sc, ladder_report(sc, Assumptions(), Hardware(), gate=make_gate(cfg, hf235))
 
 
 def test_streamed_adapter_sync_bytes_closed_form(repo_root, hf235):
@@ -99,39 +70,82 @@ def test_pinned_host_memory_is_checked_per_node(repo_root, hf235):
     assert any("pinned host memory" in t for t in small["advice"])
 
 
-def test_ladder_is_monotone_and_each_rung_moves_only_its_phases(rows):
-    sc, table = rows
-    names = [r["name"] for r in table]
-    assert names == [r.name for r in rungs(sc)]
+def test_each_rung_moves_only_its_phases(report):
+    _, sc, rep = report
+    table = rep["rungs"]
+    assert [r["name"] for r in table] == [r.name for r in rungs(sc)]
     declared = {r.name: r.phases for r in rungs(sc)}
-    colocated = table[:4]  # baseline .. partial: colocated, phases in turn
+    colocated = [r for r in table if r["overlap_s"] == 0]
     for prev, cur in zip(colocated, colocated[1:]):
-        assert cur["step_s"] < prev["step_s"], cur["name"]
         for phase in PHASES:
-            if phase in declared[cur["name"]]:
-                assert cur["phases"][phase] <= prev["phases"][phase], (cur["name"], phase)
-            else:
+            if phase not in declared[cur["name"]]:
                 assert cur["phases"][phase] == pytest.approx(prev["phases"][phase], rel=1e-12)
-        moved = [k for k in PHASES if cur["phases"][k] != prev["phases"][k]]
-        assert moved, cur["name"]
+        assert any(cur["phases"][k] != prev["phases"][k] for k in PHASES), cur["name"]
     for r in colocated:
         assert r["step_s"] == pytest.approx(sum(r["phases"].values()), rel=1e-12)
-        assert r["fits"] and r["overlap_s"] == 0
+        b = r["bounds"]
+        assert b["best"] <= b["low"] <= b["central"] == r["step_s"] <= b["high"] <= b["worst"]
+    # streamed sync and partial rollouts each make the config's step faster
+    by = {r["name"]: r["step_s"] for r in table}
+    assert by["+ streamed adapter sync"] < by["baseline"]
+    assert by["+ partial rollouts"] < by["+ streamed adapter sync"]
 
 
-def test_off_policy_rung_overlaps_generation_and_training(rows):
-    """Separate placement: max(generate, train) + sync, no transitions; engines on one node,
-    the trainer on the other, each within the headroom."""
-    sc, table = rows
-    off = table[-1]
-    ph = off["phases"]
+def test_tp8_rung_is_bf16_and_separate_from_fp8(report):
+    """scale-audit-2 section 4 item 8: the TP 8 per node rung is bf16 (a runnable lever of its
+    own) and FP8 comes after it; the runnable ladder keeps it whatever the FP8 verdict."""
+    _, _, rep = report
+    rows = {r["name"]: r for r in rep["rungs"]}
+    tp8 = rows["+ vLLM TP 8 per node"]
+    assert tp8["changes"]["vllm_tp"] == 8 and tp8["changes"]["replicas"] == "independent"
+    assert "quantization" not in tp8["changes"] and tp8["status"] == RUNNABLE
+    assert "+ vLLM TP 8 per node" in [r["name"] for r in rep["runnable"]]
+    assert all(r["status"] == RUNNABLE for r in rep["runnable"])
+
+
+def test_fp8_rung_status_is_the_gates_verdict(report, hf235):
+    """The FP8 rung's status is compat.check_run's on the rung's layout (not restated): refused
+    naming the rule while the gate refuses FP8 + MoE LoRA, unverified once it allows it."""
+    cfg, _, rep = report
+    fp8 = next(r for r in rep["rungs"] if r["name"] == "+ FP8 rollout")
+    layout = config_of(cfg, fp8_scenario(report))
+    found = compat.check_run(layout, hf235, world=16)
+    if found:
+        assert fp8["status"] == REFUSED
+        assert all(v.rule.name in fp8["note"] for v in found)
+        assert "+ FP8 rollout" not in [r["name"] for r in rep["unverified"]]
+    else:
+        assert fp8["status"] == UNVERIFIED and "unverified on GPU" in fp8["note"]
+
+
+def fp8_scenario(report):
+    """The cumulative scenario of the FP8 rung."""
+    _, sc, _ = report
+    cur = sc
+    for rung in rungs(sc):
+        cur = cur.with_(**rung.changes)
+        if rung.name == "+ FP8 rollout":
+            return cur
+    raise AssertionError("no FP8 rung")
+
+
+def test_off_policy_rung_closed_form(report):
+    """Separate placement one step ahead: the next step's first round overlaps training, the
+    further rounds of dynamic sampling do not: max(round, train) + (rounds - 1) round + sync;
+    no transitions; engines on a whole node, the trainer on the other."""
+    _, sc, rep = report
+    off = rep["rungs"][-1]
+    assert off["name"] == "+ one-step off-policy"
+    ph, rounds = off["phases"], off["rounds_per_step"]
+    assert rounds == sc.rounds_per_step > 1  # the collapse bill
+    round_s = ph["generate"] / rounds
     assert off["changes"]["placement"] == "separate" and off["changes"]["rollout_gpus"] == 8
     assert ph["transitions"] == 0
-    assert off["overlap_s"] == pytest.approx(min(ph["generate"], ph["train"]))
-    assert off["step_s"] == pytest.approx(max(ph["generate"], ph["train"]) + ph["sync"])
-    assert off["fits"] and max(off["phase_peak_gib"].values()) <= 0.9 * sc.gpu_memory_gib
-    # the trainer on half the GPUs: at least twice the colocated compute
-    assert ph["train"] > 2 * table[-2]["phases"]["train"] * 0.9
+    assert off["overlap_s"] == pytest.approx(min(round_s, ph["train"]))
+    want = max(round_s, ph["train"]) + (rounds - 1) * round_s + ph["sync"]
+    assert off["step_s"] == pytest.approx(want)
+    assert "rollout.partial.enabled=true" in off["overrides"]  # it stacks on partial rollouts
+    assert "rollout.max_staleness=1" in off["overrides"]
 
 
 def test_partial_rung_uses_the_config_settings(repo_root, hf235):
@@ -142,9 +156,6 @@ def test_partial_rung_uses_the_config_settings(repo_root, hf235):
     assert sc.partial_finish_fraction == 0.5 and sc.partial_max_staleness == 2
     part = next(r for r in rungs(sc) if r.name == "+ partial rollouts")
     assert part.changes["partial_finish_fraction"] == 0.5
-    g = _generate(sc)
-    assert g["round_budget_tokens"] < sc.max_tokens and g["partial_chunks_s"] > 0
-    assert g["s"] < _generate(dataclasses.replace(sc, partial_finish_fraction=0.0))["s"]
 
 
 def _cli(repo_root, *extra):
@@ -164,10 +175,10 @@ def _cli(repo_root, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_cli_ladder_table_and_json(repo_root, rows, capsys):
+def test_cli_ladder_table_and_json(repo_root, report, capsys):
     from megagrpo.cli import main
 
-    _, table = rows
+    _, _, rep = report
     args = [
         "plan-memory",
         str(repo_root / "configs/qwen3_235b_a22b_2node.yaml"),
@@ -177,40 +188,16 @@ def test_cli_ladder_table_and_json(repo_root, rows, capsys):
     ]
     assert main(args) == 0
     text = capsys.readouterr().out
-    for r in table:
+    for r in rep["rungs"]:
         assert r["name"] in text and f"{r['step_s']:>7.1f}" in text
-    assert f"target <= {TARGET_STEP_S:.0f} s/step" in text
-    assert "generate" in text and "overlap" in text and "config as written" in text
-    assert "vllm.fp8_moe_lora" in text and "without the blocked rungs" in text
-    js = _cli(repo_root, "--json")  # a fresh process: nothing but JSON on stdout
+    assert "best runnable:" in text and "best unverified:" in text
+    assert f"target <= {TARGETS[16][RUNNABLE]:.0f} s/step" in text
+    assert "collapse" in text and "generation rounds" in text and "low-high" in text
+    js = _cli(repo_root, "--json", "--levels", "L1=10,L2=10,L3=10,L4=10,L5=10,L6=10")
     assert js.returncode == 0, js.stderr
     data = json.loads(js.stdout)  # the whole of stdout is one JSON object
-    assert data["target_s"] == TARGET_STEP_S
-    assert [r["name"] for r in data["rungs"]] == [r["name"] for r in table]
-    assert data["rungs"][0]["step_s"] == pytest.approx(table[0]["step_s"])
-    runnable = [r["name"] for r in data["runnable"]]  # FP8 and off-policy are blocked
-    assert runnable == ["baseline", "+ streamed adapter sync", "+ partial rollouts"]
-    # the config as written syncs streamed (the default): not the baseline's PEFT directory
-    assert data["config"]["phases"]["sync"] < table[0]["phases"]["sync"] / 5
-    assert data["config"]["phases"]["generate"] == pytest.approx(table[0]["phases"]["generate"])
-
-
-def test_separate_placement_checks_the_engine_gpus(repo_root, hf235):
-    """`rollout.placement: separate` as the trainer runs it today (one engine rank, TP 1):
-    the whole 235B model on one H100 (bf16, ~438 GiB by hand: every parameter x 2 bytes)
-    leaves no KV cache, so the plan says DOES NOT FIT and names the key, where it used to
-    print FITS from the colocated phases; the same placement with the engine on 8 GPUs
-    (the ladder's rung) fits."""
-    cfg = _two_node(repo_root, "rollout.placement=separate", "rollout.load_format=auto")
-    sc = scenario_from_config(cfg, hf235)
-    assert sc.placement == "separate" and sc.rollout_gpus == 1
-    p = plan_run(cfg, hf235)
-    eng = p["engine_gpus"]
-    params = 235e9  # Qwen3-235B-A22B: ~235 B parameters, all on the engine's one GPU
-    assert eng["weights_gib_per_gpu"] == pytest.approx(params * 2 / GIB, rel=0.05)
-    assert eng["kv_tokens_per_replica"] == 0 and not eng["fits"] and not p["fits"]
-    assert any("rollout.placement=separate" in t for t in p["advice"])
-    from megagrpo.plan.search import full_plan
-
-    wide = full_plan(sc.with_(rollout_gpus=8, vllm_tp=8), Assumptions(), Hardware())
-    assert wide["engine_gpus"]["fits"] and wide["engine_gpus"]["kv_tokens_per_replica"] > 0
+    assert data["targets"] == {k: v for k, v in TARGETS[16].items()}
+    assert [r["name"] for r in data["rungs"]] == [r["name"] for r in rep["rungs"]]
+    assert data["collapse"]["source"].startswith("--levels L1=10")
+    for r in data["rungs"]:
+        assert set(r["bounds"]) == {"low", "central", "high", "best", "worst"}

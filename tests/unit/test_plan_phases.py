@@ -121,11 +121,18 @@ def test_sync_bytes_per_transport(repo_root, hf235):
 def test_search_finds_the_fastest_fitting_layouts(repo_root, hf235):
     cfg = _two_node(repo_root)
     sc = scenario_from_config(cfg, hf235)
-    best = search(sc, Assumptions(), Hardware(), 16, top=3)
+    res = search(sc, Assumptions(), Hardware(), 16, top=3)
+    best = res["top"]
     assert best and all(p["fits"] for p in best)
     times = [p["time"]["step_s"] for p in best]
     assert times == sorted(times)
-    assert not search(sc, Assumptions(), Hardware(), 4)  # 470 GB of bf16 base on 4 x 80 GB
+    for p in best:  # every printed layout has its band around the central estimate
+        b = p["bounds"]
+        assert b["low"] <= b["central"] == p["time"]["step_s"] <= b["high"]
+    # without a gate nothing is refused and FP8 is unverified: the two bests differ in that
+    assert res["best_runnable"]["scenario"].quantization == "none"
+    assert res["best_unverified"]["scenario"].quantization == "fp8"
+    assert not search(sc, Assumptions(), Hardware(), 4)["top"]  # 470 GB of bf16 on 4 x 80 GB
 
 
 def test_plan_keys_are_the_schemas(repo_root):
@@ -159,9 +166,11 @@ def test_cli_gpus_search_json(repo_root):
         timeout=180,
     )
     assert out.returncode == 0, out.stderr
-    best = json.loads(out.stdout)
+    res = json.loads(out.stdout)  # the whole of stdout is one JSON object
+    best = res["top"]
     assert best and best[0]["num_gpus"] == 8 and best[0]["hardware"]["ib_gb_s"] == 25.0
     assert any(o.startswith("rollout.quantization=") for o in best[0]["overrides"])
+    assert res["searched"] > res["refused"] > 0  # the gate refused some layouts
 
 
 @pytest.mark.parametrize(("serves_lora", "mode"), [("true", "adapter"), ("false", "merged")])
