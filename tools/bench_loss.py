@@ -390,9 +390,22 @@ def main(argv=None) -> int:
             methods.remove("liger")
             print("liger-kernel is not installed: skipping the Liger peer", file=sys.stderr)
     res = {}
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for m in methods:
+        for i, m in enumerate(methods):
+            # progress on stderr (stdout stays the table or the JSON): each method is a fresh
+            # process that builds the [T, V] logits and runs twice (timed, then counted)
+            print(f"[{i + 1}/{len(methods)}] {m} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             r = spawn(m, a, Path(tmp))
+            took = time.perf_counter() - t0
+            done = "failed" if r is None else f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
+            print(
+                f"[{i + 1}/{len(methods)}] {m}: {done}, {took:.0f} s "
+                f"({time.perf_counter() - start:.0f} s so far)",
+                file=sys.stderr,
+                flush=True,
+            )
             if r is not None:
                 res[m] = r
     s = summarise(res, a)
