@@ -8,8 +8,11 @@ COLLAPSE_STD = 1e-6
 """A group whose reward std is below this is collapsed (DESIGN.md: ACR uses the same bound)."""
 
 
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+
+
 def group_advantages(
-    rewards: torch.Tensor, scale: str = "group", eps: float = 1e-4
+    rewards: torch.Tensor, scale: str = "group", eps: float = 1e-4, estimator: str = "grpo"
 ) -> torch.Tensor:
     """Advantages of G samples per problem, centred on their group's mean reward.
 
@@ -19,6 +22,11 @@ def group_advantages(
             std of all N*G rewards (a batch-level scale, as REINFORCE++ does), ``none`` keeps
             the centred reward (Dr.GRPO: no std bias towards easy/hard questions).
         eps: added to the std before dividing (TRL and ms-swift use 1e-4).
+        estimator: ``grpo``; ``rloo`` (leave-one-out baseline: the mean of the other G - 1
+            rewards, i.e. the centred reward x G / (G - 1), scaled by the rewards' std);
+            ``reinforce_plus_plus`` (the centred rewards scaled by their own std: with
+            ``batch`` the std of all centred rewards) -- ms-swift's
+            ``rl_core.advantage.compute_advantages``.
 
     Returns:
         [N, G] float32 advantages. Collapsed groups (std < 1e-6) get exactly 0, so they carry
@@ -30,13 +38,19 @@ def group_advantages(
         raise ValueError(f"need G >= 2 samples per group, got G={rewards.shape[1]}")
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     r = rewards.to(torch.float32)
     centred = r - r.mean(dim=1, keepdim=True)
     group_std = r.std(dim=1, keepdim=True)
+    batch_std = (centred if estimator == "reinforce_plus_plus" else r).std()
+    if estimator == "rloo":
+        g = r.shape[1]
+        centred = r * g / (g - 1) - r.mean(dim=1, keepdim=True) * g / (g - 1)
     if scale == "group":
         adv = centred / (group_std + eps)
     elif scale == "batch":
-        adv = centred / (r.std() + eps) if r.numel() > 1 else centred
+        adv = centred / (batch_std + eps) if r.numel() > 1 else centred
     else:
         adv = centred
     return torch.where(group_std < COLLAPSE_STD, torch.zeros_like(adv), adv)

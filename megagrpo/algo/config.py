@@ -48,6 +48,11 @@ class LossConfig:
     loss as ``seq_weights``). Identical when all groups have the same size."""
     advantage_scale: str = "auto"
     """auto | group | batch | none: divisor of group-centred rewards (auto: none for dr_grpo)."""
+    advantage_estimator: str = "grpo"
+    """grpo | rloo | reinforce_plus_plus (ms-swift's ``--advantage_estimator``): rloo's
+    leave-one-out baseline scales the centred reward by G / (G - 1); reinforce_plus_plus
+    divides the centred rewards by their own std (differs from grpo with
+    ``advantage_scale: batch`` only). Groups of one size (``budget.mode: uniform``)."""
     positive_weight: float = 1.0
     """Weight of the positive advantages (W-REINFORCE's lambda, Zhu et al. 2025, "The
     Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"): each advantage > 0
@@ -111,6 +116,11 @@ class LossConfig:
         require(0.0 <= self.positive_weight <= 1.0, f"{path}.positive_weight", "must be in [0, 1]")
         require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
         require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")
+        require(
+            self.advantage_estimator in ("grpo", "rloo", "reinforce_plus_plus"),
+            f"{path}.advantage_estimator",
+            f"must be grpo, rloo or reinforce_plus_plus, got {self.advantage_estimator!r}",
+        )
         require(
             self.group_weighting in GROUP_WEIGHTINGS,
             f"{path}.group_weighting",

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from megagrpo import fileio
+from megagrpo.commands.swift_batching import translate_batches, translate_launch
 from megagrpo.commands.swift_fidelity import (
     blocking,
     check_values,
@@ -51,7 +52,7 @@ from megagrpo.commands.swift_flags import (
     translate_rollout,
 )
 from megagrpo.commands.swift_flags_run import translate_data_rewards, translate_optim
-from megagrpo.commands.swift_shell import Unexpanded, command_from_script
+from megagrpo.commands.swift_shell import Unexpanded, command_from_script, read_launcher
 from megagrpo.errors import ConfigError
 
 DESCRIPTION = __doc__
@@ -80,6 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="processes of the ms-swift run (swift rlhf batch size; default "
         "NPROC_PER_NODE x NNODES from the command, else 1)",
+    )
+    parser.add_argument(
+        "--transformers",
+        type=int,
+        choices=(4, 5),
+        default=5,
+        help="transformers major version of the ms-swift run (swift rlhf's all-linear on a "
+        "MoE model: attention only on 5, ms-swift 4.6's default; also experts and router on 4)",
     )
     parser.add_argument(
         "--keep-swift-accuracy",
@@ -122,21 +131,18 @@ def _word_value(text: str, word: str) -> Any:
 
 def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[str, str]]:
     """``(flags, flavor, env)`` from a tokenised command: leading ``VAR=value`` assignments,
-    ``swift``/``megatron`` + ``rlhf``, then ``--flag value...`` / ``--flag=value`` / ``--flag``."""
+    the launcher (``swift rlhf``, ``megatron rlhf``, ``python -m swift.cli.rlhf``,
+    ``torchrun ... swift/cli/rlhf.py``: :func:`read_launcher`), then ``--flag value...`` /
+    ``--flag=value`` / ``--flag``."""
     env: dict[str, str] = {}
     i = 0
     while i < len(tokens) and "=" in tokens[i] and not tokens[i].startswith("-"):
         key, _, value = tokens[i].partition("=")
         env[key] = Unexpanded(value) if isinstance(tokens[i], Unexpanded) else value
         i += 1
-    flavor = None
-    while i < len(tokens) and not tokens[i].startswith("--"):
-        word = Path(tokens[i]).name
-        if word in ("swift", "megatron"):
-            flavor = word
-        elif word not in ("rlhf", "python", "python3", "-m", "swift.cli.rlhf"):
-            raise ConfigError(f"unexpected word {tokens[i]!r} before the first --flag")
-        i += 1
+    i, flavor, launch = read_launcher(tokens, i)
+    for key, value in launch.items():
+        env.setdefault(key, value)
     flags: dict[str, Any] = {}
     name = None
     for tok in tokens[i:]:
@@ -186,14 +192,16 @@ def translate(
     world_size: int = 1,
     keep_swift_accuracy: bool = False,
     env: dict[str, str] | None = None,
+    transformers_major: int = 5,
 ) -> Translation:
     """Every rule of :mod:`~megagrpo.commands.swift_flags`, then the flags no rule took."""
     check_values(flags)
-    t = Translation(dict(flags), flavor, world_size)
+    t = Translation(dict(flags), flavor, world_size, transformers_major)
     translate_unexpanded(t, env or {})
     translate_tuner(t)
     translate_algorithm(t)
-    translate_loss_type(t)
+    lay = translate_batches(t)
+    translate_loss_type(t, lay)
     translate_model(t)
     translate_architecture(t)
     translate_dtype(t)
@@ -202,8 +210,9 @@ def translate(
     translate_optim(t)
     translate_data_rewards(t, keep_swift_accuracy)
     translate_old_logprobs(t)
-    translate_steps(t, int(t.overrides.get("trainer.batch_groups", 1)))
+    translate_steps(t, lay)
     translate_curriculum(t)
+    translate_launch(t, env or {})
     translate_unsupported(t)
     for flag in flags:
         if flag in t.done:
@@ -273,7 +282,9 @@ def run(args: argparse.Namespace) -> int:
     flavor = args.flavor or flavor or "swift"
     if args.world_size:
         env = {k: v for k, v in env.items() if k not in ("NPROC_PER_NODE", "NNODES")}
-    t = translate(flags, flavor, _world_size(args, env), args.keep_swift_accuracy, env)
+    t = translate(
+        flags, flavor, _world_size(args, env), args.keep_swift_accuracy, env, args.transformers
+    )
     print("\n".join(report_lines(t)), file=sys.stderr)
     blockers = blocking(t)
     if blockers and not args.allow_partial:

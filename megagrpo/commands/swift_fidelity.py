@@ -9,10 +9,10 @@ the rules whose absence would let a config train something else without saying s
 * the curriculum: ms-swift samples every row, every epoch; megagrpo's retirement is off in a
   translated config and its correctness signal is a named reward;
 * values the shell computes (``$(nproc)``) are never mapped;
-* everything ms-swift trains that megagrpo cannot (other losses, multi-step generations,
-  overlong filtering, top-k, server mode, asynchronous generation, full fine-tuning,
-  unsupported architectures, multimodal inputs) is *blocking*: `from-swift` writes no config
-  for it unless ``--allow-partial``.
+* everything ms-swift trains that megagrpo cannot (other losses and estimators, server
+  mode, asynchronous generation, full fine-tuning, multimodal or unsupported architectures,
+  multi-turn and gym rollouts, reward models, teachers, QLoRA) is *blocking*: `from-swift`
+  writes no config for it unless ``--allow-partial``.
 
 Entries whose flags only change where or how fast ms-swift runs (offloading, workers, kernels,
 checkpoint formats, logging backends) are reported but do not block (:data:`HARMLESS`).
@@ -21,11 +21,11 @@ checkpoint formats, logging backends) are reported but do not block (:data:`HARM
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
+from megagrpo.commands.swift_batching import Layout, loss_normaliser
 from megagrpo.commands.swift_flags import DIFFERS, EXACT, MISSING, Entry, Translation, _bool
 from megagrpo.commands.swift_shell import Unexpanded
 from megagrpo.errors import ConfigError
@@ -33,9 +33,24 @@ from megagrpo.errors import ConfigError
 # MISSING flags that change where or how fast ms-swift runs, not what it trains.
 HARMLESS = frozenset(
     {
-        "offload_model",
-        "offload_optimizer",
         "offload_bridge",
+        "optimizer_cpu_offload",
+        "use_precision_aware_optimizer",
+        "optimizer_offload_fraction",
+        "gradient_accumulation_fusion",
+        "moe_shared_expert_overlap",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "use_distributed_optimizer",
+        "cross_entropy_loss_fusion",
+        "masked_softmax_fusion",
+        "apply_rope_fusion",
+        "bias_dropout_fusion",
+        "use_liger_kernel",
+        "vllm_enforce_eager",
+        "vllm_disable_cascade_attn",
+        "torch_empty_cache_steps",
+        "sequence_parallel_size",
         "move_model_batches",
         "context_parallel_size",
         "vllm_max_num_seqs",
@@ -43,6 +58,7 @@ HARMLESS = frozenset(
         "vllm_enable_prefix_caching",
         "dataset_num_proc",
         "dataloader_num_workers",
+        "dataloader_drop_last",
         "padding_free",
         "attention_backend",
         "attn_impl",
@@ -74,10 +90,6 @@ HARMLESS = frozenset(
 
 # What ms-swift trains that megagrpo does not (flag -> why), blocking when given.
 UNSUPPORTED: dict[str, str] = {
-    "steps_per_generation": "several optimizer steps per generated batch (off-policy "
-    "mini-batches); megagrpo makes one step per batch (trainer.ppo_epochs repeats the whole "
-    "batch instead)",
-    "overlong_filter": "truncated completions masked out of the loss; megagrpo trains on them",
     "async_generate": "asynchronous generation with the previous step's weights",
     "vllm_server_host": "an external vLLM server (vllm_mode server)",
     "vllm_server_port": "an external vLLM server (vllm_mode server)",
@@ -90,6 +102,7 @@ UNSUPPORTED: dict[str, str] = {
     "reward_model_plugin": "reward models (megagrpo: reward functions only)",
     "teacher_model": "on-policy distillation from a teacher",
     "teacher_model_server": "on-policy distillation from a teacher",
+    "teacher_kl_coef": "on-policy distillation from a teacher",
     "max_pixels": "images (megagrpo trains text-only models)",
     "freeze_vit": "vision towers (megagrpo trains text-only models)",
     "quant_method": "quantised base weights (QLoRA)",
@@ -109,15 +122,8 @@ TEXT_FAMILIES = re.compile(
 MULTIMODAL = re.compile(r"(vl|omni|audio|vision|qwen3\.5|qwen3_5|llava|pixtral)", re.IGNORECASE)
 
 
-# ms-swift loss_type -> megagrpo loss aggregation (megatron/trainers/grpo_trainer.py: grpo
-# per-sample mean then batch mean; bnpo/dapo over the batch's completion tokens; dr_grpo
-# sum / (sequences x max_completion_length)).
-SWIFT_LOSS_AGG = {
-    "grpo": "seq_mean_token_mean",
-    "bnpo": "token_mean",
-    "dapo": "token_mean",
-    "dr_grpo": "seq_mean_token_sum_norm",
-}
+SWIFT_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+"""Loss types megagrpo trains (normalisers: :func:`swift_batching.loss_normaliser`)."""
 UNSUPPORTED_LOSSES = {
     "sapo": "SAPO's soft sigmoid gate instead of the clip",
     "cispo": "CISPO's clipped-weight REINFORCE",
@@ -126,12 +132,13 @@ UNSUPPORTED_LOSSES = {
 }
 
 
-def translate_loss_type(t: Translation) -> None:
+def translate_loss_type(t: Translation, lay: Layout) -> None:
     """loss_type x importance_sampling_level: the clip (token ratio, or GSPO's sequence ratio
-    broadcast to its tokens) and ms-swift's normaliser of that loss_type."""
+    broadcast to its tokens) and ms-swift's normaliser of that loss_type under this launcher
+    and batch layout (:func:`~megagrpo.commands.swift_batching.loss_normaliser`)."""
     loss = str(t.get("loss_type", "grpo"))
     level = str(t.get("importance_sampling_level", "token"))
-    if loss not in SWIFT_LOSS_AGG:
+    if loss not in SWIFT_LOSS_TYPES:
         why = UNSUPPORTED_LOSSES.get(loss, "unknown to megagrpo")
         t.add("loss_type", MISSING, {}, f"not supported: loss_type '{loss}' ({why})")
         t.done.add("importance_sampling_level")
@@ -148,14 +155,9 @@ def translate_loss_type(t: Translation) -> None:
     variant = (
         "gspo" if level == "sequence" else {"dapo": "dapo", "dr_grpo": "dr_grpo"}.get(loss, "grpo")
     )
-    keys = {"loss.variant": variant, "loss.loss_agg": SWIFT_LOSS_AGG[loss]}
-    t.add(
-        "loss_type",
-        EXACT,
-        keys,
-        f"{SWIFT_LOSS_AGG[loss]}: ms-swift's normaliser of '{loss}'",
-        value=loss,
-    )
+    status, agg, why = loss_normaliser(t, loss, lay)
+    keys = {"loss.variant": variant, "loss.loss_agg": agg}
+    t.add("loss_type", status, keys, f"{agg}: {why}", value=loss)
     if "importance_sampling_level" in t.flags:
         t.add(
             "importance_sampling_level",
@@ -204,63 +206,26 @@ def translate_unexpanded(t: Translation, env: dict[str, str]) -> None:
 
 def translate_unsupported(t: Translation) -> None:
     """Every given flag of :data:`UNSUPPORTED` (and the values of others that megagrpo cannot
-    train) as a blocking entry; spg/gbs that amount to one step per generation are exact."""
+    train) as a blocking entry."""
     for flag, why in UNSUPPORTED.items():
         if flag not in t.flags or flag in t.done:
             continue
-        value = t.get(flag)
-        if flag == "overlong_filter" and not _bool(value):
-            t.add(flag, EXACT, {}, "false: truncated completions are trained on, as in megagrpo")
-        elif flag == "async_generate" and not _bool(value):
+        if flag == "async_generate" and not _bool(t.get(flag)):
             t.add(flag, EXACT, {})
-        elif flag == "steps_per_generation" and _one_step_per_generation(t, int(value)):
-            t.add(flag, EXACT, {}, "one optimizer step per generated batch, as in megagrpo")
         else:
             t.add(flag, MISSING, {}, f"not supported: {why}")
-    if "generation_batch_size" in t.flags:
-        gen = int(t.get("generation_batch_size"))
-        per_step = _completions_per_step(t)
-        same = per_step is not None and gen <= per_step and per_step % gen == 0
+    if "moe_expert_capacity_factor" in t.flags:
         t.add(
-            "generation_batch_size",
-            EXACT if same else MISSING,
+            "moe_expert_capacity_factor",
+            DIFFERS,
             {},
-            "generations make up one optimizer step, as in megagrpo"
-            if same
-            else f"not supported: {gen} completions per generation = several optimizer steps "
-            f"per generated batch ({UNSUPPORTED['steps_per_generation']})",
-        )
-    if "top_k" in t.flags:
-        k = int(t.get("top_k"))
-        off = k in (-1, 0)
-        t.add(
-            "top_k",
-            EXACT if off else MISSING,
-            {},
-            "no top-k truncation, as in megagrpo" if off else "not supported: top-k sampling",
+            "megagrpo's MoE is dropless: every token reaches its experts (ms-swift drops the "
+            "tokens beyond this capacity factor, in training only)",
         )
     if str(t.get("vllm_mode", "colocate")) == "server":
         t.done.discard("vllm_mode")
         t.entries = [e for e in t.entries if e.flag != "vllm_mode"]
         t.add("vllm_mode", MISSING, {}, "not supported: an external vLLM server")
-
-
-def _completions_per_step(t: Translation) -> int | None:
-    if t.flavor == "megatron" or "global_batch_size" in t.flags:
-        return int(t.get("global_batch_size", 16))
-    mb = int(t.get("per_device_train_batch_size", 1))
-    gas = t.get("gradient_accumulation_steps")
-    gas = int(gas) if gas is not None else max(1, math.ceil(16 / mb / t.world_size))
-    return mb * t.world_size * gas
-
-
-def _one_step_per_generation(t: Translation, spg: int) -> bool:
-    """ms-swift's steps_per_generation counts micro-steps in ``swift rlhf`` (its default is
-    gradient_accumulation_steps) and optimizer steps in ``megatron rlhf`` (default 1)."""
-    if t.flavor == "megatron":
-        return spg == 1
-    gas = int(t.get("gradient_accumulation_steps", 1))
-    return spg <= gas and gas % spg == 0
 
 
 def translate_old_logprobs(t: Translation) -> None:
@@ -329,6 +294,19 @@ def translate_architecture(t: Translation) -> None:
         return
     name = str(t.get("model"))
     path = Path(name).expanduser()
+    if looks_local(name) and not path.exists():
+        t.entries = [e for e in t.entries if e.flag != "model"]
+        base = name.rstrip("/").split("/")[-1]
+        multimodal = bool(MULTIMODAL.search(base))
+        t.add(
+            "model",
+            MISSING if multimodal else DIFFERS,
+            {"model.hf_path": name},
+            f"{name}: not found here (not mounted on this machine?): written as given; the "
+            "architecture and dtype are checked when `megagrpo train` loads it"
+            + (f"; not supported: {base} names a multimodal model" if multimodal else ""),
+        )
+        return
     if (path / "config.json").is_file():
         from megagrpo.model.arch import SUPPORTED
 
@@ -339,12 +317,20 @@ def translate_architecture(t: Translation) -> None:
         base = name.rstrip("/").split("/")[-1]
         ok = bool(TEXT_FAMILIES.match(base)) and not MULTIMODAL.search(base)
         why = (
-            f"{base}: a multimodal or unsupported family (megagrpo trains Qwen3(-MoE), Qwen2, "
-            "Llama, Mistral text models)"
+            f"{base}: a multimodal (vision-language) model; megagrpo trains text models"
+            if MULTIMODAL.search(base)
+            else f"{base}: a family megagrpo has no provider for (it trains Qwen3(-MoE), "
+            "Qwen2, Llama, Mistral text models)"
         )
     if not ok:
         t.entries = [e for e in t.entries if e.flag != "model"]
         t.add("model", MISSING, {"model.hf_path": name}, f"not supported: {why}")
+
+
+def looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub id (``org/name``): absolute, ``./``, ``../``,
+    ``~`` or more than one ``/``."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
 def translate_tuner(t: Translation) -> None:
@@ -372,13 +358,22 @@ def translate_tuner(t: Translation) -> None:
     t.done.add("tuner_type")
 
 
-def translate_steps(t: Translation, problems_per_step: int) -> None:
-    """``trainer.max_steps`` from --train_iters / --max_steps, else ms-swift's own count:
-    num_train_epochs (default 3 in ``swift rlhf``) x rows of the local dataset / problems per
-    optimizer step (Megatron: ``len // step_batch * step_batch * G * epochs // gbs``)."""
+def translate_steps(t: Translation, lay: Layout) -> None:
+    """``trainer.max_steps`` (optimizer steps, as ms-swift counts them) from --train_iters /
+    --max_steps, else ms-swift's own count: num_train_epochs (default 3 in ``swift rlhf``) x
+    rows of the local dataset / problems per generated batch x optimizer steps per generated
+    batch (Megatron: ``len // step_batch * step_batch * G * epochs // gbs``)."""
+    g = int(t.get("num_generations", 8))
+    problems_per_gen = max(1, lay.per_generation // g if lay.mini_batches else lay.per_step // g)
+    updates = max(lay.mini_batches, 1) * int(t.get("num_iterations", 1))
     for flag in ("train_iters", "max_steps"):
         if flag in t.flags:
-            t.add(flag, EXACT, {"trainer.max_steps": int(t.get(flag))})
+            t.add(
+                flag,
+                EXACT,
+                {"trainer.max_steps": int(t.get(flag))},
+                "optimizer steps (megagrpo's trainer.max_steps counts them too)",
+            )
             t.done.add("num_train_epochs")
             if "num_train_epochs" in t.flags:
                 t.add("num_train_epochs", EXACT, {}, f"--{flag} takes precedence")
@@ -386,17 +381,24 @@ def translate_steps(t: Translation, problems_per_step: int) -> None:
     epochs = t.get("num_train_epochs", 3 if t.flavor == "swift" else None)
     rows = _dataset_rows(t)
     if epochs is not None and rows is not None:
-        steps = max(1, int(float(epochs) * rows) // problems_per_step)
+        steps = max(1, int(float(epochs) * rows) // problems_per_gen * updates)
         t.add(
             "num_train_epochs",
             EXACT if "num_train_epochs" in t.flags else DIFFERS,
             {"trainer.max_steps": steps},
-            f"{epochs} epochs x {rows} rows / {problems_per_step} problems per step = {steps} "
-            "optimizer steps" + ("" if "num_train_epochs" in t.flags else " (ms-swift's default)"),
+            f"{epochs} epochs x {rows} rows / {problems_per_gen} problems per generated batch x "
+            f"{updates} optimizer steps each = {steps} optimizer steps"
+            + ("" if "num_train_epochs" in t.flags else " (ms-swift's default)"),
             value=epochs,
         )
         return
-    why = "a hub dataset" if rows is None else "no --num_train_epochs"
+    why = (
+        "no --dataset"
+        if "dataset" not in t.flags
+        else "a hub dataset"
+        if rows is None
+        else "no --num_train_epochs"
+    )
     t.add(
         "num_train_epochs",
         MISSING,

@@ -17,6 +17,8 @@ ms-swift one, and reported as such. Defaults are ms-swift 4.6's
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,15 +68,29 @@ ALL_LINEAR = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 # flags with no megagrpo equivalent, and why (GPU performance knobs, launcher details ...)
 NO_EQUIVALENT: dict[str, str] = {
-    "offload_model": "Megatron weights stay on the GPU during generation",
-    "offload_optimizer": "no optimizer offload (LoRA optimizer state is small)",
-    "offload_bridge": "no bridge offload",
-    "overlong_filter": "truncated completions are trained on (length/clip_ratio is logged)",
-    "steps_per_generation": (
-        "one optimizer step per generated batch (ppo_epochs reuses the same batch)"
-    ),
-    "generation_batch_size": "one optimizer step per generated batch",
-    "context_parallel_size": "no context parallelism",
+    "offload_bridge": "performance knob: the HF<->Megatron bridge's buffers (megagrpo streams "
+    "weights in buckets: trainer.sync_transport)",
+    "optimizer_cpu_offload": "performance knob: Megatron's optimizer CPU offload (the LoRA "
+    "optimizer state is small; trainer.offload_during_rollout moves it during generation)",
+    "use_precision_aware_optimizer": "performance knob: Megatron's precision-aware optimizer "
+    "(megagrpo keeps fp32 LoRA moments)",
+    "optimizer_offload_fraction": "performance knob: Megatron's optimizer CPU offload",
+    "gradient_accumulation_fusion": "performance knob (fused weight-gradient accumulation)",
+    "moe_shared_expert_overlap": "performance knob (overlapped shared-expert compute)",
+    "overlap_grad_reduce": "performance knob (DDP overlap)",
+    "overlap_param_gather": "performance knob (DDP overlap)",
+    "use_distributed_optimizer": "performance knob (sharded optimizer state)",
+    "cross_entropy_loss_fusion": "performance knob (megagrpo fuses its own loss)",
+    "masked_softmax_fusion": "performance knob",
+    "apply_rope_fusion": "performance knob",
+    "bias_dropout_fusion": "performance knob",
+    "use_liger_kernel": "performance knob (megagrpo fuses its own loss)",
+    "vllm_enforce_eager": "performance knob (CUDA graphs of the engine)",
+    "vllm_disable_cascade_attn": "performance knob",
+    "torch_empty_cache_steps": "memory knob",
+    "sequence_parallel_size": "performance knob: Ulysses sequence parallelism of swift rlhf "
+    "(megagrpo: parallel.sequence_parallel with TP)",
+    "context_parallel_size": "no context parallelism (performance / memory, not what is trained)",
     "num_train_epochs": "megagrpo counts optimizer steps (trainer.max_steps)",
     "swanlab_project": "no SwanLab backend",
     "vllm_max_num_seqs": "not configurable",
@@ -84,6 +100,7 @@ NO_EQUIVALENT: dict[str, str] = {
     "async_generate": "no asynchronous generation",
     "dataset_num_proc": "local JSONL only; no preprocessing workers",
     "dataloader_num_workers": "no data loader workers",
+    "dataloader_drop_last": "megagrpo's curriculum sampler always draws full batches",
     "padding_free": "GPU performance knob",
     "attention_backend": "GPU performance knob (model.spec te/local)",
     "moe_permute_fusion": "GPU performance knob",
@@ -125,10 +142,14 @@ class Entry:
 class Translation:
     """Accumulates config overrides and report entries."""
 
-    def __init__(self, flags: dict[str, Any], flavor: str, world_size: int) -> None:
+    def __init__(
+        self, flags: dict[str, Any], flavor: str, world_size: int, transformers_major: int = 5
+    ) -> None:
         self.flags = flags
         self.flavor = flavor
         self.world_size = world_size
+        self.transformers_major = transformers_major
+        """transformers major version of the ms-swift run (swift rlhf's all-linear on MoE)."""
         self.entries: list[Entry] = []
         self.overrides: dict[str, Any] = {}
         self.done: set[str] = set()
@@ -220,26 +241,7 @@ def translate_algorithm(t: Translation) -> None:
         value=g,
     )
     _default(t, "beta", "loss.kl_coef", SWIFT_DEFAULTS["beta"], 0.0, cast=float)
-    # ms-swift (TRL) computes training log-probs of logits / temperature: rollout.logprobs
-    # sampling, which megagrpo allows with top_p = 1 only (the trainer does not truncate).
-    given = "temperature" in t.flags
-    temp = float(t.get("temperature", SWIFT_DEFAULTS["temperature"]))
-    sampling = float(t.get("top_p", 1.0)) == 1.0
-    notes = [] if given else [f"not given: ms-swift's default {temp!r} applied (megagrpo's 1.0)"]
-    notes.append(
-        "training log-probs of logits / temperature, as in ms-swift"
-        if sampling
-        else "ms-swift's training log-probs are of logits / temperature; with top_p < 1 "
-        "megagrpo keeps the raw (T=1) model's: identical only at 1.0"
-    )
-    t.add(
-        "temperature",
-        EXACT if sampling and given else DIFFERS,
-        {"rollout.temperature": temp, "rollout.logprobs": "sampling" if sampling else "raw"},
-        "; ".join(notes),
-        given=given,
-        value=temp,
-    )
+    _sampling(t)
     eps = float(t.get("epsilon", SWIFT_DEFAULTS["epsilon"]))
     t.add("epsilon", EXACT, {"loss.eps_low": eps}, value=eps)
     if t.get("epsilon_high") is not None:
@@ -280,7 +282,6 @@ def translate_algorithm(t: Translation) -> None:
             if dyn
             else "no effect without --dynamic_sample true",
         )
-    t.copy("top_p", "rollout.top_p", float)
     scale = t.get("scale_rewards", "group")
     ok = scale in ("group", "batch", "none")
     t.add(
@@ -299,11 +300,12 @@ def translate_algorithm(t: Translation) -> None:
     )
     est = t.get("advantage_estimator", "grpo")
     if "advantage_estimator" in t.flags:
+        known = est in ("grpo", "rloo", "reinforce_plus_plus")
         t.add(
             "advantage_estimator",
-            EXACT if est == "grpo" else MISSING,
-            {},
-            "" if est == "grpo" else f"'{est}' is not implemented",
+            EXACT if known else MISSING,
+            {"loss.advantage_estimator": est} if known else {},
+            "" if known else f"'{est}' is not implemented",
         )
     mode = t.get("rollout_importance_sampling_mode")
     if mode is not None:
@@ -316,7 +318,51 @@ def translate_algorithm(t: Translation) -> None:
             "" if ok else f"'{mode}' is not implemented",
         )
         t.done.add("rollout_importance_sampling_threshold")
-    t.copy("num_iterations", "trainer.ppo_epochs", int)
+    if "overlong_filter" in t.flags:
+        on = _bool(t.get("overlong_filter"))
+        t.add(
+            "overlong_filter",
+            EXACT,
+            {"loss.overlong_filter": on},
+            "truncated completions carry no loss (still in the normalisers and the collapse "
+            "metrics), as ms-swift masks them"
+            if on
+            else "",
+        )
+
+
+def _sampling(t: Translation) -> None:
+    """temperature (ms-swift trains on logits / temperature: rollout.logprobs sampling) and
+    top_p / top_k / min_p / repetition_penalty, applied in vLLM's order by both engines."""
+    given = "temperature" in t.flags
+    temp = float(t.get("temperature", SWIFT_DEFAULTS["temperature"]))
+    note = "training log-probs of logits / temperature, as in ms-swift"
+    if not given:
+        note = f"not given: ms-swift's default {temp!r} applied (megagrpo's 1.0); " + note
+    t.add(
+        "temperature",
+        EXACT if given else DIFFERS,
+        {"rollout.temperature": temp, "rollout.logprobs": "sampling"},
+        note,
+        given=given,
+        value=temp,
+    )
+    for flag, cast in (
+        ("top_p", float),
+        ("top_k", int),
+        ("min_p", float),
+        ("repetition_penalty", float),
+    ):
+        if flag in t.flags:
+            value = cast(t.get(flag))
+            value = max(value, 0) if flag == "top_k" else value  # ms-swift's -1: off
+            t.add(
+                flag,
+                EXACT,
+                {f"rollout.{flag}": value},
+                "vLLM's sampler order on both engines; the engines' log-probs are of the "
+                "processed distribution (vLLM's processed_logprobs, as ms-swift requests)",
+            )
 
 
 def translate_model(t: Translation) -> None:
@@ -328,7 +374,10 @@ def translate_model(t: Translation) -> None:
             "model",
             EXACT if local else DIFFERS,
             {"model.hf_path": path},
-            "" if local else "a hub id: megagrpo loads a local HF directory; download it first",
+            ""
+            if local
+            else "a hub id: megagrpo loads a local HF directory; download it first and set "
+            "model.hf_path",
         )
     _default(t, "lora_rank", "model.lora.rank", 8, 8, cast=int)
     _default(
@@ -377,19 +426,26 @@ def translate_model(t: Translation) -> None:
     t.copy("recompute_modules", "model.recompute_modules", _list)
 
 
+MOE_NAME = re.compile(r"(-A\d+(\.\d+)?B|moe)", re.IGNORECASE)
+"""A hub id or directory name of a MoE model (Qwen3-30B-A3B, Qwen3-235B-A22B, ...MoE...)."""
+
+
+def is_moe(t: Translation) -> bool:
+    """The model is a mixture of experts: its config.json says so, else its name."""
+    name = str(t.get("model", ""))
+    cfg = Path(name).expanduser() / "config.json"
+    if cfg.is_file():
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+        return bool(data.get("num_experts") or data.get("num_local_experts"))
+    return bool(MOE_NAME.search(name.rstrip("/").split("/")[-1]))
+
+
 def _targets(t: Translation) -> None:
     raw = [str(x) for x in _list(t.get("target_modules", SWIFT_DEFAULTS["target_modules"]))]
     given = "target_modules" in t.flags
     if raw == ["all-linear"]:
-        t.add(
-            "target_modules",
-            DIFFERS,
-            {"model.lora.targets": ALL_LINEAR},
-            "all-linear = attention qkv/o + MLP fc1/fc2 (dense and experts; router excluded, "
-            "as ms-swift's all-linear on Qwen3-MoE)",
-            given=given,
-            value=raw,
-        )
+        keys, note = _all_linear(t)
+        t.add("target_modules", DIFFERS, {"model.lora.targets": keys}, note, given=given, value=raw)
         return
     mapped = sorted({HF_TARGETS[x] for x in raw if x in HF_TARGETS})
     unknown = [x for x in raw if x not in HF_TARGETS]
@@ -408,6 +464,37 @@ def _targets(t: Translation) -> None:
             "megagrpo adapts fused Megatron linears: q/k/v share linear_qkv, gate/up share "
             "linear_fc1",
         )
+
+
+def _all_linear(t: Translation) -> tuple[list[str], str]:
+    """ms-swift's all-linear per launcher and transformers version (``--transformers``):
+    megatron rlhf adapts every Megatron linear but the output layer (the experts' grouped
+    linears included, the TopKRouter is no linear: ``swift/megatron/utils/utils.py``
+    ``find_all_linears``); swift rlhf every module whose class name holds "linear"
+    (``swift/utils/transformers_utils.py``): on a transformers-5 Qwen3-MoE the attention
+    only (the experts are 3-D parameters of Qwen3MoeExperts, the router a
+    Qwen3MoeTopKRouter), on transformers 4 also every expert's nn.Linear and the router
+    ``mlp.gate``."""
+    fused = "q/k/v share linear_qkv's A, gate/up linear_fc1's (Megatron's fused linears)"
+    if t.flavor == "megatron":
+        return ALL_LINEAR, (
+            "megatron rlhf's all-linear: attention qkv/o + MLP fc1/fc2, dense and experts, "
+            "router and output layer excluded, as ms-swift's find_all_linears on Megatron"
+        )
+    if not is_moe(t):
+        return ALL_LINEAR, f"all-linear = q/k/v/o + gate/up/down; {fused}"
+    if t.transformers_major >= 5:
+        return ["linear_qkv", "linear_proj"], (
+            "swift rlhf's all-linear on a MoE model with transformers 5 (ms-swift 4.6's "
+            "default; --transformers 4 for the other): attention only (q/k/v/o): the experts "
+            "are 3-D parameters (ms-swift needs --target_parameters for them) and the router "
+            f"is no nn.Linear; {fused}"
+        )
+    return ALL_LINEAR, (
+        "swift rlhf's all-linear on a MoE model with transformers 4: attention + every "
+        "expert's gate/up/down (mapped) and the router mlp.gate, which megagrpo does not "
+        f"adapt (its LoRA on the router is left out); {fused}"
+    )
 
 
 def translate_lengths(t: Translation) -> None:

@@ -4,7 +4,6 @@ megagrpo keys (the second half of :mod:`megagrpo.commands.swift_flags`)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ from megagrpo.commands.swift_flags import (
     DIFFERS,
     EXACT,
     MATH_VERIFY_NOTE,
-    MEGATRON_DEFAULTS,
     MISSING,
     OPTIM_DEFAULTS,
     SWIFT_DEFAULTS,
@@ -25,31 +23,11 @@ from megagrpo.errors import ConfigError
 
 
 def translate_optim(t: Translation) -> None:
-    """Batch sizes, optimizer, LR schedule, steps, checkpoints, evaluation."""
-    g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
+    """Micro-batch size, optimizer, LR schedule, warm-up, checkpoints, evaluation (the batch
+    layout: :mod:`megagrpo.commands.swift_batching`)."""
     mb_flag = "micro_batch_size" if "micro_batch_size" in t.flags else "per_device_train_batch_size"
     mb = int(t.get(mb_flag, 1))
     t.add(mb_flag, EXACT, {"trainer.micro_batch_size": mb}, value=mb)
-    if t.flavor == "megatron" or "global_batch_size" in t.flags:
-        gbs = int(t.get("global_batch_size", MEGATRON_DEFAULTS["global_batch_size"]))
-        flag, completions = "global_batch_size", gbs
-    else:
-        gas = t.get("gradient_accumulation_steps")
-        gas = int(gas) if gas is not None else max(1, math.ceil(16 / mb / t.world_size))
-        flag, completions = "gradient_accumulation_steps", mb * t.world_size * gas
-    if completions % g:
-        raise ConfigError(
-            f"--{flag}: {completions} completions per step is not a multiple of num_generations={g}"
-        )
-    t.add(
-        flag,
-        DIFFERS,
-        {"trainer.batch_groups": completions // g},
-        f"ms-swift counts completions ({completions} per optimizer step); trainer.batch_groups "
-        f"counts problems: {completions} / {g} generations = {completions // g}"
-        + ("" if t.flavor == "megatron" else f" (world size {t.world_size})"),
-        value=t.get(flag, completions),
-    )
     for flag in ("lr", "learning_rate"):
         t.copy(flag, "trainer.lr", float)
     style_flag = "lr_decay_style" if t.flavor == "megatron" else "lr_scheduler_type"
@@ -160,7 +138,11 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
             )
         elif system.endswith(".txt"):
             t.add(
-                "system", MISSING, {}, f"{path} not found here: set data.prompt.system to its text"
+                "system",
+                DIFFERS,
+                {},
+                f"{path} not found here: no system prompt written; set data.prompt.system to "
+                "the file's text (ms-swift reads it at start)",
             )
         else:
             t.add("system", EXACT, {"data.prompt.system": system})
@@ -225,7 +207,11 @@ def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
                 value=max_len,
             )
         else:
-            kwargs = {k: t.get(k) for k in t.flags if k.startswith(("repetition_", "cosine_"))}
+            kwargs = {
+                k: t.get(k)
+                for k in t.flags
+                if k.startswith(("repetition_", "cosine_")) and k != "repetition_penalty"
+            }
             specs.append(
                 {
                     "name": f"orms:{name}",

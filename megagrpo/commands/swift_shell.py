@@ -123,21 +123,35 @@ class _Lexer:
         return "".join(out)
 
 
-def shell_commands(text: str) -> list[list[str]]:
+def shell_commands(text: str, exported: dict[str, str] | None = None) -> list[list[str]]:
     """The script's simple commands, each a list of words (:class:`Unexpanded` where the shell
-    would compute the value). Assignment-only commands are applied to later words."""
+    would compute the value). Assignment-only commands (and ``export VAR=value ...``) are
+    applied to later words; ``exported`` collects the ``export``-ed ones, as the environment
+    of later commands (``export VAR`` exports a variable assigned before)."""
     variables: dict[str, str] = {}
     commands: list[list[str]] = []
     words: list[str] = []
     lex = _Lexer(text, variables)
+    out = exported if exported is not None else {}
+
+    def assign(w: str, export: bool) -> None:
+        key, eq, value = w.partition("=")
+        if not eq:  # export VAR
+            if key in variables:
+                out[key] = variables[key]
+            return
+        variables[key] = Unexpanded(value) if isinstance(w, Unexpanded) else value
+        if export:
+            out[key] = variables[key]
 
     def end_command() -> None:
         nonlocal words
-        if words and all(_assignment(w) for w in words):
-            for w in words:
-                key, _, value = w.partition("=")
-                variables[key] = Unexpanded(value) if isinstance(w, Unexpanded) else value
-        elif words:
+        export = bool(words) and words[0] == "export"
+        rest = words[1:] if export else words
+        if rest and all(_assignment(w) or (export and w.isidentifier()) for w in rest):
+            for w in rest:
+                assign(w, export)
+        elif words and not export:
             commands.append(words)
         words = []
 
@@ -195,10 +209,77 @@ def _assignment(word: str) -> bool:
     return bool(eq) and name.isidentifier()
 
 
+ENTRY_POINTS = {
+    "swift.cli.rlhf": "swift",
+    "swift.cli._megatron.rlhf": "megatron",
+    "swift/cli/rlhf.py": "swift",
+    "swift/cli/_megatron/rlhf.py": "megatron",
+}
+"""ms-swift's rlhf entry points as a module (``python -m``) or a script path, by front end."""
+TORCHRUN_ENV = {"nproc_per_node": "NPROC_PER_NODE", "nnodes": "NNODES"}
+
+
+def _entry_point(word: str) -> str | None:
+    """The front end of an ms-swift entry point word (``swift.cli.rlhf``,
+    ``/x/swift/cli/_megatron/rlhf.py``, ...), else None."""
+    for suffix, flavor in ENTRY_POINTS.items():
+        if word == suffix or word.endswith("/" + suffix):
+            return flavor
+    return None
+
+
+def is_rlhf_command(words: list[str]) -> bool:
+    """``swift rlhf``, ``megatron rlhf``, or an rlhf entry point run by python / torchrun."""
+    return "rlhf" in words or any(_entry_point(w) for w in words)
+
+
+def read_launcher(tokens: list[str], i: int) -> tuple[int, str | None, dict[str, str]]:
+    """From ``tokens[i]`` (after the leading assignments) to the first ms-swift flag:
+    ``(index of that flag, front end or None, environment the launcher implies)``. Takes
+    ``swift``/``megatron`` ``rlhf``, ``python[3] -m swift.cli[._megatron].rlhf``, a path to
+    ``swift/cli/[_megatron/]rlhf.py`` and ``torchrun`` with its options (``--nproc_per_node``
+    and ``--nnodes`` become NPROC_PER_NODE / NNODES); ConfigError on anything else."""
+    flavor, env = None, {}
+    torchrun = False
+    while i < len(tokens):
+        word = tokens[i]
+        entry = _entry_point(word)
+        if word.startswith("--") and not torchrun:
+            break
+        if entry:
+            flavor, torchrun = entry, False
+        elif word in ("swift", "megatron"):
+            flavor = word
+        elif word.rsplit("/", 1)[-1] == "torchrun":
+            torchrun = True
+        elif torchrun and word.startswith("-"):
+            name, eq, value = word.lstrip("-").partition("=")
+            name = name.replace("-", "_")
+            if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+                i, value = i + 1, tokens[i + 1]
+            if name in TORCHRUN_ENV:
+                env[TORCHRUN_ENV[name]] = value
+        elif word.rsplit("/", 1)[-1] not in ("rlhf", "python", "python3", "-m"):
+            raise ConfigError(f"unexpected word {word!r} before the first --flag")
+        i += 1
+    return i, flavor, env
+
+
 def command_from_script(text: str) -> list[str]:
-    """The words of the script's ``swift rlhf`` / ``megatron rlhf`` command (its leading
-    ``VAR=value`` words included)."""
-    for words in shell_commands(text):
-        if "rlhf" in words:
-            return words
-    raise ConfigError("no 'swift rlhf' or 'megatron rlhf' command in the script")
+    """The words of the script's ``swift rlhf`` / ``megatron rlhf`` command (or an rlhf entry
+    point run by ``python -m`` / ``torchrun``), preceded by ``VAR=value`` words for the
+    variables the script ``export``-ed before it (the command's own leading assignments,
+    which follow, take precedence)."""
+    exported: dict[str, str] = {}
+    for words in shell_commands(text, exported):
+        if is_rlhf_command(words):
+            lead = [_assign(k, v) for k, v in exported.items()]
+            return lead + words
+    raise ConfigError(
+        "no 'swift rlhf', 'megatron rlhf' or 'python -m swift.cli.rlhf' command in the script"
+    )
+
+
+def _assign(key: str, value: str) -> str:
+    word = f"{key}={value}"
+    return Unexpanded(word) if isinstance(value, Unexpanded) else word

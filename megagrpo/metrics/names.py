@@ -64,8 +64,13 @@ def missing_metrics(row: dict, reward_names: list[str]) -> list[str]:
 #   (loss/entropy_seq_mean); TRL's entropy is the token mean (loss/entropy).
 # - clip_ratio/low_min, clip_ratio/high_max: the smallest / largest clipped fraction of a
 #   micro-batch (ms-swift: of a data-parallel rank's batch).
-# - completions/clipped_ratio: TRL counts the trained completions; megagrpo's
-#   length/clip_ratio counts every generated completion of the step (all rounds).
+# - completions/clipped_ratio: the trained completions that stopped at the length limit, as
+#   ms-swift (swift/rlhf_trainers/grpo_trainer.py _prepare_batch_inputs: the trained batch);
+#   the share over every completion of every dynamic-sampling round is megagrpo's
+#   length/clip_ratio, logged as completions/clipped_ratio_all_rounds.
+# - rewards/<f>/mean|std: under the reward's label (the ms-swift flag name from-swift writes)
+#   and under ms-swift's own name for it (swift_reward_names: the class name, as
+#   swift/rlhf_trainers/utils.py resolve_reward_funcs names them: rewards/MathAccuracy/mean).
 SWIFT_ALIASES: dict[str, str] = {
     "reward": "reward/mean",
     "reward_std": "reward/std",
@@ -73,7 +78,8 @@ SWIFT_ALIASES: dict[str, str] = {
     "completions/mean_length": "length/mean",
     "completions/min_length": "length/min",
     "completions/max_length": "length/max",
-    "completions/clipped_ratio": "length/clip_ratio",
+    "completions/clipped_ratio": "length/clip_ratio_trained",
+    "completions/clipped_ratio_all_rounds": "length/clip_ratio",
     "kl": "loss/kl",
     "entropy": "loss/entropy",
     "entropy/mean": "loss/entropy_seq_mean",
@@ -87,6 +93,39 @@ SWIFT_ALIASES: dict[str, str] = {
     "loss": "loss/total",
 }
 """Fixed aliases; ``rewards/<f>/mean|std`` are added per reward function."""
+
+
+SWIFT_ORM_CLASSES = {
+    "accuracy": "MathAccuracy",
+    "format": "Format",
+    "react_format": "ReActFormat",
+    "cosine": "CosineReward",
+    "repetition": "RepetitionPenalty",
+    "soft_overlong": "SoftOverlong",
+    "math": "MathORM",
+    "toolbench": "ReactORM",
+}
+"""ms-swift 4.6's built-in reward names (``swift.rewards.orms``) -> the class names its
+dashboards key them by."""
+
+
+def swift_reward_names(terms: list) -> dict[str, str]:
+    """``{term name: ms-swift's dashboard name}`` for the composite reward's terms (objects
+    with ``name`` and ``fn``): an ms-swift ORM (``fn.orm``) by ms-swift's own rule (a
+    function's ``__name__``, else its class name); a megagrpo reward standing in for an
+    ms-swift one by the built-in's class name (the label from-swift gives it: ``accuracy``
+    -> MathAccuracy, ``soft_overlong`` -> SoftOverlong); others by their own name."""
+    import inspect
+
+    out = {}
+    for term in terms:
+        orm = getattr(term.fn, "orm", None)
+        if orm is not None:
+            out[term.name] = orm.__name__ if inspect.isfunction(orm) else type(orm).__name__
+        else:
+            key = term.name.removeprefix("orms:")
+            out[term.name] = SWIFT_ORM_CLASSES.get(key, term.name)
+    return out
 
 
 def group_std_mean(rewards_by_group: list[list[float]]) -> float:
@@ -108,6 +147,7 @@ def swift_aliases(
     reward_names: list[str],
     num_completions: int | None = None,
     advantage_scale: str = "group",
+    swift_names: dict[str, str] | None = None,
 ) -> dict[str, float | None]:
     """The ms-swift/TRL names for ``row`` (a megagrpo metrics row), to log alongside it.
 
@@ -116,13 +156,16 @@ def swift_aliases(
     completions the reward statistics were taken over (trained groups x G); with it the std
     aliases are the unbiased std that TRL and ms-swift log. ``advantage_scale``
     (ms-swift's scale_rewards): ``reward_std`` is the mean per-group std unless ``batch``.
+    ``swift_names``: ms-swift's name of each reward function (:func:`swift_reward_names`),
+    aliased too.
     """
     pairs = dict(SWIFT_ALIASES)
     if advantage_scale != "batch":
         pairs["reward_std"] = "reward/group_std_mean"
     for name in reward_names:
-        pairs[f"rewards/{name}/mean"] = f"reward/{name}/mean"
-        pairs[f"rewards/{name}/std"] = f"reward/{name}/std"
+        for alias in dict.fromkeys([name, (swift_names or {}).get(name, name)]):
+            pairs[f"rewards/{alias}/mean"] = f"reward/{name}/mean"
+            pairs[f"rewards/{alias}/std"] = f"reward/{name}/std"
     out: dict[str, float | None] = {}
     for alias, source in pairs.items():
         if source not in row:

@@ -250,6 +250,11 @@ class RunConfig:
         self.curriculum_signal()
         budget = self.budget
         budget.resolved(self.rollout.group_size, "budget")
+        require(
+            budget.mode == "uniform" or self.loss.advantage_estimator == "grpo",
+            "loss.advantage_estimator",
+            f"{self.loss.advantage_estimator} needs groups of one size (budget.mode=uniform)",
+        )
         if budget.mode != "uniform" and self.dynamic.policy == "original":
             raise ConfigError(
                 f"config key 'dynamic.policy': 'original' (ms-swift's fallback: train on the "

@@ -37,7 +37,12 @@ from megagrpo.algo.advantages import flat_group_advantages, group_advantages, we
 from megagrpo.curriculum.budget_rounds import pool_baselines
 from megagrpo.curriculum.dynamic import FilledBatch
 from megagrpo.metrics.answers import answer_bias_warning
-from megagrpo.metrics.names import group_std_mean, required_metrics, swift_aliases
+from megagrpo.metrics.names import (
+    group_std_mean,
+    required_metrics,
+    swift_aliases,
+    swift_reward_names,
+)
 from megagrpo.rewards.answers import answer_bias
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.minibatch import new_batch, train_next
@@ -116,10 +121,13 @@ def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Ten
     scale = ctx.cfg.loss.resolved_advantage_scale()
     weight = ctx.cfg.loss.positive_weight
     sizes = [g.size for g in groups]
+    estimator = ctx.cfg.loss.advantage_estimator
     if ctx.cfg.budget.advantage_baseline != "pool" and len(set(sizes)) == 1:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-        adv = group_advantages(rewards, scale=scale)
+        adv = group_advantages(rewards, scale=scale, estimator=estimator)
         return list(weight_positive(adv, weight).unbind(0))
+    if estimator != "grpo":
+        raise ValueError(f"loss.advantage_estimator={estimator}: groups of one size only")
     flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
     mean = std = None
     if ctx.cfg.budget.advantage_baseline == "pool":
@@ -157,7 +165,9 @@ def batch_metrics(ctx: TrainContext, groups: list[Group], gen: GenStats) -> dict
         out["length/max"] = float(max(n for g in groups for n in g.lengths))
     out["reward/mean_raw"] = gen.raw_reward_mean  # first generation, before filtering
     out.update(gen.answer_bias)  # one answer across problems: guessing, not solving
-    out["length/clip_ratio"] = gen.clipped / max(gen.gen_seqs, 1.0)
+    out["length/clip_ratio"] = gen.clipped / max(gen.gen_seqs, 1.0)  # every round
+    reasons = [r for g in groups for r in g.finish_reasons]  # the trained batch (ms-swift's)
+    out["length/clip_ratio_trained"] = reasons.count("length") / max(len(reasons), 1)
     out["length/gen_mean"] = gen.gen_tokens / max(gen.gen_seqs, 1.0)
     return out
 
@@ -223,7 +233,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
         num = sum(g.size for g in gb.groups)  # the reward statistics' population
         scale = ctx.cfg.loss.resolved_advantage_scale()
-        row.update(swift_aliases(row, ctx.reward_fn.names, num, scale))
+        names = swift_reward_names(ctx.reward_fn.terms)  # rewards/MathAccuracy/mean ...
+        row.update(swift_aliases(row, ctx.reward_fn.names, num, scale, names))
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
     every_save = ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)

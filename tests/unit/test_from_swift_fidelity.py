@@ -88,13 +88,13 @@ def test_example_blockers_are_what_megagrpo_lacks():
         flags, flavor, env = read_swift_args([str(script)])
         t = translate(flags, flavor or "swift", _world(env), env=env)
         found[script.stem] = {e.flag for e in blocking(t)}
-    assert {"steps_per_generation", "overlong_filter"} <= found["megatron__grpo__moe_colocate_lora"]
+    assert found["megatron__grpo__moe_colocate_lora"] == {"dataset", "num_train_epochs"}  # hub
     assert {"vllm_mode", "vllm_server_host"} <= found["train__grpo__external__moe_lora"]
     assert {"max_pixels", "model"} <= found["train__grpo__internal__vllm_vl7b"]
     assert {"quant_method"} <= found["train__grpo__internal__qlora"]
-    assert {"advantage_estimator"} <= found["train__grpo__internal__rloo"]
+    assert "advantage_estimator" not in found["train__grpo__internal__rloo"]  # trained now
     assert {"teacher_model"} <= found["train__grpo__opd_rl"]
-    assert "top_k" in found["train__grpo__internal__vllm_72b_4gpu"]
+    assert "top_k" not in found["train__grpo__internal__vllm_72b_4gpu"]  # rollout.top_k
 
 
 # ----------------------------------------------------------------------------- algorithm
@@ -155,6 +155,28 @@ def test_advantages_are_ms_swifts(loss_type, scale):
     torch.testing.assert_close(ours.reshape(-1), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantage_estimators_are_ms_swifts(estimator, scale):
+    """--advantage_estimator rloo | reinforce_plus_plus (refused at cd819e6) against
+    ms-swift's own compute_advantages."""
+    from swift.rl_core.advantage import compute_advantages
+
+    t = _t([*BASE, "--advantage_estimator", estimator, "--scale_rewards", scale,
+            "--num_generations", "4"])  # fmt: skip
+    assert _status(t, "advantage_estimator") == EXACT and not blocking(t)
+    cfg = to_config(t)
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.2, 0.2, 0.9, 0.0], [0.0, 1.0, 1.0, 1.0]])
+    want, _ = compute_advantages(
+        rewards.reshape(-1, 1), torch.ones(1), 4, advantage_estimator=estimator,
+        scale_rewards=scale,
+    )  # fmt: skip
+    ours = group_advantages(
+        rewards, scale=cfg.loss.advantage_scale, estimator=cfg.loss.advantage_estimator
+    )
+    torch.testing.assert_close(ours.reshape(-1), want, rtol=1e-5, atol=1e-6)
+
+
 def test_unsupported_losses_block(tmp_path, capsys):
     for loss in ("sapo", "cispo", "real", "fipo"):
         t = _t([*BASE, "--loss_type", loss, "--tau_pos", "1.0"])
@@ -171,21 +193,36 @@ def test_unsupported_losses_block(tmp_path, capsys):
 
 
 def test_generation_and_sampling_knobs():
-    assert "top_k" in {e.flag for e in blocking(_t([*BASE, "--top_k", "50"]))}
-    assert _status(_t([*BASE, "--top_k", "-1"]), "top_k") == EXACT
-    assert "steps_per_generation" in {
-        e.flag for e in blocking(_t([*BASE, "--steps_per_generation", "2"]))
-    }
-    assert _status(_t([*BASE, "--steps_per_generation", "1"]), "steps_per_generation") == EXACT
+    """Several optimizer steps per generation, the overlong filter and the sampler settings
+    are trained as ms-swift trains them (they blocked at cd819e6); server mode, async
+    generation and full fine-tuning still block."""
+    topk = to_config(_t([*BASE, "--top_k", "50", "--min_p", "0.1", "--top_p", "0.9",
+                         "--repetition_penalty", "1.05"]))  # fmt: skip
+    ro = topk.rollout
+    assert (ro.top_k, ro.min_p, ro.top_p, ro.repetition_penalty) == (50, 0.1, 0.9, 1.05)
+    assert ro.logprobs == "sampling"  # ms-swift trains on logits / T whatever the sampler
+    assert to_config(_t([*BASE, "--top_k", "-1"])).rollout.top_k == 0
+    spg = _t([*BASE, "--global_batch_size", "32", "--steps_per_generation", "4"])
+    assert _status(spg, "steps_per_generation") == EXACT and not blocking(spg)
+    cfg = to_config(spg)
+    assert (cfg.trainer.batch_groups, cfg.trainer.mini_batches) == (4 * 32 // 8, 4)
+    gen = to_config(_t([*BASE, "--global_batch_size", "32", "--generation_batch_size", "96"]))
+    assert (gen.trainer.batch_groups, gen.trainer.mini_batches) == (12, 3)
+    with pytest.raises(ConfigError, match="generation_batch_size"):
+        _t([*BASE, "--global_batch_size", "32", "--generation_batch_size", "40"])
     swift = ["swift", "rlhf", "--rlhf_type", "grpo", "--max_steps", "3"]
-    ok = _t([*swift, "--gradient_accumulation_steps", "4", "--steps_per_generation", "2",
-             "--per_device_train_batch_size", "8"])  # fmt: skip
-    assert _status(ok, "steps_per_generation") == EXACT  # 2 generations per optimizer step
+    two_gen = _t([*swift, "--gradient_accumulation_steps", "4", "--steps_per_generation", "2",
+                  "--per_device_train_batch_size", "8"])  # fmt: skip
+    assert _status(two_gen, "steps_per_generation") == EXACT  # 2 generations per step
+    assert to_config(two_gen).trainer.mini_batches == 1
     more = _t([*swift, "--gradient_accumulation_steps", "2", "--steps_per_generation", "4",
                "--per_device_train_batch_size", "8"])  # fmt: skip
-    assert "steps_per_generation" in {e.flag for e in blocking(more)}
-    assert "overlong_filter" in {e.flag for e in blocking(_t([*BASE, "--overlong_filter", "true"]))}
-    assert _status(_t([*BASE, "--overlong_filter", "false"]), "overlong_filter") == EXACT
+    assert to_config(more).trainer.mini_batches == 2 and not blocking(more)
+    straddle = _t([*swift, "--gradient_accumulation_steps", "2", "--steps_per_generation", "3",
+                   "--per_device_train_batch_size", "8"])  # fmt: skip
+    assert "steps_per_generation" in {e.flag for e in blocking(straddle)}
+    assert to_config(_t([*BASE, "--overlong_filter", "true"])).loss.overlong_filter is True
+    assert to_config(_t([*BASE, "--overlong_filter", "false"])).loss.overlong_filter is False
     assert "async_generate" in {e.flag for e in blocking(_t([*BASE, "--async_generate", "true"]))}
     assert "vllm_mode" in {e.flag for e in blocking(_t([*BASE, "--vllm_mode", "server"]))}
     full = _t(["megatron", "rlhf", "--rlhf_type", "grpo", "--train_iters", "5"])
