@@ -9,6 +9,16 @@ for the same target); :func:`is_tmp` recognises both for clean-up (:func:`remove
 Large files that must be verified later (checkpoint shards) are written in one pass through
 :func:`write_hashed`, which returns their size and SHA-256 (:func:`file_digest` recomputes
 them). A write that fails for lack of space names the file (:func:`describe_os_error`).
+
+No write follows a symbolic link. Whoever can write into a shared runs directory could plant
+``RUN_DIR/.lock -> ~/.bashrc``; a writer that opened the name would truncate the link's target.
+Every file megagrpo writes is therefore opened by :func:`open_fd` (``O_NOFOLLOW``, and only a
+regular file: a FIFO would block, a device would be written) or replaced by a rename, which
+replaces a link itself and never its target; a link or special file met where megagrpo writes
+is refused naming it (:class:`~megagrpo.errors.ConfigError`, nothing is touched). Libraries
+that take a file name (safetensors, ``save_pretrained``) write only inside a directory
+megagrpo has just created (:func:`fresh_tmp_dir`). ``tests/unit/test_fileio_links.py`` keeps
+every other writer out of the package.
 """
 
 from __future__ import annotations
@@ -18,12 +28,13 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TextIO
 
 _TMP = re.compile(r"^\..+\.tmp(-\d+)?$")
 
@@ -77,14 +88,103 @@ def _named(exc: OSError, path: Path) -> OSError:
     return out
 
 
+def not_writable_here(path: str | os.PathLike, what: str) -> Exception:
+    """The ConfigError for a link or special file where megagrpo would write a file."""
+    from megagrpo.errors import ConfigError
+
+    return ConfigError(
+        f"{path} is {what}: megagrpo writes only regular files of its own there and never "
+        "through a link (someone else's file would be overwritten); remove it, or choose "
+        "another directory"
+    )
+
+
+def _kind(path: Path) -> str:
+    """What ``path`` is, for :func:`not_writable_here`."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "not a regular file"
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link (to {os.readlink(path)})"
+        except OSError:
+            return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "not a regular file"
+
+
+def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` that never follows a symbolic link and opens only a regular
+    file (ConfigError naming ``path`` otherwise; a FIFO does not block). The one way megagrpo
+    opens a file it writes (see module docstring)."""
+    path = Path(path)
+    nofollow = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | nofollow, mode)
+    except OSError as exc:
+        if exc.errno in (errno_codes.ELOOP, errno_codes.EISDIR, errno_codes.ENXIO) or (
+            exc.errno == errno_codes.EMLINK and os.path.islink(path)  # FreeBSD's ELOOP
+        ):
+            raise not_writable_here(path, _kind(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise not_writable_here(path, _kind(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_append(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for appending (created if missing) through :func:`open_fd`, binary and
+    unbuffered."""
+    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab", buffering=0)
+
+
+def open_append_text(path: str | os.PathLike) -> TextIO:
+    """:func:`open_append` in text mode (UTF-8)."""
+    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a", encoding="utf-8")
+
+
+def open_new(path: str | os.PathLike) -> BinaryIO:
+    """``path`` created (or truncated) for binary writing through :func:`open_fd`."""
+    return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
+
+
+def _open_tmp(tmp: Path) -> BinaryIO:
+    """A new temporary sibling, exclusive: a stale one (or a link planted under its name) is
+    removed first, never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        return os.fdopen(open_fd(tmp, flags), "wb")
+    except FileExistsError:
+        if tmp.is_dir() and not tmp.is_symlink():
+            raise not_writable_here(tmp, "a directory") from None
+        tmp.unlink()  # a file or link: the name goes, never its target
+        return os.fdopen(open_fd(tmp, flags), "wb")
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (tmp + fsync + rename + fsync of the parent).
-    An OSError (disk full) names ``path``; the previous content is kept."""
+    An OSError (disk full) names ``path``; the previous content is kept. A link at ``path`` is
+    replaced, never written through; a directory there is refused."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir() and not path.is_symlink():
+        raise not_writable_here(path, "a directory")
     tmp = tmp_sibling(path, unique=True)
     try:
-        with open(tmp, "wb") as fh:
+        fh = _open_tmp(tmp)
+    except OSError as exc:
+        raise _named(exc, path) from exc
+    try:
+        with fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -150,7 +250,11 @@ def write_hashed(path: str | os.PathLike, write: Callable[[HashingWriter], objec
     path = Path(path)
     stream: HashingWriter | None = None
     try:
-        with open(path, "wb") as fh:
+        fh = open_new(path)
+    except OSError as exc:
+        raise _named(exc, path) from exc
+    try:
+        with fh:
             stream = HashingWriter(fh)
             write(stream)
             fh.flush()
@@ -255,6 +359,8 @@ def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> Path:
 def fresh_tmp_dir(out: str | os.PathLike, unique: bool = False) -> Path:
     """An empty temporary sibling directory of ``out`` (a stale one is removed first)."""
     tmp = tmp_sibling(out, unique)
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()  # the name, never a link's target
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp

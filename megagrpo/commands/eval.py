@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         "skipped": skipped,
         "guessing": guess_report(gold, problems, preds),
     }
-    (out_dir / "score.json").write_text(json.dumps(result, ensure_ascii=False, indent=1), "utf-8")
+    fileio.write_text(out_dir / "score.json", json.dumps(result, ensure_ascii=False, indent=1))
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
         return 0

@@ -170,7 +170,7 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             index.update(dict.fromkeys(tensors, fname))
         body = {"metadata": {"total_size": total}, "weight_map": index}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(body, indent=1))
+        fileio.write_text(tmp / "model.safetensors.index.json", json.dumps(body, indent=1))
     if merged != len(units):
         raise CheckpointError(f"{model_dir}: {len(units) - merged} adapted weights not found")
     return Path(out)

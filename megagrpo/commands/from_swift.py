@@ -234,7 +234,7 @@ def to_config(t: Translation) -> Any:
         OmegaConf.update(nested, key, value, force_add=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "translated.yaml"
-        path.write_text(OmegaConf.to_yaml(nested), encoding="utf-8")
+        fileio.write_text(path, OmegaConf.to_yaml(nested))
         return load_config(RunConfig, [path])
 
 

@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = __doc__
@@ -187,7 +188,7 @@ def _model_copy(hf_dir: Path, layers: int, run_id: str) -> tuple[Path, bool]:
             if not f.name.endswith(".index.json"):
                 shutil.copy2(f, mine / f.name)
     hf = truncated_hf_config(load_hf_config(hf_dir), layers)
-    (mine / "config.json").write_text(json.dumps(hf, indent=1), encoding="utf-8")
+    fileio.write_text(mine / "config.json", json.dumps(hf, indent=1))
     try:
         os.rename(mine, target)
         return target, True

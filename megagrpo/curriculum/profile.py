@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.curriculum.levels import BetaPrior, histogram, level_from_counts, predict_acr
 from megagrpo.curriculum.stats import SOLVED_THRESHOLD
 from megagrpo.data.loader import read_jsonl
@@ -45,7 +46,7 @@ def _finished(path: Path, k: int) -> dict[str, dict]:
     lines = path.read_text(encoding="utf-8").splitlines()
     if any(line.strip() for line in lines[good[-1] if good else 0 :]):  # truncated last line
         log.warning("%s: the truncated last record is dropped, will redo it", path)
-        path.write_text("".join(lines[n - 1] + "\n" for n in good), encoding="utf-8")
+        fileio.write_text(path, "".join(lines[n - 1] + "\n" for n in good))
     return done
 
 
@@ -81,7 +82,7 @@ def run_profile(
         len(todo),
         k,
     )
-    with path.open("a", encoding="utf-8") as fh:
+    with fileio.open_append_text(path) as fh:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             groups = engine.generate(batch, k, sampling)

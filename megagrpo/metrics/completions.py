@@ -105,7 +105,7 @@ class CompletionsLog:
         self.table_every = int(table_every)
         self.wandb_run = wandb_run
         self.prompt_chars = int(prompt_chars)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = fileio.open_append_text(self.path)
 
     def truncate_after(self, step: int) -> int:
         """Drop rows of steps after ``step`` (a resumed run rewrites them); rows kept."""
@@ -121,7 +121,7 @@ class CompletionsLog:
                     if row.get("step", 0) <= step:
                         kept.append(line if line.endswith("\n") else line + "\n")
         fileio.write_text(self.path, "".join(kept))
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = fileio.open_append_text(self.path)
         return len(kept)
 
     def rows(

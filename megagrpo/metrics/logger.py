@@ -66,7 +66,7 @@ class JsonlLogger:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "ab", buffering=0)
+        self._fh = fileio.open_append(self.path)
 
     def truncate_after(self, step: int) -> int:
         """Drop rows with ``step > step`` (a resumed run rewrites them) and a torn last row;
@@ -75,7 +75,7 @@ class JsonlLogger:
         rows = read_metrics(self.path) if self.path.exists() else []
         kept = [r for r in rows if r.get("step", 0) <= step]
         fileio.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._fh = open(self.path, "ab", buffering=0)
+        self._fh = fileio.open_append(self.path)
         return len(kept)
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
@@ -116,7 +116,7 @@ class WandbLogger:
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
-        id_file.write_text(run_id)
+        fileio.write_text(id_file, run_id)
         wandb_dir = Path(cfg.wandb_dir or run_dir)
         wandb_dir.mkdir(parents=True, exist_ok=True)
         kwargs: dict[str, Any] = dict(
@@ -196,7 +196,7 @@ def _start_run(wandb: Any, run_id: str, id_file: Path, kwargs: dict[str, Any]) -
             _first_line(exc),
         )
         return None
-    id_file.write_text(new_id)
+    fileio.write_text(id_file, new_id)
     return run
 
 

@@ -29,6 +29,7 @@ Every x axis has integer step ticks; legends sit outside the plotting area.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.errors import DataError
 from megagrpo.metrics.answers import answer_bias_warning, learning_verdict, wilson_interval
 from megagrpo.metrics.logger import read_metrics
@@ -76,7 +78,9 @@ def _finish(fig: Any, bottom_ax: Any, axes: list[Any]) -> Any:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fileio.write_bytes(path, buf.getvalue())
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -501,5 +505,5 @@ def make_report(
             )
         },
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    fileio.write_text(out / "summary.json", json.dumps(summary, indent=1))
     return paths

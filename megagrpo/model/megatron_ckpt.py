@@ -273,8 +273,11 @@ def export_worker(rank: int, job: dict) -> dict:
                     )
                     index.update({k: fname for k, _ in bucket})
             if rank == 0:
-                (out / "model.safetensors.index.json").write_text(
-                    json.dumps({"metadata": {"total_size": written}, "weight_map": index}, indent=1)
+                fileio.write_text(
+                    out / "model.safetensors.index.json",
+                    json.dumps(
+                        {"metadata": {"total_size": written}, "weight_map": index}, indent=1
+                    ),
                 )
         dist.barrier()
         return _worker_report(rank, t0, t_load, bytes=written)
@@ -357,7 +360,7 @@ def write_meta(
         "has_lora": has_lora,
         "base": base,
     }
-    (out / META).write_text(json.dumps(meta, indent=2))
+    fileio.write_text(out / META, json.dumps(meta, indent=2))
 
 
 def atomic_dir(out: Path, protected: dict[str, Path] | None = None) -> Path:

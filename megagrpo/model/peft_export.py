@@ -286,7 +286,7 @@ def write_peft_dir(
     out = Path(out_dir)
     with fileio.atomic_dir(out, unique=True) as tmp:
         save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        fileio.write_text(tmp / "adapter_config.json", json.dumps(config, indent=2))
     return out
 
 

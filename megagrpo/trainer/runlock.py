@@ -13,6 +13,10 @@ Across hosts this relies on ``flock`` being coherent on the shared file system (
 NFSv4, Lustre mounted with ``flock``, GPFS); where ``flock`` is not supported at all the
 record decides: a pid that no longer runs on this host is stale, a record of another host is
 refused (its liveness cannot be checked from here: remove ``.lock`` once that run is gone).
+
+``.lock`` is opened without following a symbolic link and must be a regular file
+(:func:`megagrpo.fileio.open_fd`): a link planted there (a shared runs directory) is refused
+naming it and left as it is, so the lock can never truncate someone else's file.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megagrpo import fileio
 from megagrpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -80,7 +85,8 @@ class RunLock:
         if self._fd < 0:
             return
         try:
-            if _record(self._fd).get("pid") == os.getpid():
+            ours = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self._fd).st_ino
+            if ours and _record(self._fd).get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
         except OSError:
             pass
@@ -105,10 +111,10 @@ def _open_locked(path: Path) -> tuple[int, bool | None]:
     """``(fd, flock outcome)`` of ``path``, retried while the file is replaced under us (a
     holder removes it on release: a lock on the old inode would lock nothing)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = fileio.open_fd(path, os.O_RDWR | os.O_CREAT)
         locked = _flock(fd)
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
             same = False
         if same or locked is not True:
