@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno as errno_codes
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -34,7 +35,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO
+
+from megagrpo.errors import ConfigError, DataError
 
 _TMP = re.compile(r"^\..+\.tmp(-\d+)?$")
 
@@ -90,8 +93,6 @@ def _named(exc: OSError, path: Path) -> OSError:
 
 def not_writable_here(path: str | os.PathLike, what: str) -> Exception:
     """The ConfigError for a link or special file where megagrpo would write a file."""
-    from megagrpo.errors import ConfigError
-
     return ConfigError(
         f"{path} is {what}: megagrpo writes only regular files of its own there and never "
         "through a link (someone else's file would be overwritten); remove it, or choose "
@@ -268,6 +269,28 @@ def write_hashed(path: str | os.PathLike, write: Callable[[HashingWriter], objec
     return stream.digest()
 
 
+class MalformedJson(DataError):
+    """:func:`parse_json` of text that is not JSON (a torn last line is one)."""
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """``json.loads(text)``; DataError naming ``where`` (``file:line``) for anything it cannot
+    read: malformed JSON, nesting deeper than the parser's recursion limit (``[[[...]]]``), an
+    integer over Python's 4,300 digits, text that is not UTF-8. The one parser of files a user
+    or another program wrote (data, predictions, metrics rows, checkpoints' JSON)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MalformedJson(f"{where}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not UTF-8") from None
+    except ValueError as exc:  # int_max_str_digits
+        first = str(exc).split(";")[0]
+        raise DataError(f"{where}: unreadable JSON value ({first})") from None
+
+
 def file_digest(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> FileDigest:
     """:class:`FileDigest` of an existing file (read once, in chunks)."""
     h = hashlib.sha256()
@@ -316,8 +339,6 @@ def check_out_dir(
     """Refuse an output directory a writer would have to delete or could damage: one that
     exists and is not empty, or that is, contains or lies inside one of ``protected``
     (``{"run directory": path, ...}``: what the command reads). ConfigError naming both."""
-    from megagrpo.errors import ConfigError
-
     out = Path(out)
     where = out.resolve()
     for what, path in protected.items():

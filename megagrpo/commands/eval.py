@@ -126,8 +126,8 @@ def read_adapter_config(cfg_file: Path) -> dict[str, Any]:
     not JSON or not an object."""
     try:
         conf = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--adapter: {cfg_file}: unreadable ({exc})") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"--adapter: {cfg_file}: unreadable ({str(exc)[:200]})") from None
     if not isinstance(conf, dict):
         raise ConfigError(f"--adapter: {cfg_file}: expected a JSON object")
     return conf

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 
+from megagrpo.errors import DataError
 from megagrpo.rewards.igakuqa import ScoreReport, find_files, read_gold, read_predictions, score
 
 DESCRIPTION = """\
@@ -62,7 +63,11 @@ def print_table(report: ScoreReport, by: str = "year") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    gold = read_gold(find_files(args.gold, gold=True))
+    gold_files = find_files(args.gold, gold=True)
+    gold = read_gold(gold_files)
+    if not gold:  # a score of 0 of 0 would read as a result (eval refuses the same)
+        shown = ", ".join(map(str, gold_files[:5])) + (" ..." if len(gold_files) > 5 else "")
+        raise DataError(f"--gold: no questions in {shown or ' '.join(args.gold)}")
     pred_files = find_files(args.predictions, gold=False, name_glob=args.predictions_glob)
     report = score(gold, read_predictions(pred_files))
     if report.missing:

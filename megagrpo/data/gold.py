@@ -68,6 +68,22 @@ _GOLD_NUMBER = re.compile(r"^\d+(?:\.\d+)?$")
 _GOLD_LETTERS = re.compile(r"^[a-z](?: or [a-z])*$")
 
 
+def check_choice_letters(letters: str | list[str], num_choices: int, where: str) -> None:
+    """DataError naming ``where`` when a letter of ``letters`` (gold parts; digits and other
+    characters are ignored) is not one of ``num_choices`` options ``a``, ``b``, ... (``0`` or
+    over 8: any of ``a``-``h``): such a question could not be answered right."""
+    valid = "abcdefgh"[:num_choices] if 0 < num_choices <= 8 else "abcdefgh"
+    for part in [letters] if isinstance(letters, str) else letters:
+        if _GOLD_NUMBER.match(part):
+            continue
+        bad = [c for c in part if c.isalpha() and c not in valid]
+        if bad:
+            raise DataError(
+                f"{where}: answer letter {bad[0]!r} is not one of the {len(valid)} choices "
+                f"({valid[0]}-{valid[-1]}): the question could not be answered right"
+            )
+
+
 def igakuqa_gold(answer: object, num_choices: int, where: str) -> list[str]:
     """The gold of an IgakuQA-style ``answer`` (a list of strings, or one string): the one
     normaliser of training (:func:`megagrpo.data.load_problems`) and scoring
@@ -82,7 +98,6 @@ def igakuqa_gold(answer: object, num_choices: int, where: str) -> list[str]:
     items = [answer] if isinstance(answer, str) else answer
     if not isinstance(items, list):
         raise DataError(f"{where}: 'answer' must be a list of strings, got {answer!r:.60}")
-    valid = "abcdefgh"[:num_choices] if 0 < num_choices <= 8 else "abcdefgh"
     out: list[str] = []
     for item in items:
         if not isinstance(item, str):
@@ -94,12 +109,7 @@ def igakuqa_gold(answer: object, num_choices: int, where: str) -> list[str]:
                 raise DataError(
                     f"{where}: answer {item!r} is not option letters or a number ({part!r})"
                 )
-            bad = [c for c in part.replace(" or ", "") if c.isalpha() and c not in valid]
-            if bad:
-                raise DataError(
-                    f"{where}: answer letter {bad[0]!r} is not one of the {len(valid)} choices "
-                    f"({valid[0]}-{valid[-1]}): the question could not be answered right"
-                )
+            check_choice_letters(part.replace(" or ", ""), num_choices, where)
             out.append(part)
     if not out:
         raise DataError(f"{where}: empty answer")

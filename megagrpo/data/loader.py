@@ -23,15 +23,15 @@ questions with ``exclude_images``) is counted in ``ProblemList.skipped`` and log
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from megagrpo import fileio
 from megagrpo.data.config import PromptConfig
-from megagrpo.data.gold import igakuqa_gold, parse_gold
+from megagrpo.data.gold import check_choice_letters, igakuqa_gold, parse_gold
 from megagrpo.data.prompts import render_messages
 from megagrpo.data.variants import parse_variants
 from megagrpo.errors import DataError, not_utf8
@@ -101,12 +101,12 @@ def read_jsonl(
                 if not line.strip():
                     continue
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
+                    rec = fileio.parse_json(line, f"{path}:{num}")
+                except DataError:
                     if truncated_last_ok and ahead is None:
                         log.warning("%s:%d: truncated last line ignored", path, num)
                         return
-                    raise DataError(f"{path}:{num}: malformed JSON ({exc.msg})") from exc
+                    raise
                 if not isinstance(rec, dict):
                     raise DataError(
                         f"{path}:{num}: expected a JSON object, got {type(rec).__name__}"
@@ -125,6 +125,7 @@ _IGAKUQA_TYPES: _FieldTypes = {
 _SOLUTION = ((list, str, int, float, type(None)), 'a string like "c" or "c,d" (or a list)')
 _SWIFT_TYPES: _FieldTypes = {
     "messages": ((list,), "a list of {role, content} objects"),
+    "choices": ((list, type(None)), "a list of option texts"),
     "solution": _SOLUTION,
     "answer": _SOLUTION,
 }
@@ -292,6 +293,8 @@ def _swift_problem(rec: dict, where: str, path: Path, num: int, prompt: PromptCo
     if "variants" in rec:
         meta["variants"] = parse_variants(rec["variants"], messages, where)
     answer = _normalise_answer(gold) if gold is not None else []
+    if meta["choices"]:  # as IgakuQA files: a gold outside the choices is unsolvable
+        check_choice_letters(answer, len(meta["choices"]), f"{where}: problem {pid}")
     return Problem(id=pid, messages=messages, answer=answer, meta=meta)
 
 

@@ -17,6 +17,7 @@ dropped (:meth:`CompletionsLog.truncate_after`), as metrics.jsonl does. Rank 0 o
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -89,6 +90,12 @@ def prompt_tail(
     return text[-chars:] if chars > 0 else ""
 
 
+def _step_of(row: dict) -> float:
+    """The row's step (a row without a readable one sorts after every step: dropped)."""
+    step = row.get("step", 0)
+    return step if isinstance(step, int) and not isinstance(step, bool) else math.inf
+
+
 class CompletionsLog:
     """Writes ``completions.jsonl`` (every call) and a W&B table (every ``table_every``)."""
 
@@ -112,13 +119,13 @@ class CompletionsLog:
         self._fh.close()
         kept = []
         if self.path.exists():
-            with open(self.path, encoding="utf-8") as fh:
+            with open(self.path, encoding="utf-8", errors="replace") as fh:
                 for line in fh:
                     try:
                         row = json.loads(line)
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):
                         continue  # a torn last line from a kill mid-write
-                    if row.get("step", 0) <= step:
+                    if isinstance(row, dict) and _step_of(row) <= step:
                         kept.append(line if line.endswith("\n") else line + "\n")
         fileio.write_text(self.path, "".join(kept))
         self._fh = fileio.open_append_text(self.path)

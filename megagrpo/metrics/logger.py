@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megagrpo import fileio
-from megagrpo.errors import ConfigError, StorageError
+from megagrpo.errors import ConfigError, DataError, StorageError
 from megagrpo.metrics.config import MetricsConfig
 
 log = logging.getLogger(__name__)
@@ -319,16 +319,36 @@ def build_logger(
     return MultiLogger(loggers)
 
 
+def _metric_row(row: Any, where: str) -> dict:
+    """``row`` when it is a metrics row: an object with an integer ``step`` whose values are
+    numbers or null (DataError naming ``where`` and the key otherwise)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a metrics row must be a JSON object, got {type(row).__name__}")
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
+        raise DataError(f"{where}: 'step' must be an integer >= 0, got {step!r:.40}")
+    for key, value in row.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise DataError(f"{where}: '{key}' must be a number or null, got {value!r:.40}")
+    return row
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All rows of a metrics.jsonl (a torn last line, from a kill mid-write, is skipped)."""
+    """All rows of a metrics.jsonl (a torn line, from a kill mid-write, is skipped with a
+    warning). DataError naming file:line for a row that is not a metrics row (not an object,
+    no integer ``step``, a value that is not a number) or JSON nobody could have torn (nested
+    too deeply, an integer over 4,300 digits)."""
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for num, line in enumerate(fh, start=1):
             line = line.strip()
             if not line:
                 continue
+            where = f"{path}:{num}"
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("%s: skipping a torn line", path)
+                row = fileio.parse_json(line, where)
+            except fileio.MalformedJson:
+                log.warning("%s: skipping a torn line", where)
+                continue
+            rows.append(_metric_row(row, where))
     return rows

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
-from megagrpo.errors import DataError
+from megagrpo.errors import ConfigError, DataError
 from megagrpo.metrics.answers import answer_bias_warning, learning_verdict, wilson_interval
 from megagrpo.metrics.logger import read_metrics
 
@@ -476,6 +476,8 @@ def make_report(
     if not rows:
         raise DataError(f"{metrics}: no rows")
     out = Path(out) if out else run_dir / "report"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory: choose a directory")
     out.mkdir(parents=True, exist_ok=True)
     figures = {
         "collapse.png": figure_collapse(rows, checked_rounds),

@@ -60,8 +60,8 @@ def load_hf_config(path: str | Path) -> dict:
         raise ConfigError(f"HF config not found: {f}")
     try:
         return json.loads(f.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{f}: invalid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, too deep, a huge int
+        raise ConfigError(f"{f}: invalid JSON: {str(exc)[:200]}") from None
 
 
 def _rope_theta(cfg: dict) -> float:

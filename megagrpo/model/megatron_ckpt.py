@@ -322,8 +322,8 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt}: not a megagrpo checkpoint ({META} missing)")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:

@@ -248,7 +248,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a complete checkpoint (no {MANIFEST})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file}: unreadable ({type(exc).__name__}: {exc})") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
@@ -464,7 +464,7 @@ def _read_trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """``trainer.json`` of checkpoint ``path``, checked (ckpt_checks); CheckpointError."""
     try:
         trainer_state = json.loads((path / TRAINER_FILE).read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path / TRAINER_FILE}: unreadable ({exc})") from exc
     why = check_trainer_state(trainer_state, manifest.get("step"), str(path / TRAINER_FILE))
     if why:

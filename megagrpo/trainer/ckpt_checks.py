@@ -155,7 +155,7 @@ def check_content(
         if name == "trainer.json":
             try:
                 state = json.loads(file.read_bytes())
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:
                 reasons.append(f"{name}: unreadable ({exc})")
                 continue
             why = check_trainer_state(state, manifest.get("step"), name, required)

@@ -53,7 +53,7 @@ def _trained_row(line: bytes) -> bool:
         return False
     try:
         return json.loads(line).get("step") != 0
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return True
 
 

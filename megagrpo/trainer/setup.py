@@ -35,7 +35,13 @@ from megagrpo.curriculum.levels import (
 )
 from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.data import load_problems
-from megagrpo.data.truncation import PromptPolicyResult, apply_prompt_policy
+from megagrpo.data.truncation import (
+    CharBound,
+    PromptPolicyResult,
+    apply_prompt_policy,
+    measure_prompt,
+    prompt_length,
+)
 from megagrpo.data.variants import rotated_choices
 from megagrpo.errors import ConfigError
 from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
@@ -232,18 +238,21 @@ def fit_prompts(
     """Apply ``data.truncation`` to the prompts longer than ``data.max_prompt_tokens``,
     counted with the engines' own tokenisation (:func:`chat_prompt_ids`); DataError naming
     the problems under ``error``."""
-    ids = [chat_prompt_ids(tokenizer, p) for p in problems]
     limit = cfg.data.max_prompt_tokens or cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    bound = CharBound(tokenizer)
+    left = cfg.data.truncation == "left"
+    ids = [measure_prompt(tokenizer, p, limit, bound, left) for p in problems]
     for i, p in enumerate(problems):  # data.variants: the longest rendering decides
         for k in range(len(p.meta.get("variants") or [])):
-            longer = chat_prompt_ids(tokenizer, p.variant(k))
-            if len(longer) > limit and cfg.data.truncation == "left":
+            longer = measure_prompt(tokenizer, p.variant(k), limit, bound, False)
+            n = prompt_length(longer)
+            if n > limit and left:
                 raise ConfigError(
                     f"config key 'data.truncation': 'left' cannot cut the variants of problem "
-                    f"{p.id} ({p.meta.get('source', where)}; variant {k} has {len(longer)} "
+                    f"{p.id} ({p.meta.get('source', where)}; variant {k} has {n} "
                     f"tokens > {limit}): use delete or error, or data.variants=ignore"
                 )
-            if len(longer) > len(ids[i]):
+            if n > prompt_length(ids[i]):
                 ids[i] = longer
     result = apply_prompt_policy(problems, ids, limit, cfg.data.truncation, where=where)
     truncated = set(result.truncated)
