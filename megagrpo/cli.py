@@ -105,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(sub)
-    args = sub.parse_args(rest)
+    try:  # key=value overrides may follow the options (megagrpo eval CONFIG --data D k=v)
+        args = sub.parse_intermixed_args(rest)
+    except TypeError:  # a parser argparse cannot intermix (from-swift's remainder)
+        args = sub.parse_args(rest)
     try:
         return int(module.run(args) or 0)
     except MegagrpoError as exc:

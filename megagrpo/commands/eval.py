@@ -343,6 +343,34 @@ def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:
     return run_dir / "eval" / tag
 
 
+def official_count(
+    full_gold: dict[str, Any], gold: dict[str, Any], answers: dict[str, str]
+) -> tuple[dict[str, Any] | None, str]:
+    """What ``megagrpo score`` and IgakuQA's ``evaluate_main.py`` count on the written files
+    when eval scored only part of them (``--limit``): every question of each exam file,
+    unanswered ones wrong and 116A71 correct for everyone (the official rule), so the two
+    counts differ; ``(overall tally, the line eval prints)``, ``(None, "")`` when eval
+    scored every question."""
+    from megagrpo.rewards.igakuqa import ALWAYS_CORRECT, score
+
+    if set(full_gold) == set(gold):
+        return None, ""
+    t = score(full_gold, answers).overall.as_dict()
+    credit = (
+        f"; {ALWAYS_CORRECT} counts correct for everyone"
+        if ALWAYS_CORRECT in full_gold and ALWAYS_CORRECT not in gold
+        else ""
+    )
+    beyond = len(full_gold) - len(gold)
+    line = (
+        f"official count of the written files (every question of each exam file, as "
+        f"`megagrpo score` and IgakuQA's evaluate_main.py count them: the {beyond} beyond "
+        f"--limit are unanswered, counted wrong{credit}): {t['correct']}/{t['total']} "
+        f"correct, {t['score']}/{t['points_total']} points"
+    )
+    return t, line
+
+
 def run(args: argparse.Namespace) -> int:
     from megagrpo.commands.score import print_table
     from megagrpo.config import load_config
@@ -382,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
     written = write_predictions(out_dir, full_gold, preds, args.name, reasons)
     answers = {pid: p for pid, (p, _) in preds.items()}
     report = score(gold, answers)
+    official, official_note = official_count(full_gold, gold, answers)
     criteria = pass_criteria(gold, answers, report, args.general_pass)
     result = {
         **report.as_dict(),
@@ -392,12 +421,15 @@ def run(args: argparse.Namespace) -> int:
         "sync": sync,
         "skipped": skipped,
         "guessing": guess_report(gold, problems, preds),
+        "official_files": official,
     }
     fileio.write_text(out_dir / "score.json", json.dumps(result, ensure_ascii=False, indent=1))
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
         return 0
     print_table(report, by="exam")
+    if official_note:
+        print(official_note)
     print("\n".join(format_pass(criteria)))
     for reason, ids in skipped.items():
         print(f"no prediction ({reason}, counted wrong): {len(ids)}")

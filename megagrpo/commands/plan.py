@@ -4,8 +4,11 @@ renting a GPU."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import get_args
 
@@ -151,14 +154,38 @@ def _inputs(args: argparse.Namespace, cfg: RunConfig) -> PlanInputs:
     return plan_inputs(cfg.curriculum, args.levels, all_levels=bare)
 
 
+SIMULATION_LOGGERS = ("megagrpo.curriculum.dynamic", "megagrpo.curriculum.rounds")
+"""Loggers that speak once per simulated step (a short dynamic-sampling batch): the table
+summarises them (``ds_success_rate``); ``megagrpo -v plan`` shows them."""
+
+
+@contextlib.contextmanager
+def quiet_simulation() -> Iterator[None]:
+    """The per-step INFO lines of :data:`SIMULATION_LOGGERS` held back (warnings pass)
+    unless debug logging is on: the plan's table is the output, not 200 log lines."""
+    loggers = [logging.getLogger(name) for name in SIMULATION_LOGGERS]
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = plan_config(args)
     inputs = _inputs(args, cfg)
-    if args.calibrate:
-        return run_calibrate(args, cfg, inputs)
-    if args.budget:
-        return run_budget(args, cfg, inputs)
-    return plan_policies(args, cfg, inputs)
+    with quiet_simulation():
+        if args.calibrate:
+            return run_calibrate(args, cfg, inputs)
+        if args.budget:
+            return run_budget(args, cfg, inputs)
+        return plan_policies(args, cfg, inputs)
 
 
 def plan_policies(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) -> int:
