@@ -108,6 +108,13 @@ def configure_env(cfg: RolloutConfig, on_gpu: bool) -> None:
     if not on_gpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gib))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM's sampler torch.compiles small helpers (the rank of a sampled token among the
+        # log-probs) with Inductor even in eager mode: on CPU the first call compiles C++ for
+        # ~30 s (2 cores, cold cache) and each new batch size recompiles, for an op that
+        # runs in microseconds eagerly. CPU runs them eagerly (megagrpo compiles nothing).
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
 
 
 def _log_skipped_plugins(allow: str) -> None:

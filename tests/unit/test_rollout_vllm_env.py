@@ -198,3 +198,31 @@ def test_vllm_api_the_engine_calls_is_pinned():
     assert "weights_iterator" in reload and "is_checkpoint_format" in reload
     # the KV-cache tag of a staged wake-up
     assert "kv_cache" in inspect.getsource(llm.wake_up)
+
+
+EAGER = """
+import torch
+from megagrpo.rollout import RolloutConfig
+from megagrpo.rollout.vllm_support import configure_env
+configure_env(RolloutConfig(engine="vllm", cache_dir={cache!r}), on_gpu=False)
+from torch._dynamo.utils import counters
+@torch.compile(backend="inductor")  # as vllm.v1.sample.ops.logprobs compiles its helpers
+def rank(x, v):
+    return (x >= v).sum(-1)
+x = torch.arange(12.0).reshape(3, 4)
+assert rank(x, x[:, 1:2]).tolist() == [3, 3, 3]
+print("graphs", counters["stats"]["unique_graphs"])
+"""
+
+
+def test_cpu_engines_run_vllms_compiled_helpers_eagerly(tmp_path):
+    """On CPU, vLLM's torch.compile'd sampler helpers run eagerly: no Inductor C++ build
+    (~30 s at the first call of a cold start, again per new batch size)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EAGER.format(cache=str(tmp_path / "cache"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "graphs 0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
