@@ -1,13 +1,17 @@
-# One obvious way to run things. Every target creates/refreshes .venv first (scripts/setup.sh).
+# One obvious way to run things. Every target creates/refreshes .venv first (scripts/setup.sh):
+# `make demo` installs what the demo runs, the other targets everything (dev + swift extras).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export WANDB_MODE ?= offline
 
-.PHONY: setup demo test test-fast check lint format
+.PHONY: setup setup-demo demo test test-fast check lint format
 setup:
-	MEGAGRPO_VENV=$(VENV) bash scripts/setup.sh
+	MEGAGRPO_VENV=$(VENV) bash scripts/setup.sh dev
 
-demo: setup
+setup-demo:
+	MEGAGRPO_VENV=$(VENV) bash scripts/setup.sh demo
+
+demo: setup-demo
 	$(VENV)/bin/megagrpo train configs/demo_cpu.yaml
 
 # Everything that runs on CPU (unit, gloo multi-process, slow end-to-end); what CI runs.
