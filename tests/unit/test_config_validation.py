@@ -42,6 +42,7 @@ REJECTED = [
     ("loss.positive_weight=nan", "loss.positive_weight"),
     ("loss.positive_weight=1.5", "loss.positive_weight"),
     ("loss.positive_weight=-0.1", "loss.positive_weight"),
+    ("rewards.answer_balance=1.5", "rewards.answer_balance"),
     ("rollout.group_size=1", "rollout.group_size"),
     ("rollout.temperature=inf", "rollout.temperature"),
     ("rollout.top_p=nan", "rollout.top_p"),
