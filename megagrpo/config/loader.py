@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megagrpo import fileio
@@ -62,7 +64,7 @@ def load_config(
         raise ConfigError(describe(exc)) from exc
     if not isinstance(obj, schema):
         raise ConfigError(f"config did not produce a {schema.__name__}")
-    env = _env_interpolations(OmegaConf.to_container(cfg, resolve=False), "")
+    env = _env_interpolations(OmegaConf.to_container(cfg, resolve=False))
     object.__setattr__(obj, ENV_ATTR, env)
     validate(obj)
     resolve = getattr(obj, "resolve", None)
@@ -94,23 +96,86 @@ def validate(obj: Any, path: str = "") -> None:
 
 
 ENV_ATTR = "_env_interpolations"
-"""Attribute of a loaded config: ``{dotted key: "${oc.env:...}" text}`` of values that came
-from the environment."""
+"""Attribute of a loaded config: ``{dotted key: raw text}`` of the values the environment
+contributes to (``${oc.env:...}``, directly or through other keys' interpolations)."""
+
+_ENV_OPEN = re.compile(r"\$\{(?:oc\.env|env):")
+_TAINT = "MEGAGRPOENVTAINT7f3a"
+"""What an environment interpolation reads as while tracing which values it reaches."""
 
 
-def _env_interpolations(node: Any, prefix: str) -> dict[str, str]:
-    """``{dotted key: raw text}`` of every value that reads the environment (``oc.env``)."""
+def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """``(dotted key, text)`` of every string value under ``node`` (list entries by index)."""
+    if isinstance(node, dict | list):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            yield from _strings(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(node, str):
+        yield prefix, node
+
+
+def _without_env(node: Any) -> Any:
+    """``node`` with every ``${oc.env:...}`` (braces balanced) replaced by :data:`_TAINT`."""
     if isinstance(node, dict):
-        items = node.items()
-    elif isinstance(node, list):
-        items = enumerate(node)
-    else:
-        text = str(node) if isinstance(node, str) else ""
-        return {prefix: text} if "${oc.env:" in text or "${env:" in text else {}
+        return {k: _without_env(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_without_env(v) for v in node]
+    if not isinstance(node, str):
+        return node
+    out, i = [], 0
+    while m := _ENV_OPEN.search(node, i):
+        depth, j = 1, m.end()
+        while j < len(node) and depth:
+            depth += {"{": 1, "}": -1}.get(node[j], 0)
+            j += 1
+        out += [node[i : m.start()], _TAINT]
+        i = j
+    return "".join(out) + node[i:]
+
+
+def _env_interpolations(raw: Any) -> dict[str, str]:
+    """``{dotted key: raw text}`` of every value the environment contributes to: its text
+    reads ``oc.env``, or it interpolates a key that does (``p-${rewards.functions.1.kwargs.
+    api_key}``), at any depth. Traced by resolving the config with every environment read
+    replaced by a marker; a value that cannot be traced counts as one (keeping its
+    interpolation text is always safe: it loads again to the same value)."""
+    texts = {key: text for key, text in _strings(raw) if "${" in text}
+    if not any(_ENV_OPEN.search(t) for t in texts.values()):
+        return {}
+    traced = OmegaConf.create(_without_env(raw))
     out: dict[str, str] = {}
-    for key, value in items:
-        out.update(_env_interpolations(value, f"{prefix}.{key}" if prefix else str(key)))
+    for key, text in texts.items():
+        try:
+            value = OmegaConf.select(traced, key, throw_on_resolution_failure=True)
+            if isinstance(value, DictConfig | ListConfig):
+                value = OmegaConf.to_container(value, resolve=True)
+        except Exception:  # noqa: BLE001 - untraceable: keep the interpolation
+            value = _TAINT
+        if _ENV_OPEN.search(text) or _TAINT in str(value):
+            out[key] = text
     return out
+
+
+def literal(text: str) -> str:
+    """``text`` escaped so that OmegaConf reads it back as written: ``${`` is not an
+    interpolation (``\\${``, the backslashes before it doubled)."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def _literal_strings(node: Any, keep: set[str], prefix: str = "") -> Any:
+    """``node`` with every string value :func:`literal`, except those at the keys ``keep``."""
+    if isinstance(node, dict | list):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        done = {
+            k: _literal_strings(v, keep, f"{prefix}.{k}" if prefix else str(k)) for k, v in items
+        }
+        return done if isinstance(node, dict) else list(done.values())
+    return literal(node) if isinstance(node, str) and prefix not in keep else node
+
+
+def env_keys(obj: Any) -> set[str]:
+    """Dotted keys of a loaded config whose values the environment contributes to."""
+    return set(getattr(obj, ENV_ATTR, {}))
 
 
 def written(obj: Any) -> dict[str, Any]:
@@ -132,8 +197,10 @@ def written(obj: Any) -> dict[str, Any]:
 
 
 def to_yaml(obj: Any) -> str:
-    """The config as YAML text (environment values as their interpolation: :func:`written`)."""
-    return OmegaConf.to_yaml(OmegaConf.create(written(obj)))
+    """The config as YAML text (environment values as their interpolation: :func:`written`;
+    every other string as a literal, so ``${`` in a prompt stays text when it loads again)."""
+    keep = set(getattr(obj, ENV_ATTR, {}))
+    return OmegaConf.to_yaml(OmegaConf.create(_literal_strings(written(obj), keep)))
 
 
 def save_config(obj: Any, run_dir: str | os.PathLike) -> Path:

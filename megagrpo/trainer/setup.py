@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from megagrpo.config import save_config
-from megagrpo.config.loader import written
+from megagrpo.config.loader import env_keys, written
 from megagrpo.curriculum.budget_rounds import BudgetPlanner
 from megagrpo.curriculum.dynamic import DynamicSampler, preflight_check
 from megagrpo.curriculum.levels import (
@@ -506,6 +506,9 @@ def open_run(ctx: TrainContext) -> None:
     completions log, then config.yaml (a start that failed earlier leaves the previous one
     in place)."""
     cfg = ctx.cfg
+    names = {"metrics.wandb_project", "metrics.wandb_entity", "trainer.name"}
+    for key in sorted(env_keys(cfg) & names if cfg.metrics.wandb_mode != "disabled" else ()):
+        log.warning("%s comes from the environment: W&B records its value as it is", key)
     ctx.logger = build_logger(
         cfg.metrics,
         ctx.run_dir,
