@@ -93,6 +93,8 @@ def _named(exc: OSError, path: Path) -> OSError:
 
 def not_writable_here(path: str | os.PathLike, what: str) -> Exception:
     """The ConfigError for a link or special file where megagrpo would write a file."""
+    if what == "a directory":
+        return ConfigError(f"{path} is a directory: megagrpo writes a file there; name a file")
     return ConfigError(
         f"{path} is {what}: megagrpo writes only regular files of its own there and never "
         "through a link (someone else's file would be overwritten); remove it, or choose "

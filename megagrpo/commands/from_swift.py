@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -53,7 +54,7 @@ from megagrpo.commands.swift_flags import (
 )
 from megagrpo.commands.swift_flags_run import translate_data_rewards, translate_optim
 from megagrpo.commands.swift_shell import Unexpanded, command_from_script, read_launcher
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, not_utf8
 
 DESCRIPTION = __doc__
 log = logging.getLogger(__name__)
@@ -162,24 +163,76 @@ def parse_tokens(tokens: list[str]) -> tuple[dict[str, Any], str | None, dict[st
     return flags, flavor, env
 
 
+MAX_INPUT_BYTES = 4 << 20
+"""The largest YAML config or shell script from-swift reads (launch files are kilobytes)."""
+
+
+def input_file(args: list[str]) -> Path | None:
+    """The YAML config or shell script ``args`` name (None: a command line)."""
+    args = args[1:] if args and args[0] == "--" else args
+    if len(args) == 1 and args[0].endswith((".yaml", ".yml", ".json", ".sh")):
+        return Path(args[0])
+    return None
+
+
+def _read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of ``path``; ConfigError/DataError naming it (missing, unreadable,
+    larger than :data:`MAX_INPUT_BYTES`, not UTF-8: file:line)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_INPUT_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the {what} ({exc.strerror})") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise ConfigError(f"{path}: over {MAX_INPUT_BYTES >> 20} MiB, not an ms-swift {what}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+
+
+def _flag_value(value: Any, key: str, path: Path) -> Any:
+    """A YAML config's flag value: a scalar, or a list / mapping of scalars (``columns``)."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    if any(isinstance(v, dict | list) for v in items) or not isinstance(
+        value, dict | list | str | int | float | bool | type(None)
+    ):
+        raise ConfigError(f"{path}: '{key}': expected a value or a list of values")
+    return value
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], str | None, dict[str, str]]:
+    text = _read_text(path, "YAML config")
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:
+        why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path}: cannot read an ms-swift YAML config: {why}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an ms-swift config is a mapping of flag: value")
+    env = data.pop("ENV", None) or {}
+    if not isinstance(env, dict) or any(isinstance(v, dict | list) for v in env.values()):
+        raise ConfigError(f"{path}: 'ENV' must be a mapping of VARIABLE: value")
+    flags = {str(k).replace("-", "_"): _flag_value(v, str(k), path) for k, v in data.items()}
+    return flags, None, {str(k): str(v) for k, v in env.items()}
+
+
 def read_swift_args(args: list[str]) -> tuple[dict[str, Any], str | None, dict[str, str]]:
     """Flags from a command line, an ms-swift YAML config, or a shell script (one command)."""
     if args and args[0] == "--":
         args = args[1:]
     if not args:
         raise ConfigError("give the ms-swift command after --, or a YAML config / .sh script")
-    if len(args) == 1 and args[0].endswith((".yaml", ".yml", ".json")):
-        path = Path(args[0])
+    for arg in args:
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{path}: cannot read an ms-swift YAML config: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: an ms-swift config is a mapping of flag: value")
-        env = {str(k): str(v) for k, v in (data.pop("ENV", None) or {}).items()}
-        return {str(k).replace("-", "_"): v for k, v in data.items()}, None, env
-    if len(args) == 1 and args[0].endswith(".sh"):
-        return parse_tokens(command_from_script(Path(args[0]).read_text(encoding="utf-8")))
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"argument {arg!r:.60}: not UTF-8") from None
+    path = input_file(args)
+    if path is not None and path.suffix == ".sh":
+        return parse_tokens(command_from_script(_read_text(path, "launch script")))
+    if path is not None:
+        return _read_yaml(path)
     return parse_tokens(list(args))
 
 
@@ -230,12 +283,47 @@ def to_config(t: Translation) -> Any:
     from megagrpo.trainer.config import RunConfig
 
     nested = OmegaConf.create({})
-    for key, value in t.overrides.items():
-        OmegaConf.update(nested, key, value, force_add=True)
+    for key, value in t.overrides.items():  # ms-swift values are text: no interpolation
+        OmegaConf.update(nested, key, _literal(value), force_add=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "translated.yaml"
         fileio.write_text(path, OmegaConf.to_yaml(nested))
         return load_config(RunConfig, [path])
+
+
+def _literal(value: Any) -> Any:
+    """``value`` with every string escaped for OmegaConf (:func:`~megagrpo.config.loader.
+    literal`): ``--system '${oc.env:HOME}'`` is that text in ms-swift, never the variable."""
+    from megagrpo.config.loader import literal
+
+    if isinstance(value, str):
+        return literal(value)
+    if isinstance(value, list | tuple):
+        return [_literal(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _literal(v) for k, v in value.items()}
+    return value
+
+
+def _comment(text: str) -> str:
+    """``text`` for one YAML comment line: line breaks and other unprintable characters
+    escaped (``\\n``), so a value cannot end the comment and become YAML."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def _check_out(out: str | None, source: Path | None) -> None:
+    """``--out`` names a file other than the YAML config / script it translates (L1: it
+    silently replaced the script) and not a directory; ConfigError otherwise."""
+    if not out:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"--out {out} is a directory: name the config file to write")
+    if source is not None and (
+        path.resolve() == source.resolve()
+        or (path.exists() and source.exists() and os.path.samefile(path, source))
+    ):
+        raise ConfigError(f"--out {out} is the file it translates ({source}): choose another")
 
 
 def report_lines(t: Translation) -> list[str]:
@@ -261,7 +349,9 @@ def report_lines(t: Translation) -> list[str]:
 
 
 def _world_size(args: argparse.Namespace, env: dict[str, str]) -> int:
-    if args.world_size:
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size {args.world_size}: must be at least 1")
         return int(args.world_size)
     world = 1
     for key in ("NPROC_PER_NODE", "NNODES"):
@@ -269,15 +359,19 @@ def _world_size(args: argparse.Namespace, env: dict[str, str]) -> int:
         if isinstance(value, Unexpanded):
             continue  # reported by the translation (pass --world-size)
         try:
-            world *= int(value)
-        except ValueError as exc:
-            raise ConfigError(f"{key}={value!r}: not a number of processes") from exc
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"{key}={str(value)[:40]!r}: not a number of processes")
+        world *= n
     return world
 
 
 def run(args: argparse.Namespace) -> int:
     from megagrpo.config import to_yaml
 
+    _check_out(args.out, input_file(list(args.swift_args)))
     flags, flavor, env = read_swift_args(list(args.swift_args))
     flavor = args.flavor or flavor or "swift"
     if args.world_size:
@@ -298,16 +392,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = to_config(t)
     source = " ".join(f"--{k} {v}" for k, v in flags.items())
-    text = f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}\n"
+    text = _comment(f"# megagrpo from-swift ({flavor} rlhf): {source[:300]}") + "\n"
     if blockers:
-        text += (
-            "# PARTIAL (--allow-partial): trains differently: "
-            + ", ".join(e.flag for e in blockers)
-            + "\n"
-        )
+        partial = ", ".join(e.flag for e in blockers)
+        text += _comment(f"# PARTIAL (--allow-partial): trains differently: {partial}") + "\n"
     text += to_yaml(cfg)
     if args.out:
-        out = fileio.write_text(args.out, text)
+        try:
+            out = fileio.write_text(args.out, text)
+        except OSError as exc:
+            raise ConfigError(f"--out {args.out}: cannot write ({exc.strerror})") from None
         print(f"wrote {out}", file=sys.stderr)
     else:
         sys.stdout.write(text)

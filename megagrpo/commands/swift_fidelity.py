@@ -457,6 +457,13 @@ INT_FLAGS = frozenset(
     expert_model_parallel_size expert_tensor_parallel_size pipeline_model_parallel_size
     vllm_tensor_parallel_size vllm_max_lora_rank recompute_num_layers""".split()
 )
+COUNT_FLAGS = frozenset(
+    """num_generations global_batch_size micro_batch_size per_device_train_batch_size
+    gradient_accumulation_steps generation_batch_size steps_per_generation num_iterations
+    tensor_model_parallel_size expert_model_parallel_size expert_tensor_parallel_size
+    pipeline_model_parallel_size vllm_tensor_parallel_size lora_rank""".split()
+)
+"""Integer flags that count something: 0 or less divides by zero downstream."""
 FLOAT_FLAGS = frozenset(
     """beta temperature top_p epsilon epsilon_high lora_alpha lora_dropout lr learning_rate
     min_lr weight_decay adam_beta1 adam_beta2 clip_grad max_grad_norm warmup_ratio
@@ -485,6 +492,8 @@ def check_values(flags: dict[str, Any]) -> None:
             continue
         if flag in INT_FLAGS and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"--{flag} {value!r}: expected an integer")
+        if flag in COUNT_FLAGS and value < 1:
+            raise ConfigError(f"--{flag} {value!r}: must be at least 1")
         if flag in FLOAT_FLAGS and (
             isinstance(value, bool) or not isinstance(value, int | float) or value != value
         ):

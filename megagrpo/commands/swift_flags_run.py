@@ -19,7 +19,10 @@ from megagrpo.commands.swift_flags import (
     _default,
     _list,
 )
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, not_utf8
+
+MAX_TEXT_BYTES = 1 << 20
+"""The largest ``--system`` file from-swift reads."""
 
 
 def translate_optim(t: Translation) -> None:
@@ -96,6 +99,45 @@ def _steps_and_warmup(t: Translation) -> None:
         t.copy(flag, "trainer.warmup_ratio", float)
 
 
+def _weight(value: Any) -> float:
+    """One ``--reward_weights`` entry as a finite number; ConfigError naming it."""
+    try:
+        weight = float(value)
+    except (TypeError, ValueError, OverflowError):
+        weight = float("nan")
+    if isinstance(value, bool) or weight != weight or abs(weight) == float("inf"):
+        raise ConfigError(f"--reward_weights {str(value)[:40]!r}: expected a number")
+    return weight
+
+
+def _columns(cols: Any) -> dict[str, str]:
+    """``--columns`` (a JSON object of ``source: target`` names); ConfigError naming it."""
+    if isinstance(cols, str):
+        try:
+            cols = json.loads(cols)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"--columns {cols[:60]!r}: not a JSON object ({exc})") from None
+    if not isinstance(cols, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in cols.items()
+    ):
+        raise ConfigError(f"--columns: expected a JSON object of names, got {str(cols)[:60]!r}")
+    return cols
+
+
+def _text_file(path: Path) -> str:
+    """A ``--system`` file's text; ConfigError naming it when unreadable or not UTF-8."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_TEXT_BYTES + 1)
+        if len(data) > MAX_TEXT_BYTES:
+            raise ConfigError(f"--system {path}: over {MAX_TEXT_BYTES >> 20} MiB, not a prompt")
+        return data.decode("utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"--system {path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+
+
 def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
     """Datasets, prompts, rewards, logging."""
     for flag, key in (("dataset", "data.train"), ("val_dataset", "data.eval")):
@@ -123,19 +165,13 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
             "; ".join(note),
         )
     if "columns" in t.flags:
-        cols = t.get("columns")
-        cols = json.loads(cols) if isinstance(cols, str) else cols
-        t.add("columns", EXACT, {"data.columns": [f"{k}={v}" for k, v in dict(cols).items()]})
+        cols = _columns(t.get("columns"))
+        t.add("columns", EXACT, {"data.columns": [f"{k}={v}" for k, v in cols.items()]})
     if "system" in t.flags:
         system = str(t.get("system"))
         path = Path(system).expanduser()
         if system.endswith(".txt") and path.is_file():
-            t.add(
-                "system",
-                EXACT,
-                {"data.prompt.system": path.read_text(encoding="utf-8").strip()},
-                f"read from {path}",
-            )
+            t.add("system", EXACT, {"data.prompt.system": _text_file(path)}, f"read from {path}")
         elif system.endswith(".txt"):
             t.add(
                 "system",
@@ -164,7 +200,7 @@ def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
             value=[],
         )
         return
-    weights = [float(w) for w in _list(t.get("reward_weights", [1.0] * len(names)))]
+    weights = [_weight(w) for w in _list(t.get("reward_weights", [1.0] * len(names)))]
     models = len(_list(t.get("reward_model", [])))
     if models and len(weights) == len(names) + models:  # ms-swift: functions, then models
         weights = weights[: len(names)]

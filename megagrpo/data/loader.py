@@ -255,7 +255,10 @@ def _row_messages(rec: dict, where: str) -> list[dict]:
             raise DataError(f"{where}: 'messages'/'conversations' must be a non-empty list")
         return [_turn(m, where) for m in raw]
     messages = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
-    for pair in rec.get("history") or []:
+    history = rec.get("history") or []
+    if not isinstance(history, list):
+        raise DataError(f"{where}: 'history' must be [[query, response], ...]")
+    for pair in history:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise DataError(f"{where}: 'history' must be [[query, response], ...]")
         messages += [

@@ -209,7 +209,7 @@ def read_gold(files: Iterable[Path], limit: int = 0) -> dict[str, GoldItem]:
             answer = igakuqa_gold(rec["answer"], num_choices, f"{where}: {pid}")
             try:
                 points = int(rec["points"])
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise DataError(f"{where}: 'points' of {pid} is not an integer") from exc
             if pid in gold:
                 raise DataError(
