@@ -140,11 +140,14 @@ def run(args: argparse.Namespace) -> int:
     sc = billed(scenario_from_config(cfg, hf), bill)
     gate = make_gate(cfg, hf)
     if args.gpus:
-        res = search(sc, a, hw, args.gpus, gate=gate)
+
+        def loader(cand: Scenario) -> str:
+            return loads(args.config, args.overrides, cand)
+
+        res = search(sc, a, hw, args.gpus, gate=gate, loads=loader)
         for key in ("best_runnable", "best_unverified"):
             if res[key] is not None:
                 res[key]["collapse"] = bill.as_dict()
-                res[key]["loader"] = loads(args.config, args.overrides, res[key]["scenario"])
         if args.json:
             print(_dump(res))
             return 0

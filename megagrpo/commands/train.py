@@ -77,8 +77,8 @@ def check_layout(cfg: Any) -> None:
     from megagrpo.parallel.state import validate_layout
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.rollout.placement == "separate":  # the last process serves the engine
-        world = max(world - 1, 1)
+    if cfg.rollout.placement == "separate":  # the last processes serve the engines
+        world = max(world - cfg.rollout.engine_ranks, 1)
     path = Path(cfg.model.hf_path).expanduser()
     hf = load_hf_config(path) if (path / "config.json").is_file() else None
     if hf is not None and "num_attention_heads" in hf:
@@ -104,11 +104,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(RunConfig, [args.config], args.overrides)
     check_layout(cfg)
     split = None
-    if cfg.rollout.placement == "separate":  # trainer ranks + the engine's own rank
+    if cfg.rollout.placement == "separate":  # trainer ranks + the engines' own ranks
         from megagrpo.parallel.split import split_world
-        from megagrpo.trainer.separate import serve_engine_rank, trainer_channel
+        from megagrpo.trainer.separate import serve_engine_rank, trainer_link
 
-        split = split_world(cfg.parallel.timeout_minutes)
+        ro = cfg.rollout
+        split = split_world(cfg.parallel.timeout_minutes, ro.engine_ranks, ro.tensor_parallel_size)
         if split.is_engine:  # a stop signal is the trainers' to act on: they checkpoint at
             held = StopSignals().install()  # the step boundary, then close the link
             try:
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
     stop = StopSignals().install()  # a signal during start-up stops before step 1
     try:
-        channel = trainer_channel(split) if split is not None else None
+        channel = trainer_link(split)
         ctx = build_context(cfg, resume=args.resume, overwrite=args.overwrite, channel=channel)
         try:
             # MEGAGRPO_STRICT_DEVICES=1: every tensor handed to a collective or to the loss

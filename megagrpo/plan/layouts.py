@@ -154,3 +154,23 @@ def separate_layout(
         tried.append((t, cur, chosen, fits, peaks))
     best = min(tried, key=lambda x: x[0]) if any(x[3] for x in tried) else tried[0]
     return best[1], best[2], best[3], best[4]
+
+
+def separate_memory(sc: Scenario, a: Assumptions) -> dict:
+    """The memory plan of a separate placement: the engines' GPUs' plan (their replicas and
+    KV cache: ``engine``, ``engine_gpus``) with the phases of each side (``train`` on the
+    trainer's GPUs, ``generate`` / ``sync`` / ``startup`` on the engines') and ``fits`` from
+    both (each with ``headroom`` free, a KV cache on the engines)."""
+    trainer, engine = split_placement(sc)
+    mem = memory_plan(engine, a)
+    train = memory_plan(trainer, a)
+    peaks = dict(mem["phase_peak_gib"], train=train["phase_peak_gib"]["train"])
+    mem["phase_peak_gib"] = peaks
+    mem["per_gpu_gib"] = max(peaks.values())
+    mem["layout"] = train["layout"] | {"engine_gpus": sc.rollout_gpus}
+    check_engine_gpus(mem, sc, a)
+    fits, _ = separate_fit(sc, a)
+    limit = (1 - a.headroom) * sc.gpu_memory_gib
+    mem["fits"] = bool(fits and mem["engine_gpus"]["fits"] and peaks["sync"] <= limit)
+    mem["num_gpus"] = sc.num_gpus
+    return mem

@@ -26,14 +26,14 @@ central / high step time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from megagrpo.plan.gate import RUNNABLE, UNVERIFIED, Gate, overrides_of, ungated
 from megagrpo.plan.layouts import (
     best_utilization,
-    check_engine_gpus,
     check_host_memory,
     engine_splits,
+    separate_memory,
     trainer_layout,
     trainer_layouts,
 )
@@ -53,10 +53,8 @@ SYNCS = (("adapter", "sliced"), ("merged", "sliced"))
 def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     """:func:`~megagrpo.plan.memory.memory_plan` + ``time`` (step-time estimate) + ``bounds``
     (low / central / high) + the inputs (``assumptions``, ``hardware``)."""
-    mem = memory_plan(sc, a)
+    mem = separate_memory(sc, a) if sc.placement == "separate" else memory_plan(sc, a)
     check_host_memory(mem, a, hw)
-    if sc.placement == "separate":
-        check_engine_gpus(mem, sc, a)
     mem["time"] = step_time(sc, a, hw, mem)
     mem["bounds"] = bounds(lambda aa: step_time(sc, aa, hw, mem)["step_s"], a)
     mem["assumptions"] = vars(a)
@@ -71,8 +69,9 @@ def rollout_options(sc: Scenario, gpus: int) -> Iterator[dict]:
     s = shapes_of(sc.hf)
     p = PartialConfig()
     if sc.partial_finish_fraction > 0:
-        p = PartialConfig(True, sc.partial_finish_fraction, 0, sc.partial_chunk_tokens,
-                          sc.partial_max_staleness)  # fmt: skip
+        p = PartialConfig(
+            True, sc.partial_finish_fraction, 0, sc.partial_chunk_tokens, sc.partial_max_staleness
+        )
     for replicas, vtp in VLLM_LAYOUTS:
         if vtp > gpus or gpus % vtp or s.heads % vtp:
             continue
@@ -124,10 +123,8 @@ def _fitting(cand: Scenario, a: Assumptions, hw: Hardware) -> dict | None:
     if util is None:
         return None
     cand = cand.with_(gpu_memory_utilization=util)
-    mem = memory_plan(cand, a)
+    mem = separate_memory(cand, a) if cand.placement == "separate" else memory_plan(cand, a)
     check_host_memory(mem, a, hw)
-    if cand.placement == "separate":
-        check_engine_gpus(mem, cand, a)
     if not mem["fits"]:
         return None
     t = step_time(cand, a, hw, mem)
@@ -138,7 +135,13 @@ def _fitting(cand: Scenario, a: Assumptions, hw: Hardware) -> dict | None:
 
 
 def search(
-    sc: Scenario, a: Assumptions, hw: Hardware, gpus: int, top: int = 5, gate: Gate = ungated
+    sc: Scenario,
+    a: Assumptions,
+    hw: Hardware,
+    gpus: int,
+    top: int = 5,
+    gate: Gate = ungated,
+    loads: Callable[[Scenario], str] | None = None,
 ) -> dict:
     """The fastest layouts for ``gpus`` GPUs whose every phase fits (module doc):
     ``{"best_runnable", "best_unverified", "top"}``, each a :func:`full_plan`-like dict with
@@ -159,7 +162,15 @@ def search(
     found.sort(key=lambda p: p["time"]["step_s"])
 
     def first(status: str) -> dict | None:
-        return next((p for p in found if p["status"] == status), None)
+        """The fastest layout of ``status`` whose config loads as ``megagrpo train`` loads it
+        (the trainer's own rules: ``loads`` returns the loader's error, '' when it loads)."""
+        for p in found:
+            if p["status"] != status:
+                continue
+            p["loader"] = loads(p["scenario"]) if loads is not None else ""
+            if not p["loader"]:
+                return p
+        return None
 
     out = {
         "best_runnable": first(RUNNABLE),

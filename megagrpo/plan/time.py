@@ -25,7 +25,9 @@ input is printed with the result.
   ``allreduce`` = zero-filled full tensors all-reduced over the model-parallel groups, twice a
   tensor's bytes per GPU, and every full tensor fed to every engine rank's loader;
   ``broadcast`` = once; ``sliced`` = only the engine shard of this GPU, in the trainer's
-  dtype whatever the engine quantises to) + the loader's per-tensor overhead. Adapter sync as
+  dtype whatever the engine quantises to) + the loader's per-tensor overhead; in a separate
+  placement trainer rank 0 streams every merged tensor to every engine rank over its one
+  link (what the trainer does: only the adapter is fed by its owners). Adapter sync as
   ``trainer.adapter_transport`` says: ``peft_dir`` gathers in fp32, writes and reads back a
   directory (``Hardware.disk_gb_s``); ``streamed`` all-reduces bf16 buckets of the full
   factors over the model-parallel groups, copies them to host, and loads the engine's share
@@ -230,6 +232,11 @@ def _sync(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     mp, emp = sc.tp * sc.pp, sc.ep * sc.etp * sc.pp
     if sc.weight_sync == "adapter":
         return _adapter_sync(sc, a, hw, s, n_tensors)
+    if sc.placement == "separate":  # trainer rank 0 streams every tensor to every engine rank
+        total = dense_b + exp_b
+        t = total * sc.num_gpus / (hw.ib_gb_s * 1e9 * a.comm_eff)
+        t += n_tensors * a.loader_s_per_tensor + total / (hw.hbm_gb_s * 1e9 * a.loader_hbm_eff)
+        return {"s": t, "bytes_per_gpu": total}
     factor = {"allreduce": 2.0, "broadcast": 1.0}.get(sc.sync_transport)
     if factor is None:  # sliced: only this GPU's engine shard crosses the links, in the
         # trainer's dtype (vLLM quantises an FP8 engine's share on load, after the wire)

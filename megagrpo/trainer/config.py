@@ -366,28 +366,52 @@ class RunConfig:
             log.info("%s: token-level importance weights on (loss.tis_cap=2.0)", key)
 
     def _resolve_separate(self) -> None:
-        """Placement separate (:mod:`megagrpo.trainer.separate`): one engine rank (the last
-        process; ``rollout.tensor_parallel_size`` 1), every other process trains in any
-        Megatron layout of its own. ``rollout.max_staleness`` resolved (1 unless set); with 1
-        the importance correction of partial rollouts is on. Not with partial rollouts (two
-        staleness mechanisms) nor dummy engine weights. ConfigError names the key."""
+        """Placement separate (:mod:`megagrpo.trainer.separate`): the last
+        ``rollout.engine_ranks`` processes serve engines in replicas of
+        ``rollout.tensor_parallel_size`` ranks inside one node (their private world
+        rendezvouses on loopback), every other process trains in any Megatron layout of its
+        own. The engine runs inside its rank (vLLM ``external_launcher``): ``rollout.colocate:
+        false`` would start vLLM's own executor on GPU 0 of the node, refused.
+        ``rollout.max_staleness`` resolved (1 unless set); with 1 the importance correction
+        of partial rollouts is on. With partial rollouts one bound counts both lags:
+        ``rollout.partial.max_staleness`` must exceed ``rollout.max_staleness`` (tokens
+        generated ahead lag by it already). ConfigError names the key."""
         ro = self.rollout
         if ro.placement != "separate":
             ro.max_staleness = ro.resolved_max_staleness()
             return
-        key = "rollout.placement"
+        tp = ro.tensor_parallel_size
         require(
-            ro.tensor_parallel_size == 1,
-            "rollout.tensor_parallel_size",
-            "placement=separate runs one engine on one rank: must be 1",
+            ro.engine_ranks % tp == 0,
+            "rollout.engine_ranks",
+            f"{ro.engine_ranks} engine processes do not make replicas of "
+            f"rollout.tensor_parallel_size={tp}",
         )
-        require(not ro.partial.enabled, key, "separate is not wired with rollout.partial")
+        require(
+            tp <= self.cluster.gpus_per_node,
+            "rollout.tensor_parallel_size",
+            f"{tp} > cluster.gpus_per_node={self.cluster.gpus_per_node}: with "
+            "placement=separate an engine replica sits inside one node",
+        )
+        require(
+            ro.colocate,
+            "rollout.colocate",
+            "placement=separate runs each engine inside its own rank (vLLM external_launcher); "
+            "colocate=false would start vLLM's own executor on GPU 0 of the node",
+        )
         require(
             ro.load_format == "auto",
             "rollout.load_format",
-            "placement=separate: the engine rank reads its own weights (auto)",
+            "placement=separate: the engine ranks read their own weights (auto)",
         )
         ro.max_staleness = ro.resolved_max_staleness()
+        if ro.partial.enabled and ro.max_staleness > 0:
+            require(
+                ro.partial.max_staleness > ro.max_staleness,
+                "rollout.partial.max_staleness",
+                f"must exceed rollout.max_staleness={ro.max_staleness}: one bound counts "
+                "both lags, and tokens generated one step ahead already lag by it",
+            )
         if ro.max_staleness > 0:
             self._importance_correction("rollout.max_staleness")
 

@@ -94,6 +94,9 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     (at most 1 + R rounds: :class:`megagrpo.curriculum.rounds.Rounds`)."""
     stats = GenStats()
     balance = ctx.cfg.rewards.answer_balance
+    partial = ctx.partial
+    if partial is not None:
+        partial.begin_step()
     ahead = take_ahead(ctx, step)  # placement separate: started while the last step trained
     if ahead is None:
         rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, step)
@@ -103,9 +106,6 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
             stats.add(first)
             stats.measure_excess(first, balance)
             rounds.add(first)
-    partial = ctx.partial
-    if partial is not None:
-        partial.begin_step()
     while (requests := rounds.next_requests()) is not None:  # G each, or the budget's n
         problems, counts = [r.problem for r in requests], [r.n for r in requests]
         if partial is not None:  # rollout.partial: finished groups, carried ones first
@@ -232,8 +232,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     metrics, gen = generate_batch(ctx, step) if ctx.generated is None else ({}, GenStats())
     gb = ctx.generated
     assert gb is not None
-    if gb.is_last:  # separate ranks, one step ahead: the engine generates the next batch
-        submit_ahead(ctx, step)
+    # separate ranks, one step ahead: after a batch's last step the engines generate the next
+    submit_ahead(ctx, step, gb.is_last)
     groups = gb.current_groups()
     trained = len(groups) > 0
     if trained and ctx.engines_awake:  # 4: free the engines' memory for training

@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megagrpo.data.variants import expand_round, fold_round, has_variants
 from megagrpo.errors import ConfigError
 from megagrpo.model.sync_transport import RegionFn
+from megagrpo.placement.rounds import round_seed
 from megagrpo.rewards import CompositeReward, extract_answer
 from megagrpo.rewards.answers import eval_guess_metrics
 from megagrpo.rewards.igakuqa import GoldItem, score
@@ -48,13 +49,8 @@ from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
 
+
 EngineFactory = Callable[[RolloutConfig, str, int], RolloutEngine]
-
-
-def round_seed(base: int, step: int, round_idx: int) -> int:
-    """A deterministic sampling seed per (run seed, step, generation round): a resumed run
-    draws exactly the rollouts the uninterrupted one drew."""
-    return zlib.crc32(f"{base}:{step}:{round_idx}".encode()) & 0x7FFFFFFF
 
 
 @dataclass
@@ -254,6 +250,12 @@ class Rollouts(ABC):
         for group, problem in zip(shared, problems):
             group.problem = problem
         return shared
+
+    def partial_round(self, work: list, partial: Any, step: int, round_idx: int) -> Any:
+        """A whole partial-rollout round run by the engines themselves (placement separate:
+        :meth:`megagrpo.trainer.separate.SeparateRollouts.partial_round`); None here: the
+        round runs on the trainer ranks, one :meth:`generate` per chunk."""
+        return None
 
     def decode(self, token_ids: list[list[int]]) -> list[str]:
         """Collective: the texts of ``token_ids`` (decoded by rank 0's engine), on every rank."""

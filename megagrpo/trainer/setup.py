@@ -49,11 +49,11 @@ from megagrpo.metrics.logger import build_logger
 from megagrpo.model import ModelConfig, Policy, build_policy
 from megagrpo.model.pretrained import resolve_model_path
 from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
+from megagrpo.placement.bridge import Channel
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
 from megagrpo.trainer import compat
-from megagrpo.trainer.bridge import Channel
 from megagrpo.trainer.checkpoint import ResumePoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import Comm, TrainContext
@@ -62,7 +62,7 @@ from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import prepare_run_dir
-from megagrpo.trainer.separate import SeparateRollouts
+from megagrpo.trainer.separate import EngineLink, SeparateRollouts
 from megagrpo.trainer.sync import first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
@@ -366,7 +366,7 @@ def build_context(
     overwrite: bool = False,
     policy_factory: PolicyFactory = build_policy,
     engine_factory: EngineFactory = build_engine,
-    channel: Channel | None = None,
+    channel: EngineLink | Channel | None = None,
 ) -> TrainContext:
     """Everything a run needs, on every rank (see module docstring); ``cfg`` is resolved
     (:meth:`RunConfig.resolve`, done by the loader) and saved as the run's config.yaml once
@@ -377,8 +377,9 @@ def build_context(
             (CheckpointError when there is none, or when a setting changed that the
             checkpoint cannot continue under); the engines are then synced to it.
         overwrite: move a run already in the directory aside instead of refusing to start.
-        channel: ``rollout.placement: separate``: trainer rank 0's link to the engine rank
-            (:mod:`megagrpo.trainer.separate`; the engine rank never builds a context).
+        channel: ``rollout.placement: separate``: this trainer rank's links to the engine
+            ranks (:class:`~megagrpo.trainer.separate.EngineLink`; a bare channel: one engine
+            rank; the engine ranks never build a context).
     """
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
@@ -402,7 +403,7 @@ def _build(
     changes: list,
     policy_factory: PolicyFactory,
     engine_factory: EngineFactory,
-    channel: Channel | None = None,
+    channel: EngineLink | Channel | None = None,
 ) -> TrainContext:
     """:func:`build_context` once the run directory is locked and checked."""
     comm = Comm(pgs)
@@ -460,7 +461,7 @@ def start_rollouts(
     model_path: str,
     engine_factory: EngineFactory,
     resumed: bool,
-    channel: Channel | None = None,
+    channel: EngineLink | Channel | None = None,
 ) -> None:
     """Start the engines and give them the policy's weights (collective). With
     ``offload_during_rollout`` the trainer's probes are computed first (on the probe sequence
@@ -484,6 +485,7 @@ def start_rollouts(
             cfg.rollout.resolved_max_staleness(),
             cfg.rollout.sync_bucket_mb,
         )
+        ctx.rollouts.attach(ctx.policy, ctx.step)  # its owner ranks feed the adapter
     else:
         ctx.rollouts = build_rollouts(
             cfg.rollout,

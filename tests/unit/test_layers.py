@@ -22,8 +22,9 @@ LAYERS: list[set[str]] = [
     {"config", "algo", "parallel", "data", "metrics", "testing"},  # 2: components
     # 3: built on components below; the Megatron policy (model) never imports rollout
     {"kernels", "rewards", "rollout", "curriculum", "model"},
-    {"trainer", "plan"},  # 4: the loop; the before-you-rent-a-GPU predictors
-    {"commands", "cli"},  # 5: the command line
+    {"placement"},  # 4: engines on their own ranks: the wire, the engine rank, rounds, feed
+    {"trainer", "plan"},  # 5: the loop; the before-you-rent-a-GPU predictors
+    {"commands", "cli"},  # 6: the command line
 ]
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

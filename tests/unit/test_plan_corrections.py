@@ -149,9 +149,9 @@ def test_former_hard_coded_constants_change_the_estimate(repo_root, hf235):
     full = s.layers * ld + s.moe_layers * le  # adapter parameters, written + read in bf16
     want = 2 * full * 2 / 1e9 - 2 * full * 2 / 2e9
     assert slow_disk["sync"]["s"] - base["sync"]["s"] == pytest.approx(want, rel=1e-9)
-    merged = scenario_from_config(
-        _two_node(repo_root, "trainer.weight_sync=merged", "rollout.enable_lora=false",
-                  "trainer.sync_transport=allreduce"), hf235)  # fmt: skip
+    keys = ("trainer.weight_sync=merged", "rollout.enable_lora=false")
+    merged_cfg = _two_node(repo_root, *keys, "trainer.sync_transport=allreduce")
+    merged = scenario_from_config(merged_cfg, hf235)
     m = memory_plan(merged, a)
     t1 = step_time(merged, a, hw, m)["phases"]["sync"]["s"]
     slow_loader = dataclasses.replace(a, loader_hbm_eff=0.25)
@@ -260,8 +260,8 @@ def test_rounds_are_the_simulation_of_megagrpo_plan(repo_root, hf235):
     cfg = _two_node(repo_root, "dynamic.policy=partial", "dynamic.max_resample=1")
     bill = collapse_bill(cfg, ARTICLE_LEVELS)
     inputs = plan_inputs(cfg.curriculum, ARTICLE_LEVELS, all_levels=False)
-    setup = PlanSetup(inputs.hist, inputs.k, 8, 96, 200, inputs.curriculum,
-                      seed=inputs.curriculum.seed)  # fmt: skip
+    seed = inputs.curriculum.seed
+    setup = PlanSetup(inputs.hist, inputs.k, 8, 96, 200, inputs.curriculum, seed=seed)
     dyn = dataclasses.replace(cfg.dynamic, preflight="off")
     want = run_plan(setup, dyn).to_dict()
     assert bill.rounds_per_step == pytest.approx(want["gen_batches_per_step"])

