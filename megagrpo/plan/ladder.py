@@ -2,9 +2,11 @@
 estimate of the config's layout with one lever added per rung, each with its per-phase times,
 its low / central / high step time (:mod:`megagrpo.plan.ranges`) and what the gate says of it.
 
-    baseline                 issue 21's run: bf16 engine in the config's vLLM layout, adapter
-                             sync as a PEFT directory, every round run to its longest
-                             completion, colocated
+    baseline                 issue 21's run: bf16 engine in the config's vLLM layout serving
+                             the adapter (synced as a PEFT directory), every round run to its
+                             longest completion, colocated (a merged-sync config's layout
+                             with the adapter: the ladder is the adapter's path; merged
+                             layouts are in the search, ``--gpus``)
     + streamed adapter sync  trainer.adapter_transport=streamed
     + partial rollouts       rollout.partial.enabled (its finish_fraction / max_staleness)
     + vLLM TP 8 per node     one vLLM TP 8 replica per node (rollout.replicas=independent),
@@ -81,6 +83,8 @@ def rungs(sc: Scenario, partial: PartialConfig | None = None) -> list[Rung]:
             "baseline",
             dict(
                 quantization="none",
+                weight_sync="adapter",
+                enable_lora=True,
                 adapter_transport="peft_dir",
                 partial_finish_fraction=0.0,
                 placement="colocated",
@@ -88,7 +92,8 @@ def rungs(sc: Scenario, partial: PartialConfig | None = None) -> list[Rung]:
                 offpolicy_staleness=0,
             ),
             PHASES,
-            "issue 21's run (the config with adapter_transport=peft_dir, no partial rounds)",
+            "issue 21's run (the config's layouts, the adapter synced as a PEFT directory, "
+            "no partial rounds)",
         ),
         Rung(
             "+ streamed adapter sync",

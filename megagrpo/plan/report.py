@@ -205,8 +205,10 @@ def format_ladder(report: dict) -> str:
             f"step (raw ACR {c['acr_raw']:.3f}); 'collapse' is what the extra rounds cost"
         )
     targets = report.get("targets", {})
-    lines.append(_verdict("best runnable", report["runnable"], targets.get(RUNNABLE)))
-    lines.append(_verdict("best unverified", report["unverified"], targets.get(UNVERIFIED)))
+    runnable = [*report["runnable"], *([config] if config["status"] == RUNNABLE else [])]
+    unverified = [*report["unverified"], *([config] if config["status"] != "refused" else [])]
+    lines.append(_verdict("best runnable", runnable, targets.get(RUNNABLE)))
+    lines.append(_verdict("best unverified", unverified, targets.get(UNVERIFIED)))
     refused = [r for r in rows if r["status"] not in (RUNNABLE, UNVERIFIED)]
     for r in refused:
         lines.append(f"  {r['name']}: {r.get('detail', r['note'])}")

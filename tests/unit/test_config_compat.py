@@ -182,9 +182,14 @@ def test_shipped_235b_configs_pass_and_todays_layout_is_refused(repo_root, hf235
     path = repo_root / "configs" / name
     cfg = load_config(RunConfig, [path])
     assert compat.check_run(cfg, hf235) == []
-    for tp in (4, 8):  # the layouts shipped before: vLLM TP 4 / 8 + EP, lock-stepped
+    lockstep = [
+        "rollout.replicas=lockstep",
+        "rollout.enable_lora=true",
+        "trainer.weight_sync=adapter",
+    ]
+    for tp in (4, 8):  # the layouts shipped before: vLLM TP 4 / 8 + EP + LoRA, lock-stepped
         with pytest.raises(compat.CompatError) as err:
-            load_config(RunConfig, [path], [f"rollout.tensor_parallel_size={tp}"])
+            load_config(RunConfig, [path], [*lockstep, f"rollout.tensor_parallel_size={tp}"])
         text = str(err.value)
         assert "vllm.moe_lora_sequence_parallel" in text
         assert "use_sequence_parallel_moe" in text and "_ep_check" in text

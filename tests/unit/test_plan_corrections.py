@@ -237,7 +237,7 @@ def test_kv_starved_engine_runs_at_the_continuous_batching_concurrency(sc, hf235
     the prompt plus the mean age (not the final length), and the full phase runs
     (waves - 1) mean completions at it."""
     a, hw = Assumptions(), Hardware()
-    small = sc.with_(gpu_memory_utilization=0.6)  # ~4 GiB of KV cache per GPU
+    small = sc.with_(gpu_memory_utilization=0.6, partial_finish_fraction=0.0)  # ~4 GiB of KV
     mem = memory_plan(small, a)
     g = step_time(small, a, hw, mem)["phases"]["generate"]
     mean, age = length_moments(small, a)

@@ -201,3 +201,19 @@ def test_cli_ladder_table_and_json(repo_root, report, capsys):
     assert data["collapse"]["source"].startswith("--levels L1=10")
     for r in data["rungs"]:
         assert set(r["bounds"]) == {"low", "central", "high", "best", "worst"}
+
+
+def test_fp8_rung_is_unverified_once_the_gate_allows_it(repo_root, hf235, monkeypatch):
+    """With the gate's FP8 rule lifted (the GPU-path change: allowed, unverified on GPU) the
+    FP8 rung is unverified, not refused: in the unverified ladder, not in the runnable one."""
+    rules = tuple(r for r in compat.RULES if r.name != "vllm.fp8_moe_lora")
+    monkeypatch.setattr(compat, "RULES", rules)
+    cfg = _two_node(repo_root)
+    sc = billed(scenario_from_config(cfg, hf235), collapse_bill(cfg))
+    rep = ladder_report(sc, Assumptions(), Hardware(), gate=make_gate(cfg, hf235))
+    fp8 = next(r for r in rep["rungs"] if r["name"] == "+ FP8 rollout")
+    assert fp8["status"] == UNVERIFIED and "unverified on GPU" in fp8["note"]
+    assert "+ FP8 rollout" in [r["name"] for r in rep["unverified"]]
+    assert "+ FP8 rollout" not in [r["name"] for r in rep["runnable"]]
+    off = rep["rungs"][-1]  # stacks on FP8: unverified too
+    assert off["status"] == UNVERIFIED

@@ -41,7 +41,7 @@ def test_unsharded_weights_equal_the_parameter_count(repo_root, hf235):
 def test_shipped_layout_fits_h100_and_sharding_scales(repo_root, hf235):
     p = plan(_cfg(repo_root), hf235)
     assert p["fits"] and p["num_gpus"] == 128 and p["per_gpu_gib"] <= 0.95 * 80
-    half = plan(_cfg(repo_root, "parallel.ep=16", "cluster.num_nodes=8"), hf235)
+    half = plan(_cfg(repo_root, "parallel.ep=4"), hf235)
     # experts dominate: halving EP nearly doubles the per-GPU base weights
     assert 1.7 < half["breakdown_gib"]["base_weights"] / p["breakdown_gib"]["base_weights"] < 2.0
     bad = plan(_cfg(repo_root, "cluster.num_nodes=1", "parallel.ep=8"), hf235)
@@ -116,8 +116,9 @@ def test_lora_activations_are_counted(repo_root, hf235):
     width = h + 64 * 128 / 4 + 2 * (h + 1536)
     rows = 1 + 1 + 2 * 2
     per_layer = tokens * (width * 2 + rows * 32 * 4)
-    full = plan(_cfg(repo_root), hf235)
-    none = plan(_cfg(repo_root, "model.recompute=none"), hf235)
+    old = ("parallel.ep=32", "parallel.pp=1")  # the layout the closed form is written for
+    full = plan(_cfg(repo_root, *old), hf235)
+    none = plan(_cfg(repo_root, *old, "model.recompute=none"), hf235)
     assert full["breakdown_gib"]["lora_activations"] == pytest.approx(per_layer / GIB, abs=0.01)
     assert none["breakdown_gib"]["lora_activations"] == pytest.approx(
         94 * per_layer / GIB, rel=1e-3
@@ -125,7 +126,7 @@ def test_lora_activations_are_counted(repo_root, hf235):
     # TE's flash attention keeps no [s, s] scores: without recompute every layer's ~70 KB per
     # token (SP over TP4, 8 routed copies) and adapter inputs stay; the local spec adds 5 a s
     assert none["phase_peak_gib"]["train"] > full["phase_peak_gib"]["train"] + 40
-    local = plan(_cfg(repo_root, "model.recompute=none", "model.spec=local"), hf235)
+    local = plan(_cfg(repo_root, *old, "model.recompute=none", "model.spec=local"), hf235)
     assert local["phase_peak_gib"]["train"] > full["phase_peak_gib"]["train"] + 200
-    drop = plan(_cfg(repo_root, "model.recompute=none", "model.lora.dropout=0.05"), hf235)
+    drop = plan(_cfg(repo_root, *old, "model.recompute=none", "model.lora.dropout=0.05"), hf235)
     assert drop["breakdown_gib"]["lora_activations"] > 2 * none["breakdown_gib"]["lora_activations"]
