@@ -283,5 +283,16 @@ def write_run_config(path, cfg: dict):
     return path
 
 
+EMPTY_SAMPLER_STATE: dict = {
+    "version": 1,
+    "fingerprint": "-",
+    "walks": {},
+    "rng": {},
+    **{key: [] for key in ("succ", "fail", "streak", "retired", "num_observed")},
+}
+"""A curriculum sampler's state of no problems: what checkpoint tests that do not run a
+sampler put in ``trainer.json`` (its values are checked on resume:
+:mod:`megagrpo.trainer.state_checks`)."""
+
 DEMO_EVAL = Path(__file__).resolve().parent / "assets" / "demo_eval.jsonl"
 """The bundled held-out demo problems (for configs that evaluate)."""

@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start afresh although the run directory holds a run: it is moved aside to "
         "<name>.old-<time> (never deleted)",
     )
+    parser.add_argument(
+        "--allow-base-change",
+        action="store_true",
+        help="with --resume: continue although the base weights under model.hf_path are not "
+        "those the checkpoint was trained on (their fingerprint differs); refused otherwise",
+    )
 
 
 def _env_defaults() -> None:
@@ -120,7 +126,13 @@ def run(args: argparse.Namespace) -> int:
     stop = StopSignals().install()  # a signal during start-up stops before step 1
     try:
         channel = trainer_link(split)
-        ctx = build_context(cfg, resume=args.resume, overwrite=args.overwrite, channel=channel)
+        ctx = build_context(
+            cfg,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            channel=channel,
+            allow_base_change=args.allow_base_change,
+        )
         try:
             # MEGAGRPO_STRICT_DEVICES=1: every tensor handed to a collective or to the loss
             # must be on the declared compute device (emulated on CPU): megagrpo.parallel.strict

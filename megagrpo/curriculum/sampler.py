@@ -441,20 +441,55 @@ class CurriculumSampler:
             "num_observed": self.num_observed.tolist(),
         }
 
+    def _check_shapes(self, state: Mapping[str, Any]) -> None:
+        """CheckpointError naming the field of ``state`` that does not fit: a walk count or
+        position (a position past its permutation would silently start another epoch), an
+        array that is not one value per problem."""
+        n = len(self.problems)
+        for key in ("succ", "fail", "streak", "retired", "num_observed"):
+            values = state.get(key)
+            if not isinstance(values, list) or len(values) != n:
+                got = len(values) if isinstance(values, list) else type(values).__name__
+                raise CheckpointError(f"curriculum state '{key}': {got} values for {n} problems")
+        walks = state.get("walks")
+        walks = walks if isinstance(walks, dict) else {}
+        for s, ws in self.walks.items():
+            saved = walks.get(s)
+            if not isinstance(saved, list) or len(saved) != len(ws):
+                raise CheckpointError(f"curriculum state 'walks.{s}': not {len(ws)} walks")
+            for i, (w, st) in enumerate(zip(ws, saved)):
+                ok = isinstance(st, list) and len(st) == 2
+                ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in st)
+                if not (ok and st[0] >= 0 and 0 <= st[1] <= len(w.members)):
+                    raise CheckpointError(
+                        f"curriculum state 'walks.{s}[{i}]': {str(st)[:40]} is not "
+                        f"[epoch, position <= {len(w.members)}]"
+                    )
+        if not isinstance(state.get("rng"), dict) or set(self._rng) - set(state["rng"]):
+            raise CheckpointError(f"curriculum state 'rng': needs streams {sorted(self._rng)}")
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; raises CheckpointError if the problem set differs."""
+        """Restore :meth:`state_dict`; raises CheckpointError if the problem set differs or a
+        field does not fit this sampler (naming it: ``walks.main[0]``, ``rng.resample``,
+        ``succ``)."""
         if state.get("version") != 1:
             raise CheckpointError(f"curriculum state: unknown version {state.get('version')}")
-        if state["fingerprint"] != self._fingerprint():
+        if state.get("fingerprint") != self._fingerprint():
             raise CheckpointError(
                 "curriculum state: saved for a different problem set or "
                 "level filter (fingerprint mismatch)"
             )
+        self._check_shapes(state)
         for s, ws in self.walks.items():
             for w, st in zip(ws, state["walks"][s]):
                 w.load(st)
         for s, r in self._rng.items():
-            r.bit_generator.state = state["rng"][s]
+            try:
+                r.bit_generator.state = state["rng"][s]
+            except (TypeError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"curriculum state 'rng.{s}': not a generator state ({exc})"
+                ) from None
         self.succ = np.asarray(state["succ"], dtype=np.float64)
         self.fail = np.asarray(state["fail"], dtype=np.float64)
         self.streak = np.asarray(state["streak"], dtype=np.int64)

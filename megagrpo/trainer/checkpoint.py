@@ -62,6 +62,7 @@ from megagrpo.trainer.ckpt_checks import (
     check_pieces,
     check_tiling,
     check_trainer_state,
+    problem_count,
 )
 from megagrpo.trainer.context import Comm
 from megagrpo.trainer.plain_state import json_bytes, rng_state, to_plain
@@ -327,10 +328,14 @@ class ResumePoint:
 
 
 def find_resume_checkpoint(
-    ckpt_root: str | os.PathLike, comm: Comm | None = None, required: tuple[str, ...] = ()
+    ckpt_root: str | os.PathLike,
+    comm: Comm | None = None,
+    required: tuple[str, ...] = (),
+    before: int | None = None,
 ) -> ResumePoint:
     """The newest checkpoint under ``ckpt_root`` that every rank verifies (collective), its
-    content included (:mod:`megagrpo.trainer.ckpt_checks`; ``required``: trainer.json keys).
+    content included (:mod:`megagrpo.trainer.ckpt_checks`; ``required``: trainer.json keys);
+    ``before``: only checkpoints of earlier steps (the fall-back past a rejected one).
 
     A damaged one (truncated or corrupt file, missing file, unreadable manifest) is skipped
     with a WARNING naming the file; CheckpointError when none is usable (listing why each
@@ -342,6 +347,8 @@ def find_resume_checkpoint(
     )
     rejected = []
     for step, path in reversed(found):
+        if before is not None and step >= before:
+            continue
         manifest, why = _verify(Path(path), comm, required)
         if manifest is not None and manifest.get("step") != step:
             manifest, why = None, f"{MANIFEST} says step {manifest.get('step')!r}"
@@ -357,7 +364,8 @@ def find_resume_checkpoint(
         raise CheckpointError(
             f"--resume: no usable checkpoint under {ckpt_root}: " + "; ".join(rejected)
         )
-    raise CheckpointError(f"--resume: no complete checkpoint under {ckpt_root}")
+    older = f" before step {before}" if before is not None else ""
+    raise CheckpointError(f"--resume: no complete checkpoint{older} under {ckpt_root}")
 
 
 def _legacy_numpy_types() -> list[Any]:
@@ -466,7 +474,12 @@ def _read_trainer_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         trainer_state = json.loads((path / TRAINER_FILE).read_bytes())
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path / TRAINER_FILE}: unreadable ({exc})") from exc
-    why = check_trainer_state(trainer_state, manifest.get("step"), str(path / TRAINER_FILE))
+    why = check_trainer_state(
+        trainer_state,
+        manifest.get("step"),
+        str(path / TRAINER_FILE),
+        num_problems=problem_count(manifest),
+    )
     if why:
         raise CheckpointError(why)
     return trainer_state

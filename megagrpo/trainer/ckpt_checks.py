@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from megagrpo.trainer.state_checks import trainer_state_errors
+
 Box = tuple[str, str, tuple[tuple[int, int], ...]]
 """``(name, factor, ((start, stop), ...))`` of one piece."""
 
@@ -31,11 +33,25 @@ TRAINER_KEYS = ("sampler", "dynamic")
 """What a run's ``trainer.json`` holds besides ``step`` (the resume of a run requires them)."""
 
 
+def problem_count(manifest: Any) -> int | None:
+    """The training set's size a checkpoint's manifest records (None: not recorded)."""
+    problems = manifest.get("problems") if isinstance(manifest, dict) else None
+    count = problems.get("count") if isinstance(problems, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def check_trainer_state(
-    state: Any, step: Any, where: str, required: tuple[str, ...] = ()
+    state: Any,
+    step: Any,
+    where: str,
+    required: tuple[str, ...] = (),
+    num_problems: int | None = None,
+    vocab: int | None = None,
 ) -> str | None:
     """Why ``trainer.json``'s ``state`` cannot be resumed at manifest step ``step``, or None;
-    ``required``: keys that must hold objects (others, when present, must too)."""
+    ``required``: keys that must hold objects (others, when present, must too). The values
+    are checked field by field (:mod:`megagrpo.trainer.state_checks`; ``num_problems``: the
+    training set's size, ``vocab``: the model's vocabulary, when known)."""
     if not isinstance(state, dict):
         return f"{where}: expected a JSON object, got {type(state).__name__}"
     saved = state.get("step")
@@ -46,7 +62,8 @@ def check_trainer_state(
     for key in (*TRAINER_KEYS, "loop"):
         if (key in required or key in state) and not isinstance(state.get(key), dict):
             return f"{where}: '{key}' must be an object, got {str(state.get(key))[:60]!r}"
-    return None
+    why = trainer_state_errors(state, num_problems, vocab)
+    return f"{where}: {why}" if why else None
 
 
 def _bounds(value: Any) -> tuple[tuple[int, int], ...] | None:
@@ -158,7 +175,8 @@ def check_content(
             except (OSError, ValueError, RecursionError) as exc:
                 reasons.append(f"{name}: unreadable ({exc})")
                 continue
-            why = check_trainer_state(state, manifest.get("step"), name, required)
+            count = problem_count(manifest)
+            why = check_trainer_state(state, manifest.get("step"), name, required, count)
             reasons += [why] if why else []
         elif layout_free and name.startswith("rank") and name.endswith(".pt"):
             try:

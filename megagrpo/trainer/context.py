@@ -185,6 +185,9 @@ class TrainContext:
     """The training problems as a checkpoint records them (count, digest, ids the
     prompt-length policy dropped or truncated): compared on resume."""
     data_metrics: dict[str, float] = field(default_factory=dict)
+    base_fingerprint: dict[str, Any] | None = None
+    """The base weights' fingerprint (:func:`megagrpo.model.fingerprint.base_fingerprint`),
+    recorded in every checkpoint's manifest."""
     """``data/*`` counts of the prompt-length policy, in every row."""
     saved_step: int | None = None
     """Step of the newest checkpoint this run wrote or resumed from."""

@@ -29,14 +29,16 @@ from pathlib import Path
 
 from megagrpo import fileio
 from megagrpo.config.loader import written
-from megagrpo.errors import ConfigError
+from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.model.fingerprint import describe as describe_fingerprint
 from megagrpo.trainer import runlock
 from megagrpo.trainer.checkpoint import (
+    TRAINER_FILE,
     ResumePoint,
     find_resume_checkpoint,
     remove_stale_tmp,
 )
-from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
+from megagrpo.trainer.ckpt_checks import TRAINER_KEYS, check_trainer_state
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm
 from megagrpo.trainer.plain_state import to_plain
@@ -128,6 +130,75 @@ def _lock_and_decide(run_dir: Path, resume: bool, overwrite: bool) -> tuple[RunL
         if lock is not None:
             lock.release()
         return None, str(exc) if isinstance(exc, ConfigError) else f"{run_dir}: {exc}"
+
+
+def _value_errors(point: ResumePoint, num_problems: int, vocab: int | None) -> str | None:
+    """Why the values of ``point``'s trainer.json cannot be resumed with this training set
+    and vocabulary (rank 0; :mod:`megagrpo.trainer.state_checks`)."""
+    file = point.path / TRAINER_FILE
+    if not file.is_file():  # the previous format: checked when it loads
+        return None
+    try:
+        state = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"{file}: unreadable ({type(exc).__name__})"
+    step = point.manifest.get("step")
+    return check_trainer_state(state, step, str(file), TRAINER_KEYS, num_problems, vocab)
+
+
+def check_base(point: ResumePoint, base: dict | None, hf_path: str, allow_change: bool) -> None:
+    """The base weights under ``model.hf_path`` must be those the checkpoint's LoRA was
+    trained on (their fingerprint in its manifest): CheckpointError naming both, unless
+    ``--allow-base-change`` (then a warning); a checkpoint written before fingerprints were
+    recorded resumes with a warning."""
+    saved = point.manifest.get("base")
+    if not isinstance(saved, dict):
+        log.warning(
+            "%s was written without a fingerprint of the base weights: whether %s still holds "
+            "the weights its LoRA was trained on cannot be checked",
+            point.path,
+            hf_path,
+        )
+        return
+    if base is None or saved.get("sha256") == base.get("sha256"):
+        return
+    what = (
+        f"the base weights under model.hf_path {hf_path} changed since {point.path.name} was "
+        f"saved (then: {describe_fingerprint(saved)}; now: {describe_fingerprint(base)})"
+    )
+    if allow_change:
+        log.warning("--allow-base-change: %s; the LoRA continues on the new base", what)
+        return
+    raise CheckpointError(
+        f"--resume: {what}: the LoRA was trained on the old weights; put them back, or pass "
+        "--allow-base-change to continue on the new ones"
+    )
+
+
+def confirm_resume_point(
+    cfg: RunConfig,
+    run_dir: Path,
+    point: ResumePoint,
+    comm: Comm,
+    num_problems: int,
+    vocab: int | None,
+) -> tuple[ResumePoint, list[Change] | None]:
+    """Collective, once the training set and the model's config are known and before the
+    model is built: ``point``'s trainer state checked by value against them; a checkpoint
+    that fails is skipped with a WARNING naming the field and the previous complete one is
+    tried (its config compared again: the changes returned; None when ``point`` held)."""
+    changes = None
+    while True:
+        why = _value_errors(point, num_problems, vocab) if comm.is_main else None
+        why = comm.broadcast_object(why)
+        if not why:
+            return point, changes
+        log.warning("checkpoint %s is unusable (%s); trying the one before", point.path, why)
+        point = find_resume_checkpoint(
+            run_dir / "checkpoints", comm, TRAINER_KEYS, before=point.step
+        )
+        new = json.loads(json.dumps(to_plain(written(cfg), "config")))
+        changes = check_resume_config(point.manifest, new, comm.world_size)
 
 
 def prepare_run_dir(

@@ -47,6 +47,7 @@ from megagrpo.errors import ConfigError
 from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
 from megagrpo.metrics.logger import build_logger
 from megagrpo.model import ModelConfig, Policy, build_policy
+from megagrpo.model.fingerprint import base_fingerprint
 from megagrpo.model.pretrained import resolve_model_path
 from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
 from megagrpo.placement.bridge import Channel
@@ -61,7 +62,7 @@ from megagrpo.trainer.partial import PartialRollouts
 from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
-from megagrpo.trainer.rundir import prepare_run_dir
+from megagrpo.trainer.rundir import check_base, confirm_resume_point, prepare_run_dir
 from megagrpo.trainer.separate import EngineLink, SeparateRollouts
 from megagrpo.trainer.sync import first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
@@ -367,6 +368,7 @@ def build_context(
     policy_factory: PolicyFactory = build_policy,
     engine_factory: EngineFactory = build_engine,
     channel: EngineLink | Channel | None = None,
+    allow_base_change: bool = False,
 ) -> TrainContext:
     """Everything a run needs, on every rank (see module docstring); ``cfg`` is resolved
     (:meth:`RunConfig.resolve`, done by the loader) and saved as the run's config.yaml once
@@ -380,13 +382,16 @@ def build_context(
         channel: ``rollout.placement: separate``: this trainer rank's links to the engine
             ranks (:class:`~megagrpo.trainer.separate.EngineLink`; a bare channel: one engine
             rank; the engine ranks never build a context).
+        allow_base_change: resume although the base weights under ``model.hf_path`` are not
+            those the checkpoint was trained on (:func:`rundir.check_base`).
     """
     pgs = init_parallel(cfg.parallel)
     comm = Comm(pgs)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     point, changes, lock = prepare_run_dir(cfg, run_dir, comm, resume=resume, overwrite=overwrite)
     try:
-        ctx = _build(cfg, pgs, run_dir, point, changes, policy_factory, engine_factory, channel)
+        factories = (policy_factory, engine_factory)
+        ctx = _build(cfg, pgs, run_dir, point, changes, factories, channel, allow_base_change)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -401,21 +406,29 @@ def _build(
     run_dir: Path,
     point: ResumePoint | None,
     changes: list,
-    policy_factory: PolicyFactory,
-    engine_factory: EngineFactory,
+    factories: tuple[PolicyFactory, EngineFactory],
     channel: EngineLink | Channel | None = None,
+    allow_base_change: bool = False,
 ) -> TrainContext:
     """:func:`build_context` once the run directory is locked and checked."""
     comm = Comm(pgs)
-    model_path = comm.broadcast_object(
-        str(resolve_model_path(cfg.model.hf_path)) if comm.is_main else None
+    policy_factory, engine_factory = factories
+    model_path, base = comm.broadcast_object(
+        _model_and_base(cfg.model.hf_path) if comm.is_main else None
     )
     # the pinned upstream rules for this world and model, before any model or engine starts
-    compat.enforce(cfg, compat.read_hf_config(model_path), comm.world_size)
+    hf = compat.read_hf_config(model_path)
+    compat.enforce(cfg, hf, comm.world_size)
     tokenizer = load_tokenizer(model_path)
     data = load_run_data(cfg, tokenizer)
-    if point is not None:
+    if point is not None:  # the checkpoint's values, the base weights, the problem set
+        vocab = (hf or {}).get("vocab_size")
+        count = int(data.problem_set["count"])
         check_problem_set(point.manifest.get("problems"), data.problem_set, changes)
+        point, again = confirm_resume_point(cfg, run_dir, point, comm, count, vocab)
+        if again is not None:  # an earlier checkpoint: its settings and problems again
+            check_problem_set(point.manifest.get("problems"), data.problem_set, again)
+        check_base(point, base, cfg.model.hf_path, allow_base_change)
     seed_everything(cfg.trainer.seed + comm.rank)
     policy = policy_factory(dataclasses.replace(cfg.model, hf_path=model_path), pgs)
     optimizer, scheduler = _optimizer(cfg, policy)
@@ -445,6 +458,7 @@ def _build(
         pad_id=_pad_id(tokenizer),
         problem_set=data.problem_set,
         data_metrics=data.metrics,
+        base_fingerprint=base,
     )
     if cfg.rollout.partial.enabled:
         ctx.partial = PartialRollouts(cfg.rollout.partial, cfg.rollout.max_tokens, cfg.trainer.seed)
@@ -453,6 +467,12 @@ def _build(
     start_rollouts(ctx, tokenizer, model_path, engine_factory, point is not None, channel)
     open_run(ctx)
     return ctx
+
+
+def _model_and_base(hf_path: str) -> tuple[str, dict[str, Any]]:
+    """The local model directory of ``model.hf_path`` and its base weights' fingerprint."""
+    path = resolve_model_path(hf_path)
+    return str(path), base_fingerprint(path)
 
 
 def start_rollouts(

@@ -95,7 +95,12 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
         rank_state=rank_state,
         trainer_state=trainer_state,
         meta=checkpoint_meta(ctx.cfg),
-        extra={"config": written(ctx.cfg), "problems": ctx.problem_set, **layout},
+        extra={
+            "config": written(ctx.cfg),
+            "problems": ctx.problem_set,
+            "base": ctx.base_fingerprint,
+            **layout,
+        },
         keep=ctx.cfg.trainer.keep_checkpoints,
         comm=ctx.comm,
     )

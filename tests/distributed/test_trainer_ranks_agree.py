@@ -70,7 +70,7 @@ def _worker(rank: int, root: str) -> dict:
             rank=rank,
             world_size=2,
             rank_state={"lora": {"w": torch.full((3,), 10.0 * rank + step)}},
-            trainer_state={"sampler": {"s": step}},
+            trainer_state={"counters": {"s": step}},
             meta={},
             comm=comm,
         )

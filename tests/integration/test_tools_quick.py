@@ -18,6 +18,7 @@ SLOW = pytest.mark.slow
 QUICK = {
     "bench_convert.py": ("(transformers from_pretrained / save_pretrained)", [SLOW]),
     "bench_curriculum.py": ("target < 10 ms", []),
+    "bench_fingerprint.py": ("SHA-256 all", []),
     "bench_loss.py": ("max |logp fused - logp naive|", []),
     "bench_packing.py": ("padded waste", []),
     "bench_partial.py": ('"speedup"', [SLOW]),

@@ -16,12 +16,13 @@ from lora_pieces import whole_lora_pieces
 from megagrpo.commands.export import export_adapter
 from megagrpo.errors import CheckpointError
 from megagrpo.model.config import LoraConfig
+from megagrpo.testing import EMPTY_SAMPLER_STATE
 from megagrpo.trainer import checkpoint
 from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
 from megagrpo.trainer.context import Comm
 
 LORA = LoraConfig(rank=4)
-TRAINER = {"sampler": {}, "dynamic": {}, "loop": {"nonfinite_streak": 0}}
+TRAINER = {"sampler": EMPTY_SAMPLER_STATE, "dynamic": {}, "loop": {"nonfinite_streak": 0}}
 
 
 def _save(tmp: Path, step: int, model: Path, pieces: list[dict], trainer: dict) -> Path:

@@ -15,6 +15,7 @@ from megagrpo import fileio
 from megagrpo.cli import main
 from megagrpo.errors import ConfigError
 from megagrpo.model.config import LoraConfig
+from megagrpo.testing import EMPTY_SAMPLER_STATE
 from megagrpo.trainer import checkpoint
 
 LORA = LoraConfig(rank=4)
@@ -45,7 +46,7 @@ def run(tmp_path, tiny_dense_dir) -> tuple[Path, Path]:
             "optimizer_groups": [],
             "scheduler": None,
         },
-        trainer_state={"sampler": {}, "dynamic": {}},
+        trainer_state={"sampler": EMPTY_SAMPLER_STATE, "dynamic": {}},
         meta={},
         extra={
             "lora_layout": checkpoint.LAYOUT_FREE,

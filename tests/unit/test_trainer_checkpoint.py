@@ -45,7 +45,7 @@ def _save(root: Path, step: int, keep: int = 3) -> Path:
         rank=0,
         world_size=1,
         rank_state={"lora": {"w": torch.full((4,), float(step))}, "optimizer": {"state": {}}},
-        trainer_state={"sampler": {"s": step, "x": np.float64(0.5)}},
+        trainer_state={"counters": {"s": step, "x": np.float64(0.5)}},
         meta={"tp": 1},
         keep=keep,
     )

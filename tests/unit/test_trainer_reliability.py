@@ -46,7 +46,7 @@ def _context(bigram_dir: Path, out: Path, name: str, *, calls=None, engine=Bigra
     """build_context on the bigram fakes; ``calls`` records each policy construction."""
     from megagrpo.trainer.setup import build_context
 
-    flags = {k: kw.pop(k) for k in ("resume", "overwrite") if k in kw}
+    flags = {k: kw.pop(k) for k in ("resume", "overwrite", "allow_base_change") if k in kw}
     cfg = tiny_run_config(bigram_dir, out, name, **_sections(**kw))
     run = load_config(RunConfig, [write_run_config(out / f"{name}.yaml", cfg)])
 

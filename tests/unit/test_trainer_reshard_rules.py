@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megagrpo.errors import CheckpointError
+from megagrpo.testing import EMPTY_SAMPLER_STATE
 from megagrpo.trainer import checkpoint
 from megagrpo.trainer.context import Comm
 from megagrpo.trainer.resume_check import ADAPT, REFUSE, check_resume_config, compare_configs
@@ -45,7 +46,7 @@ def _layout_free_checkpoint(root, step: int, world: int):
         rank=0,
         world_size=world,
         rank_state={"pieces": [], "optimizer_groups": [], "scheduler": None},
-        trainer_state={"sampler": {}},
+        trainer_state={"sampler": EMPTY_SAMPLER_STATE},
         meta={},
         extra={"lora_layout": checkpoint.LAYOUT_FREE},
     )

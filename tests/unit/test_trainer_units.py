@@ -139,7 +139,7 @@ def _save(root, step, rank=0, world=1, meta=None, keep=2):
         rank=rank,
         world_size=world,
         rank_state={"lora": {"w": torch.full((2,), float(step))}},
-        trainer_state={"sampler": {"s": step}},
+        trainer_state={"counters": {"s": step}},
         meta=meta or {"tp": 1},
         keep=keep,
     )
@@ -157,7 +157,7 @@ def test_checkpoint_roundtrip_prune_and_rng(tmp_path):
         tmp_path / "step_000003", rank=0, world_size=1, meta={"tp": 1}
     )
     assert rank_state["lora"]["w"].tolist() == [3.0, 3.0]
-    assert trainer_state == {"step": 3, "sampler": {"s": 3}}
+    assert trainer_state == {"step": 3, "counters": {"s": 3}}
     # RNG restore: reload step 1's state (re-saved here) and draw the same numbers
     torch.manual_seed(123)
     _save(tmp_path / "again", 1)
