@@ -17,7 +17,7 @@ machine slows both alike. Reported: completions of finished groups (what would t
 second of generation, generated tokens per trained token. Training is not run (fixed
 weights: the version tags still advance).
 
-    python tools/bench_partial.py            # the long-tail workload, 8 steps
+    python tools/bench_partial.py            # the long-tail workload, 6 steps
     python tools/bench_partial.py --quick    # CI smoke run
 """
 
@@ -112,13 +112,13 @@ class TailLengths:
 def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, short lengths")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4, help="problems per step")
     ap.add_argument("--group", type=int, default=4, help="answers per problem")
-    ap.add_argument("--median", type=int, default=20, help="median completion length")
+    ap.add_argument("--median", type=int, default=12, help="median completion length")
     ap.add_argument("--tail-mult", type=float, default=10.0, help="tail length / median")
     ap.add_argument("--tail-frac", type=float, default=0.125, help="completions in the tail")
-    ap.add_argument("--chunk", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=24)
     ap.add_argument("--finish-fraction", type=float, default=0.75)
     ap.add_argument("--max-staleness", type=int, default=2)
     args = ap.parse_args()

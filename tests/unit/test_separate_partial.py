@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from test_partial_rollouts import (
-    CURRENT,
     MAX_TOKENS,
     StoppingBigram,
+    _record_batches,
     check_weights_from_version_tags,
     spy_tis_weights,
 )
@@ -79,17 +79,7 @@ def _run(
         t.start()
         threads.append(t)
     link = EngineLink(control, dict(control), [[j] for j in range(replicas)])
-    seen = []
-    real = loop.collect_batch
-
-    def record(ctx, step):
-        CURRENT["step"] = step
-        weights = ctx.policy.weight().detach().clone()
-        batch, gen = real(ctx, step)
-        seen.append((step, weights, list(batch.groups)))
-        return batch, gen
-
-    monkeypatch.setattr(loop, "collect_batch", record)
+    seen = _record_batches(monkeypatch)
     ctx = build_context(
         run, resume=resume, policy_factory=lambda m, p: BigramPolicy(), channel=link
     )
