@@ -14,8 +14,10 @@ setup-demo:
 demo: setup-demo
 	$(VENV)/bin/megagrpo train configs/demo_cpu.yaml
 
-# Everything that runs on CPU (unit, gloo multi-process, slow end-to-end); what CI runs.
+# Everything that runs on CPU (unit, gloo multi-process, slow end-to-end, the upstream contract
+# tier: tools/upstream_wheels.py fetches the GPU pins' wheels once per machine); what CI runs.
 test: setup
+	$(PY) tools/upstream_wheels.py >/dev/null
 	$(PY) -m pytest -q -ra --durations=15
 
 # Unit tests without the slow and multi-process ones: the edit-test loop (budget: docs/architecture.md).

@@ -118,7 +118,7 @@ def step_adapter_dir(run_dir: Path, step: int, out_dir: Path) -> Path:
     from megagrpo.commands.export import export_adapter, find_checkpoint
 
     ckpt = find_checkpoint(run_dir, step)
-    return export_adapter(ckpt, out_dir / "adapter", expert_format="per_expert")
+    return export_adapter(ckpt, out_dir / "adapter", "vllm")
 
 
 def read_adapter_config(cfg_file: Path) -> dict[str, Any]:
@@ -152,6 +152,7 @@ def load_adapter(path: str | os.PathLike) -> Any:
     from safetensors.torch import load_file
 
     from megagrpo.rollout import PeftAdapter
+    from megagrpo.rollout.lora import unfuse_experts
 
     path = Path(path)
     cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -162,16 +163,12 @@ def load_adapter(path: str | os.PathLike) -> Any:
     conf = read_adapter_config(cfg_file)
     if conf.get("peft_type", "LORA") != "LORA" or conf.get("use_rslora") or conf.get("use_dora"):
         raise ConfigError(f"--adapter {path}: only plain LoRA adapters are supported")
-    if conf.get("target_parameters"):
-        raise ConfigError(
-            f"--adapter {path}: fused-expert LoRA (target_parameters) cannot be applied to the "
-            "rollout engine yet; export with expert_format='per_expert'"
-        )
     try:
-        return PeftAdapter.from_peft_state_dict(
-            load_file(str(weights)), int(conf["r"]), float(conf["lora_alpha"])
-        )
-    except (KeyError, ValueError) as exc:
+        state = load_file(str(weights))
+        if conf.get("target_parameters"):  # peft's fused experts: per expert for the engine
+            state = unfuse_experts(state, list(conf["target_parameters"]), int(conf["r"]))
+        return PeftAdapter.from_peft_state_dict(state, int(conf["r"]), float(conf["lora_alpha"]))
+    except (KeyError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"--adapter {path}: {exc}") from exc
 
 

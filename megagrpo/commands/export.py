@@ -6,9 +6,13 @@ checkpoint of the Megatron policy) converts in one process, whatever TP / EP / P
 size wrote it, without building a model: the pieces of every rank file are assembled into the
 PEFT view of the adapters (``A [r, in]``, ``B [out, r]`` per HF weight) and
 
-- ``--adapter``: written as ``adapter_config.json`` + ``adapter_model.safetensors`` (peft
-  loads it onto the base model; experts in peft's fused layout, or vLLM's per-expert keys
-  with ``--expert-format per_expert``);
+- ``--adapter``: written as ``adapter_config.json`` + ``adapter_model.safetensors``.
+  ``--format peft`` (default): peft's layout, which peft loads onto the transformers model
+  (MoE experts fused: ``target_parameters`` on ``mlp.experts.gate_up_proj`` / ``down_proj``).
+  ``--format vllm``: exactly what megagrpo's engines receive at every adapter sync (the
+  engine's ``peft_state``: per-expert keys ``mlp.experts.{e}.{gate,up,down}_proj``, fp32),
+  which ``vllm serve --enable-lora`` loads for Qwen3-MoE (its 2D MoE LoRA layer; a fused
+  adapter is refused there) and ``megagrpo eval --adapter`` serves;
 - ``--merged``: folded into the base weights (``W + alpha/r * B A`` in fp32, cast to the
   checkpoint's dtype, as a merged weight sync does) and written as safetensors shards next to
   the base model's config and tokenizer: a model transformers / vLLM load directly.
@@ -41,10 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--merged", action="store_true", help="write a merged HF model")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
-        "--expert-format",
-        default="fused",
-        choices=("fused", "per_expert"),
-        help="adapter layout of MoE experts: fused (peft) | per_expert (vLLM's keys)",
+        "--format",
+        dest="adapter_format",
+        default=None,
+        choices=("peft", "vllm"),
+        help="--adapter layout: peft (default; peft's fused MoE experts) | vllm (what the "
+        "engines receive: per-expert keys, loadable by `vllm serve --enable-lora`)",
+    )
+    parser.add_argument(  # the name before --format (fused = peft, per_expert = vllm)
+        "--expert-format", choices=("fused", "per_expert"), default=None, help=argparse.SUPPRESS
     )
     parser.add_argument("--model", default=None, help="base model directory (default: the run's)")
 
@@ -117,19 +126,35 @@ def check_out(out: str | Path, ckpt: Path, model_dir: Path | None = None) -> Non
     fileio.check_out_dir(out, protected)
 
 
+FORMATS = {"peft": "fused", "vllm": "per_expert", "fused": "fused", "per_expert": "per_expert"}
+"""``--format`` (and the older ``--expert-format`` values) -> the expert layout."""
+
+
 def export_adapter(
-    ckpt: Path, out: str | Path, expert_format: str = "fused", model: str | None = None
+    ckpt: Path, out: str | Path, fmt: str = "peft", model: str | None = None
 ) -> Path:
-    """The PEFT adapter of checkpoint ``ckpt`` in ``out`` (see module docstring)."""
+    """The adapter of checkpoint ``ckpt`` in ``out`` in format ``fmt`` (peft | vllm; see the
+    module docstring)."""
+    from megagrpo import fileio
     from megagrpo.model.lora_state import lora_units
     from megagrpo.model.peft_export import check_exportable, write_peft_dir
+    from megagrpo.rollout.lora import PeftAdapter, write_peft_adapter
 
+    layout = FORMATS[fmt]
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
     check_out(out, ckpt, model_dir)
-    check_exportable(lora, arch.is_moe, expert_format)
+    check_exportable(lora, arch.is_moe, layout)
     units = lora_units(pieces, arch, lora)
-    return write_peft_dir(units, lora, arch.num_experts, out, str(model_dir), expert_format)
+    if layout == "fused":
+        return write_peft_dir(units, lora, arch.num_experts, out, str(model_dir), layout)
+    adapter = PeftAdapter(rank=lora.rank, alpha=lora.alpha)  # the engines' view of it
+    for name, (a, b) in units.items():
+        adapter.a[name.removesuffix(".weight")] = a
+        adapter.b[name.removesuffix(".weight")] = b
+    with fileio.atomic_dir(Path(out), unique=True) as tmp:
+        write_peft_adapter(adapter, tmp)
+    return Path(out)
 
 
 def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path:
@@ -180,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.step)
     check_out(args.out, ckpt)  # before reading anything (the model is checked once resolved)
     if args.adapter:
-        out = export_adapter(ckpt, args.out, args.expert_format, args.model)
+        fmt = args.adapter_format or args.expert_format or "peft"
+        out = export_adapter(ckpt, args.out, fmt, args.model)
     else:
         out = export_merged(ckpt, args.out, args.model)
     print(f"{'adapter' if args.adapter else 'merged model'} of {ckpt.name} -> {out}")

@@ -131,13 +131,17 @@ class Policy(Protocol):
         (:mod:`megagrpo.model.sync_transport`)."""
         ...
 
-    def stream_adapter(self, dtype: torch.dtype, dst: int | None) -> dict[str, torch.Tensor] | None:
-        """The PEFT state dict of the adapter in ``dtype`` on global rank ``dst`` (None: every
-        rank), None elsewhere; collective (bucketed, no files)."""
+    def stream_adapter(
+        self, dtype: torch.dtype, dst: int | None, experts: Any = None
+    ) -> dict[str, torch.Tensor] | None:
+        """The PEFT state dict the engines serve (per-expert names) in ``dtype`` on global
+        rank ``dst`` (None: every rank; ``experts``: per rank the experts its engine holds),
+        None elsewhere; collective (bucketed, no files)."""
         ...
 
-    def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
-        """Write a PEFT adapter directory (collective; rank 0 writes and gets the path)."""
+    def export_peft_adapter(self, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
+        """Write a PEFT adapter directory (collective; rank 0 writes and gets the path;
+        ``expert_format``: fused (peft) | per_expert (vLLM))."""
         ...
 
 

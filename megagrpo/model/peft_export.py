@@ -88,8 +88,17 @@ def gather_lora(policy, use_grad: bool = False) -> dict[str, tuple[torch.Tensor,
     return out
 
 
+ExpertBlocks = list[tuple[int, int] | None]
+"""Per global rank: the ``[lo, hi)`` experts its engine holds (vLLM expert parallelism), or
+None when it needs every expert (or has no engine that takes experts)."""
+
+
 def stream_lora(
-    policy, dtype: torch.dtype, dst: int | None, bucket_bytes: int = 256 << 20
+    policy,
+    dtype: torch.dtype,
+    dst: int | None,
+    bucket_bytes: int = 256 << 20,
+    experts: ExpertBlocks | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`gather_lora`'s full factors in ``dtype`` (the engines' LoRA dtype), bucketed: the
     owner ranks write their shards into one flat buffer per bucket (zeros elsewhere) and one
@@ -97,7 +106,10 @@ def stream_lora(
     expert-model-parallel group), instead of two fp32 all-reduces per HF tensor. Every element
     has exactly one writer, so the sum is exact in any dtype. ``dst``: the global rank that
     needs the factors (a ``reduce`` in the groups holding it; other groups send nothing); None:
-    every rank (``all_reduce``). Collective over all ranks; ``{}`` on ranks that receive none."""
+    every rank (``all_reduce``). ``experts`` (with ``dst=None``): per global rank the experts
+    its engine holds; each expert factor then goes only to the ranks that hold it (a
+    ``reduce`` to its one holder under vLLM expert parallelism), so no rank receives the
+    whole adapter. Collective over all ranks; ``{}`` on ranks that receive none."""
     g, lc = policy.groups, policy.cfg.lora
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     units = [
@@ -105,24 +117,54 @@ def stream_lora(
         for name, shape in hf_weight_shapes(policy.arch).items()
         if (hit := lora_target(name, lc.targets)) is not None
     ]
+    world = dist.get_world_size()
     for expert in (False, True):
         group = g.expert_mp if expert else g.mp
         members = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else None
-        if dst is not None and members is not None and dst not in members:
-            continue  # a data-parallel copy of what dst's group sends
-        if dst is not None and members is None and g.rank != dst:
-            continue
         mine = [u for u in units if u[3] == expert]
-        for bucket in _buckets(mine, lc.rank, max(1, bucket_bytes // _itemsize(dtype))):
-            flat, views = _fill_bucket(policy, bucket, dtype)
-            if members is not None:
-                if dst is None:
-                    dist.all_reduce(flat, group=group)
-                else:
-                    dist.reduce(flat, dst=dst, group=group)
-            if dst is None or g.rank == dst:
-                out.update({k: (a.cpu(), b.cpu()) for k, (a, b) in views.items()})
+        for target, part in _by_destination(mine, dst, experts if expert else None, world):
+            if not _sends(target, members, g.rank):
+                continue  # a data-parallel copy of what the target's group sends
+            for bucket in _buckets(part, lc.rank, max(1, bucket_bytes // _itemsize(dtype))):
+                flat, views = _fill_bucket(policy, bucket, dtype)
+                if members is not None:
+                    if target is None:
+                        dist.all_reduce(flat, group=group)
+                    else:
+                        dist.reduce(flat, dst=target, group=group)
+                if target is None or g.rank == target:
+                    out.update({k: (a.cpu(), b.cpu()) for k, (a, b) in views.items()})
     return out
+
+
+def _by_destination(
+    units: list, dst: int | None, experts: ExpertBlocks | None, world: int
+) -> list[tuple[int | None, list]]:
+    """``units`` split by the rank that receives them (None: every rank), the same list on
+    every rank: ``dst`` for all, or per expert the one rank whose block holds it (every rank
+    when several or none do)."""
+    if experts is None or dst is not None:
+        return [(dst, units)]
+    by: dict[int | None, list] = {}
+    for u in units:
+        e = _expert_index(u[0])
+        holders = [r for r, b in enumerate(experts[:world]) if b is None or b[0] <= e < b[1]]
+        by.setdefault(holders[0] if len(holders) == 1 else None, []).append(u)
+    return sorted(by.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def _sends(target: int | None, members: list[int] | None, rank: int) -> bool:
+    """Whether this rank takes part in delivering to ``target``: every rank for all ranks;
+    for one rank, the ranks of its group (or the rank itself without a group)."""
+    if target is None:
+        return True
+    return rank == target if members is None else target in members
+
+
+def _expert_index(hf_name: str) -> int:
+    m = re.search(r"\.experts\.(\d+)\.", hf_name)
+    assert m is not None, hf_name
+    return int(m.group(1))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

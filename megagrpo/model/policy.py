@@ -33,6 +33,7 @@ from megagrpo.model.lm_head import hidden_instead_of_logits
 from megagrpo.model.lora import LoraAdapter, attach_lora, lora_grad_sync
 from megagrpo.model.merge_precision import MergeStats, merge_delta
 from megagrpo.model.model_inputs import LossFn, model_inputs
+from megagrpo.model.peft_export import ExpertBlocks
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.routing import Routing, routed_forward, stage_routers
 from megagrpo.model.sync_transport import Counter, ExportLayout, RegionFn, exchange_layout
@@ -484,24 +485,30 @@ class MegatronPolicy(nn.Module):
         """Bytes this rank received in the last :meth:`export_hf_weights` (any transport)."""
         return self.export_counter.received
 
-    def stream_adapter(self, dtype: torch.dtype, dst: int | None) -> dict[str, torch.Tensor] | None:
-        """The PEFT state dict :meth:`export_peft_adapter` writes (same names and layout), in
-        ``dtype``, built from bucketed collectives on global rank ``dst`` (None: every rank);
-        None elsewhere. Collective (:func:`megagrpo.model.peft_export.stream_lora`)."""
+    def stream_adapter(
+        self, dtype: torch.dtype, dst: int | None, experts: ExpertBlocks | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """The adapter the engines serve, as a PEFT state dict with per-expert names
+        (``mlp.experts.{e}.{gate,up,down}_proj``: vLLM's 2D MoE LoRA layout, what Qwen3-MoE's
+        ``FusedMoEWithLoRA`` loads), in ``dtype``, built from bucketed collectives on global
+        rank ``dst`` (None: every rank; ``experts``: per rank the experts its engine holds,
+        the others' are not sent there); None where nothing arrives. Collective
+        (:func:`megagrpo.model.peft_export.stream_lora`)."""
         from megagrpo.model.peft_export import check_exportable, peft_tensors, stream_lora
 
-        check_exportable(self.cfg.lora, self.arch.is_moe)
-        lora = stream_lora(self, dtype, dst)
+        check_exportable(self.cfg.lora, self.arch.is_moe, "per_expert")
+        lora = stream_lora(self, dtype, dst, experts=experts)
         if not lora:
             return None
-        return peft_tensors(lora, self.arch.num_experts)[0]
+        return peft_tensors(lora, self.arch.num_experts, "per_expert")[0]
 
-    def export_peft_adapter(self, out_dir: str | Path) -> Path | None:
+    def export_peft_adapter(self, out_dir: str | Path, expert_format: str = "fused") -> Path | None:
         """Write a PEFT adapter (adapter_config.json + adapter_model.safetensors) that peft
-        loads onto the HF model; collective, rank 0 writes. Returns the dir on rank 0."""
+        loads onto the HF model (``expert_format="per_expert"``: vLLM's per-expert names, what
+        the engines load); collective, rank 0 writes. Returns the dir on rank 0."""
         from megagrpo.model.peft_export import export_peft_adapter
 
-        return export_peft_adapter(self, out_dir)
+        return export_peft_adapter(self, out_dir, expert_format)
 
 
 def build_policy(

@@ -332,12 +332,31 @@ def moe_sequence_parallel(backend: str, expert_parallel: bool, tp: int, dp: int)
     return backend in SP_MOE_BACKENDS and expert_parallel and tp > 1 and dp > 1
 
 
+MoeLoraStatus = Literal["pass", "unverified", "refuse"]
+
+
+def moe_lora_status(
+    *, lora: bool, expert_parallel: bool, quantization: str, tp: int, dp: int
+) -> MoeLoraStatus:
+    """Whether vLLM 0.33 serves LoRA on the MoE layers of an engine of ``tp`` x ``dp`` GPUs:
+    ``refuse`` under MoE sequence parallelism (``FusedMoEWithLoRA._ep_check``),
+    ``unverified`` with FP8 experts (vLLM's FP8 MoE backend choice lands on its Triton
+    experts, which carry LoRA: read from the source, not yet run on a GPU; the gate's rule
+    ``vllm.fp8_moe_lora``), else ``pass``."""
+    if not lora:
+        return "pass"
+    if moe_sequence_parallel("allgather_reducescatter", expert_parallel, tp, dp):
+        return "refuse"
+    return "unverified" if quantization == "fp8" else "pass"
+
+
 def serves_moe_lora(
     *, lora: bool, expert_parallel: bool, quantization: str, tp: int, dp: int
 ) -> bool:
     """Whether vLLM 0.33 can serve LoRA on the MoE layers of an engine of ``tp`` x ``dp``
-    GPUs (the planner's search skips layouts it cannot; the gate names the rule)."""
-    if not lora:
-        return True
-    sp = moe_sequence_parallel("allgather_reducescatter", expert_parallel, tp, dp)
-    return not sp and quantization != "fp8"
+    GPUs (the planner's search skips layouts it cannot; the gate names the rule): not
+    refused by :func:`moe_lora_status` (unverified counts as runnable)."""
+    status = moe_lora_status(
+        lora=lora, expert_parallel=expert_parallel, quantization=quantization, tp=tp, dp=dp
+    )
+    return status != "refuse"

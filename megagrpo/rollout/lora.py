@@ -15,6 +15,7 @@ time, for :meth:`update_weights`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,60 @@ import torch
 from megagrpo.rollout.base import SyncMeter, to_checkpoint_format
 
 _PEFT_PREFIX = "base_model.model."
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index of a per-expert tensor or module name (``...mlp.experts.7.up_proj...``),
+    None for any other."""
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def expert_range(block: tuple[int, int, int]) -> tuple[int, int]:
+    """``[lo, hi)`` experts of an engine rank's block ``(ep_rank, local, global)``: the
+    contiguous block vLLM 0.33's LoRA loader keeps (``lora_model._is_remote_expert_key``,
+    ``model_manager._restrict_to_local_experts``: ``ep_rank * local ..``)."""
+    ep_rank, local, _ = block
+    return ep_rank * local, (ep_rank + 1) * local
+
+
+def unfuse_experts(
+    state: dict[str, torch.Tensor], target_parameters: list[str], rank: int
+) -> dict[str, torch.Tensor]:
+    """A PEFT state dict with peft's fused expert LoRA (``target_parameters``:
+    ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``, as ``megagrpo export --format
+    peft`` writes it: ``A [E r, in]``, ``B [out, r E]`` viewed ``[out, r, E]``; both present:
+    gate_up under ``experts.base_layer``) as per-expert ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` factors (``up_proj`` shares gate's A: one A for the fused projection).
+    Other tensors pass through."""
+    params = [p.rsplit(".", 1)[-1] for p in target_parameters]
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, t in state.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)(\.base_layer)?\.lora_([AB])(\.default)?\.weight", key)
+        if m is None:
+            out[key] = t
+            continue
+        inner = bool(m.group(2))
+        which = params[0] if inner or len(params) == 1 else params[-1]
+        fused.setdefault((m.group(1), which), {})[m.group(3)] = t
+    for (prefix, which), ab in fused.items():
+        a, b = ab["A"], ab["B"]
+        num = a.shape[0] // rank
+        b3 = b.reshape(b.shape[0], rank, num)
+        for e in range(num):
+            ae, be = a[e * rank : (e + 1) * rank], b3[:, :, e]
+            parts = (
+                {"down_proj": be}
+                if which == "down_proj"
+                else {"gate_proj": be[: be.shape[0] // 2], "up_proj": be[be.shape[0] // 2 :]}
+            )
+            for proj, bp in parts.items():
+                base = f"{prefix}.{e}.{proj}"
+                out[f"{base}.lora_A.weight"] = ae.contiguous()
+                out[f"{base}.lora_B.weight"] = bp.contiguous()
+    return out
 
 
 @dataclass
@@ -149,4 +204,6 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
     path = Path(path)
     conf = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     state = load_file(str(path / "adapter_model.safetensors"))
+    if conf.get("target_parameters"):  # peft's fused experts: per expert for the engines
+        state = unfuse_experts(state, list(conf["target_parameters"]), int(conf["r"]))
     return PeftAdapter.from_peft_state_dict(state, int(conf["r"]), float(conf["lora_alpha"]))

@@ -73,7 +73,15 @@ from megagrpo.rollout.verify import (
     sync_report,
     thresholds_for,
 )
-from megagrpo.rollout.vllm_lora import forget, is_in_memory, serve_from_memory
+from megagrpo.rollout.vllm_lora import (
+    expert_block,
+    forget,
+    is_in_memory,
+    keep_in_dummy_runs,
+    local_tensors,
+    lora_int_id,
+    serve_from_memory,
+)
 from megagrpo.rollout.vllm_support import (
     NameMap,
     agree,
@@ -458,6 +466,15 @@ class VLLMEngine:
         """True when LoRA adapters can be synced alone (started with LoRA support)."""
         return self.lora_enabled
 
+    def expert_block(self) -> tuple[int, int, int] | None:
+        """``(ep_rank, local, global)`` experts this rank's MoE LoRA layers hold under vLLM
+        expert parallelism (:func:`~megagrpo.rollout.vllm_lora.expert_block`), else None."""
+        if not self.lora_enabled:
+            return None
+        if not hasattr(self, "_expert_block"):
+            self._expert_block = self.llm.apply_model(expert_block)[0]
+        return self._expert_block
+
     def weight_regions(self):
         """What this rank's vLLM shard reads of each HF tensor (a sliced sync sends only
         that): :func:`megagrpo.rollout.vllm_regions.region_fn` of the live modules."""
@@ -499,13 +516,16 @@ class VLLMEngine:
         self._wake_weights()
         version = next(self._lora_versions)
         old = self._lora_request
-        if in_memory:
+        name, lora_id = f"policy-v{version}", lora_int_id(version)
+        if in_memory:  # only this rank's experts are kept (P1; vLLM would drop the others)
             tensors, config, meter = peft_state(adapter, self.dtype)
-            self._lora_request = serve_from_memory(f"policy-v{version}", version, tensors, config)
+            tensors = local_tensors(tensors, self.expert_block())
+            self._lora_request = serve_from_memory(name, lora_id, tensors, config)
         else:
             path = self._lora_dir / f"v{version}"
             meter = write_peft_adapter(adapter, path, self.dtype)
-            self._lora_request = LoRARequest(f"policy-v{version}", version, str(path))
+            self._lora_request = LoRARequest(name, lora_id, str(path))
+        keep_in_dummy_runs(self._lora_request)  # idle lock-stepped steps keep it (W1)
         self._wake_kv_cache()
         try:
             report = self._verify(t0, meter, expected_probe, expected_before, "adapter", None)

@@ -514,7 +514,12 @@ def engine_kwargs(
     if sleep_mode:
         kwargs.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=cfg.offload_cudagraph)
     if lora_enabled:
-        kwargs.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+        # one adapter in the GPU slot; two on the host: the new version loads (and is verified)
+        # before the previous one is removed. megagrpo's lora_int_ids never collide with
+        # vLLM's warm-up ids 1..max_loras (vllm_lora.lora_int_id).
+        kwargs.update(
+            enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1, max_cpu_loras=2
+        )
         if cfg.fully_sharded_loras and on_gpu:
             kwargs.update(fully_sharded_loras=True)
     if returns_routing:  # vLLM's AuxOutput connector needs prefix caching

@@ -21,6 +21,7 @@ vllm-project/vllm sources of the same structure as the 0.33.0 wheel.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from megagrpo.rollout.config import moe_sequence_parallel
 
 if TYPE_CHECKING:
     from megagrpo.trainer.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """``vllm/config/lora.py`` ``MaxLoRARanks``: the only ``max_lora_rank`` values vLLM accepts."""
@@ -105,6 +108,10 @@ class Rule:
     check: Check
     """Returns the reason the config violates the rule, or None."""
     fix: Callable[[Facts], str]
+    unverified: str = ""
+    """Non-empty: the rule is read from upstream's source but no GPU run confirmed it yet
+    (the GPU check that would, named here); a config it matches is allowed with a warning
+    (:func:`cautions`), not refused. Cleared once that check passed on a GPU."""
 
 
 @dataclass(frozen=True)
@@ -216,9 +223,37 @@ def _fp8_moe_lora(f: Facts) -> str | None:
     if not (f.moe_lora and f.cfg.rollout.quantization == "fp8"):
         return None
     return (
-        "LoRA's MoE layer asserts its experts kernel supports LoRA, and vLLM's FP8 MoE "
-        "backend choice does not take LoRA into account (only its Triton experts carry the "
-        "LoRA mixin)"
+        "FP8 experts with LoRA: vLLM 0.33's FP8 MoE backend choice skips every kernel without "
+        "LoRA support and lands on its Triton experts (FP8 per-tensor + LoRA); follows vLLM "
+        "0.33's source; not yet run on a GPU"
+    )
+
+
+def _expert_targets(f: Facts) -> bool:
+    return any(t.endswith(("linear_fc1", "linear_fc2")) for t in f.cfg.model.lora.targets)
+
+
+def _moe_lora_expert_split(f: Facts) -> str | None:
+    n = f.num_experts
+    if not (f.moe_lora and f.vllm_use_ep and n and _expert_targets(f)):
+        return None
+    size = f.engine_ep_size
+    if size > n or n % size == 0:
+        return None  # more ranks than experts: vllm.moe_shards
+    return (
+        f"{n} experts over DP {f.engine_dp} x TP {f.engine_tp} = {size} ranks split unevenly: "
+        "vLLM places the leftover experts on the first ranks (determine_expert_map) but its "
+        "LoRA loader keeps equal blocks from ep_rank x local (_is_remote_expert_key, "
+        "_restrict_to_local_experts), so expert LoRA lands on the wrong experts"
+    )
+
+
+def _expert_split_fix(f: Facts) -> str:
+    n = f.num_experts or 0
+    sizes = [d for d in range(1, n + 1) if n % d == 0 and d <= f.world]
+    return (
+        f"a DP x TP that divides num_experts={n} ({', '.join(map(str, sizes[-4:]))} GPUs per "
+        "engine), or no expert targets (model.lora.targets without linear_fc1/linear_fc2)"
     )
 
 
@@ -280,12 +315,11 @@ def _recompute_stages(f: Facts) -> str | None:
     if stages is None:
         return None
     k = m.recompute_num_layers
-    if m.recompute_method == "uniform":
+    if m.recompute_method == "uniform":  # custom(l, l + k) past the stage's last layer
         bad = sorted({s for s in stages if s % k})
         if bad:
             return f"recompute_num_layers={k} does not divide the stages' {bad} layers (uniform)"
-    elif k > min(stages):
-        return f"recompute_num_layers={k} > the {min(stages)} layers of a stage (block)"
+    # block: k above a stage's layer count recomputes every layer of it (upstream runs it)
     return None
 
 
@@ -372,13 +406,26 @@ RULES: tuple[Rule, ...] = (
         _const(f"rollout.max_lora_rank in {VLLM_LORA_RANKS}, >= model.lora.rank"),
     ),
     Rule(
+        "vllm.moe_lora_expert_split",
+        ("rollout.tensor_parallel_size", "rollout.replicas", "model.lora.targets"),
+        "vllm/model_executor/layers/fused_moe/expert_map_manager.py determine_expert_map "
+        "(remainder to the first ranks); vllm/lora/lora_model.py _is_remote_expert_key and "
+        "vllm/lora/model_manager.py _restrict_to_local_experts / _slice_moe_lora_ep "
+        "(blocks of ep_rank * local_num_experts)",
+        _moe_lora_expert_split,
+        _expert_split_fix,
+    ),
+    Rule(
         "vllm.fp8_moe_lora",
         ("rollout.quantization", "rollout.enable_lora"),
-        "vllm/lora/layers/fused_moe.py FusedMoEWithLoRA.__init__ "
-        "(assert moe_kernel.supports_lora()); "
-        "vllm/model_executor/layers/fused_moe/oracle/fp8.py (backend choice)",
+        "vllm/model_executor/layers/quantization/online/fp8.py Fp8PerTensorOnlineMoEMethod -> "
+        "fused_moe/oracle/fp8.py select_fp8_moe_backend -> modular_kernel.py "
+        "FusedMoEExperts.is_supported_config (skips kernels without supports_lora()) -> "
+        "experts/triton_moe.py TritonExperts (LoRAExpertsMixin, FP8 per-tensor); "
+        "vllm/lora/layers/fused_moe.py FusedMoEWithLoRA.__init__ (assert supports_lora())",
         _fp8_moe_lora,
         _const("rollout.quantization=none with enable_lora, or enable_lora=false with fp8"),
+        unverified="tests/gpu/test_rollout_fp8_gpu.py::test_fp8_expert_lora_logprobs_match_bf16",
     ),
     Rule(
         "mcore.uneven_pipeline",
@@ -403,15 +450,18 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "mcore.recompute_per_stage",
         ("model.recompute_num_layers", "model.recompute_method", "parallel.pp"),
-        "megatron/core/transformer/transformer_block.py TransformerBlock._checkpointed_forward",
+        "megatron/core/transformer/transformer_block.py TransformerBlock._checkpointed_forward "
+        "(uniform: custom(l, l + k) past a stage's layers; block with k > a stage's layers "
+        "recomputes them all, which runs)",
         _recompute_stages,
         _const("a model.recompute_num_layers that divides every stage's layers (1 always does)"),
     ),
     Rule(
         "mcore.moe_tp_sequence_parallel",
         ("parallel.tp", "parallel.sequence_parallel"),
-        "megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__ "
-        "(MoE + tensor parallelism requires sequence_parallel)",
+        "megatron/core/transformer/moe/moe_layer.py MoELayer.forward (ValueError in training "
+        "when the attention TP group > 1 without sequence_parallel: at the first training "
+        "forward; model_parallel_config.py only warns)",
         _moe_tp_sp,
         _const("parallel.sequence_parallel=true"),
     ),
@@ -426,8 +476,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "te.moe_act_recompute",
         ("model.recompute_modules", "model.moe_grouped_gemm"),
-        "megatron/core/transformer/moe/experts.py TEGroupedMLP (moe_act recompute); "
-        "transformer_engine/pytorch/module/grouped_linear.py",
+        "megatron/core/transformer/transformer_config.py TransformerConfig.__post_init__ "
+        "(ValueError: moe_act in recompute_modules is only supported with moe_grouped_gemm)",
         _moe_act_recompute,
         _const("model.moe_grouped_gemm=true (TE spec), or drop moe_act from recompute_modules"),
     ),
@@ -446,14 +496,13 @@ def read_hf_config(hf_path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def check_run(
-    cfg: RunConfig, hf: dict[str, Any] | None = None, world: int | None = None
-) -> list[Violation]:
-    """Every rule of :data:`RULES` the resolved ``cfg`` violates, for a run of ``world`` GPUs
-    (default: ``cluster.num_nodes x cluster.gpus_per_node``) of the model ``hf`` (its HF
-    config dict; None: the rules that need the model are skipped)."""
+def _facts(cfg: RunConfig, hf: dict[str, Any] | None, world: int | None) -> Facts:
     world = world or cfg.cluster.num_gpus
-    f = Facts(cfg=cfg, world=world, engine_dp=_engine_dp(cfg, world), hf=hf)
+    return Facts(cfg=cfg, world=world, engine_dp=_engine_dp(cfg, world), hf=hf)
+
+
+def _matches(cfg: RunConfig, hf: dict[str, Any] | None, world: int | None) -> list[Violation]:
+    f = _facts(cfg, hf, world)
     out = []
     for rule in RULES:
         reason = rule.check(f)
@@ -462,8 +511,49 @@ def check_run(
     return out
 
 
+def check_run(
+    cfg: RunConfig, hf: dict[str, Any] | None = None, world: int | None = None
+) -> list[Violation]:
+    """Every rule of :data:`RULES` the resolved ``cfg`` violates, for a run of ``world`` GPUs
+    (default: ``cluster.num_nodes x cluster.gpus_per_node``) of the model ``hf`` (its HF
+    config dict; None: the rules that need the model are skipped). Unverified rules
+    (:attr:`Rule.unverified`) are :func:`cautions`, not violations."""
+    return [v for v in _matches(cfg, hf, world) if not v.rule.unverified]
+
+
+def cautions(
+    cfg: RunConfig, hf: dict[str, Any] | None = None, world: int | None = None
+) -> list[Violation]:
+    """The unverified rules ``cfg`` runs into: allowed, following upstream's source, not yet
+    confirmed on a GPU (each names the GPU check that would confirm it)."""
+    return [v for v in _matches(cfg, hf, world) if v.rule.unverified]
+
+
+Verdict = str
+"""``pass`` (no rule matched) | ``unverified`` (only unverified rules matched: runnable, not
+yet run on a GPU) | ``refuse`` (a rule is violated)."""
+
+
+def verdict(cfg: RunConfig, hf: dict[str, Any] | None = None, world: int | None = None) -> Verdict:
+    """The gate's verdict on ``cfg`` as the planner reads it (``plan-memory --ladder``)."""
+    found = _matches(cfg, hf, world)
+    if any(not v.rule.unverified for v in found):
+        return "refuse"
+    return "unverified" if found else "pass"
+
+
 def enforce(cfg: RunConfig, hf: dict[str, Any] | None = None, world: int | None = None) -> None:
-    """Raise :class:`CompatError` listing every violation of :func:`check_run`."""
+    """Raise :class:`CompatError` listing every violation of :func:`check_run`; log a warning
+    for each of :func:`cautions`."""
+    for c in cautions(cfg, hf, world):
+        log.warning(
+            "[%s] %s: %s (upstream: %s; GPU check: %s)",
+            c.rule.name,
+            ", ".join(c.rule.keys),
+            c.reason,
+            c.rule.upstream,
+            c.rule.unverified,
+        )
     found = check_run(cfg, hf, world)
     if found:
         body = "\n".join(f"  {v}" for v in found)

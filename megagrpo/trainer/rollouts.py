@@ -43,7 +43,7 @@ from megagrpo.rewards.answers import eval_guess_metrics
 from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
 from megagrpo.rollout.base import WeightSyncError, decode_completion
-from megagrpo.rollout.lora import PeftAdapter
+from megagrpo.rollout.lora import PeftAdapter, expert_range
 from megagrpo.trainer.context import Comm
 from megagrpo.types import Group, Problem
 
@@ -301,6 +301,12 @@ class Rollouts(ABC):
     adapter_dst: int | None = 0
     """The global rank a streamed adapter sync builds the adapter on (None: every rank)."""
 
+    def adapter_experts(self) -> list[tuple[int, int] | None] | None:
+        """Per global rank the ``[lo, hi)`` experts its engine holds, when a streamed adapter
+        sync sends each rank only its own experts (:class:`ShardedRollouts` under vLLM expert
+        parallelism); None: whoever receives the adapter gets all of it."""
+        return None
+
     def engine_dtype(self) -> torch.dtype:
         """The engines' weight (and LoRA) dtype: rank 0's engine's, broadcast on the first call
         (collective then)."""
@@ -413,6 +419,19 @@ class ShardedRollouts(Rollouts):
             return []
         size = self.replica_size
         return [g for r in range(self.num_replicas) for g in gathered[r * size]]
+
+    def adapter_experts(self) -> list[tuple[int, int] | None] | None:
+        """Collective on the first call (then cached): each rank's engine reports the experts
+        its MoE LoRA layers hold (vLLM's ``moe_ep_load_spec`` under expert parallelism:
+        ``VLLMEngine.expert_block``), so the streamed adapter gives every rank only its own
+        experts (P1: ~1/EP of the expert factors instead of all of them, twice over)."""
+        if not hasattr(self, "_experts"):
+            get = getattr(self.engine, "expert_block", None)
+            block = get() if callable(get) else None
+            mine = None if block is None else expert_range(block)  # pyright: ignore[reportArgumentType]
+            blocks = self.comm.all_gather_object(mine)
+            self._experts = None if all(b is None for b in blocks) else blocks
+        return self._experts
 
     def _push_here(self, update: WeightUpdate, expected: list[float] | None) -> SyncReport:
         assert self.engine is not None

@@ -32,6 +32,7 @@ import torch
 
 from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
+from megagrpo.model.peft_export import ExpertBlocks
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.rollout.config import resolved_weight_sync
@@ -92,13 +93,16 @@ def weight_update(
     adapter_dtype: torch.dtype | None = None,
     adapter_dst: int | None = 0,
     policy_lora: Any = None,
+    adapter_experts: ExpertBlocks | None = None,
 ) -> WeightUpdate:
     """What this sync sends (collective): the merged-tensor stream (``transport`` /
     ``needs``: :mod:`megagrpo.model.sync_transport`; ``merge_lora=False``: the base weights
     alone), or the adapter: ``adapter_transport=peft_dir`` reads it back on rank 0 from the
     directory the policy exported it to; ``streamed`` builds it in ``adapter_dtype`` on global
-    rank ``adapter_dst`` (None: every rank) from bucketed collectives
-    (:meth:`megagrpo.model.Policy.stream_adapter`; ``policy_lora``: the LoRA config)."""
+    rank ``adapter_dst`` (None: every rank; ``adapter_experts``: per rank the experts its
+    engine holds, the only ones it receives) from bucketed collectives
+    (:meth:`megagrpo.model.Policy.stream_adapter`; ``policy_lora``: the LoRA config). Either
+    way the experts carry vLLM's per-expert names (``mlp.experts.{e}.gate_proj`` ...)."""
     if mode == "merged":
         if transport == "sliced":
             full_check = False  # the engines' checksums need whole tensors
@@ -106,7 +110,7 @@ def weight_update(
         return WeightUpdate("merged", stream=stream, full_check=full_check)
     if adapter_transport == "streamed":
         assert adapter_dtype is not None
-        state = policy.stream_adapter(adapter_dtype, adapter_dst)
+        state = policy.stream_adapter(adapter_dtype, adapter_dst, adapter_experts)
         adapter = None
         if state is not None:
             lora = policy_lora  # rank / alpha of the adapter
@@ -114,7 +118,7 @@ def weight_update(
         return WeightUpdate("adapter", adapter=adapter, in_memory=True)
     tmp = comm.broadcast_object(tempfile.mkdtemp(prefix="megagrpo-sync-") if comm.is_main else None)
     try:
-        out = policy.export_peft_adapter(f"{tmp}/adapter")
+        out = policy.export_peft_adapter(f"{tmp}/adapter", expert_format="per_expert")
         adapter = read_peft_adapter(out) if out is not None else None
     finally:
         if comm.is_main:
@@ -155,6 +159,7 @@ def push_weights(
         adapter_dtype=ctx.rollouts.engine_dtype() if streamed else None,
         adapter_dst=ctx.rollouts.adapter_dst,
         policy_lora=ctx.cfg.model.lora,
+        adapter_experts=ctx.rollouts.adapter_experts() if streamed else None,
     )
     ctx.offload.for_sync()
     metrics = ctx.rollouts.push(update, expected)

@@ -97,10 +97,44 @@ def test_max_lora_rank():
     assert _rules(_serving(rollout__max_lora_rank=16)) == set()
 
 
-def test_fp8_moe_lora():
-    assert _rules(_serving(rollout__quantization="fp8")) == {"vllm.fp8_moe_lora"}
-    assert _rules(_serving(rollout__quantization="fp8", rollout__enable_lora=False)) == set()
-    assert _rules(_serving(rollout__quantization="fp8"), hf=DENSE) == set()
+def _cautions(cfg: RunConfig, hf=MOE, world: int = 8) -> set[str]:
+    return {v.rule.name for v in compat.cautions(cfg, hf, world)}
+
+
+def test_fp8_moe_lora_is_allowed_unverified(caplog):
+    """vLLM 0.33's source picks its Triton experts (FP8 + LoRA) when LoRA is on
+    (tests/contract/test_vllm_gate.py runs that choice): allowed with a warning until a GPU
+    check passes, and the planner reads the verdict 'unverified'."""
+    import logging
+
+    fp8 = _serving(rollout__quantization="fp8")
+    assert _rules(fp8) == set() and _cautions(fp8) == {"vllm.fp8_moe_lora"}
+    assert compat.verdict(fp8, MOE, 8) == "unverified"
+    with caplog.at_level(logging.WARNING, logger="megagrpo.trainer.compat"):
+        compat.enforce(fp8, MOE, 8)
+    assert "not yet run on a GPU" in caplog.text and "tests/gpu/" in caplog.text
+    assert _cautions(_serving(rollout__quantization="fp8", rollout__enable_lora=False)) == set()
+    assert _cautions(_serving(rollout__quantization="fp8"), hf=DENSE) == set()
+    assert compat.verdict(_serving(), MOE, 8) == "pass"
+    bad = _serving(rollout__quantization="fp8", rollout__tensor_parallel_size=4)
+    assert compat.verdict(bad, MOE, 8) == "refuse"  # MoE sequence parallelism still refuses
+
+
+def test_moe_lora_expert_split():
+    """W2: expert LoRA on an uneven expert split (num_experts % (DP x TP) != 0) is refused;
+    tests/contract/test_vllm_gate.py derives exactly these cases from vLLM 0.33's own
+    determine_expert_map and LoRA loader."""
+    six = dict(MOE, num_experts=6)
+    assert _rules(_serving(), hf=six, world=4) == {"vllm.moe_lora_expert_split"}
+    assert _rules(_serving(), hf=six, world=3) == set()
+    assert _rules(_serving(), hf=six, world=6) == set()
+    attention_only = _serving()
+    attention_only.model.lora.targets = ["linear_qkv", "linear_proj"]
+    assert _rules(attention_only, hf=six, world=4) == set()
+    no_ep = _serving(rollout__enable_expert_parallel=False)
+    assert "vllm.moe_lora_expert_split" not in _rules(
+        no_ep, hf=dict(six, moe_intermediate_size=64), world=4
+    )
 
 
 def test_uneven_and_even_pipeline():
@@ -124,6 +158,10 @@ def test_recompute_per_stage():
     hf5 = dict(MOE, num_hidden_layers=5)
     assert _rules(cfg, hf=hf5) == {"mcore.recompute_per_stage"}
     cfg.model.recompute_num_layers = 1
+    assert _rules(cfg, hf=hf5) == set()
+    # block with k > a stage's layers recomputes every layer of it: megatron runs it (m2)
+    cfg.model.recompute_method = "block"
+    cfg.model.recompute_num_layers = 4
     assert _rules(cfg, hf=hf5) == set()
 
 
@@ -160,6 +198,7 @@ def test_every_rule_has_a_test():
         "vllm.attention_heads",
         "vllm.max_lora_rank",
         "vllm.fp8_moe_lora",
+        "vllm.moe_lora_expert_split",
         "mcore.uneven_pipeline",
         "mcore.pipeline_layers",
         "mcore.recompute_per_stage",

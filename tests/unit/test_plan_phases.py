@@ -87,7 +87,7 @@ def test_engine_weights_closed_form(repo_root, hf235):
     tp = cfg.rollout.tensor_parallel_size  # the shipped layout: 1 (vLLM 0.33 + MoE LoRA)
     want = (nonexp * 2 + emb * 2) / tp + s.moe_layers * s.expert_layer_params * 2 / 16
     assert p["breakdown_gib"]["vllm_weights_share"] == pytest.approx(want / GIB, abs=0.01)
-    # FP8 + LoRA on MoE layers is refused by the gate (vllm.fp8_moe_lora): merged sync
+    # FP8 with merged sync (FP8 + MoE LoRA is allowed, unverified: vllm.fp8_moe_lora)
     fp8_cfg = _two_node(
         repo_root,
         "rollout.quantization=fp8",

