@@ -171,6 +171,11 @@ class RolloutEngine(Protocol):
         sliced weight sync (:mod:`megagrpo.model.sync_transport`); None: every tensor whole."""
         ...
 
+    def expert_block(self) -> tuple[int, int, int] | None:
+        """``(ep_rank, local, global)``: the MoE experts this engine rank serves LoRA for
+        under expert parallelism (a streamed adapter sync sends it only those); None: all."""
+        ...
+
     def sleep(self) -> None:
         """Free the engine's device memory (KV cache, weights) while the trainer runs."""
         ...

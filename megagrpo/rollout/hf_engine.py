@@ -408,6 +408,10 @@ class HFEngine:
         """The HF engine takes merged weights only."""
         return False
 
+    def expert_block(self) -> tuple[int, int, int] | None:
+        """Every expert (one whole model per engine)."""
+        return None
+
     def weight_regions(self):
         """The HF engine holds every tensor whole (a sliced sync sends it everything)."""
         return None

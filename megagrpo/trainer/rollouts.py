@@ -426,9 +426,8 @@ class ShardedRollouts(Rollouts):
         ``VLLMEngine.expert_block``), so the streamed adapter gives every rank only its own
         experts (P1: ~1/EP of the expert factors instead of all of them, twice over)."""
         if not hasattr(self, "_experts"):
-            get = getattr(self.engine, "expert_block", None)
-            block = get() if callable(get) else None
-            mine = None if block is None else expert_range(block)  # pyright: ignore[reportArgumentType]
+            block = self.engine.expert_block() if self.engine is not None else None
+            mine = None if block is None else expert_range(block)
             blocks = self.comm.all_gather_object(mine)
             self._experts = None if all(b is None for b in blocks) else blocks
         return self._experts

@@ -135,6 +135,9 @@ class BigramEngine:
     def weight_regions(self):
         return None  # every tensor whole
 
+    def expert_block(self):
+        return None  # every expert
+
     def generate(self, problems, n, sampling=None):
         seed = sampling.seed if sampling and sampling.seed is not None else 0
         offset = sampling.problem_offset if sampling else 0
