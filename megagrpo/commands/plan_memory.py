@@ -92,9 +92,14 @@ def make_gate(cfg: RunConfig, hf: dict) -> Gate:
     layout's keys, for the layout's GPUs; FP8 weights marked unverified on GPU."""
 
     def gate(sc: Scenario) -> Verdict:
-        found = compat.check_run(config_of(cfg, sc), hf, world=sc.num_gpus)
+        layout = config_of(cfg, sc)
+        found = compat.check_run(layout, hf, world=sc.num_gpus)
         refused = tuple(f"{v.rule.name} ({v.reason})" for v in found)
-        return Verdict(refused, planner_unverified(sc))
+        cautions = tuple(  # the gate's unverified rules (read from upstream, no GPU run yet)
+            f"{c.rule.name}: follows vLLM 0.33's source, not yet run on a GPU"
+            for c in compat.cautions(layout, hf, world=sc.num_gpus)
+        )
+        return Verdict(refused, planner_unverified(sc) + cautions)
 
     return gate
 

@@ -348,15 +348,3 @@ def moe_lora_status(
     if moe_sequence_parallel("allgather_reducescatter", expert_parallel, tp, dp):
         return "refuse"
     return "unverified" if quantization == "fp8" else "pass"
-
-
-def serves_moe_lora(
-    *, lora: bool, expert_parallel: bool, quantization: str, tp: int, dp: int
-) -> bool:
-    """Whether vLLM 0.33 can serve LoRA on the MoE layers of an engine of ``tp`` x ``dp``
-    GPUs (the planner's search skips layouts it cannot; the gate names the rule): not
-    refused by :func:`moe_lora_status` (unverified counts as runnable)."""
-    status = moe_lora_status(
-        lora=lora, expert_parallel=expert_parallel, quantization=quantization, tp=tp, dp=dp
-    )
-    return status != "refuse"

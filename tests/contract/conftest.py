@@ -56,6 +56,7 @@ def export_adapter_dir(model: Path, work: Path, fmt: str) -> Path:
 
     from megagrpo.cli import main
     from megagrpo.model.config import LoraConfig
+    from megagrpo.testing import EMPTY_SAMPLER_STATE
     from megagrpo.trainer import checkpoint
 
     run = work / "run"
@@ -71,7 +72,11 @@ def export_adapter_dir(model: Path, work: Path, fmt: str) -> Path:
             rank=0,
             world_size=1,
             rank_state={"pieces": pieces, "optimizer_groups": [], "scheduler": None},
-            trainer_state={"sampler": {}, "dynamic": {}, "loop": {"nonfinite_streak": 0}},
+            trainer_state={
+                "sampler": EMPTY_SAMPLER_STATE,
+                "dynamic": {},
+                "loop": {"nonfinite_streak": 0},
+            },
             meta={},
             extra={
                 "lora_layout": checkpoint.LAYOUT_FREE,
@@ -121,6 +126,8 @@ def upstream(contract_model, exported, tmp_path_factory) -> dict[str, Any]:
         str(contract_model),
         "--results",
         str(results),
+        "--hf235",
+        str(ROOT / "configs" / "qwen3_235b_a22b.hf_config.json"),
         "--configs",
         *[str(p) for p in sorted((ROOT / "configs").glob("qwen3_235b*.yaml"))],
     ]

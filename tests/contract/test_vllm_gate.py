@@ -120,10 +120,17 @@ def test_engine_accepts_every_keyword_of_the_shipped_configs(upstream, repo_root
     config = row["config"]
     assert isinstance(config, dict), config
     cfg = load_config(RunConfig, [repo_root / "configs" / name])
-    replicas = cfg.cluster.num_gpus // cfg.rollout.tensor_parallel_size
-    assert config["data_parallel_size"] == replicas
-    assert config["enable_expert_parallel"] is True
-    assert (config["max_loras"], config["max_cpu_loras"]) == (1, 2)
+    ro = cfg.rollout
+    lockstep = ro.replicas == "lockstep"
+    assert config["tensor_parallel_size"] == ro.tensor_parallel_size
+    assert config["data_parallel_size"] == (
+        cfg.cluster.num_gpus // ro.tensor_parallel_size if lockstep else 1
+    )
+    assert config["enable_expert_parallel"] is ro.enable_expert_parallel
+    if ro.enable_lora:
+        assert (config["max_loras"], config["max_cpu_loras"]) == (1, 2)
+    else:
+        assert config["max_loras"] is None
 
 
 def test_fp8_moe_backend_with_lora_is_triton(upstream):

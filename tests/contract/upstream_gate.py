@@ -191,11 +191,15 @@ def attention_heads(model: str) -> dict[int, bool]:
     return out
 
 
-def engine_args(model: str, configs: list[str]) -> dict[str, Any]:
+def engine_args(model: str, configs: list[str], hf235: str | None) -> dict[str, Any]:
     """Per shipped config: the ``vllm.LLM`` keywords megagrpo passes on its GPU cluster
-    (``engine_kwargs``: colocated, lock-stepped over ``cluster``'s GPUs) accepted by
-    ``EngineArgs``, and ``create_engine_config`` of them on the tiny model (rank 0 of the
-    layout; sleep mode dropped: the CPU platform has none)."""
+    (``engine_kwargs``: colocated, over ``cluster``'s GPUs) accepted by ``EngineArgs``, and
+    ``create_engine_config`` of them on Qwen3-235B-A22B's own ``config.json`` (no weights:
+    the config is all ``create_engine_config`` reads) with the tiny model's tokenizer (rank
+    0 of the layout; sleep mode dropped: the CPU platform has none)."""
+    import shutil
+    import tempfile
+
     from vllm.engine.arg_utils import EngineArgs
 
     from megagrpo.config.loader import load_config
@@ -205,6 +209,13 @@ def engine_args(model: str, configs: list[str]) -> dict[str, Any]:
 
     out = {}
     saved = vllm_support.external_dp_size
+    target = model
+    if hf235:  # the 235B config.json beside the tiny model's tokenizer files
+        target = tempfile.mkdtemp(prefix="megagrpo-235b-config-")
+        for f in os.listdir(model):
+            if not f.endswith(".safetensors") and f != "config.json":
+                shutil.copy(os.path.join(model, f), target)
+        shutil.copy(hf235, os.path.join(target, "config.json"))
     try:
         for path in configs:
             cfg = load_config(RunConfig, [path])
@@ -229,25 +240,27 @@ def engine_args(model: str, configs: list[str]) -> dict[str, Any]:
                 row["accepted"] = True
             except Exception:  # noqa: BLE001
                 row["accepted"] = traceback.format_exc()
-            tiny = dict(kwargs, model=model, tokenizer=model, dtype="float32")
-            tiny.pop("enable_sleep_mode", None)
-            tiny.pop("sleep_mode_offload_cudagraph", None)
+            probe = dict(kwargs, model=target, tokenizer=target)
+            probe.pop("enable_sleep_mode", None)
+            probe.pop("sleep_mode_offload_cudagraph", None)
             os.environ["RANK"] = "0"
-            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # the config's length, tiny model
             try:
-                vc = EngineArgs(**tiny).create_engine_config()
+                vc = EngineArgs(**probe).create_engine_config()
                 lc = vc.lora_config
                 row["config"] = {
                     "data_parallel_size": vc.parallel_config.data_parallel_size,
                     "enable_expert_parallel": vc.parallel_config.enable_expert_parallel,
                     "max_loras": None if lc is None else lc.max_loras,
                     "max_cpu_loras": None if lc is None else lc.max_cpu_loras,
+                    "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
                 }
             except Exception:  # noqa: BLE001
                 row["config"] = traceback.format_exc()
             out[os.path.basename(path)] = row
     finally:
         vllm_support.external_dp_size = saved
+        if target != model:
+            shutil.rmtree(target, ignore_errors=True)
     return out
 
 
@@ -377,6 +390,6 @@ def probes(model: str, configs: list[str], hf235: str | None) -> dict[str, Any]:
         "expert_splits": outcome(expert_splits),
         "lora_limits": outcome(lora_limits),
         "attention_heads": outcome(attention_heads, model),
-        "engine_args": outcome(engine_args, model, configs),
+        "engine_args": outcome(engine_args, model, configs, hf235),
         "fp8_backend": in_fork(_fp8_choice),  # its platform switch stays in that process
     }

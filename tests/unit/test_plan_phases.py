@@ -170,7 +170,9 @@ def test_cli_gpus_search_json(repo_root):
     best = res["top"]
     assert best and best[0]["num_gpus"] == 8 and best[0]["hardware"]["ib_gb_s"] == 25.0
     assert any(o.startswith("rollout.quantization=") for o in best[0]["overrides"])
-    assert res["searched"] > res["refused"] > 0  # the gate refused some layouts
+    # the gate refuses none of these since FP8 + MoE LoRA is allowed (unverified, issue 31)
+    assert res["searched"] > res["refused"] >= 0
+    assert any(t["status"] == "unverified" for t in best)
 
 
 @pytest.mark.parametrize(("serves_lora", "mode"), [("true", "adapter"), ("false", "merged")])
