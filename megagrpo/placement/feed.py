@@ -12,7 +12,9 @@ the adapter, and a bucket stays on the compute device from the owners' shards to
 The engine rank learns from the push header where each bucket comes from (the
 :class:`FeedBucket` manifest, built identically on every trainer rank), receives them in order
 and rebuilds the PEFT state dict that :meth:`megagrpo.model.Policy.stream_adapter` would have
-built (same names, same layout: :func:`megagrpo.model.peft_export.peft_tensors`).
+built (same names, vLLM's per-expert layout: :func:`megagrpo.model.peft_export.peft_tensors`).
+Every engine rank receives every expert's factors (the per-rank expert filter of colocated
+engines is not applied here).
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.model.hf_mapping import hf_weight_shapes
-from megagrpo.model.peft_export import _buckets, _fill_bucket, lora_target, peft_tensors
+from megagrpo.model.peft_export import (
+    _buckets,
+    _fill_bucket,
+    check_exportable,
+    lora_target,
+    peft_tensors,
+)
 from megagrpo.placement.bridge import FEED, Channel
 from megagrpo.rollout.lora import PeftAdapter
 
@@ -50,6 +58,7 @@ def feed_adapter(
     to ``send`` (to every engine rank). Returns the manifest (identical on the ranks of rank
     0's model-parallel copy, empty on the others)."""
     g, lc = policy.groups, policy.cfg.lora
+    check_exportable(lc, policy.arch.is_moe, "per_expert")
     units = [
         (name, shape, *hit)
         for name, shape in hf_weight_shapes(policy.arch).items()
@@ -99,5 +108,5 @@ def receive_adapter(
             at += rank * inp
             lora[name] = (a, flat[at : at + out * rank].view(out, rank))
             at += out * rank
-    state = peft_tensors(lora, num_experts)[0]
+    state = peft_tensors(lora, num_experts, "per_expert")[0]  # vLLM's 2D MoE LoRA names
     return PeftAdapter.from_peft_state_dict(state, rank, alpha), received
