@@ -87,7 +87,14 @@ class LossConfig:
     autograd node that saved the logits makes backward raise (version counter), never silently
     wrong. With grad disabled (no_grad, eval) the logits are left untouched."""
     chunk_bytes: int = 32 * 1024 * 1024
-    """CPU/torch path: fp32 working set per chunk of tokens (bounds extra memory)."""
+    """CPU/torch path: fp32 working set per chunk of tokens (bounds extra memory); with
+    ``fused_linear``, also the logits one chunk of tokens may take (above
+    ``fused_chunk_rows``)."""
+    fused_chunk_rows: int = 1024
+    """``fused_linear``: at least this many tokens per chunk (each chunk is three GEMMs with the
+    output weight; thin ones waste the GPU: Qwen3's 151,936-token vocabulary at TP 1 would give
+    110-row chunks of 32 MiB bf16 logits, 1,024 rows take 297 MiB). 1: ``chunk_bytes`` alone
+    sizes them."""
     fused_linear: bool = True
     """Training computes the loss (and old / reference log-probs) from the final hidden states
     and the output weight, chunk by chunk over tokens: no ``[T, V/TP]`` logits tensor nor its
@@ -137,3 +144,4 @@ class LossConfig:
         require(self.tis_mode in TIS_MODES, f"{path}.tis_mode", f"must be one of {TIS_MODES}")
         require(self.backend in BACKENDS, f"{path}.backend", f"must be one of {BACKENDS}")
         require(self.chunk_bytes >= 1024, f"{path}.chunk_bytes", "must be >= 1024")
+        require(self.fused_chunk_rows >= 1, f"{path}.fused_chunk_rows", "must be >= 1")

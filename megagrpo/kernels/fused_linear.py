@@ -158,7 +158,8 @@ def fused_linear_policy_loss(
     Args:
         hidden: [T, H] or [B, S, H] final hidden states (bf16/fp32).
         weight: [V_local, H] output projection (this rank's vocab shard with tp_group).
-        chunk_tokens: tokens per chunk (default: cfg.chunk_bytes of logits in hidden's dtype).
+        chunk_tokens: tokens per chunk (default :func:`chunk_rows`: cfg.chunk_bytes of logits in
+            hidden's dtype, at least cfg.fused_chunk_rows).
         seq_weights: [num_seqs] per-sequence aggregation weights (None: all 1).
         Others: as :func:`megagrpo.kernels.fused_policy_loss`.
 
@@ -185,9 +186,18 @@ def fused_linear_policy_loss(
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     if chunk_tokens is None:
-        chunk_tokens = max(1, cfg.chunk_bytes // (weight.shape[0] * hidden.element_size()))
+        chunk_tokens = chunk_rows(
+            cfg.chunk_bytes, weight.shape[0], hidden.element_size(), cfg.fused_chunk_rows
+        )
     loss = _FusedLinearPolicyLoss.apply(hidden2d, weight, plan, int(chunk_tokens))
     return loss, plan.metrics
+
+
+def chunk_rows(chunk_bytes: int, vocab_local: int, itemsize: int, min_rows: int) -> int:
+    """Tokens per chunk of the fused-linear head: as many rows of ``[rows, V_local]`` logits
+    as fit in ``chunk_bytes``, but at least ``min_rows`` (full-size GEMMs at TP 1: audit 3 P2,
+    110-row chunks at 32 MiB of Qwen3's vocabulary)."""
+    return max(1, min_rows, chunk_bytes // (vocab_local * itemsize))
 
 
 @torch.no_grad()
@@ -200,6 +210,7 @@ def fused_linear_token_stats(
     chunk_bytes: int = 32 << 20,
     chunk_tokens: int | None = None,
     mask: Tensor | None = None,
+    min_rows: int = 1024,
 ) -> tuple[Tensor, Tensor]:
     """Per-token (logp, entropy) [T] fp32 of logits = hidden @ weight^T, chunk by chunk.
 
@@ -207,7 +218,8 @@ def fused_linear_token_stats(
     hidden [T, H] or [B, S, H], weight [V_local, H] (this rank's vocab shard with
     ``tp_group``; results are global, identical on every rank). At most one
     ``[chunk_tokens, V_local]`` block of logits exists at a time. ``mask`` (shaped as
-    ``target_ids``): only its nonzero tokens are computed, the others are 0.
+    ``target_ids``): only its nonzero tokens are computed, the others are 0. Chunks:
+    ``chunk_tokens``, else :func:`chunk_rows` (``min_rows``: ``loss.fused_chunk_rows``).
     """
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target = target_ids.reshape(-1)
@@ -216,7 +228,7 @@ def fused_linear_token_stats(
         raise ValueError(f"target_ids has {target.shape[0]} tokens, hidden has {T}")
     backend = resolve_backend(backend, hidden.device)
     if chunk_tokens is None:
-        chunk_tokens = max(1, chunk_bytes // (V * hidden.element_size()))
+        chunk_tokens = chunk_rows(chunk_bytes, V, hidden.element_size(), min_rows)
     start = vocab_start_of(tp_group, V)
     rows = active_rows(mask, T)
     stats = _stats_of_rows(

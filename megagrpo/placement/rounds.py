@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from megagrpo.rollout import SamplingSpec
+from megagrpo.rollout.base import MAX_TOKENS_KEY
 from megagrpo.rollout.config import PartialConfig
 from megagrpo.types import Group, Problem
 
@@ -77,10 +78,16 @@ class PendingGroup:
         return max((now - self.oldest(i, now) for i in range(self.size)), default=0)
 
 
-def continuation(problem: Problem, prompt_ids: list[int], prefix: list[int]) -> Problem:
+def continuation(
+    problem: Problem, prompt_ids: list[int], prefix: list[int], room: int | None = None
+) -> Problem:
     """``problem`` whose prompt is its exact prompt ids + the kept prefix (engines take a
-    fixed prompt from ``meta['prompt_ids']``)."""
+    fixed prompt from ``meta['prompt_ids']``); ``room``: the most tokens it may still take
+    (``meta['max_tokens']``: the engine stops there instead of decoding a whole chunk that
+    would be cut)."""
     meta = dict(problem.meta, prompt_ids=list(prompt_ids) + list(prefix))
+    if room is not None:
+        meta[MAX_TOKENS_KEY] = room
     return dataclasses.replace(problem, meta=meta)
 
 
@@ -160,7 +167,8 @@ def _chunk(r: _Round, active: list[tuple[PendingGroup, int]], seed: int) -> int:
             fresh.append(g)
     cont = [(g, i) for g, i in active if g.started]
     problems = [g.problem for g in fresh] + [
-        continuation(g.problem, g.prompt_ids, g.token_ids[i]) for g, i in cont
+        continuation(g.problem, g.prompt_ids, g.token_ids[i], r.max_tokens - len(g.token_ids[i]))
+        for g, i in cont
     ]
     counts = [g.size for g in fresh] + [1] * len(cont)
     out = r.generate(problems, counts, SamplingSpec(seed=seed, max_tokens=r.cfg.chunk_tokens))

@@ -174,6 +174,8 @@ def _activation_bytes(s: Shapes, sc: Scenario, tokens: int, layers: int) -> tupl
 
 FUSED_CHUNK_BYTES = 32 * 2**20
 """Logits of one chunk of ``loss.fused_linear`` (``LossConfig.chunk_bytes``' default)."""
+FUSED_CHUNK_ROWS = 1024
+"""Fewest tokens per chunk of ``loss.fused_linear`` (``LossConfig.fused_chunk_rows``)."""
 
 
 def logits_bytes(s: Shapes, sc: Scenario, tokens: int) -> float:
@@ -181,8 +183,9 @@ def logits_bytes(s: Shapes, sc: Scenario, tokens: int) -> float:
     ``loss.fused_linear`` keeps one chunk of logits (and its in-place gradient), the fp32
     gradient of the hidden states ``[T, H]`` and 4 fp32 statistics per token; without it, the
     ``[T, V/TP]`` logits and their gradient in the compute dtype."""
-    if sc.fused_linear:
-        return FUSED_CHUNK_BYTES + tokens * s.h * 4 + tokens * 4 * 4
+    if sc.fused_linear:  # a chunk: >= loss.fused_chunk_rows (1,024) rows of bf16 logits
+        chunk = max(FUSED_CHUNK_BYTES, min(tokens, FUSED_CHUNK_ROWS) * s.vocab / sc.tp * 2)
+        return chunk + tokens * s.h * 4 + tokens * 4 * 4
     return tokens * (s.vocab / sc.tp) * DTYPE_BYTES.get(sc.dtype, 2) * 2
 
 

@@ -212,6 +212,17 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> lis
     return prompt_ids(tokenizer, problem)
 
 
+MAX_TOKENS_KEY = "max_tokens"
+"""``problem.meta[MAX_TOKENS_KEY]``: the most tokens this problem's completions may take in
+this call (partial rollouts continue a member with only its remaining room)."""
+
+
+def problem_max_tokens(problem: Problem, default: int) -> int:
+    """``default`` capped by the problem's own ``meta['max_tokens']`` (when set)."""
+    cap = problem.meta.get(MAX_TOKENS_KEY)
+    return default if cap is None else max(1, min(default, int(cap)))
+
+
 def sample_counts(n: int | Sequence[int], num_problems: int) -> list[int]:
     """Completions per problem ``[num_problems]`` of a generate call's ``n`` (one count for
     every problem, or one per problem); EngineError on a count < 1 or a length mismatch."""

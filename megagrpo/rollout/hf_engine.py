@@ -30,6 +30,7 @@ from megagrpo.rollout.base import (
     decode_completion,
     default_probe_ids,
     iter_buckets,
+    problem_max_tokens,
     request_seed,
     resolve_dtype,
     sample_counts,
@@ -273,9 +274,12 @@ class HFEngine:
                 )
             rows += [ids] * n_j
             seeds += [request_seed(base, s.problem_offset + j, i) for i in range(n_j)]
-        max_tokens = min(
-            s.max_tokens or cfg.max_tokens, cfg.max_model_len - max(len(p) for p in prompts)
-        )
+        caps = [  # per row: the call's limit, capped by its problem's own (partial rollouts)
+            problem_max_tokens(p, s.max_tokens or cfg.max_tokens)
+            for p, n_j in zip(problems, counts)
+            for _ in range(n_j)
+        ]
+        max_tokens = min(max(caps), cfg.max_model_len - max(len(p) for p in prompts))
         results = []
         routes: list | None = [] if self.returns_routing else None
         params = cfg.sampling_params(s.temperature, s.top_p)
@@ -294,6 +298,14 @@ class HFEngine:
                 f"HF generation failed: {type(exc).__name__}: {exc}\n  -> check "
                 "rollout.max_tokens, rollout.temperature, rollout.top_p"
             ) from exc
+        cut = [len(r[0]) > cap for r, cap in zip(results, caps)]
+        if any(cut):  # a row past its own cap ends there, as its request would
+            prompt_of = [ids for ids, n_j in zip(prompts, counts) for _ in range(n_j)]
+            for k in (k for k, c in enumerate(cut) if c):
+                toks, lps, _ = results[k]
+                results[k] = (toks[: caps[k]], lps[: caps[k]], "length")
+                if routes is not None and routes[k] is not None:  # P + L - 1 rows
+                    routes[k] = routes[k][: len(prompt_of[k]) + caps[k] - 1]
         groups, start = [], 0
         for j, problem in enumerate(problems):
             group = Group(

@@ -57,6 +57,7 @@ from megagrpo.rollout.base import (
     decode_completion,
     default_probe_ids,
     iter_buckets,
+    problem_max_tokens,
     request_seed,
     resolve_dtype,
     sample_counts,
@@ -317,7 +318,9 @@ class VLLMEngine:
                         top_k=sp.top_k,
                         min_p=sp.min_p,
                         repetition_penalty=sp.repetition_penalty,
-                        max_tokens=min(s.max_tokens or cfg.max_tokens, room),
+                        max_tokens=min(
+                            problem_max_tokens(problem, s.max_tokens or cfg.max_tokens), room
+                        ),
                         seed=request_seed(base, s.problem_offset + j, i),
                         logprobs=0,
                         detokenize=False,

@@ -116,6 +116,13 @@ def micro_batch_logprobs(
         )
     else:
         lp, _ = fused_linear_token_stats(
-            x, weight, mb.target_ids, tp_group, cfg.backend, cfg.chunk_bytes, mask=mb.mask
+            x,
+            weight,
+            mb.target_ids,
+            tp_group,
+            cfg.backend,
+            cfg.chunk_bytes,
+            mask=mb.mask,
+            min_rows=cfg.fused_chunk_rows,
         )
     return lp.reshape(mb.target_ids.shape).float() * mb.mask

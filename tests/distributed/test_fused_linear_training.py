@@ -65,7 +65,9 @@ def _one_path(policy, mbs, loss_kw: dict, fused: bool, temperature: float, tp) -
     from megagrpo.trainer.loss_head import micro_batch_loss, model_output
     from megagrpo.trainer.optimize import policy_logprobs
 
-    cfg = LossConfig(**loss_kw, backend="torch", chunk_bytes=CHUNK_BYTES, fused_linear=fused)
+    cfg = LossConfig(
+        **loss_kw, backend="torch", chunk_bytes=CHUNK_BYTES, fused_chunk_rows=1, fused_linear=fused
+    )
     cfg.grad_in_logits = False  # keep the logits path's logits readable for the row count
     old = policy_logprobs(policy, mbs, cfg, tp, temperature=temperature)
     old = [  # off-policy: ratios differ from 1, some clip

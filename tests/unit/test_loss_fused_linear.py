@@ -121,3 +121,24 @@ def test_masked_tokens_never_reach_the_output_layer():
     lp, _ = fused_linear_token_stats(dirty, weight, tgt, chunk_tokens=4, mask=mask)
     want = token_logprobs(hidden @ weight.T, tgt) * mask
     assert torch.allclose(lp.reshape(mask.shape) * mask, want, atol=1e-5)
+
+
+def test_chunks_hold_a_thousand_rows_at_tp1(monkeypatch):
+    """Audit 3 P2: at TP 1 Qwen3's 151,936-token vocabulary gave 110-row chunks (32 MiB of bf16
+    logits); by default a chunk has at least loss.fused_chunk_rows = 1,024 rows (full-size
+    GEMMs), and chunk_bytes still grows it where the vocabulary shard is small."""
+    from megagrpo.kernels import fused_linear
+
+    cfg = LossConfig()
+    assert cfg.chunk_bytes // (151_936 * 2) == 110  # the audit's figure
+    assert fused_linear.chunk_rows(cfg.chunk_bytes, 151_936, 2, cfg.fused_chunk_rows) == 1024
+    assert fused_linear.chunk_rows(cfg.chunk_bytes, 1024, 2, cfg.fused_chunk_rows) == 16384  # V 1k
+    steps = []
+    real = fused_linear._chunks
+    monkeypatch.setattr(
+        fused_linear, "_chunks", lambda T, step: steps.append(step) or real(T, step)
+    )
+    hidden, weight, tgt, old, _, adv, mask = _inputs(1, 2500, 16, 600, torch.float32)
+    thin = LossConfig(backend="torch", chunk_bytes=110 * 600 * 4)  # the audit's 110 rows
+    fused_linear_policy_loss(hidden, weight, tgt, old, adv, mask, thin)
+    assert steps and set(steps) == {1024}  # 3 chunks of 2,500 tokens, not 23 thin ones

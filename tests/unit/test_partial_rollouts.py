@@ -264,3 +264,49 @@ def test_carried_completions_survive_sigterm_and_resume(bigram_dir, tmp_path):
 def test_partial_needs_recomputed_old_logprobs(bigram_dir, tmp_path):
     with pytest.raises(ConfigError, match="rollout.partial.enabled"):
         _context(bigram_dir, tmp_path, "bad", trainer={"old_logprobs": "rollout"})
+
+
+class CappedBigram(StoppingBigram):
+    """StoppingBigram that honours a request's own cap (``meta['max_tokens']``, as the vLLM
+    and HF engines do) and records, per continued member, its prefix length and cap."""
+
+    asked: list[tuple[int, int]] = []
+
+    def generate(self, problems, n, sampling=None):
+        import dataclasses
+
+        from megagrpo.rollout.base import problem_max_tokens
+
+        limit = (sampling.max_tokens if sampling else None) or self.cfg.max_tokens
+        out = []
+        for j, problem in enumerate(problems):
+            cap = problem_max_tokens(problem, limit)
+            if "prompt_ids" in problem.meta:
+                base = dict(problem.meta)
+                prefix = len(base.pop("prompt_ids")) - len(
+                    super().prompt_ids(dataclasses.replace(problem, meta=base))
+                )
+                self.asked.append((prefix, cap))
+            spec = dataclasses.replace(sampling, max_tokens=cap, problem_offset=j)
+            counts = sample_counts(n, len(problems))[j]
+            out += super().generate([problem], counts, spec)
+        return out
+
+
+def test_continued_members_ask_only_for_their_room(bigram_dir, tmp_path):
+    """Audit 3 m6: a continued member asks the engine for at most its remaining room
+    (rollout.max_tokens - its prefix), not a whole chunk that the round then cuts."""
+    CappedBigram.asked = []
+    _train(
+        _context(
+            bigram_dir,
+            tmp_path,
+            "capped",
+            engine=CappedBigram,
+            partial={"chunk_tokens": 5, "max_staleness": 2},
+            trainer={"max_steps": 3},
+        )
+    )
+    asked = CappedBigram.asked
+    assert asked and all(cap == min(5, MAX_TOKENS - prefix) for prefix, cap in asked)
+    assert any(cap < 5 for _, cap in asked)  # the case: less room than a chunk

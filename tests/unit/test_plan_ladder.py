@@ -48,12 +48,15 @@ def test_streamed_adapter_sync_bytes_closed_form(repo_root, hf235):
 
 
 def test_loss_head_memory_follows_fused_linear(repo_root, hf235):
-    """loss.fused_linear: one 32 MiB logits chunk + fp32 [T, H] hidden gradient + 4 fp32 stats
-    per token; without it the [T, V/TP] bf16 logits and their gradient."""
+    """loss.fused_linear: one logits chunk (1,024 rows of bf16 logits at least: issue 31 P2;
+    32 MiB at most TP's) + fp32 [T, H] hidden gradient + 4 fp32 stats per token; without it
+    the [T, V/TP] bf16 logits and their gradient."""
     s = shapes_of(hf235)
     tokens = 5120  # micro_batch_size 1 x max_model_len
-    fused = plan_run(_two_node(repo_root), hf235)["breakdown_gib"]["logits"]
-    want = (FUSED_CHUNK_BYTES + tokens * s.h * 4 + tokens * 16) / GIB
+    cfg = _two_node(repo_root)
+    fused = plan_run(cfg, hf235)["breakdown_gib"]["logits"]
+    chunk = max(FUSED_CHUNK_BYTES, 1024 * s.vocab / cfg.parallel.tp * 2)
+    want = (chunk + tokens * s.h * 4 + tokens * 16) / GIB
     assert fused == pytest.approx(want, abs=1e-3)
     full = plan_run(_two_node(repo_root, "loss.fused_linear=false"), hf235)
     assert full["breakdown_gib"]["logits"] == pytest.approx(tokens * s.vocab * 4 / GIB, abs=1e-3)

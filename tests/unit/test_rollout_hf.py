@@ -53,6 +53,23 @@ def test_group_structure_and_logprobs(engine, hf_model, tiny_moe_dir):
             assert max(abs(a - b) for a, b in zip(lps, ref_lp)) < 1e-4  # left padding: fp32
 
 
+def test_a_problems_own_cap_limits_its_completions(engine):
+    """``meta['max_tokens']`` (a partial rollout's continued member: its remaining room) caps
+    that problem's completions below the call's ``max_tokens``; the others are unaffected and
+    the capped completions are the uncapped ones' prefixes (same seeds)."""
+    import dataclasses
+
+    spec = SamplingSpec(seed=4, max_tokens=8, temperature=1.5)
+    capped = dataclasses.replace(PROBLEMS[0], meta=dict(PROBLEMS[0].meta, max_tokens=3))
+    free, short = engine.generate([PROBLEMS[0], PROBLEMS[1]], n=4, sampling=spec), None
+    short = engine.generate([capped, PROBLEMS[1]], n=4, sampling=spec)
+    for full, cut, fin in zip(free[0].token_ids, short[0].token_ids, short[0].finish_reasons):
+        assert len(cut) <= 3 and cut == full[: len(cut)]
+        assert fin == "length" or len(cut) < 3
+    assert short[1].token_ids == free[1].token_ids
+    assert max(len(t) for t in free[0].token_ids) > 3  # the cap did cut something
+
+
 def test_seeds_reproduce(engine):
     a = engine.generate(PROBLEMS[:1], n=3, sampling=SamplingSpec(seed=9))[0]
     b = engine.generate(PROBLEMS[:1], n=3, sampling=SamplingSpec(seed=9))[0]
