@@ -269,7 +269,28 @@ def host_memory(s: Shapes, sc: Scenario, layers: int, lora_params: float) -> dic
         "exact_gib_per_gpu": round(exact, 2),
         "pinned_gib_per_gpu": round(pinned, 2),
         "pinned_gib_per_node": round(pinned * sc.gpus_per_node, 1),
+        "adapter_sync_gib_per_gpu": round(adapter_sync_bytes(s, sc) / GIB, 2),
     }
+
+
+ADAPTER_COPIES = 3
+"""Host copies of an engine rank's adapter at its peak, each sync: megagrpo's in-memory
+registry, vLLM's (pinned) LoRA cache of the new version, and the previous version's until the
+new one is verified (``max_cpu_loras=2``; megagrpo.rollout.vllm_lora)."""
+
+
+def adapter_sync_bytes(s: Shapes, sc: Scenario) -> float:
+    """Host memory of one engine rank for one adapter sync (audit 3 P1): the engine-dtype
+    (bf16) attention factors of every layer plus the expert factors of the experts its engine
+    holds (lock-stepped replicas with expert parallelism: 1 / num_gpus of them; a replica
+    with expert parallelism: 1 / vllm_tp; else all), :data:`ADAPTER_COPIES` times. 0 without
+    adapter sync."""
+    if sc.weight_sync != "adapter":
+        return 0.0
+    dense, expert = lora_numel(s, sc.lora_rank, sc.lora_targets)
+    ep = sc.num_gpus if sc.replicas == "lockstep" else sc.vllm_tp
+    share = 1 / ep if sc.enable_expert_parallel else 1.0
+    return ADAPTER_COPIES * 2 * (s.layers * dense + s.moe_layers * expert * share)
 
 
 def kv_bytes_per_token(s: Shapes, sc: Scenario) -> float:

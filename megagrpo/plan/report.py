@@ -69,6 +69,11 @@ def format_plan(p: dict) -> str:
             f"{host['pinned_gib_per_node']} GiB per node ({host['exact_gib_per_gpu']} GiB of "
             "tensors; pinned buffers round up to powers of two)"
         )
+    if host and host.get("adapter_sync_gib_per_gpu"):
+        lines.append(
+            f"  host per engine rank per adapter sync: {host['adapter_sync_gib_per_gpu']} GiB "
+            "(its own experts only; registry, vLLM's cache and the previous version)"
+        )
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]
     return "\n".join(lines)

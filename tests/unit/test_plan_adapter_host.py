@@ -1,0 +1,50 @@
+"""plan-memory's host memory per engine rank per adapter sync (audit 3 P1), by hand on the
+shipped 2-node Qwen3-235B config: rank 32 on q/k/v/o and every expert's gate/up/down, bf16,
+lock-stepped TP 1 replicas with expert parallelism over the 16 GPUs, so each rank receives
+every attention factor and 1/16 of the expert factors (tests/distributed/
+test_streamed_adapter.py and tests/contract/test_vllm_expert_parallel.py run that split)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megagrpo.cli import main
+from megagrpo.commands.plan_memory import plan_run
+from megagrpo.config import load_config
+from megagrpo.plan.memory import ADAPTER_COPIES, GIB
+from megagrpo.trainer.config import RunConfig
+
+
+def _cfg(repo_root, *overrides):
+    path = repo_root / "configs/qwen3_235b_a22b_2node.yaml"
+    return load_config(RunConfig, [path], list(overrides))
+
+
+def test_adapter_sync_host_memory_by_hand(repo_root, hf235):
+    h, heads, kv, hd = 4096, 64, 4, 128  # Qwen3-235B-A22B (configs/*.hf_config.json)
+    layers, experts, ffn, r = 94, 128, 1536, 32
+    assert (hf235["hidden_size"], hf235["num_attention_heads"]) == (h, heads)
+    assert (hf235["num_experts"], hf235["moe_intermediate_size"]) == (experts, ffn)
+    q = heads * hd
+    dense = r * (h + q + 2 * kv * hd) + r * (q + h)  # qkv (one A, fused B) + o
+    expert = experts * r * ((h + 2 * ffn) + (ffn + h))  # gate|up (one A) + down
+    per_rank = 2 * (layers * dense + layers * expert / 16)  # bf16, experts over 16 ranks
+    got = plan_run(_cfg(repo_root), hf235)["host"]["adapter_sync_gib_per_gpu"]
+    assert got == pytest.approx(ADAPTER_COPIES * per_rank / GIB, abs=0.01)
+    whole = ADAPTER_COPIES * 2 * layers * (dense + expert) / GIB  # before P1: every rank, all
+    assert got < whole / 10
+    merged = plan_run(_cfg(repo_root, "trainer.weight_sync=merged"), hf235)
+    assert merged["host"]["adapter_sync_gib_per_gpu"] == 0
+
+
+def test_plan_memory_prints_it(repo_root, capsys):
+    rc = main(
+        [
+            "plan-memory",
+            str(repo_root / "configs/qwen3_235b_a22b_2node.yaml"),
+            "--hf-config",
+            str(repo_root / "configs/qwen3_235b_a22b.hf_config.json"),
+        ]
+    )
+    assert rc == 0
+    assert "host per engine rank per adapter sync:" in capsys.readouterr().out
