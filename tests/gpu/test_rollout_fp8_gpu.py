@@ -65,3 +65,48 @@ def test_fp8_merged_sync_after_a_level2_sleep(fp8_engine, tiny_moe_dir):
         iter(hf.state_dict().items()), expected_probe=expected, full_check=True
     )
     assert report.verified
+
+
+def test_fp8_expert_lora_logprobs_match_bf16(tiny_moe_dir, tmp_path):
+    """The GPU check the gate's unverified rule ``vllm.fp8_moe_lora`` names: vLLM 0.33 with
+    FP8 experts (``quantization=fp8``) serves LoRA on them (its FP8 MoE backend choice lands
+    on Triton experts: tests/contract/test_vllm_gate.py), and the adapter moves the FP8
+    engine's log-probs as it moves the bf16 engine's. When this passes on a GPU, clear the
+    rule's ``unverified`` (megagrpo/trainer/compat.py) and the planner's FP8 mark."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9):
+        pytest.skip("FP8 needs CUDA with compute capability >= 8.9")
+    pytest.importorskip("vllm")
+    from gpu_adapters import random_adapter
+
+    from megagrpo.rollout import RolloutConfig, build_engine
+
+    ids = list(range(100, 164))
+    adapter = random_adapter(tiny_moe_dir, scale=0.4)
+    out = {}
+    for quant in ("none", "fp8"):
+        cfg = RolloutConfig(
+            engine="vllm",
+            max_tokens=8,
+            max_model_len=256,
+            dtype="bfloat16",
+            quantization=quant,
+            enable_lora=True,
+            max_lora_rank=8,
+            colocate=False,
+            gpu_memory_utilization=0.2,
+            cache_dir=str(tmp_path / quant),
+        )
+        engine = build_engine(cfg, str(tiny_moe_dir), seed=0)
+        try:
+            base = torch.tensor(engine.sequence_logprobs(ids))
+            engine.update_adapter(adapter, in_memory=True)
+            out[quant] = (base, torch.tensor(engine.sequence_logprobs(ids)))
+        finally:
+            engine.close()
+    (b16, l16), (b8, l8) = out["none"], out["fp8"]
+    change16, change8 = l16 - b16, l8 - b8
+    assert change16.abs().mean() > 0.05  # the adapter (experts included) moves the model
+    # FP8 per-tensor weights: ~1e-2 relative noise on the base; the LoRA path runs on
+    # unquantized activations, so the adapter's effect agrees within a third of its size
+    assert (change8 - change16).abs().mean() < change16.abs().mean() / 3
+    assert (l8 - l16).abs().mean() < 0.3  # bf16 engines' tolerance (rollout.verify)
