@@ -109,10 +109,12 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
     check_layout(cfg)
+    from megagrpo.trainer.separate import trainer_link  # None without separate placement
+
     split = None
     if cfg.rollout.placement == "separate":  # trainer ranks + the engines' own ranks
         from megagrpo.parallel.split import split_world
-        from megagrpo.trainer.separate import serve_engine_rank, trainer_link
+        from megagrpo.trainer.separate import serve_engine_rank
 
         ro = cfg.rollout
         split = split_world(cfg.parallel.timeout_minutes, ro.engine_ranks, ro.tensor_parallel_size)

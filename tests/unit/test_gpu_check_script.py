@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PARTS = [
     "env",
     "wheels",
@@ -17,6 +19,7 @@ PARTS = [
     "tiny_model",
     "train",
     "train_strict",
+    "train_moe",
     "recompute",
 ]
 
@@ -66,6 +69,30 @@ def test_a_failing_part_is_recorded_and_the_rest_runs(repo_root, tmp_path):
     assert parts["imports"]["status"] == "failed" and parts["imports"]["rc"] == 1
     assert parts["tiny_model"]["status"] == "ok"  # ran after the failure
     assert (tmp_path / "out" / "tiny_model" / "config.json").is_file()
+
+
+@pytest.mark.slow  # two CPU training processes of the tiny MoE: ~30-60 s on 2 cores
+def test_train_moe_part_runs_on_cpu(repo_root, tmp_path):
+    """Issue 31: `GPU_CHECK_MODE=cpu GPU_CHECK_ONLY=tiny_model,train_moe` passes: 3 steps of
+    the tiny Qwen3-MoE (bf16, LoRA on attention and experts, fused-linear head) with a reward
+    that varies, then one step's LoRA gradients in bf16 against the fp32 run (the device is
+    the CPU here); the summary says what the device cannot run."""
+    rc, summary, err = _run(
+        repo_root, tmp_path, GPU_CHECK_MODE="cpu", GPU_CHECK_ONLY="tiny_model,train_moe"
+    )
+    assert rc == 0 and summary["ok"], err
+    res = summary["parts"]["train_moe"]["result"]
+    assert [s["step"] for s in res["steps"]] == [1, 2, 3]
+    assert any(s["reward/std"] > 0 for s in res["steps"])  # GRPO had something to learn
+    grads = res["gradients"]
+    assert grads["ok"] and grads["worst_rel_err"] < 0.1 and grads["dtype"] == "bfloat16"
+    assert {"experts.B", "attention.B"} <= set(grads["step1"])
+    assert grads["trained"]["experts.A"]["cos"] > 0.99
+    assert "not_run" in summary
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert "not in .whl/" in summary["not_run"]["transformer_engine"]
 
 
 def test_time_budget_skips_late_parts(repo_root, tmp_path):
