@@ -4,6 +4,7 @@ fp32 reference (``scripts/gpu_check.sh`` part ``train_moe``).
     python tools/gpu_check_moe.py grads --model DIR --device cuda --dtype bfloat16 --out a.pt
     python tools/gpu_check_moe.py grads --model DIR --device cpu --dtype float32 --out b.pt
     python tools/gpu_check_moe.py compare a.pt b.pt [--json]
+    python tools/gpu_check_moe.py --quick      # CPU smoke: a tiny MoE, bf16 vs fp32, on CPU
 
 ``grads`` builds megagrpo's Megatron policy (world 1; local spec; LoRA rank 8 on linear_qkv,
 linear_proj and every expert's linear_fc1 / linear_fc2) from ``--model`` on ``--device`` in
@@ -138,11 +139,35 @@ def compare(device_file: str, reference_file: str) -> dict:
     return out
 
 
+def _quick() -> int:
+    """Both sides on CPU: the tool's whole path (build, gradients, compare) in seconds."""
+    import tempfile
+
+    from megagrpo.testing import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_moe-") as tmp:
+        model = str(Path(tmp) / "tiny_moe")
+        build_tiny_model(model, "moe")
+        a, b = str(Path(tmp) / "bf16.pt"), str(Path(tmp) / "fp32.pt")
+        grads(model, "cpu", "bfloat16", a)
+        grads(model, "cpu", "float32", b)
+        res = compare(a, b)
+    print(f"gpu_check_moe --quick: CPU bf16 against CPU fp32, ok {res['ok']}")
+    print(json.dumps(res))
+    return 0 if res["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke run: build a tiny Qwen3-MoE in a temporary directory, gradients in "
+        "bf16 and fp32 on CPU, compare (what CI runs so the tool cannot rot)",
+    )
+    sub = parser.add_subparsers(dest="cmd")
     g = sub.add_parser("grads", help="LoRA gradients of one step on --device in --dtype")
     g.add_argument("--model", required=True)
     g.add_argument("--device", choices=("cuda", "cpu"), required=True)
@@ -153,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("reference_file")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.quick:
+        return _quick()
+    if args.cmd is None:
+        parser.error("a command is required: grads or compare (or --quick)")
     if args.cmd == "grads":
         grads(args.model, args.device, args.dtype, args.out)
         print(f"gpu_check_moe: gradients -> {args.out}")

@@ -2,6 +2,7 @@
 
     python tools/upstream_wheels.py              # fetch once per machine, print the directory
     python tools/upstream_wheels.py --check      # exit 1 when the tree is not there (no fetch)
+    python tools/upstream_wheels.py --quick      # fetch if needed, say what each tree holds
 
 The GPU image pins its stack in one place, pyproject's ``gpu`` extra (docker/Dockerfile
 installs exactly that extra). This script reads the pins of :data:`PACKAGES` from it,
@@ -148,12 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="do not fetch; exit 1 when absent")
+    parser.add_argument(
+        "--quick", action="store_true", help="also print each tree's wheel, SHA-256 and files"
+    )
     args = parser.parse_args(argv)
     try:
         paths = [ensure(name, fetch=not args.check) for name in PACKAGES]
     except (FileNotFoundError, RuntimeError) as exc:
         print(f"upstream_wheels: {exc}", file=sys.stderr)
         return 1
+    if args.quick:
+        for path in paths:
+            stamp = (path / ".complete").read_text(encoding="utf-8").strip()
+            print(f"upstream_wheels: {path.name} unpacked from {stamp}", file=sys.stderr)
     print("\n".join(str(p) for p in paths))
     return 0
 

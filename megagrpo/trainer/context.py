@@ -32,7 +32,7 @@ from megagrpo.types import Problem
 
 if TYPE_CHECKING:
     from megagrpo.curriculum.rounds import Rounds
-    from megagrpo.trainer.minibatch import Generated
+    from megagrpo.trainer.generated import Generated
     from megagrpo.trainer.partial import PartialRollouts
     from megagrpo.trainer.rollouts import Rollouts
 

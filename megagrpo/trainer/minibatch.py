@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +31,8 @@ from megagrpo.errors import CheckpointError
 from megagrpo.model.routing import Routing
 from megagrpo.trainer.batch import has_rollout_logprobs
 from megagrpo.trainer.context import TrainContext
+from megagrpo.trainer.generated import Generated, Update
 from megagrpo.trainer.optimize import (
-    Update,
     behaviour_logprobs,
     logprob_mismatch,
     optimizer_step,
@@ -43,66 +42,6 @@ from megagrpo.trainer.optimize import (
 from megagrpo.types import Group, Problem
 
 STATE_VERSION = 1
-
-
-def mini_batch_bounds(num_groups: int, mini_batches: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` group ranges of each mini-batch: consecutive, sizes differing by at most
-    one (a short dynamic-sampling batch leaves the last ones smaller, or empty)."""
-    base, extra = divmod(num_groups, mini_batches)
-    bounds, lo = [], 0
-    for k in range(mini_batches):
-        hi = lo + base + (1 if k < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
-@dataclass
-class Generated:
-    """A generated batch being trained, one optimiser step per loop step."""
-
-    step: int
-    """The loop step that generated it."""
-    groups: list[Group]
-    adv: list[torch.Tensor]
-    """Advantages over the whole generated batch, one ``[G_n]`` row per group."""
-    mini_batches: int
-    epochs: int
-    done: int = 0
-    """Optimiser steps already taken on it (every rank the same)."""
-    updates: list[Update] | None = None
-    """This rank's micro-batches and log-probs per mini-batch, prepared before the first
-    update (:func:`prepare`)."""
-
-    @property
-    def total(self) -> int:
-        """Optimiser steps on this batch: ``mini_batches x epochs``."""
-        return self.mini_batches * self.epochs
-
-    @property
-    def index(self) -> int:
-        """The mini-batch the next step trains."""
-        return self.done % self.mini_batches
-
-    @property
-    def is_last(self) -> bool:
-        """The next step is the last on this batch (the one after generates)."""
-        return self.done == self.total - 1
-
-    def bounds(self) -> list[tuple[int, int]]:
-        return mini_batch_bounds(len(self.groups), self.mini_batches)
-
-    def current_groups(self) -> list[Group]:
-        """The groups the next step trains."""
-        lo, hi = self.bounds()[self.index]
-        return self.groups[lo:hi]
-
-    def position(self) -> dict[str, float]:
-        """``train/mini_batch`` and ``train/epoch`` (1-based) of the next step."""
-        return {
-            "train/mini_batch": float(self.index + 1),
-            "train/epoch": float(self.done // self.mini_batches + 1),
-        }
 
 
 def new_batch(ctx: TrainContext, step: int, groups: list[Group], adv: list[torch.Tensor]):

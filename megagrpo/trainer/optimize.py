@@ -27,7 +27,6 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,6 +51,7 @@ from megagrpo.trainer.batch import (
 )
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.generated import Update
 from megagrpo.trainer.loss_head import micro_batch_logprobs, micro_batch_loss, model_output
 from megagrpo.types import Group
 
@@ -318,27 +318,6 @@ def reuses_training_forward(cfg: RunConfig) -> bool:
         and cfg.model.lora.dropout == 0
         and cfg.model.routing_replay != "r2"
     )
-
-
-@dataclass
-class Update:
-    """This rank's share of one optimiser step: the micro-batches of one mini-batch of a
-    generated batch, the batch totals their weights divide by, and the behaviour (``old``)
-    and reference log-probs, one ``[B, T]`` per micro-batch, computed before the generated
-    batch's first update (:func:`behaviour_logprobs`)."""
-
-    mbs: list[MicroBatch]
-    totals: BatchTotals
-    source: str
-    """The resolved ``trainer.old_logprobs``."""
-    plan: ReplayPlan | None
-    reused: bool
-    """Old log-probs = the training forward's own (detached): :func:`reuses_training_forward`."""
-    probe: bool
-    old: list | None = None
-    ref: list | None = None
-    extra: dict[str, float] = field(default_factory=dict)
-    """``train/logprob_mismatch*`` measured when the old log-probs were recomputed."""
 
 
 def prepare_update(

@@ -30,10 +30,12 @@ QUICK = {
     "bench_sync_verify.py": ("checksums s", [SLOW]),
     "bench_train_memory.py": ("fused linear  peak", [SLOW]),
     "convert_ckpt.py": ("bitwise True", [SLOW]),
+    "gpu_check_moe.py": ("CPU bf16 against CPU fp32, ok True", [SLOW]),
     "learning_efficiency.py": ("| original (R=3) | 1 |", [SLOW]),
     "make_demo_mcq.py": ("regenerate byte for byte: True", []),
     "make_demo_problems.py": ("regenerate byte for byte: True", []),
     "repro_article.py": ("all levels, knapsack + carry", [SLOW]),
+    "upstream_wheels.py": ("vllm-", []),
 }
 
 # tools whose smoke run also checks that --json prints nothing but JSON

@@ -188,7 +188,7 @@ def test_plan_cli_calibrate_refuses_what_is_not_the_run(tmp_path, capsys):
     (run / "config.yaml").write_text("curriculum:\n  level_k: 5\nrollout:\n  group_size: 8\n")
     key = "collapse/groups_by_level/L1"
     for extra, match in [
-        ("[1, 2]\n", "row 5 is not a JSON object"),
+        ("[1, 2]\n", "metrics.jsonl:5: a metrics row must be a JSON object"),
         (json.dumps({"step": 5, "collapse/acr_by_level/L1": 0.5, key: -3}) + "\n", "not a count"),
         ('{"step": 5, "collapse/acr_by_level/L1": 0.5, "' + key + '": NaN}\n', "not a count"),
         (json.dumps({"step": 5, "collapse/acr_by_level/L1": 1.5}) + "\n", "outside"),

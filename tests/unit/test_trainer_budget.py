@@ -149,7 +149,11 @@ def test_micro_batches_of_ragged_groups_equal_the_per_group_reference(variant, a
 def _ctx(baseline="group", scale="group", weight=1.0):
     cfg = SimpleNamespace(
         budget=SimpleNamespace(advantage_baseline=baseline),
-        loss=SimpleNamespace(resolved_advantage_scale=lambda: scale, positive_weight=weight),
+        loss=SimpleNamespace(
+            resolved_advantage_scale=lambda: scale,
+            positive_weight=weight,
+            advantage_estimator="grpo",
+        ),
     )
     return SimpleNamespace(cfg=cfg)
 
