@@ -260,6 +260,7 @@ def write_predictions(
     by_file: dict[tuple[str, str], list[str]] = {}
     for pid, item in gold.items():
         by_file.setdefault((item.year, item.exam), []).append(pid)
+    check_name(name)
     written = []
     for (year, exam), pids in sorted(by_file.items()):
         if not any(pid in preds for pid in pids):
@@ -329,6 +330,16 @@ def format_guess(guess: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- run
 
 
+def check_name(name: str) -> None:
+    """``--name`` goes into file names (EXAM_NAME.jsonl under OUT/YEAR): one plain name, so
+    that nothing is written outside ``--out`` (``../x`` climbed out of it)."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(
+            f"--name {name!r}: must be a plain name (no '/', '\\', NUL, '.' or '..'): it "
+            "names the prediction files inside --out"
+        )
+
+
 def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:
     if args.out:
         return Path(args.out)
@@ -379,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.limit < 0:
         raise ConfigError("--limit must be >= 0")
+    check_name(args.name)
     cfg = load_config(RunConfig, [args.config], args.overrides)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     files = find_files(args.data, gold=True)

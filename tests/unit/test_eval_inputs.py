@@ -58,3 +58,32 @@ def test_a_bad_gold_or_adapter_config_is_named_before_the_engine(
     assert main(["eval", str(cfg), "--data", str(exam), "--adapter", str(adapter)]) == 2
     err = capsys.readouterr().err
     assert f"{adapter / 'adapter_config.json'}: unreadable" in err
+
+
+@pytest.mark.parametrize("name", ["../../victim", "a/b", "..", "", "x\\y"])
+def test_a_name_that_leaves_out_is_refused_before_the_engine(
+    tmp_path, tiny_dense_dir, no_engine, capsys, name
+):
+    """Red team 3, L4: ``--name ../../victim`` wrote OUT/2022/../../victim.jsonl."""
+    cfg = write_run_config(tmp_path / "c.yaml", tiny_run_config(tiny_dense_dir, tmp_path, "e"))
+    exam = _gold(tmp_path / "2018" / "112-A.jsonl", [ROW])
+    out = tmp_path / "out"
+    argv = ["eval", str(cfg), "--data", str(exam), "--out", str(out), "--name", name]
+    assert main(argv) == 2
+    assert f"--name {name!r}: must be a plain name" in capsys.readouterr().err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["2018", "c.yaml"]
+
+
+def test_write_predictions_keeps_every_file_inside_out(tmp_path):
+    """The writer itself refuses a climbing name (a caller other than ``run``)."""
+    from megagrpo.commands.eval import write_predictions
+    from megagrpo.errors import ConfigError
+    from megagrpo.rewards.igakuqa import read_gold
+
+    exam = _gold(tmp_path / "2018" / "112-A.jsonl", [ROW])
+    gold = read_gold([exam])
+    with pytest.raises(ConfigError, match="--name"):
+        write_predictions(tmp_path / "out", gold, {"112A1": ("a", "")}, "../../v")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "v.jsonl").exists()
+    (ok,) = write_predictions(tmp_path / "out", gold, {"112A1": ("a", "")}, "m")
+    assert ok.resolve().is_relative_to((tmp_path / "out").resolve())
