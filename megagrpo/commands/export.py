@@ -194,10 +194,14 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
             fname = f"model-{i + 1:05d}.safetensors"
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             index.update(dict.fromkeys(tensors, fname))
+        if merged != len(units):  # before the rename: --out never holds a model missing them
+            missing = sorted(set(units) - set(index))
+            raise CheckpointError(
+                f"{model_dir}: {len(missing)} adapted weights not found in the base model "
+                f"(e.g. {missing[0]}); nothing written to {out}"
+            )
         body = {"metadata": {"total_size": total}, "weight_map": index}
         fileio.write_text(tmp / "model.safetensors.index.json", json.dumps(body, indent=1))
-    if merged != len(units):
-        raise CheckpointError(f"{model_dir}: {len(units) - merged} adapted weights not found")
     return Path(out)
 
 

@@ -107,3 +107,30 @@ def test_replace_dir_replaces_a_symlink_never_its_target(tmp_path):
     assert not link.is_symlink() and (link / "w.bin").read_bytes() == b"1"
     assert (target / "keep.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "elsewhere"]
+
+
+def test_merged_export_missing_an_adapted_weight_leaves_out_as_it_was(run, tmp_path, capsys):
+    """Red team 3, M6: the check ran after the temporary directory was renamed into ``--out``,
+    leaving a complete-looking model there; now ``--out`` stays empty (and a new one absent)."""
+    from safetensors.torch import load_file, save_file
+
+    run_dir, model = run
+    (shard,) = sorted(model.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    adapted = next(n for n in sorted(tensors) if n.endswith("self_attn.q_proj.weight"))
+    tensors["renamed." + adapted] = tensors.pop(adapted)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = model / "model.safetensors.index.json"
+    if index.exists():
+        body = json.loads(index.read_text())
+        body["weight_map"]["renamed." + adapted] = body["weight_map"].pop(adapted)
+        index.write_text(json.dumps(body))
+    empty, new = tmp_path / "empty", tmp_path / "new"
+    empty.mkdir()
+    for out in (empty, new):
+        assert main(["export", str(run_dir), "--merged", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "adapted weights not found" in err and adapted in err, err
+    assert list(empty.iterdir()) == []
+    assert not new.exists()
+    assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob(".*tmp*"))
