@@ -43,13 +43,20 @@ def test_train_with_routing_replay_logs_agreement(tiny_moe_dir, tmp_path, mode, 
     """r3: the trainer replays the HF engine's experts; fp32 weights synced exactly, so the
     own router agrees everywhere and the recomputed log-probs equal the engine's. r2 (two
     PPO epochs): the second epoch replays the first forward's record; the agreement is
-    measured against it (below 1 only if the update moved a selection)."""
+    measured against it. Each epoch is its own optimiser step (``trainer.ppo_epochs``): step 1
+    trains the weights that made the record (agreement exactly 1), step 2 the weights one
+    update later (below 1 wherever that update moved a selection; the tiny random router's
+    near-ties make that likely, so only the bounds are asserted)."""
     rows = _train(tiny_moe_dir, tmp_path, mode, ppo_epochs=epochs)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["train/skipped_empty_batch"] == 0.0
         agreement = r["train/routing_agreement"]
-        assert agreement is not None and 0.9 <= agreement <= 1.0
+        assert agreement is not None and 0.5 <= agreement <= 1.0, agreement
         assert r["train/logprob_mismatch_max"] < 1e-4  # fp32 engine vs trainer, same weights
+    assert rows[0]["train/routing_agreement"] == 1.0  # r3: the engine's; r2: its own record
     if mode == "r3":
-        assert all(r["train/routing_agreement"] == 1.0 for r in rows)
+        assert rows[1]["train/routing_agreement"] == 1.0
+    else:
+        assert [r["train/epoch"] for r in rows] == [1.0, 2.0]
+        assert rows[0]["train/grad_norm"] > 0  # the update between them moved the weights
