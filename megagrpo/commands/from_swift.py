@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from megagrpo import fileio
+from megagrpo.commands.swift_advantage import translate_advantage
 from megagrpo.commands.swift_batching import translate_batches, translate_launch
 from megagrpo.commands.swift_fidelity import (
     blocking,
@@ -253,6 +254,7 @@ def translate(
     translate_unexpanded(t, env or {})
     translate_tuner(t)
     translate_algorithm(t)
+    translate_advantage(t)
     lay = translate_batches(t)
     translate_loss_type(t, lay)
     translate_model(t)

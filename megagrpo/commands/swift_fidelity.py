@@ -111,7 +111,6 @@ UNSUPPORTED: dict[str, str] = {
     "tau_pos": "SAPO's soft gate (loss_type sapo)",
     "tau_neg": "SAPO's soft gate (loss_type sapo)",
     "delta": "two-sided clipping of the ratio (delta)",
-    "kl_in_reward": "KL in the reward",
     "off_policy_sequence_mask_delta": "off-policy sequence masking",
     "top_entropy_quantile": "entropy-masked tokens",
     "sync_ref_model": "a reference model that follows the policy",

@@ -282,31 +282,6 @@ def translate_algorithm(t: Translation) -> None:
             if dyn
             else "no effect without --dynamic_sample true",
         )
-    scale = t.get("scale_rewards", "group")
-    ok = scale in ("group", "batch", "none")
-    t.add(
-        "scale_rewards",
-        EXACT if ok else MISSING,
-        {"loss.advantage_scale": scale} if ok else {},
-        (
-            ""
-            if "scale_rewards" in t.flags
-            else "not given: ms-swift's default 'group' for every "
-            "loss_type (megagrpo's dr_grpo default is none)"
-        )
-        if ok
-        else f"'{scale}' is not implemented",
-        value=scale,
-    )
-    est = t.get("advantage_estimator", "grpo")
-    if "advantage_estimator" in t.flags:
-        known = est in ("grpo", "rloo", "reinforce_plus_plus")
-        t.add(
-            "advantage_estimator",
-            EXACT if known else MISSING,
-            {"loss.advantage_estimator": est} if known else {},
-            "" if known else f"'{est}' is not implemented",
-        )
     mode = t.get("rollout_importance_sampling_mode")
     if mode is not None:
         cap = float(t.get("rollout_importance_sampling_threshold", 2.0))

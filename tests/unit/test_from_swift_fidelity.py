@@ -20,6 +20,7 @@ from megagrpo.algo.config import LossConfig
 from megagrpo.algo.losses import policy_loss
 from megagrpo.cli import main
 from megagrpo.commands.from_swift import parse_tokens, read_swift_args, to_config, translate
+from megagrpo.commands.swift_advantage import SCALE_DEFAULTS
 from megagrpo.commands.swift_fidelity import blocking
 from megagrpo.commands.swift_flags import EXACT, MISSING
 from megagrpo.commands.swift_shell import Unexpanded, command_from_script
@@ -75,7 +76,8 @@ def test_example_scripts_write_nothing_they_cannot_train(script, tmp_path, capsy
     assert cfg.trainer.old_logprobs == "recompute"  # ms-swift: the training model's
     assert cfg.curriculum.retire_streak == 0  # ms-swift never drops rows
     assert cfg.loss.tis_cap == 0.0 or "rollout_importance_sampling_mode" in flags
-    scale = flags.get("scale_rewards", "group")
+    est = flags.get("advantage_estimator", "grpo")
+    scale = flags.get("scale_rewards", SCALE_DEFAULTS[est])  # ms-swift's default per estimator
     assert cfg.loss.advantage_scale == scale
     exact = {e.flag for e in t.entries if e.status == EXACT}
     assert not exact & {"loss_type", "model"} or flags.get("loss_type", "grpo") in (
@@ -163,7 +165,7 @@ def test_advantage_estimators_are_ms_swifts(estimator, scale):
     from swift.rl_core.advantage import compute_advantages
 
     t = _t([*BASE, "--advantage_estimator", estimator, "--scale_rewards", scale,
-            "--num_generations", "4"])  # fmt: skip
+            "--kl_in_reward", "false", "--num_generations", "4"])  # fmt: skip
     assert _status(t, "advantage_estimator") == EXACT and not blocking(t)
     cfg = to_config(t)
     rewards = torch.tensor([[1.0, 0.0, 0.5, 1.0], [0.2, 0.2, 0.9, 0.0], [0.0, 1.0, 1.0, 1.0]])

@@ -1,0 +1,95 @@
+"""``--advantage_estimator`` sets ms-swift's ``scale_rewards`` and ``kl_in_reward`` defaults
+(rloo: none / KL in the reward; reinforce_plus_plus: batch / KL in the reward). Checked
+against ms-swift's own argument code (``_init_grpo`` of both launchers, run on a namespace):
+at 776dce3 from-swift wrote ``scale_rewards: group`` and the KL as a loss term for
+``--advantage_estimator rloo`` and marked it ``=`` (it trained differently), and refused
+``--kl_in_reward false`` although that is megagrpo's KL."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import logging
+import types
+from pathlib import Path
+
+import pytest
+
+from megagrpo.commands.from_swift import to_config, translate
+from megagrpo.commands.swift_fidelity import blocking
+
+
+class _Args(types.SimpleNamespace):
+    def _init_generation_batch_params(self):  # megatron's; the batch layout is not at issue
+        return None
+
+
+def _method(relpath: str, cls: str, name: str):
+    """ms-swift's own ``cls.name`` from its installed source, compiled alone (importing the
+    argument modules pulls in trl, vLLM and megatron-core: 25 s here; the method reads only
+    attributes and ``logger``)."""
+    spec = importlib.util.find_spec("swift")
+    if spec is None or spec.origin is None:
+        pytest.skip("ms-swift is not installed")
+    path = Path(spec.origin).parent / relpath
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    ns: dict = {"logger": logging.getLogger("swift"), "set_default_ddp_config": lambda: None}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), ns)
+    return ns[name]
+
+
+INIT_GRPO = {
+    "swift": ("arguments/rlhf_args.py", "RLHFArguments"),
+    "megatron": ("megatron/arguments/megatron_args.py", "RLHFMegatronArgumentsMixin"),
+}
+
+
+def _swift_resolved(flavor: str, flags: dict) -> _Args:
+    """ms-swift 4.6's own resolution of the GRPO arguments' defaults."""
+    args = _Args(
+        rlhf_type="grpo", cached_dataset=None, cached_val_dataset=None, use_vllm=True,
+        async_generate=False, vllm_mode="colocate", truncation_strategy=None, beta=None,
+        reward_funcs=[], advantage_estimator="grpo", kl_in_reward=None, loss_type="grpo",
+        scale_rewards=None, sync_ref_model=False, num_iterations=1, dataset_shuffle=None,
+        use_ray=False, use_gym_env=None, gym_env=None,
+    )  # fmt: skip
+    for k, v in flags.items():
+        setattr(args, k, v)
+    _method(*INIT_GRPO[flavor], "_init_grpo")(args)
+    return args
+
+
+CASES = list(
+    itertools.product(
+        ["swift", "megatron"],
+        ["grpo", "rloo", "reinforce_plus_plus"],
+        [None, True, False],  # kl_in_reward
+        [None, 0.0, 0.1],  # beta
+        [None, "group"],  # scale_rewards
+    )
+)
+
+
+@pytest.mark.parametrize("flavor, est, kl_in_reward, beta, scale", CASES)
+def test_estimator_defaults_are_ms_swifts(flavor, est, kl_in_reward, beta, scale):
+    given = {"advantage_estimator": est}
+    for k, v in (("kl_in_reward", kl_in_reward), ("beta", beta), ("scale_rewards", scale)):
+        if v is not None:
+            given[k] = v
+    want = _swift_resolved(flavor, given)
+    flags = {"rlhf_type": "grpo", "tuner_type": "lora", "max_steps": 3, **given}
+    if flavor == "megatron":
+        flags = {**flags, "train_iters": 3}
+        del flags["max_steps"]
+    t = translate(flags, flavor)
+    blocked = {e.flag for e in blocking(t)}
+    cfg = to_config(t)
+    assert cfg.loss.advantage_scale == want.scale_rewards
+    assert cfg.loss.advantage_estimator == want.advantage_estimator
+    kl_in_reward_matters = want.kl_in_reward and want.beta != 0.0
+    assert ("kl_in_reward" in blocked) == kl_in_reward_matters, (blocked, vars(want))
+    if not kl_in_reward_matters:
+        assert cfg.loss.kl_coef == pytest.approx(want.beta)  # the loss's KL, as ms-swift's
