@@ -16,6 +16,17 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _engine_in_process(monkeypatch):
+    """``colocate=False`` engines here run without the external launcher, where vLLM 0.33
+    starts its engine core in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults
+    to 1: v1/engine/llm_engine.py). megagrpo's in-memory adapter registry and its dummy-run
+    wrapper live in this process, and ``apply_model`` would need
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``: keep the engine core in process, as the external
+    launcher does (found by the issue-31 review)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 @pytest.fixture(scope="module")
 def fp8_engine(tiny_moe_dir, tmp_path_factory):
     if not torch.cuda.is_available():
