@@ -273,10 +273,17 @@ def host_memory(s: Shapes, sc: Scenario, layers: int, lora_params: float) -> dic
     }
 
 
-ADAPTER_COPIES = 3
-"""Host copies of an engine rank's adapter at its peak, each sync: megagrpo's in-memory
-registry, vLLM's (pinned) LoRA cache of the new version, and the previous version's until the
-new one is verified (``max_cpu_loras=2``; megagrpo.rollout.vllm_lora)."""
+ADAPTER_COPIES = 5
+"""Host copies of an engine rank's adapter at its peak, each sync (an in-memory sync:
+megagrpo.rollout.vllm_engine ``update_adapter``; vLLM 0.33 ``max_cpu_loras=2``). The previous
+version is removed (``remove_lora``, then ``forget``) only after the new one is verified, and
+vLLM loads the new one during that verification (the probe's first request names it), so
+four copies are held at once: the previous version's registry entry
+(megagrpo.rollout.vllm_lora) and vLLM's pinned CPU-cache copy of it, the new version's
+registry entry and vLLM's pinned copy of it. While vLLM loads the new version it holds one
+more: ``from_local_checkpoint`` keeps every tensor it read (copies: ``get_tensor`` clones,
+since vLLM scales ``lora_B`` in place) until ``from_lora_tensors`` has pinned a copy of each
+(vllm/lora/lora_model.py, ``pin_memory``), so 4 + 1."""
 
 
 def adapter_sync_bytes(s: Shapes, sc: Scenario) -> float:

@@ -72,7 +72,8 @@ def format_plan(p: dict) -> str:
     if host and host.get("adapter_sync_gib_per_gpu"):
         lines.append(
             f"  host per engine rank per adapter sync: {host['adapter_sync_gib_per_gpu']} GiB "
-            "(its own experts only; registry, vLLM's cache and the previous version)"
+            "(its own experts only; registry and vLLM's cache, new and previous version, and "
+            "vLLM's read copy while it loads)"
         )
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
     lines += [f"  - {t}" for t in p["advice"]]
