@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megagrpo.errors import require, require_finite
 
-VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo")
+VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "sapo")
 LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ADVANTAGE_SCALES = ("auto", "group", "batch", "none")
 BACKENDS = ("auto", "triton", "torch")
@@ -19,8 +19,15 @@ _DEFAULT_AGG = {
     "dapo": "token_mean",  # DAPO: one mean over every valid token of the batch
     "dr_grpo": "seq_mean_token_sum_norm",  # Dr.GRPO: sum / (num_seqs * max_tokens)
     "gspo": "seq_mean_token_mean",  # GSPO: one loss per sequence, mean over sequences
+    "sapo": "seq_mean_token_mean",  # SAPO: as grpo (ms-swift's loss_type sapo)
 }
-_DEFAULT_SCALE = {"grpo": "group", "dapo": "group", "dr_grpo": "none", "gspo": "group"}
+_DEFAULT_SCALE = {
+    "grpo": "group",
+    "dapo": "group",
+    "dr_grpo": "none",
+    "gspo": "group",
+    "sapo": "group",
+}
 
 
 @dataclass
@@ -28,11 +35,19 @@ class LossConfig:
     """Policy loss: GRPO/DAPO clipped surrogate and variants."""
 
     variant: str = "grpo"
-    """grpo | dapo | dr_grpo | gspo. gspo clips a sequence-level ratio (length-normalised)."""
+    """grpo | dapo | dr_grpo | gspo | sapo. gspo clips a sequence-level ratio
+    (length-normalised); sapo replaces the clip by a soft gate (``sapo_tau_pos/neg``)."""
     eps_low: float = 0.2
     """Lower clip: the ratio is clamped at 1 - eps_low (GSPO uses ~3e-4)."""
     eps_high: float = 0.28
     """Upper clip: the ratio is clamped at 1 + eps_high (DAPO clip-higher; GSPO ~4e-4)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO (Soft Adaptive Policy Optimization, ms-swift's ``--loss_type sapo``
+    ``--tau_pos``): each token's loss is ``-A g(r)`` with the soft gate
+    ``g(r) = sigmoid(tau (r - 1)) 4 / tau`` (slope 1 at r = 1, fading as the ratio leaves 1)
+    instead of the clip; this ``tau`` where ``A > 0``. eps_low / eps_high are not used."""
+    sapo_tau_neg: float = 1.05
+    """SAPO's ``tau`` where ``A <= 0`` (ms-swift's ``--tau_neg``; larger: the gate fades faster)."""
     kl_coef: float = 0.0
     """k3 KL to the reference policy; 0 disables it (no reference forward)."""
     entropy_coef: float = 0.0
@@ -114,12 +129,23 @@ class LossConfig:
 
     def validate(self, path: str = "loss") -> None:
         """Check values; raises ConfigError naming the key."""
-        for key in ("eps_low", "eps_high", "kl_coef", "entropy_coef", "tis_cap", "positive_weight"):
+        for key in (
+            "eps_low",
+            "eps_high",
+            "kl_coef",
+            "entropy_coef",
+            "tis_cap",
+            "positive_weight",
+            "sapo_tau_pos",
+            "sapo_tau_neg",
+        ):
             require_finite(getattr(self, key), f"{path}.{key}")
         require(self.variant in VARIANTS, f"{path}.variant", f"must be one of {VARIANTS}")
         require(0.0 <= self.eps_low < 1.0, f"{path}.eps_low", "must be in [0, 1)")
         require(self.eps_high >= 0.0, f"{path}.eps_high", "must be >= 0")
         require(self.kl_coef >= 0.0, f"{path}.kl_coef", "must be >= 0")
+        require(self.sapo_tau_pos > 0.0, f"{path}.sapo_tau_pos", "must be > 0")
+        require(self.sapo_tau_neg > 0.0, f"{path}.sapo_tau_neg", "must be > 0")
         require(0.0 <= self.positive_weight <= 1.0, f"{path}.positive_weight", "must be in [0, 1]")
         require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
         require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")

@@ -1,4 +1,5 @@
-"""Reference policy losses in pure torch: GRPO / DAPO / Dr.GRPO / GSPO, k3 KL, entropy, TIS.
+"""Reference policy losses in pure torch: GRPO / DAPO / Dr.GRPO / GSPO / SAPO, k3 KL, entropy,
+TIS.
 
 These are the readable, autograd-differentiated definitions the fused kernels
 (megagrpo.kernels) are tested against. They materialise a [T, V] fp32 log-softmax, so use
@@ -59,6 +60,23 @@ def clipped_surrogate(
     pg1 = -adv * ratio
     pg2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     return torch.maximum(pg1, pg2), (pg2 > pg1).detach(), ratio
+
+
+def sapo_surrogate(
+    logp: Tensor, old: Tensor, adv: Tensor, tau_pos: float, tau_neg: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SAPO's soft-gated surrogate per token (ms-swift's ``loss_type sapo``).
+
+    pg_t = -A g(r), g(r) = sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos where A > 0, else
+    tau_neg; r = exp(logp - old). dg/dr = 4 sigma (1 - sigma): 1 at r = 1 (the policy
+    gradient, on-policy), fading as r leaves 1. Nothing is clipped.
+    Returns (pg [T], clipped [T] all False, ratio [T]).
+    """
+    ratio = torch.exp(logp - _up(old))
+    adv = _up(adv)
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -adv * gate, torch.zeros_like(ratio, dtype=torch.bool), ratio
 
 
 def gspo_surrogate(
@@ -298,6 +316,8 @@ def policy_loss(
         pg, clipped, ratio = gspo_surrogate(
             logp, old, adv, m, ids, num_seqs, cfg.eps_low, cfg.eps_high
         )
+    elif cfg.variant == "sapo":
+        pg, clipped, ratio = sapo_surrogate(logp, old, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     else:
         pg, clipped, ratio = clipped_surrogate(logp, old, adv, cfg.eps_low, cfg.eps_high)
     c = token_weights(m, ids, num_seqs, cfg.resolved_loss_agg(), cfg.max_tokens, seq_weights)

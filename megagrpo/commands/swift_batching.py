@@ -180,7 +180,7 @@ def _iterations(t: Translation) -> None:
 
 def loss_normaliser(t: Translation, loss: str, lay: Layout) -> tuple[str, str, str]:
     """``(status, loss_agg, note)`` of ms-swift's ``loss_type`` under this launcher."""
-    if loss == "grpo":
+    if loss in ("grpo", "sapo"):
         return EXACT, "seq_mean_token_mean", "per-completion token mean, then the batch mean"
     if loss == "dr_grpo":
         return EXACT, "seq_mean_token_sum_norm", "token sum / (completions x max_completion_length)"

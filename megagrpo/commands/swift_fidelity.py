@@ -108,8 +108,6 @@ UNSUPPORTED: dict[str, str] = {
     "quant_method": "quantised base weights (QLoRA)",
     "quant_bits": "quantised base weights (QLoRA)",
     "bnb_4bit_quant_type": "quantised base weights (QLoRA)",
-    "tau_pos": "SAPO's soft gate (loss_type sapo)",
-    "tau_neg": "SAPO's soft gate (loss_type sapo)",
     "delta": "two-sided clipping of the ratio (delta)",
     "off_policy_sequence_mask_delta": "off-policy sequence masking",
     "top_entropy_quantile": "entropy-masked tokens",
@@ -121,10 +119,9 @@ TEXT_FAMILIES = re.compile(
 MULTIMODAL = re.compile(r"(vl|omni|audio|vision|qwen3\.5|qwen3_5|llava|pixtral)", re.IGNORECASE)
 
 
-SWIFT_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+SWIFT_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "sapo")
 """Loss types megagrpo trains (normalisers: :func:`swift_batching.loss_normaliser`)."""
 UNSUPPORTED_LOSSES = {
-    "sapo": "SAPO's soft sigmoid gate instead of the clip",
     "cispo": "CISPO's clipped-weight REINFORCE",
     "real": "REAL's group ranking loss",
     "fipo": "FIPO's future-KL influence weights",
@@ -137,10 +134,20 @@ def translate_loss_type(t: Translation, lay: Layout) -> None:
     and batch layout (:func:`~megagrpo.commands.swift_batching.loss_normaliser`)."""
     loss = str(t.get("loss_type", "grpo"))
     level = str(t.get("importance_sampling_level", "token"))
+    _sapo_taus(t, loss)
     if loss not in SWIFT_LOSS_TYPES:
         why = UNSUPPORTED_LOSSES.get(loss, "unknown to megagrpo")
         t.add("loss_type", MISSING, {}, f"not supported: loss_type '{loss}' ({why})")
         t.done.add("importance_sampling_level")
+        return
+    if loss == "sapo" and level != "token":
+        t.add("loss_type", EXACT, {}, value=loss)
+        t.add(
+            "importance_sampling_level",
+            MISSING,
+            {},
+            f"not supported with loss_type sapo: '{level}' (megagrpo's SAPO gates token ratios)",
+        )
         return
     if level not in ("token", "sequence"):
         t.add("loss_type", EXACT, {}, value=loss)
@@ -152,7 +159,9 @@ def translate_loss_type(t: Translation, lay: Layout) -> None:
         )
         return
     variant = (
-        "gspo" if level == "sequence" else {"dapo": "dapo", "dr_grpo": "dr_grpo"}.get(loss, "grpo")
+        "gspo"
+        if level == "sequence"
+        else {"dapo": "dapo", "dr_grpo": "dr_grpo", "sapo": "sapo"}.get(loss, "grpo")
     )
     status, agg, why = loss_normaliser(t, loss, lay)
     keys = {"loss.variant": variant, "loss.loss_agg": agg}
@@ -166,6 +175,18 @@ def translate_loss_type(t: Translation, lay: Layout) -> None:
             if level == "sequence"
             else "",
         )
+
+
+def _sapo_taus(t: Translation, loss: str) -> None:
+    """``--tau_pos`` / ``--tau_neg``: SAPO's gate temperatures (ms-swift's defaults 1.0 / 1.05
+    are megagrpo's); no effect with another loss_type."""
+    for flag, key in (("tau_pos", "loss.sapo_tau_pos"), ("tau_neg", "loss.sapo_tau_neg")):
+        if flag not in t.flags:
+            continue
+        if loss == "sapo":
+            t.add(flag, EXACT, {key: float(t.get(flag))})
+        else:
+            t.add(flag, EXACT, {}, f"no effect: loss_type is {loss}, not sapo")
 
 
 def blocking(t: Translation) -> list[Entry]:
@@ -467,7 +488,7 @@ FLOAT_FLAGS = frozenset(
     """beta temperature top_p epsilon epsilon_high lora_alpha lora_dropout lr learning_rate
     min_lr weight_decay adam_beta1 adam_beta2 clip_grad max_grad_norm warmup_ratio
     lr_warmup_fraction rollout_importance_sampling_threshold vllm_gpu_memory_utilization
-    num_train_epochs""".split()
+    num_train_epochs tau_pos tau_neg""".split()
 )
 BOOL_WORDS = frozenset({"true", "false", "1", "0", "yes", "no", "on", "off"})
 BOOL_FLAGS = frozenset(

@@ -33,14 +33,25 @@ class TokenTerms:
 def token_terms(
     logp: Tensor, old: Tensor, adv: Tensor, cfg: LossConfig, ref: Tensor | None
 ) -> TokenTerms:
-    """Clipped surrogate and k3 KL per token with their logp derivatives (as the kernel does)."""
+    """Clipped surrogate (SAPO's soft gate for ``variant: sapo``) and k3 KL per token with
+    their logp derivatives (as the kernel does)."""
     ratio = torch.exp(logp - old)
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    clipped = pg2 > pg1
-    terms = TokenTerms(
-        torch.maximum(pg1, pg2), torch.where(clipped, 0.0, pg1), clipped.float(), ratio
-    )
+    if cfg.variant == "sapo":  # pg = -A g(r), dpg/dlogp = -A g'(r) r, g' = 4 s (1 - s)
+        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
+        s = torch.sigmoid(tau * (ratio - 1.0))
+        terms = TokenTerms(
+            -adv * s * (4.0 / tau),
+            -adv * 4.0 * s * (1.0 - s) * ratio,
+            torch.zeros_like(ratio),
+            ratio,
+        )
+    else:
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+        clipped = pg2 > pg1
+        terms = TokenTerms(
+            torch.maximum(pg1, pg2), torch.where(clipped, 0.0, pg1), clipped.float(), ratio
+        )
     if ref is not None:
         d = ref - logp
         terms.kl, terms.dkl = torch.exp(d) - d - 1.0, 1.0 - torch.exp(d)

@@ -122,7 +122,8 @@ def _forward(logits2d: Tensor, p: LossPlan) -> tuple[Tensor, Tensor, Tensor, Ten
     start = vocab_start_of(p.tp_group, v_local)
     tp = group_size(p.tp_group)
     fuse = None
-    if p.backend == "triton" and tp == 1 and p.cfg.variant != "gspo" and p.old is not None:
+    clip = p.cfg.variant not in ("gspo", "sapo")  # the Triton kernel fuses the clip only
+    if p.backend == "triton" and tp == 1 and clip and p.old is not None:
         fuse = dict(
             old_logprobs=p.old,
             advantages=p.adv,

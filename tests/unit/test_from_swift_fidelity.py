@@ -180,16 +180,18 @@ def test_advantage_estimators_are_ms_swifts(estimator, scale):
 
 
 def test_unsupported_losses_block(tmp_path, capsys):
-    for loss in ("sapo", "cispo", "real", "fipo"):
+    for loss in ("cispo", "real", "fipo"):
         t = _t([*BASE, "--loss_type", loss, "--tau_pos", "1.0"])
         flags = {e.flag for e in blocking(t)}
-        assert "loss_type" in flags and "tau_pos" in flags, loss
-    out = tmp_path / "sapo.yaml"
-    assert main(["from-swift", "--out", str(out), "--", *BASE, "--loss_type", "sapo"]) == 2
+        assert "loss_type" in flags and "tau_pos" not in flags, loss  # tau: SAPO's, no effect
+    out = tmp_path / "cispo.yaml"
+    assert main(["from-swift", "--out", str(out), "--", *BASE, "--loss_type", "cispo"]) == 2
     assert not out.exists() and "--loss_type" in capsys.readouterr().err
     assert main(["from-swift", "--allow-partial", "--out", str(out), "--", *BASE,
-                 "--loss_type", "sapo"]) == 0  # fmt: skip
+                 "--loss_type", "cispo"]) == 0  # fmt: skip
     assert out.read_text().startswith("# megagrpo from-swift")
+    t = _t([*BASE, "--loss_type", "sapo", "--importance_sampling_level", "sequence"])
+    assert "importance_sampling_level" in {e.flag for e in blocking(t)}
     t = _t([*BASE, "--importance_sampling_level", "sequence_token"])
     assert "importance_sampling_level" in {e.flag for e in blocking(t)}
 

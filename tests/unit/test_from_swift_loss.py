@@ -119,7 +119,7 @@ def _leaves(data):
     return [mb["logp"] for row in data for mb in row]
 
 
-def _megatron_total(module, loss_type, data, overlong=False):
+def _megatron_total(module, loss_type, data, overlong=False, taus=(1.0, 1.05)):
     """ms-swift's Megatron loss over ``data`` ([rank][micro]): each rank's sum of
     ``loss_func`` / num_microbatches, averaged over ranks."""
     ranks, micro = len(data), len(data[0])
@@ -135,7 +135,7 @@ def _megatron_total(module, loss_type, data, overlong=False):
         _metrics=defaultdict(lambda: defaultdict(list)), unwrapped_models=[ns(training=True)],
         _step=1, steps_per_generation=1, num_generations=2,
         args=ns(overlong_filter=overlong, num_microbatches=micro, delta=None, report_to=[]),
-        is_main_process=False,
+        is_main_process=False, tau_pos=taus[0], tau_neg=taus[1],
     )  # fmt: skip
     tr._all_reduce_metric = lambda metric, *a, **k: metric
     tr._flush_log_completions = lambda: None
@@ -159,7 +159,7 @@ def _megatron_total(module, loss_type, data, overlong=False):
         module.mpu, module.gather = saved
 
 
-def _hf_total(module, loss_type, data, generations=1):
+def _hf_total(module, loss_type, data, generations=1, taus=(1.0, 1.05)):
     """ms-swift's swift rlhf loss over ``data`` ([rank][micro-step]): each micro-step's
     ``_compute_loss_and_metrics`` / gradient-accumulation steps, summed, averaged over ranks;
     ``generations``: the micro-steps of a step come from this many generated batches
@@ -180,6 +180,7 @@ def _hf_total(module, loss_type, data, generations=1):
         sdar_loss_coef=0.0, model_accepts_loss_kwargs=False, compute_loss_func=None,
         current_gradient_accumulation_steps=micro,
         accelerator=ns(num_processes=ranks, gather_for_metrics=lambda x: x.reshape(-1)),
+        tau_pos=taus[0], tau_neg=taus[1],
     )  # fmt: skip
     total = 0.0
     for row in data:
@@ -309,3 +310,21 @@ def test_swift_sequence_losses(swift_hf, loss_type):
     assert entry.status == EXACT
     data = _batches(2, 4, 2, seed=7)
     _same(_megagrpo_total(cfg, data), _hf_total(swift_hf, loss_type, data), data)
+
+
+def test_sapo_is_ms_swifts(swift_megatron, swift_hf):
+    """--loss_type sapo --tau_pos/--tau_neg (refused at 776dce3): SAPO's soft gate against
+    ms-swift's own loss code of both launchers, 2 ranks x several micro-batches, off-policy
+    (old != logp), value and gradient."""
+    taus = (0.8, 1.3)
+    extra = ["--loss_type", "sapo", "--tau_pos", "0.8", "--tau_neg", "1.3"]
+    _, entry, cfg = _cfg([*MEGATRON, *extra])
+    assert entry.status == EXACT and (cfg.variant, cfg.sapo_tau_pos, cfg.sapo_tau_neg) == (
+        "sapo", 0.8, 1.3)  # fmt: skip
+    data = _batches(2, 3, 2, seed=8)
+    want = _megatron_total(swift_megatron, "sapo", data, taus=taus)
+    _same(_megagrpo_total(cfg, data), want, data)
+    _, entry, cfg = _cfg([*SWIFT, *extra, "--gradient_accumulation_steps", "4"])
+    assert entry.status == EXACT
+    data = _batches(2, 4, 2, seed=9)
+    _same(_megagrpo_total(cfg, data), _hf_total(swift_hf, "sapo", data, taus=taus), data)

@@ -35,6 +35,7 @@ def _inputs(B, S, H, V, dtype, seed=0):
     [
         ("grpo", "torch", torch.float32),
         ("gspo", "torch", torch.float32),
+        ("sapo", "torch", torch.float32),
         ("dapo", "torch", torch.bfloat16),
         ("dr_grpo", "triton", torch.float32),
     ],

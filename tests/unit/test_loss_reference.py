@@ -144,7 +144,7 @@ def test_missing_inputs_raise():
         policy_loss(x, None, x, x + 1, LossConfig(variant="gspo"))
 
 
-@pytest.mark.parametrize("variant", ["grpo", "dapo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("variant", ["grpo", "dapo", "dr_grpo", "gspo", "sapo"])
 def test_reference_gradcheck(variant):
     torch.manual_seed(0)
     B, S, V = 2, 3, 5
