@@ -16,15 +16,22 @@ Prints, per phase, pass/fail, seconds and measured peak memory (GPU:
 the planner's per-layer slope: ``measured + (L - N) x (plan(L) - plan(N)) / (L - N)``.
 Exit status 0 when every phase passes, 1 naming the failed phase, 2 for a bad config.
 
-Writes only into a directory it creates (``{trainer.output_dir}/.preflight/{trainer.name}-ID``,
-and a local copy of the model's config and tokenizer) and removes both at the end; ``--keep``
-keeps them for a look.
+Writes only into a directory it creates (``{trainer.output_dir}/.preflight/{trainer.name}-ID-FP``,
+and a local copy of the model's config and tokenizer, ``$TMPDIR/megagrpo-preflight-model-ID-FP``)
+and removes both at the end, after a failed phase, Ctrl-C and SIGTERM (Slurm's time limit or
+preemption: exit status 143); ``--keep`` keeps the first for a look. ID is the launch's (Slurm
+job id, torchrun's run id and port; a requeue or a second plain ``torchrun`` gets the same one);
+FP fingerprints what the directory was made from (the truncated model for the copy, the model
+and the whole config for the run directory), so a leftover of a killed launch is never taken
+for another config's: a copy of the same name is used only when its files are the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import hashlib
 import json
 import math
 import os
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
+from megagrpo.errors import ConfigError, MegagrpoError
 from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = __doc__
@@ -69,7 +77,7 @@ def preflight_layers(requested: int, pp: int, full: int) -> int:
     """Layers to run: ``requested`` raised to a multiple of ``pp`` (each stage one or more
     layers), at most the model's ``full`` depth."""
     if requested < 1:
-        raise ValueError(f"--layers must be >= 1, got {requested}")
+        raise ConfigError(f"--layers must be >= 1, got {requested}")
     n = math.ceil(max(requested, pp) / pp) * pp
     return min(n, full)
 
@@ -175,26 +183,105 @@ def _run_id() -> str:
     return joined or str(os.getpid())
 
 
-def _model_copy(hf_dir: Path, layers: int, run_id: str) -> tuple[Path, bool]:
-    """``hf_dir``'s config (truncated) and tokenizer files, no weights, in a local directory
-    whose path is the same on every rank (checkpoints record it); returns it and whether this
-    process created it (the ranks of a node race: the first rename wins, the others use it)."""
+class PreflightTerminated(BaseException):
+    """SIGTERM (or SIGHUP) reached preflight: unwinds past the phases' ``except Exception``
+    so that every ``finally`` removes what preflight created; the command exits 143."""
+
+
+@contextlib.contextmanager
+def _terminate_on_sigterm() -> Any:
+    """SIGTERM / SIGHUP raise :class:`PreflightTerminated` once (a repeat during the clean-up
+    is ignored); yields a function that re-asserts the handlers (an engine may replace them
+    while it starts). Outside the main thread nothing is installed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    signums = (signal.SIGTERM, signal.SIGHUP)
+    fired: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        if not fired:
+            fired.append(signum)
+            raise PreflightTerminated(signal.Signals(signum).name)
+
+    def install() -> None:
+        for signum in signums:
+            signal.signal(signum, handle)
+
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+    install()
+    try:
+        yield install
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _digest(*parts: bytes | str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:12]
+
+
+def _model_files(hf_dir: Path, layers: int) -> dict[str, bytes]:
+    """The files of the model copy: ``hf_dir``'s config truncated to ``layers`` and its
+    tokenizer files (no weights, no weight index)."""
     from megagrpo.model.arch import load_hf_config
 
-    target = Path(tempfile.gettempdir()) / f"megagrpo-preflight-model-{run_id}"
-    mine = Path(tempfile.mkdtemp(prefix="megagrpo-preflight-model-tmp-"))
-    for f in hf_dir.iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
-            if not f.name.endswith(".index.json"):
-                shutil.copy2(f, mine / f.name)
+    files = {
+        f.name: f.read_bytes()
+        for f in sorted(hf_dir.iterdir())
+        if f.is_file()
+        and f.name != "config.json"
+        and not f.name.endswith(WEIGHT_SUFFIXES)
+        and not f.name.endswith(".index.json")
+    }
     hf = truncated_hf_config(load_hf_config(hf_dir), layers)
-    fileio.write_text(mine / "config.json", json.dumps(hf, indent=1))
+    files["config.json"] = json.dumps(hf, indent=1).encode()
+    return files
+
+
+def _same_files(d: Path, files: dict[str, bytes]) -> bool:
     try:
+        names = sorted(p.name for p in d.iterdir())
+        return names == sorted(files) and all((d / n).read_bytes() == b for n, b in files.items())
+    except OSError:
+        return False
+
+
+def _model_copy(hf_dir: Path, layers: int, run_id: str) -> tuple[Path, bool]:
+    """``hf_dir``'s config (truncated) and tokenizer files, no weights, in a local directory
+    whose path is the same on every rank (checkpoints record it) and names the launch and a
+    fingerprint of those files; returns it and whether this process created it (the ranks of
+    a node race: the first rename wins, the others use it). A directory of that name whose
+    files differ (tampered, half-written) is refused, never used (red team 3, M1)."""
+    files = _model_files(hf_dir, layers)
+    fp = _digest(*(x for name, data in sorted(files.items()) for x in (name, data)))
+    target = Path(tempfile.gettempdir()) / f"megagrpo-preflight-model-{run_id}-{fp}"
+    mine = Path(tempfile.mkdtemp(prefix="megagrpo-preflight-model-tmp-"))
+    try:
+        for name, data in files.items():
+            fileio.write_bytes(mine / name, data)
         os.rename(mine, target)
         return target, True
-    except OSError:  # another rank of this node was first (same contents)
+    except OSError as exc:
         shutil.rmtree(mine, ignore_errors=True)
-        return target, False
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
+            raise MegagrpoError(f"cannot create the model copy {target}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(mine, ignore_errors=True)
+        raise
+    if not _same_files(target, files):  # the same name is the same files, or not ours
+        raise MegagrpoError(
+            f"{target} exists but does not hold {hf_dir}'s truncated config and "
+            "tokenizer (left by another launch?); remove it to run preflight"
+        )
+    return target, False  # another rank of this node was first, or a leftover of the same
 
 
 def _plan(cfg: Any, hf: dict[str, Any], world: int) -> dict[str, float]:
@@ -215,6 +302,27 @@ def _violations(cfg: Any, hf: dict[str, Any], world: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.layers < 1:
+        raise ConfigError(f"--layers must be >= 1, got {args.layers}")
+    try:
+        with _terminate_on_sigterm() as reinstall:
+            return _run(args, reinstall)
+    except PreflightTerminated as stop:
+        print(
+            f"megagrpo preflight: stopped by {stop}: its directories were removed",
+            file=sys.stderr,
+        )
+        return 143
+
+
+def _config_fingerprint(base: Any, model_dir: Path) -> str:
+    """The run directory's fingerprint: the config (overrides applied) and the model copy's."""
+    from megagrpo.config.loader import to_yaml
+
+    return _digest(to_yaml(base), model_dir.name)
+
+
+def _run(args: argparse.Namespace, reinstall: Any) -> int:
     from megagrpo.commands.train import _env_defaults
 
     _env_defaults()
@@ -239,13 +347,20 @@ def run(args: argparse.Namespace) -> int:
     n = preflight_layers(args.layers, base.parallel.pp, full)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    # hidden parent, plain run name: trainer.name may not start with a dot
-    run_dir = Path(base.trainer.output_dir) / ".preflight" / f"{base.trainer.name}-{_run_id()}"
-    if rank == 0 and run_dir.exists():
-        print(f"megagrpo preflight: error: {run_dir} exists (not ours)", file=sys.stderr)
-        return 2
     model_dir, own_model_dir = _model_copy(hf_dir, n, _run_id())
+    run_dir: Path | None = None
     try:
+        # hidden parent, plain run name: trainer.name may not start with a dot
+        fp = _config_fingerprint(base, model_dir)
+        run_dir = (
+            Path(base.trainer.output_dir) / ".preflight" / f"{base.trainer.name}-{_run_id()}-{fp}"
+        )
+        if rank == 0 and run_dir.exists():
+            run_dir_theirs, run_dir = run_dir, None  # never removed: not ours
+            raise MegagrpoError(
+                f"{run_dir_theirs} exists: a preflight of this launch ID and config "
+                "is running, or one was killed (SIGKILL); remove it to run again"
+            )
         cfg = load_config(
             RunConfig,
             [args.config],
@@ -263,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         phases: list[dict[str, Any]] = []
         if not violations:
             with stdout_to_stderr(args.json):
-                phases = [as_dict(r) for r in run_phases(cfg)]
+                phases = [as_dict(r) for r in run_phases(cfg, before_phase=reinstall)]
         kind = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "RSS high-water"
         report = build_report(
             phases,
@@ -278,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if own_model_dir:
             shutil.rmtree(model_dir, ignore_errors=True)
-        if rank == 0 and not args.keep:
+        if rank == 0 and run_dir is not None and not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 run_dir.parent.rmdir()  # .preflight/ only when no other preflight uses it

@@ -307,14 +307,17 @@ def run_phase(run: PreflightRun, name: str) -> PhaseResult:
     return PhaseResult(name, not error, seconds, peak, error)
 
 
-def run_phases(cfg: RunConfig) -> list[PhaseResult]:
-    """Every phase in order until one fails; the context is released at the end."""
+def run_phases(cfg: RunConfig, before_phase: Callable[[], None] | None = None) -> list[PhaseResult]:
+    """Every phase in order until one fails; the context is released at the end.
+    ``before_phase`` runs before each (the command re-asserts its signal handlers)."""
     from megagrpo.trainer.setup import shutdown
 
     run = PreflightRun(cfg)
     results: list[PhaseResult] = []
     try:
         for name in PHASES:
+            if before_phase is not None:
+                before_phase()
             results.append(run_phase(run, name))
             if not results[-1].ok:
                 break
