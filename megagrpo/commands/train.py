@@ -118,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
         ro = cfg.rollout
         split = split_world(cfg.parallel.timeout_minutes, ro.engine_ranks, ro.tensor_parallel_size)
-        if split.is_engine:  # a stop signal is the trainers' to act on: they checkpoint at
-            held = StopSignals().install()  # the step boundary, then close the link
+        if split.is_engine:  # a stop signal is the trainers' to act on: the engine rank
+            held = StopSignals().install()  # reports it, they checkpoint, close the link
             try:
-                serve_engine_rank(cfg, split)
+                serve_engine_rank(cfg, split, stop=held)
             finally:
                 held.restore()
             return 0

@@ -19,7 +19,10 @@ leader) replies with the groups. A loop answers:
   engine's probe exactly as a colocated engine verifies them (every rank replies);
 * ``close``.
 
-An engine error is sent back as a reply, never swallowed.
+An engine error is sent back as a reply, never swallowed. Every ``generate``, ``partial`` and
+``push`` reply ends with the stop signal this rank received (SIGTERM, SIGINT, SIGUSR1: its
+number, 0 for none): a signal that reaches only an engine rank stops the run as one reaching a
+trainer rank does (trainer rank 0 adopts it at the next step boundary).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class EngineSide:
     feed: Callable[[int], Channel]
     leader: bool = True
     replica: int = 0
+    stop: Callable[[], int] = lambda: 0
+    """The stop signal this rank received (0: none), sent with each reply."""
 
     @classmethod
     def single(cls, channel: Channel) -> EngineSide:
@@ -97,11 +102,16 @@ def serve_engine(engine: RolloutEngine, side: EngineSide | Channel) -> int:
         elif kind in ("generate", "partial"):
             reply = (_generate if kind == "generate" else _partial)(engine, state, side, *msg[1:])
             if side.leader:
-                ch.send(GEN, reply)
+                ch.send(GEN, _with_signal(reply, side))
         elif kind == "push":
-            ch.send(PUSH, _push(engine, state, side, msg[1]))
+            ch.send(PUSH, _with_signal(_push(engine, state, side, msg[1]), side))
         else:
             ch.send(CTRL, ("error", f"unknown request {kind!r}"))
+
+
+def _with_signal(reply: tuple, side: EngineSide) -> tuple:
+    """``reply`` and the stop signal this rank received (an error reply as it is)."""
+    return reply if reply[0] == "error" else (*reply, int(side.stop()))
 
 
 def _hello(engine: RolloutEngine) -> tuple:

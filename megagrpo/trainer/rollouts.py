@@ -187,6 +187,10 @@ class Rollouts(ABC):
     """The placement of generation (see module docstring). ``engine`` is this rank's engine
     (None on the ranks of :class:`Rank0Rollouts` other than 0)."""
 
+    engine_signal: int = 0
+    """A stop signal an engine process of its own received (placement separate: reported with
+    its replies, on trainer rank 0); 0: none."""
+
     def __init__(self, engine: RolloutEngine | None, comm: Comm, reward_fn: CompositeReward):
         self.engine, self.comm, self.reward_fn = engine, comm, reward_fn
         probe = engine.probe_token_ids if engine is not None and comm.is_main else None

@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.context import TrainContext
     from megagrpo.trainer.partial import PartialRollouts
+    from megagrpo.trainer.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -269,8 +270,16 @@ class SeparateRollouts(Rollouts):
             out.append(("generate", problems[start:end], share, offset))
         return out
 
+    def _signalled(self, msg: tuple, kind: str) -> tuple:
+        """The payload of an engine reply of ``kind`` without its last element, the stop
+        signal the engine rank received: the first one is kept in :attr:`engine_signal`."""
+        *payload, signum = _reply(msg, kind)
+        if signum and not self.engine_signal:
+            self.engine_signal = int(signum)
+        return tuple(payload)
+
     def _groups(self, replies: list[tuple]) -> list[Group]:
-        groups = [g for reply in replies for g in _reply(reply, "groups")[0]]
+        groups = [g for reply in replies for g in self._signalled(reply, "groups")[0]]
         check_staleness(groups, self.version, self.max_staleness)
         return groups
 
@@ -327,7 +336,7 @@ class SeparateRollouts(Rollouts):
     def _round_result(self, replies: list[tuple], step: int, bound: int) -> RoundResult:
         out = RoundResult([], [])
         for reply in replies:
-            res, _ = _reply(reply, "partial")
+            res, _ = self._signalled(reply, "partial")
             out.finished += res.finished
             out.remaining += res.remaining
             out.chunks = max(out.chunks, res.chunks)
@@ -403,7 +412,7 @@ class SeparateRollouts(Rollouts):
             send_named(channels, REQ, iter(tensors), self.bucket_mb)
         reports, errors = [], []
         for ch in channels:
-            report, error, busy = _reply(ch.recv(PUSH), "pushed")
+            report, error, busy = self._signalled(ch.recv(PUSH), "pushed")
             self.engine_busy += busy
             if error:
                 errors.append(error)
@@ -580,11 +589,16 @@ def trainer_link(split: WorldSplit | None) -> EngineLink | None:
 
 
 def serve_engine_rank(
-    cfg: RunConfig, split: WorldSplit, engine_factory: EngineFactory | None = None
+    cfg: RunConfig,
+    split: WorldSplit,
+    engine_factory: EngineFactory | None = None,
+    stop: StopSignals | None = None,
 ) -> int:
     """An engine rank of placement separate: join the replica's private world (several ranks
     per replica), start the engine on the model, serve trainer rank 0 until it closes the link
-    (:func:`megagrpo.placement.engine_rank.serve_engine`)."""
+    (:func:`megagrpo.placement.engine_rank.serve_engine`). ``stop``: this rank's signal
+    handlers (re-asserted once the engine started); what they record goes with each reply, and
+    the trainers stop at their next step boundary (red team 3, L6: it was ignored)."""
     import torch.distributed as dist
 
     from megagrpo.model.pretrained import resolve_model_path
@@ -599,7 +613,10 @@ def serve_engine_rank(
     def feed(rank: int) -> PgChannel:
         return PgChannel(split.bridge, rank, split.data, split.device)
 
-    side = EngineSide(feed(0), feed, split.leader, split.replica)
+    signalled = (lambda: int(stop.signum or 0)) if stop is not None else (lambda: 0)
+    if stop is not None:
+        stop.install()  # an engine may have replaced the handlers while it started
+    side = EngineSide(feed(0), feed, split.leader, split.replica, signalled)
     try:
         return serve_engine(engine, side)
     finally:

@@ -68,6 +68,17 @@ class StopSignals:
             )
             self.signum = signum
 
+    def adopt(self, signum: int, where: str = "an engine rank") -> None:
+        """Stop as if this process had received ``signum`` (0: nothing), a stop signal that
+        only another process received (``where``: an engine rank of placement separate)."""
+        if signum and self.signum is None:
+            log.warning(
+                "%s caught %s: finishing the current step, then writing a checkpoint and exiting",
+                where,
+                signal.Signals(signum).name,
+            )
+            self.signum = signum
+
     @property
     def requested(self) -> bool:
         return self.signum is not None

@@ -194,3 +194,47 @@ def test_separate_defaults_to_one_step_ahead_with_the_importance_correction(
     assert run.trainer.old_logprobs == "recompute"
     on_policy = _config(tmp_path, bigram_dir, "on", max_staleness=0)
     assert on_policy.rollout.max_staleness == 0 and on_policy.loss.tis_cap == 0.0
+
+
+def test_a_signal_to_the_engine_rank_alone_stops_the_run_with_a_checkpoint(
+    bigram_dir, tmp_path, monkeypatch
+):
+    """Red team 3, L6: SIGTERM to the separate engine rank alone was logged and ignored (the
+    run went on to max_steps). The engine rank's handlers record it (here: from its third
+    reply on), its replies carry it, and the trainers stop at the next step boundary with a
+    checkpoint, as after a SIGTERM to a trainer rank."""
+    import signal
+
+    from megagrpo.placement.engine_rank import EngineSide
+    from megagrpo.trainer import loop
+    from megagrpo.trainer.setup import build_context, shutdown
+    from megagrpo.trainer.signals import StopSignals
+
+    run = _config(tmp_path, bigram_dir, "run")
+    trainer_end, engine_end = thread_pair()
+    replies: list[int] = []
+
+    def engine_signal() -> int:  # what the engine rank's StopSignals recorded
+        replies.append(0)
+        return signal.SIGTERM if len(replies) >= 3 else 0
+
+    side = EngineSide(engine_end, lambda rank: engine_end, stop=engine_signal)
+    server = threading.Thread(
+        target=serve_engine, args=(StoppingBigram(run.rollout, "", 0), side), daemon=True
+    )
+    server.start()
+    policy = lambda m, p: BigramPolicy()  # noqa: E731
+    ctx = build_context(run, policy_factory=policy, channel=trainer_end)  # pyright: ignore[reportArgumentType]
+    stop = StopSignals()
+    try:
+        rows = loop.train(ctx, stop)
+    finally:
+        stop.restore()
+        shutdown(ctx)
+    server.join(timeout=30)
+    assert not server.is_alive(), "the engine thread did not stop at close"
+    assert ctx.stopped_by == "SIGTERM"
+    assert 1 <= len(rows) < run.trainer.max_steps == 5, len(rows)
+    assert len(rows) == ctx.step
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert checkpoints == [f"step_{ctx.step:06d}"]  # save_every=0: the stop's checkpoint
