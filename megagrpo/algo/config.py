@@ -50,6 +50,11 @@ class LossConfig:
     """SAPO's ``tau`` where ``A <= 0`` (ms-swift's ``--tau_neg``; larger: the gate fades faster)."""
     kl_coef: float = 0.0
     """k3 KL to the reference policy; 0 disables it (no reference forward)."""
+    kl_in_reward: bool = False
+    """The KL goes into the rewards instead of the loss (ms-swift's ``--kl_in_reward``, its
+    default for the rloo and reinforce_plus_plus estimators): each completion's reward loses
+    ``kl_coef`` x its summed ``old - ref`` log-probs before the advantages, and the loss has
+    no KL term (:mod:`megagrpo.trainer.kl_reward`). ``reward/kl_penalty_mean`` logs it."""
     entropy_coef: float = 0.0
     """Entropy bonus: loss -= entropy_coef * mean entropy. Entropy is always logged."""
     loss_agg: str = "auto"

@@ -7,8 +7,8 @@
 * ``kl_in_reward``: false for grpo, true for rloo and reinforce_plus_plus: the reference KL
   (``beta`` x the completion's sum of old - reference log-probs) is subtracted from each
   completion's reward before the advantages (``swift/rl_core/advantage.py``), and the loss
-  has no KL term. With ``kl_in_reward`` false the KL is a loss term: megagrpo's
-  ``loss.kl_coef``.
+  has no KL term: megagrpo's ``loss.kl_in_reward`` (with ``loss.kl_coef`` = beta). With
+  ``kl_in_reward`` false the KL is a loss term: ``loss.kl_coef`` alone.
 """
 
 from __future__ import annotations
@@ -63,19 +63,18 @@ def _kl_in_reward(t: Translation, est: str) -> None:
         on = False  # ms-swift turns it off under gdpo (itself refused)
     if not on:
         if given:
-            t.add("kl_in_reward", EXACT, {}, "the KL is a loss term (loss.kl_coef), as megagrpo's")
+            t.add("kl_in_reward", EXACT, {}, "the KL is a loss term (loss.kl_coef)")
         return
     if beta == 0.0:
         t.add("kl_in_reward", EXACT, {}, "no effect: beta is 0", given=given, value=True)
         return
-    why = "" if given else f"ms-swift's default for advantage_estimator {est}; "
+    why = "" if given else f"not given: ms-swift's default for advantage_estimator {est}; "
     t.add(
         "kl_in_reward",
-        MISSING,
-        {},
-        f"not supported: KL in the reward ({why}ms-swift subtracts beta {beta:g} x the sum of "
-        "old - reference log-probs from each completion's reward before the advantages; "
-        "--kl_in_reward false puts it in the loss as megagrpo does, --beta 0 drops it)",
+        EXACT,
+        {"loss.kl_in_reward": True},
+        f"{why}beta {beta:g} x each completion's summed old - reference log-probs is taken off "
+        "its reward before the advantages, and the loss has no KL term",
         given=given,
         value=True,
     )

@@ -255,6 +255,12 @@ class RunConfig:
             "loss.advantage_estimator",
             f"{self.loss.advantage_estimator} needs groups of one size (budget.mode=uniform)",
         )
+        require(
+            not self.loss.kl_in_reward or budget.advantage_baseline != "pool",
+            "loss.kl_in_reward",
+            "the pooled baseline (budget.advantage_baseline=pool) is taken over rewards "
+            "without the KL: use budget.advantage_baseline=group",
+        )
         if budget.mode != "uniform" and self.dynamic.policy == "original":
             raise ConfigError(
                 f"config key 'dynamic.policy': 'original' (ms-swift's fallback: train on the "

@@ -26,6 +26,7 @@ What it deliberately drops: value baselines, generation more than one step ahead
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,9 @@ from megagrpo.metrics.names import (
 from megagrpo.rewards.answers import answer_bias
 from megagrpo.rewards.balance import answer_excess, balance_penalties
 from megagrpo.trainer.context import TrainContext
-from megagrpo.trainer.minibatch import new_batch, train_next
+from megagrpo.trainer.generated import Generated
+from megagrpo.trainer.kl_reward import sequence_kl, set_advantages
+from megagrpo.trainer.minibatch import new_batch, prepare, train_next
 from megagrpo.trainer.optimize import stop_on_nonfinite
 from megagrpo.trainer.rollouts import evaluate, round_seed
 from megagrpo.trainer.separate import overlap_metrics, submit_ahead, take_ahead
@@ -122,13 +125,21 @@ def collect_batch(ctx: TrainContext, step: int) -> tuple[FilledBatch, GenStats]:
     return batch, stats
 
 
-def compute_advantages(ctx: TrainContext, groups: list[Group]) -> list[torch.Tensor]:
+def compute_advantages(
+    ctx: TrainContext, groups: list[Group], penalty: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Group-normalised advantages of the batch, one ``[G_n]`` row per group ([] for an
     empty batch). Groups of different sizes (rollout budgets) are normalised each by its
     own statistics, or by those of every answer generated for its problem in the step
-    (``budget.advantage_baseline: pool``, Reinforce-Ada)."""
+    (``budget.advantage_baseline: pool``, Reinforce-Ada). ``penalty``: one ``[G_n]`` row per
+    group taken off the rewards first (``loss.kl_in_reward``)."""
     if not groups:
         return []
+    if penalty is not None:
+        groups = [
+            dataclasses.replace(g, rewards=[r - float(p) for r, p in zip(g.rewards, pen)])
+            for g, pen in zip(groups, penalty)
+        ]
     scale = ctx.cfg.loss.resolved_advantage_scale()
     weight = ctx.cfg.loss.positive_weight
     sizes = [g.size for g in groups]
@@ -241,7 +252,8 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
         ctx.offload.for_training()
         ctx.engines_awake = False
     with ctx.timed("train"):  # 5: fwd/bwd over micro-batches + one LoRA optimiser step
-        losses = train_next(ctx, gb) if trained else gb.position()
+        kl = kl_into_rewards(ctx, gb) if trained else {}
+        losses = {**train_next(ctx, gb), **kl} if trained else gb.position()
     ctx.engines_stale |= losses.get("train/optimizer_steps", 0.0) > 0  # none: non-finite
     gb.done += 1
     ctx.generated = gb if gb.done < gb.total else None  # the next step generates when None
@@ -274,6 +286,22 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if _due(step, every_save, ctx.cfg.trainer.max_steps):  # 9: checkpoint (always at the end)
         save_checkpoint(ctx, step)
     return row
+
+
+def kl_into_rewards(ctx: TrainContext, gb: Generated) -> dict[str, float]:
+    """``loss.kl_in_reward``, at the generated batch's first step: prepare it (old and
+    reference log-probs), take ``kl_coef`` x each completion's KL off its reward and redo the
+    advantages (:mod:`megagrpo.trainer.kl_reward`); what ``rewards.answer_balance`` added to
+    them is kept. ``reward/kl_penalty_mean``: the mean penalty. {} otherwise."""
+    if not (ctx.cfg.loss.kl_in_reward and ctx.cfg.loss.kl_coef > 0) or gb.updates is not None:
+        return {}
+    prepare(ctx, gb)
+    penalty = [ctx.cfg.loss.kl_coef * k for k in sequence_kl(ctx, gb)]
+    before = compute_advantages(ctx, gb.groups)
+    after = compute_advantages(ctx, gb.groups, penalty)
+    set_advantages(ctx, gb, [a - b + c for a, b, c in zip(gb.adv, before, after)])
+    flat = torch.cat(penalty) if penalty else torch.zeros(1)
+    return {"reward/kl_penalty_mean": float(flat.mean())}
 
 
 def overlong_metrics(ctx: TrainContext, groups: list[Group]) -> dict[str, float]:

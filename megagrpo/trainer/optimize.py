@@ -24,6 +24,7 @@ whenever old log-probs are recomputed (measured on the training forward when it 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -226,6 +227,8 @@ def _backward_pass(
     last stage), accumulating gradients; the weighted loss metrics, on every stage
     (``probe``: plus the unweighted ``loss/logprob_mismatch_*`` sums against the engine)."""
     cfg = ctx.cfg.loss
+    if cfg.kl_in_reward:  # the KL is in the rewards (trainer/kl_reward.py), not the loss
+        cfg, ref = dataclasses.replace(cfg, kl_coef=0.0), None
     agg = cfg.resolved_loss_agg()
     temperature = ctx.cfg.rollout.logprob_temperature()
 
@@ -317,6 +320,7 @@ def reuses_training_forward(cfg: RunConfig) -> bool:
         cfg.trainer.updates_per_batch == 1
         and cfg.model.lora.dropout == 0
         and cfg.model.routing_replay != "r2"
+        and not cfg.loss.kl_in_reward  # the rewards need the old log-probs before training
     )
 
 
