@@ -8,14 +8,11 @@ trained as ms-swift's: tests/unit/test_kl_in_reward.py."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import itertools
-import logging
 import types
-from pathlib import Path
 
 import pytest
+from swift_source import swift_function
 
 from megagrpo.commands.from_swift import to_config, translate
 from megagrpo.commands.swift_fidelity import blocking
@@ -24,22 +21,6 @@ from megagrpo.commands.swift_fidelity import blocking
 class _Args(types.SimpleNamespace):
     def _init_generation_batch_params(self):  # megatron's; the batch layout is not at issue
         return None
-
-
-def _method(relpath: str, cls: str, name: str):
-    """ms-swift's own ``cls.name`` from its installed source, compiled alone (importing the
-    argument modules pulls in trl, vLLM and megatron-core: 25 s here; the method reads only
-    attributes and ``logger``)."""
-    spec = importlib.util.find_spec("swift")
-    if spec is None or spec.origin is None:
-        pytest.skip("ms-swift is not installed")
-    path = Path(spec.origin).parent / relpath
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
-    ns: dict = {"logger": logging.getLogger("swift"), "set_default_ddp_config": lambda: None}
-    exec(compile(ast.Module([fn], []), str(path), "exec"), ns)
-    return ns[name]
 
 
 INIT_GRPO = {
@@ -59,7 +40,8 @@ def _swift_resolved(flavor: str, flags: dict) -> _Args:
     )  # fmt: skip
     for k, v in flags.items():
         setattr(args, k, v)
-    _method(*INIT_GRPO[flavor], "_init_grpo")(args)
+    path, cls = INIT_GRPO[flavor]
+    swift_function(path, "_init_grpo", cls, set_default_ddp_config=lambda: None)(args)
     return args
 
 

@@ -9,29 +9,21 @@ compiled alone and run on the same reward functions."""
 from __future__ import annotations
 
 import ast
-import importlib.util
+import importlib
 import sys
 import types
-from pathlib import Path
 
 import pytest
+from swift_source import swift_function, swift_tree
 
 from megagrpo.commands.from_swift import parse_tokens, to_config, translate
 from megagrpo.metrics.names import SWIFT_ORM_CLASSES, swift_aliases, swift_reward_names
 from megagrpo.rewards.composite import build_composite
 
 
-def _swift_source(relpath: str) -> tuple[Path, ast.Module]:
-    spec = importlib.util.find_spec("swift")
-    if spec is None or spec.origin is None:
-        pytest.skip("ms-swift is not installed")
-    path = Path(spec.origin).parent / relpath
-    return path, ast.parse(path.read_text(encoding="utf-8"))
-
-
 def _swift_registry() -> dict[str, str]:
     """``swift.rewards.orm.orms`` as ``{name: class name}``, read off its literal."""
-    _, tree = _swift_source("rewards/orm.py")
+    _, tree = swift_tree("rewards/orm.py")
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(x, ast.Name) and x.id == "orms" for x in node.targets
@@ -48,17 +40,11 @@ def _swift_registry() -> dict[str, str]:
 def _resolve_reward_funcs(registry: dict[str, str]):
     """ms-swift's ``resolve_reward_funcs``, its ``from swift.rewards import orms`` served by
     stand-in classes of the registry's class names."""
-    path, tree = _swift_source("rlhf_trainers/utils.py")
-    fn = next(
-        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "resolve_reward_funcs"
-    )
-    ns: dict = {"Any": object, "Tuple": tuple, "List": list}
-    exec(compile(ast.Module([fn], []), str(path), "exec"), ns)
+    resolve = swift_function("rlhf_trainers/utils.py", "resolve_reward_funcs")
     stub = types.ModuleType("swift.rewards")
     stub.orms = {  # pyright: ignore[reportAttributeAccessIssue]
         k: type(v, (), {"__init__": lambda self, args=None: None}) for k, v in registry.items()
     }
-    resolve = ns["resolve_reward_funcs"]
 
     def call(funcs):
         saved = sys.modules.get("swift.rewards")

@@ -140,3 +140,61 @@ def test_clipped_ratio_counts_the_trained_completions(bigram_dir, tmp_path, monk
         differs += abs(r["length/clip_ratio"] - want) > 1e-9
     assert differs, "no step where the rounds and the trained batch differ: not a test"
     assert rows
+
+
+class _Tf4Mlp(torch.nn.Module):
+    """transformers 4.x's Qwen3MoeMLP (one expert): three nn.Linear."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+
+class _Tf4Layer(torch.nn.Module):
+    """transformers 4.x's Qwen3MoeDecoderLayer as far as module types go: attention
+    projections, and Qwen3MoeSparseMoeBlock's router ``mlp.gate`` (an nn.Linear) and
+    ``mlp.experts`` (a ModuleList of Qwen3MoeMLP) (modeling_qwen3_moe.py of 4.5x)."""
+
+    def __init__(self, hidden: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            self.self_attn.add_module(name, torch.nn.Linear(hidden, hidden, bias=False))
+        self.mlp = torch.nn.Module()
+        self.mlp.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.mlp.experts = torch.nn.ModuleList(_Tf4Mlp(hidden, 8) for _ in range(experts))
+
+
+def test_f3_all_linear_on_transformers_4():
+    """swift rlhf's all-linear on a transformers-4 Qwen3-MoE, by ms-swift's own
+    find_all_linears (compiled alone from its source): attention, every expert's
+    gate/up/down and the router mlp.gate. `--transformers 4` maps all but the router to
+    megagrpo's four Megatron linears and says the router's LoRA is left out (~)."""
+    import re
+
+    from swift_source import swift_function
+
+    find_layers = swift_function("utils/transformers_utils.py", "find_layers", re=re, nn=torch.nn)
+    find_all_linears = swift_function(
+        "utils/transformers_utils.py", "find_all_linears", find_layers=find_layers
+    )
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([_Tf4Layer(), _Tf4Layer()])
+    model.lm_head = torch.nn.Linear(16, 32, bias=False)
+    selected = set(find_all_linears(model, types.SimpleNamespace(lm_head="lm_head")))
+    assert selected == {"q_proj", "k_proj", "v_proj", "o_proj", "gate", "gate_proj", "up_proj",
+                        "down_proj"}  # fmt: skip
+    to_megatron = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+                   "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+                   "down_proj": "linear_fc2", "gate": None}  # fmt: skip  # router: no LoRA
+    tokens = ["swift", "rlhf", "--rlhf_type", "grpo", "--max_steps", "3",
+              "--model", "Qwen/Qwen3-30B-A3B", "--target_modules", "all-linear"]  # fmt: skip
+    flags, flavor, env = parse_tokens(tokens)
+    t = translate(flags, flavor or "swift", 1, env=env, transformers_major=4)
+    cfg = to_config(t)
+    assert set(cfg.model.lora.targets) == {to_megatron[m] for m in selected} - {None}
+    entry = next(e for e in t.entries if e.flag == "target_modules")
+    assert entry.status == "differs" and "router" in entry.note and "left out" in entry.note
