@@ -224,7 +224,7 @@ def generate_batch(ctx: TrainContext, step: int) -> tuple[dict[str, float], GenS
         batch, gen = collect_batch(ctx, step)
     adv = compute_advantages(ctx, batch.groups)  # 3
     adv, balance = answer_balance(ctx, batch.groups, adv, gen.excess)
-    if ctx.completions is not None:  # what was trained on: rewards, advantages (rank 0)
+    if ctx.completions is not None and not _kl_in_reward(ctx):  # rank 0: what is trained on
         ctx.completions.log(step, batch.groups, levels=ctx.sampler.level_of, advantages=adv)
     ctx.generated = new_batch(ctx, step, batch.groups, adv)
     metrics = {**batch.stats, **batch_metrics(ctx, batch.groups, gen)}
@@ -288,18 +288,25 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     return row
 
 
+def _kl_in_reward(ctx: TrainContext) -> bool:
+    return ctx.cfg.loss.kl_in_reward and ctx.cfg.loss.kl_coef > 0
+
+
 def kl_into_rewards(ctx: TrainContext, gb: Generated) -> dict[str, float]:
     """``loss.kl_in_reward``, at the generated batch's first step: prepare it (old and
     reference log-probs), take ``kl_coef`` x each completion's KL off its reward and redo the
     advantages (:mod:`megagrpo.trainer.kl_reward`); what ``rewards.answer_balance`` added to
-    them is kept. ``reward/kl_penalty_mean``: the mean penalty. {} otherwise."""
-    if not (ctx.cfg.loss.kl_in_reward and ctx.cfg.loss.kl_coef > 0) or gb.updates is not None:
+    them is kept; the completions log is written then. ``reward/kl_penalty_mean``: the mean
+    penalty. {} otherwise."""
+    if not _kl_in_reward(ctx) or gb.updates is not None:
         return {}
     prepare(ctx, gb)
     penalty = [ctx.cfg.loss.kl_coef * k for k in sequence_kl(ctx, gb)]
     before = compute_advantages(ctx, gb.groups)
     after = compute_advantages(ctx, gb.groups, penalty)
     set_advantages(ctx, gb, [a - b + c for a, b, c in zip(gb.adv, before, after)])
+    if ctx.completions is not None:  # logged once the advantages are final
+        ctx.completions.log(gb.step, gb.groups, levels=ctx.sampler.level_of, advantages=gb.adv)
     flat = torch.cat(penalty) if penalty else torch.zeros(1)
     return {"reward/kl_penalty_mean": float(flat.mean())}
 

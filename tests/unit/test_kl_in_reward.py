@@ -6,6 +6,8 @@ at the time the batch was prepared; and the translated command trains it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from swift_source import swift_function
@@ -37,6 +39,7 @@ def test_advantages_are_ms_swifts_with_kl_in_reward(bigram_dir, tmp_path, monkey
         loss={**KL, "advantage_estimator": estimator, "advantage_scale": "group"},
         trainer={"max_steps": 4, "mini_batches": 2, "lr": 0.3},
         dynamic={"enabled": False},
+        metrics={"log_completions": True, "progress_bar": False},
     )
     seen = []
     real = loop.set_advantages
@@ -64,6 +67,10 @@ def test_advantages_are_ms_swifts_with_kl_in_reward(bigram_dir, tmp_path, monkey
             beta=0.5, kl_values=kl,
         )  # fmt: skip
         torch.testing.assert_close(torch.cat(adv).double(), want, rtol=1e-5, atol=1e-5)
+    logged = [json.loads(x) for x in open(tmp_path / "kl" / "completions.jsonl")]
+    for step, (_, _, adv) in zip((1, 3), seen):  # the log holds the advantages trained on
+        got = [r["advantage"] for r in logged if r["step"] == step]
+        assert got == pytest.approx(torch.cat(adv).tolist(), abs=1e-6)
 
 
 def test_from_swift_trains_kl_in_the_reward():
