@@ -107,9 +107,11 @@ def stream_lora(
     has exactly one writer, so the sum is exact in any dtype. ``dst``: the global rank that
     needs the factors (a ``reduce`` in the groups holding it; other groups send nothing); None:
     every rank (``all_reduce``). ``experts`` (with ``dst=None``): per global rank the experts
-    its engine holds; each expert factor then goes only to the ranks that hold it (a
-    ``reduce`` to its one holder under vLLM expert parallelism), so no rank receives the
-    whole adapter. Collective over all ranks; ``{}`` on ranks that receive none."""
+    its engine holds; each expert factor then goes only to the ranks that hold it, in every
+    group that holds one (:func:`_deliveries`: a ``reduce`` to a group's one holder, an
+    ``all_reduce`` kept by its holders when it has several; independent replicas: one holder
+    per replica), so no rank receives another engine rank's experts. Collective over all
+    ranks; ``{}`` on ranks that receive none."""
     g, lc = policy.groups, policy.cfg.lora
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     units = [
@@ -122,43 +124,47 @@ def stream_lora(
         group = g.expert_mp if expert else g.mp
         members = dist.get_process_group_ranks(group) if dist.get_world_size(group) > 1 else None
         mine = [u for u in units if u[3] == expert]
-        for target, part in _by_destination(mine, dst, experts if expert else None, world):
-            if not _sends(target, members, g.rank):
-                continue  # a data-parallel copy of what the target's group sends
+        blocks = experts if expert else None
+        for keep, part in _deliveries(mine, dst, blocks, world, members or [g.rank]):
             for bucket in _buckets(part, lc.rank, max(1, bucket_bytes // _itemsize(dtype))):
                 flat, views = _fill_bucket(policy, bucket, dtype)
                 if members is not None:
-                    if target is None:
-                        dist.all_reduce(flat, group=group)
+                    if len(keep) == 1:
+                        dist.reduce(flat, dst=keep[0], group=group)
                     else:
-                        dist.reduce(flat, dst=target, group=group)
-                if target is None or g.rank == target:
+                        dist.all_reduce(flat, group=group)
+                if g.rank in keep:
                     out.update({k: (a.cpu(), b.cpu()) for k, (a, b) in views.items()})
     return out
 
 
-def _by_destination(
-    units: list, dst: int | None, experts: ExpertBlocks | None, world: int
-) -> list[tuple[int | None, list]]:
-    """``units`` split by the rank that receives them (None: every rank), the same list on
-    every rank: ``dst`` for all, or per expert the one rank whose block holds it (every rank
-    when several or none do)."""
-    if experts is None or dst is not None:
-        return [(dst, units)]
-    by: dict[int | None, list] = {}
-    for u in units:
-        e = _expert_index(u[0])
-        holders = [r for r, b in enumerate(experts[:world]) if b is None or b[0] <= e < b[1]]
-        by.setdefault(holders[0] if len(holders) == 1 else None, []).append(u)
-    return sorted(by.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+def _holders(u, dst: int | None, experts: ExpertBlocks | None, world: int) -> list[int]:
+    """The global ranks that receive unit ``u``: ``dst``; without it every rank, or with
+    ``experts`` the ranks whose block holds its expert (a None block: every expert)."""
+    if dst is not None:
+        return [dst]
+    if experts is None:
+        return list(range(world))
+    e = _expert_index(u[0])
+    return [r for r, b in enumerate(experts[:world]) if b is None or b[0] <= e < b[1]]
 
 
-def _sends(target: int | None, members: list[int] | None, rank: int) -> bool:
-    """Whether this rank takes part in delivering to ``target``: every rank for all ranks;
-    for one rank, the ranks of its group (or the rank itself without a group)."""
-    if target is None:
-        return True
-    return rank == target if members is None else target in members
+def _deliveries(
+    units: list, dst: int | None, experts: ExpertBlocks | None, world: int, members: list[int]
+) -> list[tuple[tuple[int, ...], list]]:
+    """``units`` split by the ranks of this rank's group ``members`` (global ranks; one group
+    of the partition that owns them: every group holds every unit's shards) that receive them,
+    the same list on every member: ``(receivers, units)``, in the order of ``receivers``;
+    units no member receives are left out (the group sends nothing for them). One receiver: a
+    ``reduce`` to it; several: an ``all_reduce`` that they keep (the others drop the bucket,
+    which never leaves the device)."""
+    group = set(members)
+    by: dict[tuple[int, ...], list] = {}
+    for u in units:  # keep: never empty
+        keep = tuple(r for r in _holders(u, dst, experts, world) if r in group)
+        if keep:
+            by.setdefault(keep, []).append(u)
+    return sorted(by.items())
 
 
 def _expert_index(hf_name: str) -> int:

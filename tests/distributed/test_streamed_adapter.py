@@ -143,3 +143,76 @@ def test_each_engine_rank_receives_only_its_experts(tiny_moe_dir):
             assert any(expert_of(k) is not None for k in want)
             for k in want:
                 assert torch.equal(ma[k], wa[k]) and torch.equal(mb[k], wb[k]), (layout, k)
+
+
+REPLICA_LAYOUTS = [{}, {"ep": 2}, {"ep": 4}, {"tp": 2, "sequence_parallel": True, "ep": 2}]
+REPLICA_BLOCKS: list[tuple[int, int] | None] = [(0, 2), (2, 4), (0, 2), (2, 4)]
+"""Two independent vLLM replicas of 2 ranks (ranks 0-1 and 2-3), each with expert
+parallelism: every expert block has two holders, one per replica."""
+
+
+def _replica_worker(rank: int, hf_dir: str) -> list[dict]:
+    from megagrpo.model.config import LoraConfig, ModelConfig
+    from megagrpo.model.peft_export import gather_lora, stream_lora
+    from megagrpo.model.policy import build_policy
+    from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+    out = []
+    for n, layout in enumerate(REPLICA_LAYOUTS):
+        groups = init_parallel(ParallelConfig(**layout))
+        try:
+            targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+            lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
+            policy = build_policy(ModelConfig(hf_path=hf_dir, lora=lora), groups)
+            gen = torch.Generator().manual_seed(11)
+            with torch.no_grad():
+                for p in policy.lora_parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            got = {
+                dtype: stream_lora(policy, dtype, None, 4096, experts=REPLICA_BLOCKS)
+                for dtype in (torch.float32, torch.bfloat16)
+            }
+            host = {  # the host buffers behind the factors (views keep their whole buffer)
+                dtype: sum(
+                    {
+                        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for ab in factors.values()
+                        for t in ab
+                    }.values()
+                )
+                for dtype, factors in got.items()
+            }
+            out.append({"ref": gather_lora(policy), "got": got, "host": host})
+        finally:
+            destroy_parallel(keep_process_group=n < len(REPLICA_LAYOUTS) - 1)
+    return out
+
+
+def test_independent_replicas_each_rank_receives_only_its_experts(tiny_moe_dir):
+    """Audit 3 P1 for independent replicas: an expert held by one engine rank per replica goes
+    to each of its holders (one holder per trainer group: a reduce; two: an all-reduce they
+    keep), never to a rank of another block: each rank's factors are the reference's
+    (:func:`gather_lora`, fp32 all-reduces) attention factors and its own experts', bitwise
+    (bf16: the reference cast), and the host buffers behind them are that subset's. Before:
+    every expert had two holders, so every rank all-reduced and kept the whole adapter."""
+    from megagrpo.parallel.launch import launch
+    from megagrpo.rollout.lora import expert_of
+
+    ranks = launch(_replica_worker, 4, str(tiny_moe_dir))
+    for i, layout in enumerate(REPLICA_LAYOUTS):
+        for rank in range(4):
+            ref, got = ranks[rank][i]["ref"], ranks[rank][i]["got"]
+            block = REPLICA_BLOCKS[rank]
+            assert block is not None
+            want = {k for k in ref if (e := expert_of(k)) is None or block[0] <= e < block[1]}
+            assert {expert_of(k) for k in ref} >= {0, 1, 2, 3}  # the reference has all
+            for dtype, factors in got.items():
+                assert set(factors) == want, (layout, rank, dtype)
+                for k in want:
+                    for t, r in zip(factors[k], ref[k], strict=True):
+                        assert t.dtype == dtype and t.device.type == "cpu"
+                        assert torch.equal(t, r.to(dtype)), (layout, rank, k)
+                host = ranks[rank][i]["host"][dtype]
+                local = sum(r.numel() * dtype.itemsize for k in want for r in ref[k])
+                whole = sum(r.numel() * dtype.itemsize for ab in ref.values() for r in ab)
+                assert host == local < whole, (layout, rank, dtype)

@@ -41,6 +41,28 @@ def test_adapter_sync_host_memory_by_hand(repo_root, hf235):
     assert merged["host"]["adapter_sync_gib_per_gpu"] == 0
 
 
+def test_independent_replicas_bill_their_own_experts(repo_root, hf235):
+    """configs/qwen3_235b_a22b.yaml with adapter sync: 8 independent replicas of TP 16 with
+    expert parallelism inside each; an engine rank receives its replica's 1/16 of the experts
+    (one holder per replica: peft_export.stream_lora, tests/distributed/
+    test_streamed_adapter.py::test_independent_replicas_each_rank_receives_only_its_experts)."""
+    h, q, kv = 4096, 64 * 128, 4 * 128
+    layers, experts, ffn, r = 94, 128, 1536, 32
+    dense = r * (h + q + 2 * kv) + r * (q + h)
+    expert = experts * r * ((h + 2 * ffn) + (ffn + h))
+    per_rank = 2 * (layers * dense + layers * expert / 16)
+    path = repo_root / "configs/qwen3_235b_a22b.yaml"
+    sync = ["rollout.enable_lora=true", "trainer.weight_sync=adapter"]
+    cfg = load_config(RunConfig, [path], sync)
+    assert (cfg.rollout.replicas, cfg.rollout.tensor_parallel_size) == ("independent", 16)
+    got = plan_run(cfg, hf235)["host"]["adapter_sync_gib_per_gpu"]
+    assert got == pytest.approx(5 * per_rank / GIB, abs=0.01)  # copies: see the test above
+    no_ep = load_config(RunConfig, [path], [*sync, "rollout.enable_expert_parallel=false"])
+    whole = 5 * 2 * layers * (dense + expert) / GIB  # without expert parallelism: every expert
+    got = plan_run(no_ep, hf235)["host"]["adapter_sync_gib_per_gpu"]
+    assert got == pytest.approx(whole, abs=0.01)
+
+
 def test_plan_memory_prints_it(repo_root, capsys):
     rc = main(
         [
