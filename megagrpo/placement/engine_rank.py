@@ -38,7 +38,7 @@ from megagrpo.placement.rounds import PendingGroup, round_seed, run_round
 from megagrpo.rollout import RolloutEngine
 from megagrpo.rollout.base import decode_completion
 from megagrpo.rollout.config import PartialConfig
-from megagrpo.rollout.lora import PeftAdapter
+from megagrpo.rollout.lora import PeftAdapter, expert_range
 
 
 @dataclass
@@ -210,8 +210,10 @@ def _push(engine: RolloutEngine, state: EngineState, side: EngineSide, head: Pus
     try:
         if head.mode == "adapter":
             if head.manifest is not None:
+                block = engine.expert_block()  # only this rank's experts stay (P1)
+                experts = None if block is None else expert_range(block)
                 adapter, _ = receive_adapter(
-                    head.manifest, side.feed, head.rank, head.alpha, head.num_experts
+                    head.manifest, side.feed, head.rank, head.alpha, head.num_experts, experts
                 )
             else:
                 adapter = PeftAdapter(rank=head.rank, alpha=head.alpha)

@@ -12,9 +12,9 @@ the adapter, and a bucket stays on the compute device from the owners' shards to
 The engine rank learns from the push header where each bucket comes from (the
 :class:`FeedBucket` manifest, built identically on every trainer rank), receives them in order
 and rebuilds the PEFT state dict that :meth:`megagrpo.model.Policy.stream_adapter` would have
-built (same names, vLLM's per-expert layout: :func:`megagrpo.model.peft_export.peft_tensors`).
-Every engine rank receives every expert's factors (the per-rank expert filter of colocated
-engines is not applied here).
+built (same names, vLLM's per-expert layout: :func:`megagrpo.model.peft_export.peft_tensors`),
+in host memory, keeping only the experts it holds under vLLM expert parallelism: every bucket
+still reaches every engine rank (each drops the other ranks' experts as the bucket arrives).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from megagrpo.model.peft_export import (
     peft_tensors,
 )
 from megagrpo.placement.bridge import FEED, Channel
-from megagrpo.rollout.lora import PeftAdapter
+from megagrpo.rollout.lora import PeftAdapter, expert_of
 
 
 @dataclass(frozen=True)
@@ -92,21 +92,44 @@ def receive_adapter(
     rank: int,
     alpha: float,
     num_experts: int,
+    experts: tuple[int, int] | None = None,
 ) -> tuple[PeftAdapter, int]:
     """The engine rank's side: every bucket of ``manifest`` from its owner
-    (``channel_of(owner)``), on the channel's device, as the adapter
+    (``channel_of(owner)``, on the channel's device), as the adapter
     :meth:`~megagrpo.model.Policy.stream_adapter` builds (rank ``rank``, ``alpha``), and the
-    bytes received."""
+    bytes received. ``experts``: the ``[lo, hi)`` experts this engine rank holds (vLLM expert
+    parallelism: :func:`megagrpo.rollout.lora.expert_range`; None: all). As each bucket
+    arrives its factors are copied to host memory, those of other experts dropped, and the
+    device buffer released: the engine's GPU never holds more than one bucket of the adapter,
+    and its host only this rank's share (audit 3 P1)."""
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     received = 0
     for b in manifest:
         flat = channel_of(b.owner).recv_tensor(FEED, b.numel(rank), getattr(torch, b.dtype))
         received += flat.numel() * flat.element_size()
-        at = 0
-        for name, (out, inp) in b.units:
-            a = flat[at : at + rank * inp].view(rank, inp)
-            at += rank * inp
-            lora[name] = (a, flat[at : at + out * rank].view(out, rank))
-            at += out * rank
+        lora.update(_to_host(flat, b.units, rank, experts))
+        del flat  # the next bucket reuses its memory
     state = peft_tensors(lora, num_experts, "per_expert")[0]  # vLLM's 2D MoE LoRA names
     return PeftAdapter.from_peft_state_dict(state, rank, alpha), received
+
+
+def _to_host(
+    flat: torch.Tensor,
+    units: tuple[tuple[str, tuple[int, int]], ...],
+    rank: int,
+    experts: tuple[int, int] | None,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Host copies of the factors ``A [r, in]``, ``B [out, r]`` of ``units`` in the received
+    bucket ``flat`` (no view of it survives), those of experts outside ``experts`` left out."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    at = 0
+    for name, (rows, cols) in units:
+        a, b = at, at + rank * cols
+        at = b + rows * rank
+        e = expert_of(name)
+        if experts is None or e is None or experts[0] <= e < experts[1]:
+            out[name] = (
+                flat[a:b].view(rank, cols).to("cpu", copy=True),
+                flat[b:at].view(rows, rank).to("cpu", copy=True),
+            )
+    return out
