@@ -1,6 +1,9 @@
 # One obvious way to run things. Every target creates/refreshes .venv first (scripts/setup.sh):
 # `make demo` installs what the demo runs, the other targets everything (dev + swift extras).
 VENV ?= .venv
+# pytest-xdist workers for `make test` (2 on the 2-core CI machine: half the suite waits on
+# subprocess start-up and imports, which the second worker overlaps)
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 export WANDB_MODE ?= offline
 
@@ -18,7 +21,7 @@ demo: setup-demo
 # tier: tools/upstream_wheels.py fetches the GPU pins' wheels once per machine); what CI runs.
 test: setup
 	$(PY) tools/upstream_wheels.py >/dev/null
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadscope --durations=25
 
 # Unit tests without the slow and multi-process ones: the edit-test loop (budget: docs/architecture.md).
 test-fast: setup

@@ -47,6 +47,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# Scopes that one xdist worker runs whole (`make test` runs `pytest -n 2 --dist loadscope`): the
+# contract tier shares one upstream subprocess (~2 min) per worker that runs any of its tests.
+ONE_WORKER_SCOPES = ("tests/contract/",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with :data:`ONE_WORKER_SCOPES` kept on one worker each (the other
+    scopes: one module each, as loadscope does)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for scope in ONE_WORKER_SCOPES:
+                if nodeid.startswith(scope):
+                    return scope
+            return super()._split_scope(nodeid)
+
+    return _Scheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -14,7 +14,7 @@ from test_trainer_loop import BigramEngine, _context, _train
 from megagrpo.errors import ConfigError
 from megagrpo.metrics import read_metrics
 from megagrpo.trainer.config import TrainerConfig
-from megagrpo.trainer.minibatch import mini_batch_bounds
+from megagrpo.trainer.generated import mini_batch_bounds
 
 MULTI = {"mini_batches": 2, "ppo_epochs": 2, "max_steps": 8, "lr": 0.2}
 FIXED = {"dynamic": {"enabled": False}}  # every generated batch has batch_groups groups
