@@ -422,7 +422,7 @@ def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, 
         evaluate_at_start(ctx)
         for step in range(ctx.step + 1, ctx.cfg.trainer.max_steps + 1):
             if stop is not None:  # an engine rank's own signal (placement separate) too
-                stop.adopt(getattr(ctx.rollouts, "engine_signal", 0))
+                stop.adopt(ctx.rollouts.engine_signal)
             if stop is not None and (signal_name := stop.agreed(ctx.comm)):
                 ctx.stopped_by = signal_name
                 break

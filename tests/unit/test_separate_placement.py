@@ -24,9 +24,9 @@ from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
 from megagrpo.placement.bridge import thread_pair
 from megagrpo.placement.engine_rank import serve_engine
+from megagrpo.placement.staleness import StalenessError, check_staleness, overlap_seconds
 from megagrpo.testing import tiny_run_config, write_run_config
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.separate import StalenessError, check_staleness, overlap_seconds
 from megagrpo.types import Group, Problem
 
 MAX_TOKENS = 8
