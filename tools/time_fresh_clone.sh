@@ -36,7 +36,7 @@ t0, t1, t2, t3 = map(float, sys.argv[1:5])
 rows = [json.loads(line) for line in open(sys.argv[5])]
 steps = [r for r in rows if r.get("step", 0) > 0]
 log = open(sys.argv[6]).read()
-stamps = re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO (\S+): (.*)$", log, re.M)
+stamps = re.findall(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO (\S+): (.*)$", log, re.M)
 def at(pattern):
     for ts, _, msg in stamps:
         if re.search(pattern, msg):
