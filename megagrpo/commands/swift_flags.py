@@ -1,10 +1,8 @@
 """ms-swift GRPO flags -> megagrpo config keys, flag by flag (used by `megagrpo from-swift`).
 
 Each ms-swift flag the user gave is translated by one rule and reported with a status:
-
-* ``exact``: the megagrpo key means the same thing;
-* ``differs``: mapped, but the meaning or a default differs (the note says how);
-* ``missing``: megagrpo has no equivalent yet (not yet supported, or out of scope).
+``exact`` (the megagrpo key means the same thing), ``differs`` (mapped, but the meaning or a
+default differs: the note says how) or ``missing`` (no equivalent: not yet, or out of scope).
 
 Flags the user did *not* give matter too: where ms-swift's default differs from megagrpo's
 (``beta`` 0.04 vs 0, ``temperature`` 0.9 vs 1.0, ``lora_alpha`` 32 vs 16, ...), the

