@@ -288,7 +288,7 @@ def _from_swift(args: list[str], out: Path) -> None:
 def fuzz(seed: int, cases: int, workdir: Path, full_runs: int = 12) -> dict[str, Any]:
     """Run every case (see module docstring); ``full_runs`` from-swift inputs go all the way
     through the config loader (1-2 s each), the rest through parsing and translation."""
-    from megagrpo.commands import from_swift
+    from megagrpo.swift import translate as from_swift
 
     rng = random.Random(seed)
     failures: list[dict] = []

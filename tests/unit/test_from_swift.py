@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 
 from megagrpo.cli import main
-from megagrpo.commands.from_swift import (
+from megagrpo.config import load_config
+from megagrpo.errors import ConfigError
+from megagrpo.swift.fidelity import blocking
+from megagrpo.swift.flags import DIFFERS, MISSING, OPTIM_DEFAULTS, SWIFT_DEFAULTS
+from megagrpo.swift.translate import (
     command_from_script,
     parse_tokens,
     read_swift_args,
@@ -18,10 +22,6 @@ from megagrpo.commands.from_swift import (
     to_config,
     translate,
 )
-from megagrpo.commands.swift_fidelity import blocking
-from megagrpo.commands.swift_flags import DIFFERS, MISSING, OPTIM_DEFAULTS, SWIFT_DEFAULTS
-from megagrpo.config import load_config
-from megagrpo.errors import ConfigError
 from megagrpo.trainer.config import RunConfig
 
 # modelscope/ms-swift@3602360 examples/megatron/grpo/moe_colocate_lora.sh (verbatim)

@@ -19,13 +19,13 @@ from megagrpo.algo.advantages import group_advantages
 from megagrpo.algo.config import LossConfig
 from megagrpo.algo.losses import policy_loss
 from megagrpo.cli import main
-from megagrpo.commands.from_swift import parse_tokens, read_swift_args, to_config, translate
-from megagrpo.commands.swift_advantage import SCALE_DEFAULTS
-from megagrpo.commands.swift_fidelity import blocking
-from megagrpo.commands.swift_flags import EXACT, MISSING
-from megagrpo.commands.swift_shell import Unexpanded, command_from_script
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
+from megagrpo.swift.advantage import SCALE_DEFAULTS
+from megagrpo.swift.fidelity import blocking
+from megagrpo.swift.flags import EXACT, MISSING
+from megagrpo.swift.shell import Unexpanded, command_from_script
+from megagrpo.swift.translate import parse_tokens, read_swift_args, to_config, translate
 from megagrpo.trainer.config import RunConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ms_swift_grpo"

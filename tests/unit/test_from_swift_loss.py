@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from megagrpo.algo.losses import policy_loss
-from megagrpo.commands.from_swift import parse_tokens, to_config, translate
-from megagrpo.commands.swift_flags import DIFFERS, EXACT
+from megagrpo.swift.flags import DIFFERS, EXACT
+from megagrpo.swift.translate import parse_tokens, to_config, translate
 from megagrpo.trainer.batch import BatchTotals, MicroBatch, microbatch_weight
 
 MEGATRON = ["megatron", "rlhf", "--rlhf_type", "grpo", "--tuner_type", "lora",

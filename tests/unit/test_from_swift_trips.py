@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from megagrpo.cli import main
-from megagrpo.commands.from_swift import read_swift_args, to_config, translate
-from megagrpo.commands.swift_fidelity import blocking
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
+from megagrpo.swift.fidelity import blocking
+from megagrpo.swift.translate import read_swift_args, to_config, translate
 from megagrpo.trainer.config import RunConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -13,8 +13,8 @@ import torch
 from swift_source import swift_function
 from test_trainer_loop import _context, _train
 
-from megagrpo.commands.from_swift import translate
-from megagrpo.commands.swift_fidelity import blocking
+from megagrpo.swift.fidelity import blocking
+from megagrpo.swift.translate import translate
 from megagrpo.trainer import loop
 
 KL = {"backend": "torch", "kl_coef": 0.5, "kl_in_reward": True}

@@ -14,8 +14,8 @@ import types
 import pytest
 from swift_source import swift_function
 
-from megagrpo.commands.from_swift import to_config, translate
-from megagrpo.commands.swift_fidelity import blocking
+from megagrpo.swift.fidelity import blocking
+from megagrpo.swift.translate import to_config, translate
 
 
 class _Args(types.SimpleNamespace):

@@ -16,9 +16,9 @@ import types
 import pytest
 from swift_source import swift_function, swift_tree
 
-from megagrpo.commands.from_swift import parse_tokens, to_config, translate
 from megagrpo.metrics.names import SWIFT_ORM_CLASSES, swift_aliases, swift_reward_names
 from megagrpo.rewards.composite import build_composite
+from megagrpo.swift.translate import parse_tokens, to_config, translate
 
 
 def _swift_registry() -> dict[str, str]:

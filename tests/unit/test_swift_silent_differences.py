@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_trainer_loop import BigramEngine, _context, _train
 
-from megagrpo.commands.from_swift import parse_tokens, to_config, translate
+from megagrpo.swift.translate import parse_tokens, to_config, translate
 
 
 def _config(tokens: list[str], **kw):

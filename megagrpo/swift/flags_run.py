@@ -1,5 +1,5 @@
 """ms-swift flags for batching, optimisation, checkpoints, data, rewards and logging ->
-megagrpo keys (the second half of :mod:`megagrpo.commands.swift_flags`)."""
+megagrpo keys (the second half of :mod:`megagrpo.swift.flags`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megagrpo.commands.swift_flags import (
+from megagrpo.errors import ConfigError, not_utf8
+from megagrpo.swift.flags import (
     DIFFERS,
     EXACT,
     MATH_VERIFY_NOTE,
@@ -19,7 +20,6 @@ from megagrpo.commands.swift_flags import (
     _default,
     _list,
 )
-from megagrpo.errors import ConfigError, not_utf8
 
 MAX_TEXT_BYTES = 1 << 20
 """The largest ``--system`` file from-swift reads."""
@@ -27,7 +27,7 @@ MAX_TEXT_BYTES = 1 << 20
 
 def translate_optim(t: Translation) -> None:
     """Micro-batch size, optimizer, LR schedule, warm-up, checkpoints, evaluation (the batch
-    layout: :mod:`megagrpo.commands.swift_batching`)."""
+    layout: :mod:`megagrpo.swift.batching`)."""
     mb_flag = "micro_batch_size" if "micro_batch_size" in t.flags else "per_device_train_batch_size"
     mb = int(t.get(mb_flag, 1))
     t.add(mb_flag, EXACT, {"trainer.micro_batch_size": mb}, value=mb)

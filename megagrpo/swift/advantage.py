@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from megagrpo.commands.swift_flags import EXACT, MISSING, SWIFT_DEFAULTS, Translation, _bool
+from megagrpo.swift.flags import EXACT, MISSING, SWIFT_DEFAULTS, Translation, _bool
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
 SCALE_DEFAULTS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}

@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megagrpo.commands.swift_flags import (
+from megagrpo.errors import ConfigError
+from megagrpo.swift.flags import (
     DIFFERS,
     EXACT,
     MEGATRON_DEFAULTS,
@@ -40,8 +41,7 @@ from megagrpo.commands.swift_flags import (
     Translation,
     _bool,
 )
-from megagrpo.commands.swift_shell import Unexpanded
-from megagrpo.errors import ConfigError
+from megagrpo.swift.shell import Unexpanded
 
 
 @dataclass(frozen=True)

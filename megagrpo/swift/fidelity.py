@@ -25,10 +25,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megagrpo.commands.swift_batching import Layout, loss_normaliser
-from megagrpo.commands.swift_flags import DIFFERS, EXACT, MISSING, Entry, Translation, _bool
-from megagrpo.commands.swift_shell import Unexpanded
 from megagrpo.errors import ConfigError
+from megagrpo.swift.batching import Layout, loss_normaliser
+from megagrpo.swift.flags import DIFFERS, EXACT, MISSING, Entry, Translation, _bool
+from megagrpo.swift.shell import Unexpanded
 
 # MISSING flags that change where or how fast ms-swift runs, not what it trains.
 HARMLESS = frozenset(
@@ -131,7 +131,7 @@ UNSUPPORTED_LOSSES = {
 def translate_loss_type(t: Translation, lay: Layout) -> None:
     """loss_type x importance_sampling_level: the clip (token ratio, or GSPO's sequence ratio
     broadcast to its tokens) and ms-swift's normaliser of that loss_type under this launcher
-    and batch layout (:func:`~megagrpo.commands.swift_batching.loss_normaliser`)."""
+    and batch layout (:func:`~megagrpo.swift.batching.loss_normaliser`)."""
     loss = str(t.get("loss_type", "grpo"))
     level = str(t.get("importance_sampling_level", "token"))
     _sapo_taus(t, loss)
