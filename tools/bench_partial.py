@@ -32,13 +32,13 @@ import time
 
 from megagrpo.data.loader import load_problems
 from megagrpo.model.pretrained import resolve_model_path
+from megagrpo.parallel.comm import Comm
+from megagrpo.placement.partial import PartialRollouts
+from megagrpo.placement.rollouts import Rank0Rollouts, round_seed
 from megagrpo.rollout import RolloutConfig, SamplingSpec, build_engine
 from megagrpo.rollout.base import sample_counts
 from megagrpo.rollout.config import PartialConfig
 from megagrpo.testing import DEMO_EVAL
-from megagrpo.trainer.context import Comm
-from megagrpo.trainer.partial import PartialRollouts
-from megagrpo.trainer.rollouts import Rank0Rollouts, round_seed
 from megagrpo.types import Group
 
 log = logging.getLogger("bench_partial")

@@ -7,7 +7,7 @@ step time with one throughput lever added per rung (:mod:`megagrpo.plan.ladder`)
 
 Dynamic sampling is billed from the collapse simulation of `megagrpo plan` (the run's levels
 file, or ``--levels``; :mod:`megagrpo.plan.collapse`). Every layout goes through the
-compatibility gate (``megagrpo.trainer.compat``). Every key the plan reads is the run config's
+compatibility gate (``megagrpo.gate.compat``). Every key the plan reads is the run config's
 own (overrides as for `megagrpo train`). What each line means: :mod:`megagrpo.plan.memory` and
 :mod:`megagrpo.plan.time`.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
+from megagrpo.gate import compat
 from megagrpo.plan.collapse import billed, collapse_bill
 from megagrpo.plan.gate import Gate, Verdict, overrides_of, planner_unverified, settings_of
 from megagrpo.plan.ladder import ladder_report
@@ -34,7 +35,6 @@ from megagrpo.plan.scenario import (
     scenario_from_config,
 )
 from megagrpo.plan.search import full_plan, search
-from megagrpo.trainer import compat
 from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__
@@ -88,7 +88,7 @@ def config_of(cfg: RunConfig, sc: Scenario) -> RunConfig:
 
 
 def make_gate(cfg: RunConfig, hf: dict) -> Gate:
-    """The compatibility gate (``megagrpo.trainer.compat.check_run``) on ``cfg`` with a
+    """The compatibility gate (``megagrpo.gate.compat.check_run``) on ``cfg`` with a
     layout's keys, for the layout's GPUs; FP8 weights marked unverified on GPU."""
 
     def gate(sc: Scenario) -> Verdict:

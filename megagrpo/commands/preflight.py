@@ -293,9 +293,9 @@ def _plan(cfg: Any, hf: dict[str, Any], world: int) -> dict[str, float]:
 
 
 def _violations(cfg: Any, hf: dict[str, Any], world: int) -> list[str]:
-    """The compatibility gate's violations (``megagrpo.trainer.compat`` where it exists)."""
+    """The compatibility gate's violations (``megagrpo.gate.compat`` where it exists)."""
     try:
-        from megagrpo.trainer.compat import check_run  # type: ignore[import-not-found]
+        from megagrpo.gate.compat import check_run  # type: ignore[import-not-found]
     except ImportError:
         return []
     return [str(v) for v in check_run(cfg, hf, world)]

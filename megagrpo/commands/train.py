@@ -101,27 +101,27 @@ def check_layout(cfg: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     _env_defaults()
     from megagrpo.config import load_config
+    from megagrpo.parallel.signals import StopSignals
     from megagrpo.parallel.strict import strict_from_env
     from megagrpo.trainer.config import RunConfig
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context, finish, shutdown
-    from megagrpo.trainer.signals import StopSignals
 
     cfg = load_config(RunConfig, [args.config], args.overrides)
     check_layout(cfg)
-    from megagrpo.trainer.separate import trainer_link  # None without separate placement
+    from megagrpo.placement.separate import trainer_link  # None without separate placement
 
     split = None
     if cfg.rollout.placement == "separate":  # trainer ranks + the engines' own ranks
         from megagrpo.parallel.split import split_world
-        from megagrpo.trainer.separate import serve_engine_rank
+        from megagrpo.placement.separate import serve_engine_rank
 
         ro = cfg.rollout
         split = split_world(cfg.parallel.timeout_minutes, ro.engine_ranks, ro.tensor_parallel_size)
         if split.is_engine:  # a stop signal is the trainers' to act on: the engine rank
             held = StopSignals().install()  # reports it, they checkpoint, close the link
             try:
-                serve_engine_rank(cfg, split, stop=held)
+                serve_engine_rank(ro, cfg.model.hf_path, cfg.trainer.seed, split, stop=held)
             finally:
                 held.restore()
             return 0

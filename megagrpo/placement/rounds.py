@@ -5,7 +5,7 @@ budget is met, the unfinished completions carried with their prefix.
 colocated engines (``generate`` is the placement's collective), or on the engine ranks of a
 separate placement (``generate`` is the replica's own engine: the round runs there without a
 message per chunk, and one step ahead of training). The caller scores the finished groups and
-keeps the carried ones (:class:`megagrpo.trainer.partial.PartialRollouts`).
+keeps the carried ones (:class:`megagrpo.placement.partial.PartialRollouts`).
 
 Versions: a token carries the policy version that sampled it, in step numbering (the training
 step whose weights the engine held). ``step`` is the step the round is for; ``stamp`` the

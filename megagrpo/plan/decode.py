@@ -12,7 +12,7 @@ one does). It is exact for a cost affine in ``n`` (``tests/unit/test_plan_decode
 enumerates every outcome of a small distribution); the planner's cost is affine but for the
 experts a step touches, which saturate at a few dozen sequences.
 
-Partial rollouts (``rollout.partial``, :mod:`megagrpo.trainer.partial`): in steady state each
+Partial rollouts (``rollout.partial``, :mod:`megagrpo.placement.partial`): in steady state each
 round runs ``T`` steps with ``N`` new completions and the carried cohorts ``k = 1..s``
 (``s = max_staleness``) that began ``k`` rounds ago and have ``kT`` tokens; it stops at the first
 chunk where ``finish_fraction`` of them finished, ``(1 - S[(s+1)T]) / sum_k S[kT] >= f``, and

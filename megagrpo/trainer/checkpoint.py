@@ -57,6 +57,7 @@ import torch
 
 from megagrpo import fileio
 from megagrpo.errors import CheckpointError
+from megagrpo.parallel.comm import Comm
 from megagrpo.trainer.ckpt_checks import (
     check_content,
     check_pieces,
@@ -64,7 +65,6 @@ from megagrpo.trainer.ckpt_checks import (
     check_trainer_state,
     problem_count,
 )
-from megagrpo.trainer.context import Comm
 from megagrpo.trainer.plain_state import json_bytes, rng_state, to_plain
 
 log = logging.getLogger(__name__)

@@ -14,13 +14,13 @@ from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSa
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
 from megagrpo.errors import ConfigError, require, require_choice, require_finite
+from megagrpo.gate import compat
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig, SyncTransport
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig, WeightSync
 from megagrpo.rollout.verify import thresholds_for
-from megagrpo.trainer import compat
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class RunConfig:
         (``megagrpo/assets/...`` found inside the installed package from any directory), the
         soft overlong reward's ``max_len`` (``rollout.max_tokens`` unless given; a longer one
         is an error) and the prompt budget (``data.max_prompt_tokens``). Then the
-        compatibility gate (:mod:`megagrpo.trainer.compat`: the pinned vLLM / megatron-core /
+        compatibility gate (:mod:`megagrpo.gate.compat`: the pinned vLLM / megatron-core /
         TE rules, on ``cluster``'s GPUs; CompatError lists every violation). Idempotent."""
         self.loss.loss_agg = self.loss.resolved_loss_agg()
         self.loss.advantage_scale = self.loss.resolved_advantage_scale()
@@ -372,7 +372,7 @@ class RunConfig:
             log.info("%s: token-level importance weights on (loss.tis_cap=2.0)", key)
 
     def _resolve_separate(self) -> None:
-        """Placement separate (:mod:`megagrpo.trainer.separate`): the last
+        """Placement separate (:mod:`megagrpo.placement.separate`): the last
         ``rollout.engine_ranks`` processes serve engines in replicas of
         ``rollout.tensor_parallel_size`` ranks inside one node (their private world
         rendezvouses on loopback), every other process trains in any Megatron layout of its

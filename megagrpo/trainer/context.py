@@ -1,10 +1,9 @@
-"""Everything one training run holds (built once by :mod:`megagrpo.trainer.setup`), and the
-world as the loop sees it (:class:`Comm`).
+"""Everything one training run holds (built once by :mod:`megagrpo.trainer.setup`).
 
 Every rank holds every component: the policy and optimiser (its shard), the curriculum and
 dynamic samplers (replicated: every rank takes the same decisions from the same scored
 groups, so no rank waits for another to tell it what to train on), and ``rollouts``, the
-placement object that hides where generation runs (:mod:`megagrpo.trainer.rollouts`).
+placement object that hides where generation runs (:mod:`megagrpo.placement.rollouts`).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from megagrpo.curriculum.sampler import CurriculumSampler
 from megagrpo.metrics.completions import CompletionsLog
 from megagrpo.metrics.logger import MetricLogger, NullLogger
 from megagrpo.model import Policy
+from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.rewards import CompositeReward
 from megagrpo.trainer.config import RunConfig
@@ -32,104 +32,15 @@ from megagrpo.types import Problem
 
 if TYPE_CHECKING:
     from megagrpo.curriculum.rounds import Rounds
+    from megagrpo.placement.partial import PartialRollouts
+    from megagrpo.placement.rollouts import Rollouts
     from megagrpo.trainer.generated import Generated
-    from megagrpo.trainer.partial import PartialRollouts
-    from megagrpo.trainer.rollouts import Rollouts
-
-
-def _on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-class Comm:
-    """The world as the loop sees it (1 process: every call is a no-op).
-
-    Scalar reductions are built on the compute device the process groups declare
-    (``pgs.device``; NCCL reduces CUDA tensors only, gloo takes either).
-    """
-
-    def __init__(self, pgs: ParallelGroups | None = None) -> None:
-        self.pgs = pgs
-
-    @property
-    def device(self) -> torch.device:
-        return self.pgs.device if self.pgs is not None else torch.device("cpu")
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank() if _on() else 0
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size() if _on() else 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if _on():
-            dist.barrier()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` of rank ``src`` on every rank (pickled)."""
-        if not _on() or self.world_size == 1:
-            return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank (pickled)."""
-        if not _on() or self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any]:
-        """Every rank's ``obj`` in rank order on rank ``dst`` (an empty list elsewhere)."""
-        if not _on() or self.world_size == 1:
-            return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
-        return out or []
-
-    def mean_over(
-        self, values: dict[str, float], group: dist.ProcessGroup | None = None
-    ) -> dict[str, float]:
-        """Average scalar metrics over ``group`` (None: the world)."""
-        if not _on() or not values:
-            return values
-        size = dist.get_world_size(group)
-        if size == 1:
-            return values
-        keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=group)
-        return {k: float(v) / size for k, v in zip(keys, t.tolist())}
-
-    def max_over(self, value: float, group: dist.ProcessGroup | None = None) -> float:
-        """Max of a scalar over ``group`` (None: the world)."""
-        if not _on():
-            return value
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
-
-    def sum_over(self, value: float, group: dist.ProcessGroup | None = None) -> float:
-        """Sum of a scalar over ``group`` (None: the world)."""
-        if not _on():
-            return value
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=group)
-        return float(t.item())
 
 
 @dataclass
 class Ahead:
     """Step ``step``'s rounds, started while the step before trained (placement separate, one
-    step ahead: :func:`megagrpo.trainer.separate.submit_ahead`); its first round in flight."""
+    step ahead: :func:`megagrpo.trainer.ahead.submit_ahead`); its first round in flight."""
 
     step: int
     rounds: Rounds
@@ -180,7 +91,7 @@ class TrainContext:
     """The last ``(start, end)`` (``time.time()``) of each :meth:`timed` block of the step."""
     ahead: Ahead | None = None
     """Placement separate, one step ahead: the next step's rounds, started while this step
-    trains (:mod:`megagrpo.trainer.separate`); None otherwise."""
+    trains (:mod:`megagrpo.placement.separate`); None otherwise."""
     problem_set: dict[str, Any] = field(default_factory=dict)
     """The training problems as a checkpoint records them (count, digest, ids the
     prompt-length policy dropped or truncated): compared on resume."""

@@ -13,7 +13,7 @@ steps: each step trains one mini-batch of the generated batch
 next step generates, an evaluation, the end). With the defaults (1 x 1) every step does all.
 
 Where generation runs (rank 0, or every rank's engine replica) is hidden by
-``ctx.rollouts`` (:mod:`megagrpo.trainer.rollouts`); the samplers are replicated, so every rank
+``ctx.rollouts`` (:mod:`megagrpo.placement.rollouts`); the samplers are replicated, so every rank
 takes the same decisions without waiting to be told.
 
 MoE routing replay (``model.routing_replay``) happens inside phase 5; its
@@ -21,7 +21,7 @@ MoE routing replay (``model.routing_replay``) happens inside phase 5; its
 come with the loss metrics of the step's row.
 
 What it deliberately drops: value baselines, generation more than one step ahead of training
-(``rollout.placement: separate`` generates at most one: :mod:`megagrpo.trainer.separate`).
+(``rollout.placement: separate`` generates at most one: :mod:`megagrpo.placement.separate`).
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ from megagrpo.metrics.names import (
     swift_aliases,
     swift_reward_names,
 )
+from megagrpo.parallel.signals import StopSignals
+from megagrpo.placement.rollouts import evaluate, round_seed
 from megagrpo.rewards.answers import answer_bias
 from megagrpo.rewards.balance import answer_excess, balance_penalties
+from megagrpo.trainer.ahead import overlap_metrics, submit_ahead, take_ahead
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.generated import Generated
 from megagrpo.trainer.kl_reward import sequence_kl, set_advantages
 from megagrpo.trainer.minibatch import new_batch, prepare, train_next
 from megagrpo.trainer.optimize import stop_on_nonfinite
-from megagrpo.trainer.rollouts import evaluate, round_seed
-from megagrpo.trainer.separate import overlap_metrics, submit_ahead, take_ahead
-from megagrpo.trainer.signals import StopSignals
 from megagrpo.trainer.sync import sync_weights
 from megagrpo.trainer.train_state import save_checkpoint
 from megagrpo.types import Group
@@ -409,7 +409,7 @@ def evaluate_at_start(ctx: TrainContext) -> dict[str, float | None] | None:
 def train(ctx: TrainContext, stop: StopSignals | None = None) -> list[dict[str, float | None]]:
     """Run steps ``ctx.step + 1 .. max_steps``; returns the rows logged by this process.
 
-    With ``stop`` (:mod:`megagrpo.trainer.signals`), every step boundary asks whether a rank
+    With ``stop`` (:mod:`megagrpo.parallel.signals`), every step boundary asks whether a rank
     received SIGTERM / SIGINT / SIGUSR1; if so the last completed step is checkpointed
     (unless it just was; a stop before step 1 writes none: a plain restart redoes it),
     ``ctx.stopped_by`` names the signal and the loop returns. Stops

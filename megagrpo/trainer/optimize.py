@@ -38,6 +38,7 @@ from megagrpo.algo.config import LossConfig
 from megagrpo.errors import MegagrpoError
 from megagrpo.model import Policy
 from megagrpo.model.routing import ReplayPlan, step_plan
+from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.state import ParallelGroups
 from megagrpo.trainer.batch import (
     BatchTotals,
@@ -51,7 +52,7 @@ from megagrpo.trainer.batch import (
     padding_micro_batch,
 )
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.context import Comm, TrainContext
+from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.generated import Update
 from megagrpo.trainer.loss_head import micro_batch_logprobs, micro_batch_loss, model_output
 from megagrpo.types import Group

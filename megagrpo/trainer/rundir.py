@@ -31,6 +31,7 @@ from megagrpo import fileio
 from megagrpo.config.loader import written
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.model.fingerprint import describe as describe_fingerprint
+from megagrpo.parallel.comm import Comm
 from megagrpo.trainer import runlock
 from megagrpo.trainer.checkpoint import (
     TRAINER_FILE,
@@ -40,7 +41,6 @@ from megagrpo.trainer.checkpoint import (
 )
 from megagrpo.trainer.ckpt_checks import TRAINER_KEYS, check_trainer_state
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.context import Comm
 from megagrpo.trainer.plain_state import to_plain
 from megagrpo.trainer.resume_check import Change, check_resume_config
 from megagrpo.trainer.runlock import RunLock

@@ -44,26 +44,27 @@ from megagrpo.data.truncation import (
 )
 from megagrpo.data.variants import rotated_choices
 from megagrpo.errors import ConfigError
+from megagrpo.gate import compat
 from megagrpo.metrics.completions import CompletionsLog, find_wandb_run
 from megagrpo.metrics.logger import build_logger
 from megagrpo.model import ModelConfig, Policy, build_policy
 from megagrpo.model.fingerprint import base_fingerprint
 from megagrpo.model.pretrained import resolve_model_path
 from megagrpo.parallel import ParallelGroups, destroy_parallel, init_parallel
+from megagrpo.parallel.comm import Comm
 from megagrpo.placement.bridge import Channel
+from megagrpo.placement.partial import PartialRollouts
+from megagrpo.placement.rollouts import EngineFactory, build_rollouts
+from megagrpo.placement.separate import EngineLink, SeparateRollouts
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
-from megagrpo.trainer import compat
 from megagrpo.trainer.checkpoint import ResumePoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
-from megagrpo.trainer.context import Comm, TrainContext
-from megagrpo.trainer.partial import PartialRollouts
+from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
-from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import check_base, confirm_resume_point, prepare_run_dir
-from megagrpo.trainer.separate import EngineLink, SeparateRollouts
 from megagrpo.trainer.sync import first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
@@ -380,7 +381,7 @@ def build_context(
             checkpoint cannot continue under); the engines are then synced to it.
         overwrite: move a run already in the directory aside instead of refusing to start.
         channel: ``rollout.placement: separate``: this trainer rank's links to the engine
-            ranks (:class:`~megagrpo.trainer.separate.EngineLink`; a bare channel: one engine
+            ranks (:class:`~megagrpo.placement.separate.EngineLink`; a bare channel: one engine
             rank; the engine ranks never build a context).
         allow_base_change: resume although the base weights under ``model.hf_path`` are not
             those the checkpoint was trained on (:func:`rundir.check_base`).

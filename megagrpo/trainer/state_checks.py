@@ -140,7 +140,7 @@ def _str(value: Any, where: str) -> str:
 
 
 def check_pending(value: Any, where: str, vocab: int = MAX_ID) -> None:
-    """A partial rollout's :class:`~megagrpo.trainer.partial.PendingGroup`."""
+    """A partial rollout's :class:`~megagrpo.placement.partial.PendingGroup`."""
     d = _dict(value, where)
     unknown = set(d) - _PENDING_KEYS
     if unknown:

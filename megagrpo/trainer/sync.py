@@ -5,7 +5,7 @@
 bounded buckets (``export_hf_weights``, a collective over the model-parallel ranks, so every
 rank iterates it); ``adapter`` writes the PEFT adapter (a few MB; collective, rank 0 writes)
 and the engine serves it on its base weights. Where it goes (rank 0's engine, or every
-replica's) is the placement's job (:meth:`megagrpo.trainer.rollouts.Rollouts.push`).
+replica's) is the placement's job (:meth:`megagrpo.placement.rollouts.Rollouts.push`).
 
 Verification is exact: every rank computes the trainer's log-probs of the engines' fixed
 probe sequence under the new weights, and each engine must reproduce them within
@@ -34,11 +34,12 @@ from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
 from megagrpo.model.peft_export import ExpertBlocks
 from megagrpo.model.sync_transport import RegionFn
+from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.strict import check_on_device
+from megagrpo.placement.rollouts import WeightUpdate
 from megagrpo.rollout.config import resolved_weight_sync
 from megagrpo.rollout.lora import PeftAdapter, read_peft_adapter
-from megagrpo.trainer.context import Comm, TrainContext
-from megagrpo.trainer.rollouts import WeightUpdate
+from megagrpo.trainer.context import TrainContext
 
 log = logging.getLogger(__name__)
 

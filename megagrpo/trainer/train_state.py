@@ -15,6 +15,7 @@ from typing import Any
 from megagrpo.config.loader import written
 from megagrpo.errors import CheckpointError
 from megagrpo.trainer import minibatch
+from megagrpo.trainer.ahead import sampler_states
 from megagrpo.trainer.checkpoint import (
     LAYOUT_FREE,
     ResumePoint,
@@ -28,7 +29,6 @@ from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.plain_state import set_rng_state
 from megagrpo.trainer.resume_check import apply_optimizer_settings, drop_foreign_carry
-from megagrpo.trainer.separate import sampler_states
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """(c) Every compatibility-gate rule whose upstream source is Python, against that Python.
 
-megagrpo's gate (``megagrpo.trainer.compat``, no vllm import) restates vLLM 0.33's start-up
+megagrpo's gate (``megagrpo.gate.compat``, no vllm import) restates vLLM 0.33's start-up
 conditions; here its verdicts are compared with what vLLM 0.33.0's own functions answer
 over grids of layouts (tests/contract/upstream_gate.py):
 
@@ -28,8 +28,8 @@ import pytest
 from contract_checks import ok
 
 from megagrpo.config.loader import load_config
+from megagrpo.gate import compat
 from megagrpo.rollout.config import moe_lora_status, moe_sequence_parallel
-from megagrpo.trainer import compat
 from megagrpo.trainer.config import RunConfig
 
 LORA_RULES = {

@@ -2,7 +2,7 @@
 
 Runs inside tests/contract/upstream_session.py's subprocess (the pinned wheel first on
 ``sys.path``); returns upstream's answers over grids of layouts, and the tests compare them
-with ``megagrpo.trainer.compat``'s verdicts, computed in the test process. Upstream code
+with ``megagrpo.gate.compat``'s verdicts, computed in the test process. Upstream code
 called (nothing restated here):
 
 * ``ParallelConfig.use_sequence_parallel_moe``; ``fused_moe/layer.py make_parallel_config``

@@ -103,8 +103,8 @@ def sent_adapter(model: str) -> dict[str, Any]:
     from megagrpo.model.peft_export import gather_lora
     from megagrpo.model.policy import build_policy
     from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megagrpo.parallel.comm import Comm
     from megagrpo.rollout.lora import peft_state
-    from megagrpo.trainer.context import Comm
     from megagrpo.trainer.sync import weight_update
 
     groups = init_parallel(ParallelConfig())

@@ -1,4 +1,4 @@
-"""Sharded colocated rollouts (megagrpo.trainer.rollouts) with 2 gloo processes, HF engine.
+"""Sharded colocated rollouts (megagrpo.placement.rollouts) with 2 gloo processes, HF engine.
 
 1. Function level (torch.multiprocessing spawn, no Megatron model): every rank holds a real
    HFEngine and the real (replicated) curriculum + dynamic samplers; rank 0 scores with the
@@ -88,10 +88,11 @@ class _HFPolicy:
 def _context(cfg, model_dir: Path):
     from megagrpo.curriculum.dynamic import DynamicSampler
     from megagrpo.parallel import init_parallel
+    from megagrpo.parallel.comm import Comm
+    from megagrpo.placement.rollouts import build_rollouts
     from megagrpo.rewards import build_composite
     from megagrpo.rollout.hf_engine import HFEngine
-    from megagrpo.trainer.context import Comm, TrainContext
-    from megagrpo.trainer.rollouts import build_rollouts
+    from megagrpo.trainer.context import TrainContext
     from megagrpo.trainer.setup import _curriculum, load_run_data, load_tokenizer
 
     pgs = init_parallel(cfg.parallel)

@@ -23,7 +23,7 @@ def _worker(rank: int, hf_dir: str) -> list[dict]:
     from megagrpo.model.config import LoraConfig, ModelConfig
     from megagrpo.model.policy import build_policy
     from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from megagrpo.trainer.context import Comm
+    from megagrpo.parallel.comm import Comm
     from megagrpo.trainer.sync import weight_update
 
     reports = []
@@ -99,7 +99,7 @@ def _expert_worker(rank: int, hf_dir: str) -> list[dict]:
     from megagrpo.model.config import LoraConfig, ModelConfig
     from megagrpo.model.policy import build_policy
     from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
-    from megagrpo.trainer.context import Comm
+    from megagrpo.parallel.comm import Comm
     from megagrpo.trainer.sync import weight_update
 
     out = []

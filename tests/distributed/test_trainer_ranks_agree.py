@@ -47,9 +47,9 @@ def _worker(rank: int, root: str) -> dict:
 
     from megagrpo import fileio
     from megagrpo.errors import CheckpointError
+    from megagrpo.parallel.comm import Comm
+    from megagrpo.parallel.signals import StopSignals
     from megagrpo.trainer import checkpoint
-    from megagrpo.trainer.context import Comm
-    from megagrpo.trainer.signals import StopSignals
 
     dist.init_process_group("gloo")
     comm, out = Comm(), {}

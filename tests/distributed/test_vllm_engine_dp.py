@@ -69,7 +69,7 @@ def _worker(rank: int, model_dir: str, cache: str, tp: int, replicas: str = "loc
     out: dict = {"kwargs": {k: v for k, v in engine._engine_kwargs().items() if k != "tokenizer"}}
     replicas = dist.get_world_size() // tp
     if replicas > 1:
-        from megagrpo.trainer.rollouts import shard_bounds
+        from megagrpo.placement.rollouts import shard_bounds
 
         start, end = shard_bounds(len(problems), replicas, rank // tp)
         mine = engine.generate(
@@ -102,12 +102,12 @@ def problems_of() -> list:
 def _independent(engine, problems: list, dist) -> dict:
     """``rollout.replicas=independent`` through the placement object: each replica generates
     its share with the round's seeds; a replica with nothing to do never calls the engine."""
+    from megagrpo.parallel.comm import Comm
+    from megagrpo.placement.rollouts import ShardedRollouts
     from megagrpo.rewards import build_composite
     from megagrpo.rewards.config import RewardsConfig, RewardSpec
     from megagrpo.rollout import SamplingSpec
     from megagrpo.rollout.hf_engine import sequence_logprobs
-    from megagrpo.trainer.context import Comm
-    from megagrpo.trainer.rollouts import ShardedRollouts
 
     calls: list[int] = []
     real = engine.generate

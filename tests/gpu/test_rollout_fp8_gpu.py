@@ -83,7 +83,7 @@ def test_fp8_expert_lora_logprobs_match_bf16(tiny_moe_dir, tmp_path):
     FP8 experts (``quantization=fp8``) serves LoRA on them (its FP8 MoE backend choice lands
     on Triton experts: tests/contract/test_vllm_gate.py), and the adapter moves the FP8
     engine's log-probs as it moves the bf16 engine's. When this passes on a GPU, clear the
-    rule's ``unverified`` (megagrpo/trainer/compat.py) and the planner's FP8 mark."""
+    rule's ``unverified`` (megagrpo/gate/compat.py) and the planner's FP8 mark."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) < (8, 9):
         pytest.skip("FP8 needs CUDA with compute capability >= 8.9")
     pytest.importorskip("vllm")

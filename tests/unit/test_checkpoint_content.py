@@ -16,10 +16,10 @@ from lora_pieces import whole_lora_pieces
 from megagrpo.commands.export import export_adapter
 from megagrpo.errors import CheckpointError
 from megagrpo.model.config import LoraConfig
+from megagrpo.parallel.comm import Comm
 from megagrpo.testing import EMPTY_SAMPLER_STATE
 from megagrpo.trainer import checkpoint
 from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
-from megagrpo.trainer.context import Comm
 
 LORA = LoraConfig(rank=4)
 TRAINER = {"sampler": EMPTY_SAMPLER_STATE, "dynamic": {}, "loop": {"nonfinite_streak": 0}}

@@ -1,4 +1,4 @@
-"""The compatibility gate (megagrpo.trainer.compat): one test per rule (a violating config is
+"""The compatibility gate (megagrpo.gate.compat): one test per rule (a violating config is
 refused naming the rule, the nearest fixed config is accepted), the shipped 235B configs
 pass, today's layout is refused, and the rules that restate upstream code are checked against
 the installed upstream (megatron-core 0.16.1 on CPU; vLLM's ParallelConfig, slow)."""
@@ -12,7 +12,7 @@ import pytest
 from megagrpo.cli import main
 from megagrpo.config.loader import load_config
 from megagrpo.errors import ConfigError
-from megagrpo.trainer import compat
+from megagrpo.gate import compat
 from megagrpo.trainer.config import RunConfig
 
 MOE = {
@@ -110,7 +110,7 @@ def test_fp8_moe_lora_is_allowed_unverified(caplog):
     fp8 = _serving(rollout__quantization="fp8")
     assert _rules(fp8) == set() and _cautions(fp8) == {"vllm.fp8_moe_lora"}
     assert compat.verdict(fp8, MOE, 8) == "unverified"
-    with caplog.at_level(logging.WARNING, logger="megagrpo.trainer.compat"):
+    with caplog.at_level(logging.WARNING, logger="megagrpo.gate.compat"):
         compat.enforce(fp8, MOE, 8)
     assert "not yet run on a GPU" in caplog.text and "tests/gpu/" in caplog.text
     assert _cautions(_serving(rollout__quantization="fp8", rollout__enable_lora=False)) == set()

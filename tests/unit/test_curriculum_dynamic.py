@@ -88,7 +88,7 @@ def _round(num_valid):
 
 
 def run_rounds(ds, sampler, generate, batch_groups, step):
-    """The trainer's round loop (megagrpo.trainer.rollouts.collect_batch), minus the engine."""
+    """The trainer's round loop (megagrpo.placement.rollouts.collect_batch), minus the engine."""
     rounds = ds.start(sampler, batch_groups, step)
     while (problems := rounds.next_problems()) is not None:
         rounds.add(generate(problems))

@@ -22,9 +22,11 @@ LAYERS: list[set[str]] = [
     {"config", "algo", "parallel", "data", "metrics", "testing"},  # 2: components
     # 3: built on components below; the Megatron policy (model) never imports rollout
     {"kernels", "rewards", "rollout", "curriculum", "model"},
-    {"placement"},  # 4: engines on their own ranks: the wire, the engine rank, rounds, feed
+    # 4: where generation runs (placements, rounds, the wire, engine ranks); the upstream gate
+    {"placement", "gate"},
     {"trainer", "plan"},  # 5: the loop; the before-you-rent-a-GPU predictors
-    {"commands", "cli"},  # 6: the command line
+    {"swift"},  # 6: the ms-swift translator (writes trainer configs)
+    {"commands", "cli"},  # 7: the command line
 ]
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 

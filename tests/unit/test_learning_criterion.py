@@ -18,9 +18,9 @@ from megagrpo.metrics.answers import (
     wilson_interval,
 )
 from megagrpo.metrics.report import format_learning, learning_summary, make_report
+from megagrpo.placement.rollouts import evaluate
 from megagrpo.rewards.answers import answer_bias, guess_baselines
 from megagrpo.rewards.igakuqa import GoldItem
-from megagrpo.trainer.rollouts import evaluate
 from megagrpo.types import Group, Problem
 
 

@@ -235,7 +235,7 @@ def _pending(run_dir: Path, step: int) -> dict:
 
 
 def test_carried_completions_survive_sigterm_and_resume(bigram_dir, tmp_path):
-    from megagrpo.trainer.signals import StopSignals
+    from megagrpo.parallel.signals import StopSignals
 
     _train(_context(bigram_dir, tmp_path, "full", trainer={"save_every": 1}))
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")

@@ -14,12 +14,12 @@ import pytest
 from test_plan_phases import _two_node
 
 from megagrpo.commands.plan_memory import config_of, make_gate, plan_run
+from megagrpo.gate import compat
 from megagrpo.plan.collapse import billed, collapse_bill
 from megagrpo.plan.gate import REFUSED, RUNNABLE, UNVERIFIED
 from megagrpo.plan.ladder import PHASES, TARGETS, ladder_report, rungs
 from megagrpo.plan.memory import FUSED_CHUNK_BYTES, GIB, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
-from megagrpo.trainer import compat
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,9 @@ from megagrpo.config import load_config
 from megagrpo.metrics import read_metrics
 from megagrpo.placement.bridge import REQ, recv_named, send_named, thread_pair
 from megagrpo.placement.engine_rank import serve_engine
+from megagrpo.placement.separate import EngineLink
 from megagrpo.testing import tiny_run_config, write_run_config
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.separate import EngineLink
 
 PARTIAL = {"enabled": True, "chunk_tokens": 2, "finish_fraction": 0.5, "max_staleness": 2}
 

@@ -205,10 +205,10 @@ def test_a_signal_to_the_engine_rank_alone_stops_the_run_with_a_checkpoint(
     checkpoint, as after a SIGTERM to a trainer rank."""
     import signal
 
+    from megagrpo.parallel.signals import StopSignals
     from megagrpo.placement.engine_rank import EngineSide
     from megagrpo.trainer import loop
     from megagrpo.trainer.setup import build_context, shutdown
-    from megagrpo.trainer.signals import StopSignals
 
     run = _config(tmp_path, bigram_dir, "run")
     trainer_end, engine_end = thread_pair()

@@ -16,6 +16,7 @@ from megagrpo.algo.losses import reference_policy_loss
 from megagrpo.curriculum.budget_rounds import POOL_MEAN, POOL_SIZE, POOL_STD
 from megagrpo.kernels import fused_policy_loss
 from megagrpo.metrics import read_metrics
+from megagrpo.placement.rollouts import round_counts, shard_bounds, shard_split
 from megagrpo.trainer.batch import (
     BatchTotals,
     build_samples,
@@ -26,7 +27,6 @@ from megagrpo.trainer.batch import (
 )
 from megagrpo.trainer.loop import compute_advantages
 from megagrpo.trainer.optimize import group_seq_weights
-from megagrpo.trainer.rollouts import round_counts, shard_bounds, shard_split
 from megagrpo.types import Group, Problem
 
 SIZES = [3, 1, 5, 2]

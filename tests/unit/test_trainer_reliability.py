@@ -323,7 +323,7 @@ class SignalAtSleep(BigramEngine):
 def test_a_stop_signal_mid_step_checkpoints_and_resume_continues_identically(
     bigram_dir, tmp_path, signum
 ):
-    from megagrpo.trainer.signals import StopSignals
+    from megagrpo.parallel.signals import StopSignals
 
     _train(_context(bigram_dir, tmp_path, "full", trainer={"save_every": 0}))
     full = _rows(tmp_path / "full")
@@ -348,7 +348,7 @@ def test_a_stop_signal_mid_step_checkpoints_and_resume_continues_identically(
 def test_a_stop_before_the_first_step_writes_no_checkpoint_and_a_restart_runs(bigram_dir, tmp_path):
     """A requeued job stopped during start-up starts again with the same command (a step-0
     checkpoint would hold an untrained LoRA and refuse the plain restart)."""
-    from megagrpo.trainer.signals import StopSignals
+    from megagrpo.parallel.signals import StopSignals
 
     _train(_context(bigram_dir, tmp_path, "full"))
     stop = StopSignals()
@@ -361,8 +361,8 @@ def test_a_stop_before_the_first_step_writes_no_checkpoint_and_a_restart_runs(bi
 
 
 def test_signal_handler_records_and_a_second_ctrl_c_stops_at_once():
-    from megagrpo.trainer.context import Comm
-    from megagrpo.trainer.signals import StopSignals
+    from megagrpo.parallel.comm import Comm
+    from megagrpo.parallel.signals import StopSignals
 
     previous = signal.getsignal(signal.SIGINT)
     stop = StopSignals().install()

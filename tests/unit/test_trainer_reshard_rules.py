@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megagrpo.errors import CheckpointError
+from megagrpo.parallel.comm import Comm
 from megagrpo.testing import EMPTY_SAMPLER_STATE
 from megagrpo.trainer import checkpoint
-from megagrpo.trainer.context import Comm
 from megagrpo.trainer.resume_check import ADAPT, REFUSE, check_resume_config, compare_configs
 
 

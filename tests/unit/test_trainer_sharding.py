@@ -1,12 +1,12 @@
-"""Placement rules and shard bounds of sharded rollouts (megagrpo.trainer.rollouts)."""
+"""Placement rules and shard bounds of sharded rollouts (megagrpo.placement.rollouts)."""
 
 from __future__ import annotations
 
 import pytest
 
 from megagrpo.errors import ConfigError
+from megagrpo.placement.rollouts import replica_size, resolve_placement, shard_bounds
 from megagrpo.rollout.config import RolloutConfig
-from megagrpo.trainer.rollouts import replica_size, resolve_placement, shard_bounds
 
 
 @pytest.mark.parametrize("num,replicas", [(0, 1), (5, 2), (4, 4), (3, 5), (17, 16), (8, 3)])

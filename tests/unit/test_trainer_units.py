@@ -11,6 +11,7 @@ import torch
 from megagrpo.algo.config import LossConfig
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.kernels import fused_policy_loss
+from megagrpo.placement.rollouts import round_seed
 from megagrpo.trainer import checkpoint, plain_state
 from megagrpo.trainer.batch import (
     BatchTotals,
@@ -20,7 +21,6 @@ from megagrpo.trainer.batch import (
     padding_micro_batch,
 )
 from megagrpo.trainer.config import TrainerConfig
-from megagrpo.trainer.rollouts import round_seed
 from megagrpo.types import Group, Problem
 
 
@@ -283,8 +283,9 @@ def test_a_context_without_started_engines_says_so_on_use():
     from types import SimpleNamespace
 
     from megagrpo.config import load_config
+    from megagrpo.parallel.comm import Comm
     from megagrpo.trainer.config import RunConfig
-    from megagrpo.trainer.context import Comm, TrainContext
+    from megagrpo.trainer.context import TrainContext
 
     ctx = TrainContext(
         cfg=load_config(RunConfig),

@@ -17,13 +17,13 @@ from megagrpo.data import load_problems
 from megagrpo.data.variants import expand_round, fold_round, member_assignment
 from megagrpo.errors import DataError
 from megagrpo.metrics.completions import CompletionsLog
+from megagrpo.parallel.comm import Comm
+from megagrpo.placement.rollouts import Rank0Rollouts
 from megagrpo.rewards import build_composite
 from megagrpo.rewards.answers import answer_bias
 from megagrpo.rewards.config import RewardsConfig
 from megagrpo.rollout.base import sample_counts
 from megagrpo.trainer.batch import build_samples
-from megagrpo.trainer.context import Comm
-from megagrpo.trainer.rollouts import Rank0Rollouts
 from megagrpo.types import Group
 
 SYSTEM = "Answer with a letter."

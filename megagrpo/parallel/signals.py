@@ -20,7 +20,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from megagrpo.trainer.context import Comm
+from megagrpo.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
 

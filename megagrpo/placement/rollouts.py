@@ -37,6 +37,7 @@ import torch
 from megagrpo.data.variants import expand_round, fold_round, has_variants
 from megagrpo.errors import ConfigError
 from megagrpo.model.sync_transport import RegionFn
+from megagrpo.parallel.comm import Comm
 from megagrpo.placement.rounds import round_seed
 from megagrpo.rewards import CompositeReward, extract_answer
 from megagrpo.rewards.answers import eval_guess_metrics
@@ -44,7 +45,6 @@ from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
 from megagrpo.rollout.base import WeightSyncError, decode_completion
 from megagrpo.rollout.lora import PeftAdapter, expert_range
-from megagrpo.trainer.context import Comm
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class Rollouts(ABC):
 
     def partial_round(self, work: list, partial: Any, step: int, round_idx: int) -> Any:
         """A whole partial-rollout round run by the engines themselves (placement separate:
-        :meth:`megagrpo.trainer.separate.SeparateRollouts.partial_round`); None here: the
+        :meth:`megagrpo.placement.separate.SeparateRollouts.partial_round`); None here: the
         round runs on the trainer ranks, one :meth:`generate` per chunk."""
         return None
 

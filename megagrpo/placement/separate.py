@@ -4,9 +4,9 @@ The last ``rollout.engine_ranks`` processes serve engines in replicas of
 ``rollout.tensor_parallel_size`` ranks (e.g. one vLLM TP 8 replica per node:
 :func:`megagrpo.placement.engine_rank.serve_engine`) and never train; the others train in their
 own Megatron world (any layout the trainer supports: :func:`megagrpo.parallel.split.split_world`).
-Trainer rank 0 sends each replica its share of a round (cut as :func:`~megagrpo.trainer.rollouts
+Trainer rank 0 sends each replica its share of a round (cut as :func:`~megagrpo.placement.rollouts
 .shard_split` cuts sharded rollouts) and shares what the replicas' leaders return with the other
-trainer ranks, so :class:`SeparateRollouts` is a :class:`~megagrpo.trainer.rollouts.Rollouts`
+trainer ranks, so :class:`SeparateRollouts` is a :class:`~megagrpo.placement.rollouts.Rollouts`
 like the others: generate, score, push verified. An adapter push goes from the trainer ranks
 that own its buckets straight to every engine rank (:mod:`megagrpo.placement.feed`); merged
 weights stream from trainer rank 0.
@@ -42,7 +42,6 @@ NTP-synchronised nodes).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -52,22 +51,12 @@ import torch
 
 from megagrpo.data.variants import expand_round, fold_round, has_variants
 from megagrpo.errors import ConfigError
+from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.split import WorldSplit
 from megagrpo.placement.bridge import CTRL, FEED, GEN, PUSH, REQ, Channel, PgChannel, send_named
 from megagrpo.placement.engine_rank import EngineSide, PartialRequest, PushHeader, serve_engine
 from megagrpo.placement.feed import feed_adapter
-from megagrpo.placement.rounds import PendingGroup, RoundResult, split_work
-from megagrpo.placement.staleness import (
-    check_staleness,
-    check_token_staleness,
-    overlap_seconds,
-    stamp_staleness,
-)
-from megagrpo.rewards import CompositeReward
-from megagrpo.rollout import SamplingSpec
-from megagrpo.rollout.base import WeightSyncError
-from megagrpo.trainer.context import Ahead, Comm
-from megagrpo.trainer.rollouts import (
+from megagrpo.placement.rollouts import (
     Counts,
     EngineFactory,
     Rollouts,
@@ -76,17 +65,23 @@ from megagrpo.trainer.rollouts import (
     _nothing,
     _report_metrics,
     _worst,
-    round_seed,
     shard_split,
 )
+from megagrpo.placement.rounds import PendingGroup, RoundResult, split_work
+from megagrpo.placement.staleness import (
+    check_staleness,
+    check_token_staleness,
+    stamp_staleness,
+)
+from megagrpo.rewards import CompositeReward
+from megagrpo.rollout import SamplingSpec
+from megagrpo.rollout.base import WeightSyncError
 from megagrpo.types import Group, Problem
 
 if TYPE_CHECKING:
-    from megagrpo.curriculum.rounds import Rounds
-    from megagrpo.trainer.config import RunConfig
-    from megagrpo.trainer.context import TrainContext
-    from megagrpo.trainer.partial import PartialRollouts
-    from megagrpo.trainer.signals import StopSignals
+    from megagrpo.parallel.signals import StopSignals
+    from megagrpo.placement.partial import PartialRollouts
+    from megagrpo.rollout.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -443,83 +438,6 @@ def _reply(msg: tuple, kind: str) -> tuple:
     return msg[1:]
 
 
-# ------------------------------------------------------------------ one step ahead
-
-
-def submit_ahead(ctx: TrainContext, step: int, last: bool = True) -> None:
-    """Before step ``step`` trains, on separate ranks: note the step (the push after its
-    update carries weights current for ``step + 1``); after the last step on a generated batch
-    (``last``) with ``rollout.max_staleness`` 1, start step ``step + 1``'s rounds and send its
-    first round to the engines, which generate it while this step trains (a partial round with
-    ``rollout.partial``)."""
-    rollouts = ctx.rollouts
-    if not isinstance(rollouts, SeparateRollouts):
-        return
-    rollouts.training_step = step
-    if not last or rollouts.max_staleness < 1 or step >= ctx.cfg.trainer.max_steps:
-        return
-    nxt = step + 1
-    samplers = copy.deepcopy(sampler_states(ctx))  # what this step's checkpoint holds
-    rounds = ctx.dynamic.start(ctx.sampler, ctx.cfg.trainer.batch_groups, nxt)
-    ctx.ahead = Ahead(nxt, rounds, samplers)
-    requests = rounds.next_requests()
-    if requests is None:
-        return
-    problems, counts = [r.problem for r in requests], [r.n for r in requests]
-    if ctx.partial is not None:  # its carried groups stay the trainer's until collected
-        rollouts.submit_partial(ctx.partial.work(problems, counts), ctx.partial, nxt)
-        return
-    seed = round_seed(ctx.cfg.trainer.seed, nxt, 0)
-    rollouts.submit(problems, counts, SamplingSpec(seed=seed))
-
-
-def sampler_states(ctx: TrainContext) -> dict[str, Any]:
-    """The samplers' state a checkpoint of the last completed step holds: as they were before
-    :func:`submit_ahead` started the next step's rounds, else as they are."""
-    if ctx.ahead is not None and ctx.ahead.samplers:
-        return ctx.ahead.samplers
-    return {"sampler": ctx.sampler.state_dict(), "dynamic": ctx.dynamic.state_dict()}
-
-
-def take_ahead(ctx: TrainContext, step: int) -> tuple[Rounds, list[Group] | None] | None:
-    """Step ``step``'s rounds started by :func:`submit_ahead` and its first round's groups,
-    scored (None: nothing was started ahead). With partial rollouts the round's finished
-    groups (its unfinished ones are carried): call after ``ctx.partial.begin_step()``."""
-    ahead = ctx.ahead
-    if ahead is None:
-        return None
-    ctx.ahead = None
-    if ahead.step != step:
-        raise RuntimeError(f"rounds started ahead for step {ahead.step}, collected at {step}")
-    rollouts = ctx.rollouts
-    assert isinstance(rollouts, SeparateRollouts)
-    first = None
-    if rollouts.submitted and rollouts.submitted[0].kind == "partial":
-        assert ctx.partial is not None
-        res = rollouts.collect_partial(ctx.partial.cfg.max_staleness)
-        first = ctx.partial.absorb(rollouts, res, step)
-    elif rollouts.submitted:
-        first = rollouts.collect()
-    return ahead.rounds, first
-
-
-def overlap_metrics(ctx: TrainContext, step_s: float) -> dict[str, float]:
-    """``perf/overlap_frac`` (the share of the step during which the trainer trained while
-    an engine generated) and ``offpolicy/staleness_*``; {} for other placements."""
-    rollouts = ctx.rollouts
-    if not isinstance(rollouts, SeparateRollouts):
-        return {}
-    busy = rollouts.pop_engine_busy()
-    train = [iv for key, iv in ctx.intervals.items() if key == "train"]
-    both = overlap_seconds(busy, train)
-    both = ctx.comm.broadcast_object(both)
-    return {
-        "perf/overlap_frac": both / step_s if step_s > 0 else 0.0,
-        "perf/overlap_s": both,
-        **rollouts.pop_staleness(),
-    }
-
-
 def trainer_link(split: WorldSplit | None) -> EngineLink | None:
     """A trainer rank's links to the engine ranks (control on trainer rank 0 only)."""
     if split is None:
@@ -536,12 +454,15 @@ def trainer_link(split: WorldSplit | None) -> EngineLink | None:
 
 
 def serve_engine_rank(
-    cfg: RunConfig,
+    rollout: RolloutConfig,
+    hf_path: str,
+    seed: int,
     split: WorldSplit,
     engine_factory: EngineFactory | None = None,
     stop: StopSignals | None = None,
 ) -> int:
-    """An engine rank of placement separate: join the replica's private world (several ranks
+    """An engine rank of placement separate (the run's ``rollout`` config, ``model.hf_path``
+    and ``trainer.seed``): join the replica's private world (several ranks
     per replica), start the engine on the model, serve trainer rank 0 until it closes the link
     (:func:`megagrpo.placement.engine_rank.serve_engine`). ``stop``: this rank's signal
     handlers (re-asserted once the engine started); what they record goes with each reply, and
@@ -554,8 +475,8 @@ def serve_engine_rank(
     assert split.is_engine
     if split.replica_size > 1 and not dist.is_initialized():  # vLLM's external_launcher world
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    model_path = str(resolve_model_path(cfg.model.hf_path))
-    engine = (engine_factory or build_engine)(cfg.rollout, model_path, cfg.trainer.seed)
+    model_path = str(resolve_model_path(hf_path))
+    engine = (engine_factory or build_engine)(rollout, model_path, seed)
 
     def feed(rank: int) -> PgChannel:
         return PgChannel(split.bridge, rank, split.data, split.device)

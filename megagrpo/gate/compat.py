@@ -25,14 +25,27 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from megagrpo.errors import ConfigError
-from megagrpo.parallel.config import stage_layers
-from megagrpo.rollout.config import moe_sequence_parallel
+from megagrpo.model.config import ModelConfig
+from megagrpo.parallel.config import ClusterConfig, ParallelConfig, stage_layers
+from megagrpo.rollout.config import RolloutConfig, moe_sequence_parallel
 
-if TYPE_CHECKING:
-    from megagrpo.trainer.config import RunConfig
+
+class RunConfig(Protocol):
+    """What the gate reads of a run config (:class:`megagrpo.trainer.config.RunConfig` is
+    one): the model, the parallel layout, the engine and the cluster."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def parallel(self) -> ParallelConfig: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def cluster(self) -> ClusterConfig: ...
+
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megagrpo.placement.rollouts import Rollouts
 from megagrpo.placement.rounds import (
     PendingGroup,
     RoundResult,
@@ -35,7 +36,6 @@ from megagrpo.placement.rounds import (
     run_round,
 )
 from megagrpo.rollout.config import PartialConfig
-from megagrpo.trainer.rollouts import Rollouts
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
