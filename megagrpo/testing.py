@@ -292,7 +292,7 @@ EMPTY_SAMPLER_STATE: dict = {
 }
 """A curriculum sampler's state of no problems: what checkpoint tests that do not run a
 sampler put in ``trainer.json`` (its values are checked on resume:
-:mod:`megagrpo.trainer.state_checks`)."""
+:mod:`megagrpo.checkpoint.values`)."""
 
 DEMO_EVAL = Path(__file__).resolve().parent / "assets" / "demo_eval.jsonl"
 """The bundled held-out demo problems (for configs that evaluate)."""

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     """``RUN_DIR/checkpoints/step_N`` (the newest complete one without ``step``);
     ConfigError naming what exists when there is none."""
-    from megagrpo.trainer.checkpoint import complete_checkpoints, step_dir
+    from megagrpo.checkpoint.format import complete_checkpoints, step_dir
 
     root = Path(run_dir) / "checkpoints"
     done = complete_checkpoints(root)
@@ -78,7 +78,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
 
 def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], list[dict]]:
     """``(manifest, pieces of every rank)`` of a verified layout-free checkpoint."""
-    from megagrpo.trainer.checkpoint import check_files, load_resharded, read_manifest, reshardable
+    from megagrpo.checkpoint.format import check_files, load_resharded, read_manifest, reshardable
 
     manifest = read_manifest(ckpt)
     bad = check_files(ckpt, manifest)

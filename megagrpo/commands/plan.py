@@ -182,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
     inputs = _inputs(args, cfg)
     with quiet_simulation():
         if args.calibrate:
-            return run_calibrate(args, cfg, inputs)
+            refitted = run_calibrate(args, cfg, inputs)
+            if refitted is None:
+                return 0
+            inputs = refitted
         if args.budget:
             return run_budget(args, cfg, inputs)
         return plan_policies(args, cfg, inputs)

@@ -128,9 +128,12 @@ def format_budget_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_calibrate(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) -> int:
-    """``megagrpo plan --calibrate RUN_DIR``: measured vs predicted raw ACR per level, the
-    refitted prior, then the plan drawn from it (``cfg`` is the run's saved config)."""
+def run_calibrate(
+    args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs
+) -> PlanInputs | None:
+    """``megagrpo plan --calibrate RUN_DIR``: measured vs predicted raw ACR per level and the
+    refitted prior (``cfg`` is the run's saved config); returns the inputs the plan is then
+    drawn from (None with ``--json``: the calibration is the whole answer)."""
     from megagrpo.curriculum.calibrate import refit_prior
     from megagrpo.curriculum.levels import BetaPrior
     from megagrpo.metrics.logger import read_metrics
@@ -154,7 +157,7 @@ def run_calibrate(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) 
         population = synthetic_population(inputs.hist, k, seed, cal.prior_after)
     if args.json:
         print(json.dumps(cal.to_dict(), indent=1))
-        return 0
+        return None
     print(f"{metrics}: {cal.steps} steps, G={g}, k={k}")
     print(f"{'level':<8}{'measured':>10}{'obs':>8}{'predicted':>11}{'refitted':>10}")
     for lv in sorted(cal.measured):
@@ -170,9 +173,4 @@ def run_calibrate(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) 
     for note in cal.notes:
         print("note:", note)
     print("\nplan with the refitted prior:")
-    from megagrpo.commands.plan import plan_policies
-
-    inputs = dataclasses.replace(inputs, population=population)
-    if args.budget:
-        return run_budget(args, cfg, inputs)
-    return plan_policies(args, cfg, inputs)
+    return dataclasses.replace(inputs, population=population)

@@ -5,7 +5,7 @@ Every parallel dimension, the engine arguments, sync transport, offload and slee
 as configured; the model keeps its widths and experts but only ``--layers`` layers (default 2;
 raised to a multiple of ``parallel.pp``), and nothing is read from disk: the trainer starts
 from seeded stand-in weights and the engines from ``rollout.load_format=dummy``, then get
-them through the run's verified sync. Phases (:mod:`megagrpo.trainer.preflight`): start,
+them through the run's verified sync. Phases (:mod:`megagrpo.preflight.phases`): start,
 generate, sleep, wake, train, sync, skipped, checkpoint, resume, export. Run it like train
 (``torchrun ... -m megagrpo.cli preflight CONFIG``, or ``PREFLIGHT=1 sbatch
 slurm/grpo_235b.sh``).
@@ -137,7 +137,7 @@ def build_report(
     """The JSON report: ``ok``, ``failed_phase``, ``error``, ``phases`` and ``memory`` (per
     phase the planner predicts, ``PLAN_PHASE``: measured, plan at ``n`` and at ``full``
     layers, and the extrapolation)."""
-    from megagrpo.trainer.preflight import PLAN_PHASE
+    from megagrpo.preflight.phases import PLAN_PHASE
 
     memory: dict[str, dict[str, float]] = {}
     for ph in phases:
@@ -337,8 +337,8 @@ def _run(args: argparse.Namespace, reinstall: Any) -> int:
     from megagrpo.config import load_config
     from megagrpo.model.arch import load_hf_config
     from megagrpo.model.pretrained import resolve_model_path
+    from megagrpo.preflight.phases import as_dict, run_phases
     from megagrpo.trainer.config import RunConfig
-    from megagrpo.trainer.preflight import as_dict, run_phases
 
     base = load_config(RunConfig, [args.config], args.overrides)
     hf_dir = resolve_model_path(base.model.hf_path)

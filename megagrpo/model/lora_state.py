@@ -30,7 +30,7 @@ placement plan that already maps every rank's shards onto HF tensors gives the g
 DCP would need DTensors for, the pieces are written in parallel (no gather of the whole fp32
 adapter and its moments on one rank), and the same files give a PEFT adapter without building
 a model (:mod:`megagrpo.commands.export`). The trainer's manifest, checksums and fsync stay
-as they are (:mod:`megagrpo.trainer.checkpoint`).
+as they are (:mod:`megagrpo.checkpoint.format`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The converter's Megatron checkpoint format (``tools/convert_ckpt.py``): per-rank safetensors
 shards + metadata; HF ⇄ Megatron. Not the training checkpoints of a run
-(:mod:`megagrpo.trainer.checkpoint`).
+(:mod:`megagrpo.checkpoint.format`).
 
 Layout of a checkpoint directory::
 

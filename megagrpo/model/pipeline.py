@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,19 @@ from megagrpo.model.model_inputs import LossFn, model_inputs
 from megagrpo.parallel.cpu_shims import pipeline_schedule_compat
 
 if TYPE_CHECKING:
-    from megagrpo.model.policy import MegatronPolicy
     from megagrpo.model.routing import Routing
+    from megagrpo.parallel.state import ParallelGroups
+
+
+class MegatronPolicy(Protocol):
+    """What the schedules read of :class:`megagrpo.model.policy.MegatronPolicy` (which calls
+    them): the Megatron model, its groups and layer spec, and its logits forward."""
+
+    model: Any
+    groups: ParallelGroups
+    spec: str
+    forward_logits: Callable[..., torch.Tensor]
+
 
 log = logging.getLogger(__name__)
 

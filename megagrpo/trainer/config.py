@@ -136,7 +136,7 @@ class TrainerConfig:
     offload_during_rollout: bool = False
     """Move the frozen Megatron weights and the optimiser's moments to (pinned) host memory
     while the engines generate and sync, and back before training (the LoRA parameters stay on
-    the device: the adapter sync reads them). Phase order: :mod:`megagrpo.trainer.offload`.
+    the device: the adapter sync reads them). Phase order: :mod:`megagrpo.placement.offload`.
     On CPU the move is a no-op."""
 
     @property

@@ -25,9 +25,9 @@ from megagrpo.metrics.logger import MetricLogger, NullLogger
 from megagrpo.model import Policy
 from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.state import ParallelGroups
+from megagrpo.placement.offload import Offload
 from megagrpo.rewards import CompositeReward
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.offload import Offload
 from megagrpo.types import Problem
 
 if TYPE_CHECKING:

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from megagrpo.checkpoint.format import reshardable
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.errors import CheckpointError
-from megagrpo.trainer.checkpoint import reshardable
 from megagrpo.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)

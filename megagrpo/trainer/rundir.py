@@ -11,7 +11,7 @@ alone is redone), ``checkpoints/`` with any step
 - neither flag: ConfigError naming ``trainer.name`` and what the directory holds;
 - ``--overwrite``: the directory is renamed to ``<name>.old-<UTC time>`` (never deleted);
 - ``--resume``: the newest checkpoint every rank verifies
-  (:func:`megagrpo.trainer.checkpoint.find_resume_checkpoint`), compared with the new
+  (:func:`megagrpo.checkpoint.format.find_resume_checkpoint`), compared with the new
   config (:func:`megagrpo.trainer.resume_check.check_resume_config`).
 
 Rank 0 first takes the directory's lock (:mod:`megagrpo.trainer.runlock`: one process per run
@@ -28,20 +28,20 @@ import time
 from pathlib import Path
 
 from megagrpo import fileio
-from megagrpo.config.loader import written
-from megagrpo.errors import CheckpointError, ConfigError
-from megagrpo.model.fingerprint import describe as describe_fingerprint
-from megagrpo.parallel.comm import Comm
-from megagrpo.trainer import runlock
-from megagrpo.trainer.checkpoint import (
+from megagrpo.checkpoint.checks import TRAINER_KEYS, check_trainer_state
+from megagrpo.checkpoint.format import (
     TRAINER_FILE,
     ResumePoint,
     find_resume_checkpoint,
     remove_stale_tmp,
 )
-from megagrpo.trainer.ckpt_checks import TRAINER_KEYS, check_trainer_state
+from megagrpo.checkpoint.plain import to_plain
+from megagrpo.config.loader import written
+from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo.model.fingerprint import describe as describe_fingerprint
+from megagrpo.parallel.comm import Comm
+from megagrpo.trainer import runlock
 from megagrpo.trainer.config import RunConfig
-from megagrpo.trainer.plain_state import to_plain
 from megagrpo.trainer.resume_check import Change, check_resume_config
 from megagrpo.trainer.runlock import RunLock
 
@@ -134,7 +134,7 @@ def _lock_and_decide(run_dir: Path, resume: bool, overwrite: bool) -> tuple[RunL
 
 def _value_errors(point: ResumePoint, num_problems: int, vocab: int | None) -> str | None:
     """Why the values of ``point``'s trainer.json cannot be resumed with this training set
-    and vocabulary (rank 0; :mod:`megagrpo.trainer.state_checks`)."""
+    and vocabulary (rank 0; :mod:`megagrpo.checkpoint.values`)."""
     file = point.path / TRAINER_FILE
     if not file.is_file():  # the previous format: checked when it loads
         return None

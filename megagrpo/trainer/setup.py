@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megagrpo.checkpoint.format import ResumePoint
+from megagrpo.checkpoint.plain import rng_state, set_rng_state
 from megagrpo.config import save_config
 from megagrpo.config.loader import env_keys, written
 from megagrpo.curriculum.budget_rounds import BudgetPlanner
@@ -59,10 +61,8 @@ from megagrpo.placement.separate import EngineLink, SeparateRollouts
 from megagrpo.rewards import build_composite
 from megagrpo.rollout import build_engine
 from megagrpo.rollout.base import chat_prompt_ids, default_probe_ids
-from megagrpo.trainer.checkpoint import ResumePoint
 from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import TrainContext
-from megagrpo.trainer.plain_state import rng_state, set_rng_state
 from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rundir import check_base, confirm_resume_point, prepare_run_dir
 from megagrpo.trainer.sync import first_probes, start_engines

@@ -14,7 +14,7 @@ WeightSyncError.
 
 ``trainer.sync_transport`` decides how merged tensors travel between the trainer's ranks
 (:mod:`megagrpo.model.sync_transport`); ``trainer.offload_during_rollout`` puts the trainer's
-frozen weights on the host before the push (:mod:`megagrpo.trainer.offload`). At start-up
+frozen weights on the host before the push (:mod:`megagrpo.placement.offload`). At start-up
 (:func:`first_probes`, then :func:`start_engines`) the probes are computed before the engines
 start, and engines started from dummy weights get the real ones in one verified merged sync.
 """

@@ -1,5 +1,5 @@
 """Save and restore of a :class:`TrainContext` in the checkpoint format
-(:mod:`megagrpo.trainer.checkpoint`): which tensors each rank writes (layout-free LoRA pieces
+(:mod:`megagrpo.checkpoint.format`): which tensors each rank writes (layout-free LoRA pieces
 where the policy has them), the samplers' and the loop's state, and how a resume puts them
 back (resharding, changed optimiser settings, carried groups of another group size).
 """
@@ -12,11 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from megagrpo.config.loader import written
-from megagrpo.errors import CheckpointError
-from megagrpo.trainer import minibatch
-from megagrpo.trainer.ahead import sampler_states
-from megagrpo.trainer.checkpoint import (
+from megagrpo.checkpoint.checks import TRAINER_KEYS, check_trainer_state
+from megagrpo.checkpoint.format import (
     LAYOUT_FREE,
     ResumePoint,
     load,
@@ -24,10 +21,13 @@ from megagrpo.trainer.checkpoint import (
     reshardable,
     save,
 )
-from megagrpo.trainer.ckpt_checks import TRAINER_KEYS, check_trainer_state
+from megagrpo.checkpoint.plain import set_rng_state
+from megagrpo.config.loader import written
+from megagrpo.errors import CheckpointError
+from megagrpo.trainer import minibatch
+from megagrpo.trainer.ahead import sampler_states
 from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import TrainContext
-from megagrpo.trainer.plain_state import set_rng_state
 from megagrpo.trainer.resume_check import apply_optimizer_settings, drop_foreign_carry
 
 log = logging.getLogger(__name__)

@@ -54,10 +54,10 @@ def export_adapter_dir(model: Path, work: Path, fmt: str) -> Path:
     LoRA pieces of ``model`` (every element distinct, so a misplaced expert shows)."""
     from lora_pieces import whole_lora_pieces
 
+    from megagrpo.checkpoint import format as checkpoint
     from megagrpo.cli import main
     from megagrpo.model.config import LoraConfig
     from megagrpo.testing import EMPTY_SAMPLER_STATE
-    from megagrpo.trainer import checkpoint
 
     run = work / "run"
     if not (run / "checkpoints").exists():

@@ -46,10 +46,10 @@ def _worker(rank: int, root: str) -> dict:
     import torch.distributed as dist
 
     from megagrpo import fileio
+    from megagrpo.checkpoint import format as checkpoint
     from megagrpo.errors import CheckpointError
     from megagrpo.parallel.comm import Comm
     from megagrpo.parallel.signals import StopSignals
-    from megagrpo.trainer import checkpoint
 
     dist.init_process_group("gloo")
     comm, out = Comm(), {}

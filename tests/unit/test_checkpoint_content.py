@@ -13,13 +13,13 @@ import pytest
 import torch
 from lora_pieces import whole_lora_pieces
 
+from megagrpo.checkpoint import format as checkpoint
+from megagrpo.checkpoint.checks import TRAINER_KEYS
 from megagrpo.commands.export import export_adapter
 from megagrpo.errors import CheckpointError
 from megagrpo.model.config import LoraConfig
 from megagrpo.parallel.comm import Comm
 from megagrpo.testing import EMPTY_SAMPLER_STATE
-from megagrpo.trainer import checkpoint
-from megagrpo.trainer.ckpt_checks import TRAINER_KEYS
 
 LORA = LoraConfig(rank=4)
 TRAINER = {"sampler": EMPTY_SAMPLER_STATE, "dynamic": {}, "loop": {"nonfinite_streak": 0}}
@@ -94,7 +94,7 @@ def test_wrong_content_falls_back_to_the_previous_checkpoint(
         trainer.update(TRAINER_JSON[case][0])
         why = TRAINER_JSON[case][1]
     newer = _save(tmp_path, 2, tiny_dense_dir, pieces, trainer)
-    with caplog.at_level(logging.WARNING, logger="megagrpo.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="megagrpo.checkpoint.format"):
         point = checkpoint.find_resume_checkpoint(
             tmp_path / "run" / "checkpoints", Comm(), TRAINER_KEYS
         )

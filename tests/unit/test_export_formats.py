@@ -15,10 +15,10 @@ import pytest
 import torch
 from lora_pieces import whole_lora_pieces
 
+from megagrpo.checkpoint import format as checkpoint
 from megagrpo.cli import main
 from megagrpo.model.config import LoraConfig
 from megagrpo.testing import EMPTY_SAMPLER_STATE
-from megagrpo.trainer import checkpoint
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 IDS = list(range(100, 130))

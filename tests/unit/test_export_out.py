@@ -12,11 +12,11 @@ import pytest
 from lora_pieces import whole_lora_pieces
 
 from megagrpo import fileio
+from megagrpo.checkpoint import format as checkpoint
 from megagrpo.cli import main
 from megagrpo.errors import ConfigError
 from megagrpo.model.config import LoraConfig
 from megagrpo.testing import EMPTY_SAMPLER_STATE
-from megagrpo.trainer import checkpoint
 
 LORA = LoraConfig(rank=4)
 

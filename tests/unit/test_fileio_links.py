@@ -115,8 +115,8 @@ def test_a_directory_where_a_file_goes_is_named(tmp_path):
 def test_checkpoint_save_never_writes_through_a_planted_link(tmp_path, victim, monkeypatch):
     """A link planted inside the checkpoint's temporary directory (a race) is refused: the
     save fails naming it, the victim is intact."""
+    from megagrpo.checkpoint import format as checkpoint
     from megagrpo.errors import CheckpointError
-    from megagrpo.trainer import checkpoint
 
     root = tmp_path / "checkpoints"
     real = fileio.fresh_tmp_dir
@@ -145,7 +145,7 @@ _WRITERS = {
 }
 _ALLOWED = {
     ("fileio.py", "os.open"): "the one mechanism",
-    ("trainer/preflight.py", "Path.write_text/bytes"): "/proc/self/clear_refs",
+    ("preflight/phases.py", "Path.write_text/bytes"): "/proc/self/clear_refs",
     ("testing.py", "Path.write_text/bytes"): "test fixtures in the test's tmp_path",
     ("testing.py", "library writing to a path"): "test fixtures in the test's tmp_path",
     ("rollout/lora.py", "Path.write_text/bytes"): "the engine's private mkdtemp directory",

@@ -21,11 +21,11 @@ LAYERS: list[set[str]] = [
     {"types", "fileio", "profiling"},  # 1: data types, atomic file writes, allocator bytes
     {"config", "algo", "parallel", "data", "metrics", "testing"},  # 2: components
     # 3: built on components below; the Megatron policy (model) never imports rollout
-    {"kernels", "rewards", "rollout", "curriculum", "model"},
+    {"kernels", "rewards", "rollout", "curriculum", "model", "checkpoint"},
     # 4: where generation runs (placements, rounds, the wire, engine ranks); the upstream gate
     {"placement", "gate"},
     {"trainer", "plan"},  # 5: the loop; the before-you-rent-a-GPU predictors
-    {"swift"},  # 6: the ms-swift translator (writes trainer configs)
+    {"swift", "preflight"},  # 6: the ms-swift translator; the run's phases on a dummy copy
     {"commands", "cli"},  # 7: the command line
 ]
 LAYER_OF = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

@@ -68,7 +68,7 @@ def _reach(module: str) -> set[str]:
 
 def test_export_reads_checkpoints_through_the_format_alone():
     reached = _reach("megagrpo.commands.export")
-    assert "megagrpo.trainer.checkpoint" in reached  # the format: what export reads
+    assert "megagrpo.checkpoint.format" in reached  # the format: what export reads
     assert "megagrpo.trainer.train_state" not in reached  # save / restore of a TrainContext
     uses_context = sorted(
         m for m in reached if any("TrainContext" in names for _, names in _imports(m))

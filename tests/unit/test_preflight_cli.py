@@ -14,7 +14,7 @@ from megagrpo.commands.preflight import (
     preflight_layers,
     truncated_hf_config,
 )
-from megagrpo.trainer.preflight import PHASES
+from megagrpo.preflight.phases import PHASES
 
 
 def test_truncation_keeps_widths_and_experts():

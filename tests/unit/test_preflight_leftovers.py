@@ -40,7 +40,7 @@ def seen(monkeypatch):
         models.append(load_hf_config(cfg.model.hf_path))
         return []
 
-    monkeypatch.setattr("megagrpo.trainer.preflight.run_phases", phases)
+    monkeypatch.setattr("megagrpo.preflight.phases.run_phases", phases)
     return models
 
 
@@ -97,7 +97,7 @@ def test_sigterm_removes_both_directories_and_exits_143(
     def unhandled(signum, frame):  # the test's own: preflight must install its handler
         raise NotHandled
 
-    monkeypatch.setattr("megagrpo.trainer.preflight.run_phases", phases)
+    monkeypatch.setattr("megagrpo.preflight.phases.run_phases", phases)
     cfg = _config(tmp_path, tiny_dense_dir)
     previous = signal.signal(signal.SIGTERM, unhandled)
     try:
@@ -109,7 +109,7 @@ def test_sigterm_removes_both_directories_and_exits_143(
     assert "stopped by SIGTERM" in capfd.readouterr().err
     assert len(dirs) == 2 and not any(os.path.exists(d) for d in dirs)
     assert list(tmp_dir.iterdir()) == [] and not (tmp_path / "runs" / ".preflight").exists()
-    monkeypatch.setattr("megagrpo.trainer.preflight.run_phases", lambda cfg, before_phase: [])
+    monkeypatch.setattr("megagrpo.preflight.phases.run_phases", lambda cfg, before_phase: [])
     assert main(["preflight", str(cfg), "--layers", "2"]) == 0  # the requeue
 
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from megagrpo import fileio
+from megagrpo.checkpoint import format as checkpoint
+from megagrpo.checkpoint import plain_state
 from megagrpo.curriculum.config import DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.errors import CheckpointError
-from megagrpo.trainer import checkpoint, plain_state
 from megagrpo.types import Group, Problem
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,11 +17,11 @@ import pytest
 import torch
 from test_trainer_loop import BigramEngine, BigramPolicy
 
+from megagrpo.checkpoint import format as checkpoint
 from megagrpo.config import load_config
 from megagrpo.errors import CheckpointError, ConfigError, DataError
 from megagrpo.metrics import read_metrics
 from megagrpo.testing import tiny_run_config, write_run_config
-from megagrpo.trainer import checkpoint
 from megagrpo.trainer.config import RunConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "megagrpo" / "assets" / "demo_train.jsonl"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megagrpo.checkpoint import format as checkpoint
 from megagrpo.errors import CheckpointError
 from megagrpo.parallel.comm import Comm
 from megagrpo.testing import EMPTY_SAMPLER_STATE
-from megagrpo.trainer import checkpoint
 from megagrpo.trainer.resume_check import ADAPT, REFUSE, check_resume_config, compare_configs
 
 

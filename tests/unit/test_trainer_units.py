@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from megagrpo.algo.config import LossConfig
+from megagrpo.checkpoint import format as checkpoint
+from megagrpo.checkpoint import plain_state
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.kernels import fused_policy_loss
 from megagrpo.placement.rollouts import round_seed
-from megagrpo.trainer import checkpoint, plain_state
 from megagrpo.trainer.batch import (
     BatchTotals,
     build_samples,

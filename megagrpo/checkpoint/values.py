@@ -1,7 +1,7 @@
 """The values of a checkpoint's ``trainer.json``, field by field, before anything loads them.
 
 Checksums catch damage; a file written wrong, or edited and re-hashed, passed the type checks
-of :mod:`megagrpo.trainer.ckpt_checks` and crashed the resume after the model was built
+of :mod:`megagrpo.checkpoint.checks` and crashed the resume after the model was built
 (``sampler.succ`` cut short: ValueError; ``sampler.rng.main = "abc"``: TypeError; a carried
 token id of 10^9: IndexError), or was taken silently (a carried group whose ``logprobs`` are
 shorter than its tokens, a walk position past its permutation). :func:`trainer_state_errors`

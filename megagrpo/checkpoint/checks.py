@@ -1,7 +1,7 @@
 """What a checkpoint's content must be, beyond matching its manifest's checksums.
 
 The checksums catch damage, not a file written wrong (or edited and re-hashed): these checks
-say why a checkpoint cannot be used, so :func:`megagrpo.trainer.checkpoint.find_resume_checkpoint`
+say why a checkpoint cannot be used, so :func:`megagrpo.checkpoint.format.find_resume_checkpoint`
 skips it like a damaged one and ``megagrpo export`` refuses it, naming the file.
 
 - ``trainer.json``: an object whose ``step`` is the manifest's step (an integer), with
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megagrpo.trainer.state_checks import trainer_state_errors
+from megagrpo.checkpoint.values import trainer_state_errors
 
 Box = tuple[str, str, tuple[tuple[int, int], ...]]
 """``(name, factor, ((start, stop), ...))`` of one piece."""
@@ -50,7 +50,7 @@ def check_trainer_state(
 ) -> str | None:
     """Why ``trainer.json``'s ``state`` cannot be resumed at manifest step ``step``, or None;
     ``required``: keys that must hold objects (others, when present, must too). The values
-    are checked field by field (:mod:`megagrpo.trainer.state_checks`; ``num_problems``: the
+    are checked field by field (:mod:`megagrpo.checkpoint.values`; ``num_problems``: the
     training set's size, ``vocab``: the model's vocabulary, when known)."""
     if not isinstance(state, dict):
         return f"{where}: expected a JSON object, got {type(state).__name__}"

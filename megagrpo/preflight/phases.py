@@ -230,7 +230,7 @@ def _checkpoint(run: PreflightRun) -> None:
 
 
 def _resume(run: PreflightRun) -> None:
-    from megagrpo.trainer.checkpoint import find_resume_checkpoint
+    from megagrpo.checkpoint.format import find_resume_checkpoint
     from megagrpo.trainer.sync import push_weights, sync_mode, trainer_probe
     from megagrpo.trainer.train_state import restore_checkpoint
 

@@ -56,16 +56,16 @@ import numpy as np
 import torch
 
 from megagrpo import fileio
-from megagrpo.errors import CheckpointError
-from megagrpo.parallel.comm import Comm
-from megagrpo.trainer.ckpt_checks import (
+from megagrpo.checkpoint.checks import (
     check_content,
     check_pieces,
     check_tiling,
     check_trainer_state,
     problem_count,
 )
-from megagrpo.trainer.plain_state import json_bytes, rng_state, to_plain
+from megagrpo.checkpoint.plain import json_bytes, rng_state, to_plain
+from megagrpo.errors import CheckpointError
+from megagrpo.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ def find_resume_checkpoint(
     before: int | None = None,
 ) -> ResumePoint:
     """The newest checkpoint under ``ckpt_root`` that every rank verifies (collective), its
-    content included (:mod:`megagrpo.trainer.ckpt_checks`; ``required``: trainer.json keys);
+    content included (:mod:`megagrpo.checkpoint.checks`; ``required``: trainer.json keys);
     ``before``: only checkpoints of earlier steps (the fall-back past a rejected one).
 
     A damaged one (truncated or corrupt file, missing file, unreadable manifest) is skipped

@@ -1,6 +1,6 @@
 """What a checkpoint may hold besides tensors: plain data (JSON types) and every RNG state as
 tensors and plain types, so that resuming never unpickles an object (the format and the
-save / restore of a run: :mod:`megagrpo.trainer.checkpoint`)."""
+save / restore of a run: :mod:`megagrpo.checkpoint.format`)."""
 
 from __future__ import annotations
 
