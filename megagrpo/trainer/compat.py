@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from megagrpo.errors import ConfigError
 from megagrpo.parallel.config import stage_layers
 from megagrpo.rollout.config import moe_sequence_parallel
+from megagrpo.trainer import compat_te
 
 if TYPE_CHECKING:
     from megagrpo.trainer.config import RunConfig
@@ -480,6 +481,22 @@ RULES: tuple[Rule, ...] = (
         "(ValueError: moe_act in recompute_modules is only supported with moe_grouped_gemm)",
         _moe_act_recompute,
         _const("model.moe_grouped_gemm=true (TE spec), or drop moe_act from recompute_modules"),
+    ),
+    Rule(
+        "te.moe_act_expert_lora",
+        ("model.recompute_modules", "model.lora.targets", "model.spec"),
+        compat_te.MOE_ACT_UPSTREAM,
+        compat_te.moe_act_expert_lora,
+        _const("drop moe_act from model.recompute_modules, or no linear_fc2 expert target"),
+        unverified=compat_te.MOE_ACT_GPU_TEST,
+    ),
+    Rule(
+        "te.packed_lora",
+        ("trainer.pack_tokens", "model.spec"),
+        compat_te.PACKED_UPSTREAM,
+        compat_te.packed_lora,
+        _const("trainer.pack_tokens=0 (padded micro-batches), or model.spec=local"),
+        unverified=compat_te.PACKED_GPU_TEST,
     ),
 )
 
