@@ -59,10 +59,17 @@ def cmd_import(args) -> dict:
     tmp = atomic_dir(out, {"HF model directory": hf})
     try:
         lora = LoraConfig()
-        job = dict(hf=str(hf), tmp=str(tmp), layout=layout, lora=asdict(lora), dtype=args.dtype)
+        job = dict(  # the local spec on any device: shards any machine can export
+            hf=str(hf),
+            tmp=str(tmp),
+            layout=layout,
+            lora=asdict(lora),
+            dtype=args.dtype,
+            spec="local",
+        )
         stats = launch(import_worker, world, job)
         copy_hf_metadata(hf, tmp / "hf")
-        write_meta(tmp, layout, world, args.dtype, lora, has_lora=False)
+        write_meta(tmp, layout, world, args.dtype, lora, has_lora=False, spec="local")
         commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

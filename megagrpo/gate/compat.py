@@ -25,27 +25,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from megagrpo.errors import ConfigError
-from megagrpo.model.config import ModelConfig
-from megagrpo.parallel.config import ClusterConfig, ParallelConfig, stage_layers
-from megagrpo.rollout.config import RolloutConfig, moe_sequence_parallel
-
-
-class RunConfig(Protocol):
-    """What the gate reads of a run config (:class:`megagrpo.trainer.config.RunConfig` is
-    one): the model, the parallel layout, the engine and the cluster."""
-
-    @property
-    def model(self) -> ModelConfig: ...
-    @property
-    def parallel(self) -> ParallelConfig: ...
-    @property
-    def rollout(self) -> RolloutConfig: ...
-    @property
-    def cluster(self) -> ClusterConfig: ...
-
+from megagrpo.gate import compat_te
+from megagrpo.gate.facts import Facts, RunConfig
+from megagrpo.parallel.config import stage_layers
+from megagrpo.rollout.config import moe_sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -55,56 +41,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 class CompatError(ConfigError):
     """The config violates a rule of the pinned upstream stack (message: every violation)."""
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What the rules read: the config plus the derived layout of the GPU run."""
-
-    cfg: RunConfig
-    world: int
-    """GPUs of the run (torch.distributed world size)."""
-    engine_dp: int
-    """vLLM ``data_parallel_size`` of one engine (lock-stepped sharded replicas), else 1."""
-    hf: dict[str, Any] | None
-    """The model's HF config (None: rules that need the model are skipped)."""
-
-    @property
-    def vllm(self) -> bool:
-        return self.cfg.rollout.engine == "vllm"
-
-    @property
-    def num_experts(self) -> int | None:
-        if self.hf is None:
-            return None
-        return int(self.hf.get("num_experts") or self.hf.get("num_local_experts") or 0)
-
-    @property
-    def moe(self) -> bool:
-        """MoE model (unknown model: assumed MoE when expert parallelism is asked for)."""
-        n = self.num_experts
-        return self.cfg.rollout.enable_expert_parallel if n is None else n > 0
-
-    @property
-    def engine_tp(self) -> int:
-        return self.cfg.rollout.tensor_parallel_size
-
-    @property
-    def vllm_use_ep(self) -> bool:
-        """``fused_moe/config.py`` ``FusedMoEParallelConfig.make``: ``use_ep``."""
-        ro = self.cfg.rollout
-        return self.vllm and self.moe and ro.enable_expert_parallel and self.engine_ep_size > 1
-
-    @property
-    def engine_ep_size(self) -> int:
-        """Devices one engine spreads each MoE layer over (EP size, or the TP size of the
-        experts without EP): DP x TP (``flatten_tp_across_dp``)."""
-        return self.engine_dp * self.engine_tp
-
-    @property
-    def moe_lora(self) -> bool:
-        """Every MoE layer becomes ``FusedMoEWithLoRA`` (``lora/model_manager.py``)."""
-        return self.vllm and self.moe and self.cfg.rollout.enable_lora
 
 
 Check = Callable[[Facts], "str | None"]
@@ -493,6 +429,22 @@ RULES: tuple[Rule, ...] = (
         "(ValueError: moe_act in recompute_modules is only supported with moe_grouped_gemm)",
         _moe_act_recompute,
         _const("model.moe_grouped_gemm=true (TE spec), or drop moe_act from recompute_modules"),
+    ),
+    Rule(
+        "te.moe_act_expert_lora",
+        ("model.recompute_modules", "model.lora.targets", "model.spec"),
+        compat_te.MOE_ACT_UPSTREAM,
+        compat_te.moe_act_expert_lora,
+        _const("drop moe_act from model.recompute_modules, or no linear_fc2 expert target"),
+        unverified=compat_te.MOE_ACT_GPU_TEST,
+    ),
+    Rule(
+        "te.packed_lora",
+        ("trainer.pack_tokens", "model.spec"),
+        compat_te.PACKED_UPSTREAM,
+        compat_te.packed_lora,
+        _const("trainer.pack_tokens=0 (padded micro-batches), or model.spec=local"),
+        unverified=compat_te.PACKED_GPU_TEST,
     ),
 )
 

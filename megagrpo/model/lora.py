@@ -180,6 +180,10 @@ def attach_lora(module: nn.Module, adapter: LoraAdapter) -> None:
     (``layernorm_linear.py``: ``if ctx.return_layernorm_output and not
     ctx.return_layernorm_output_gathered: dgrad = dgrad + grad_outputs[1]``): with the
     gathered output, dL/dx through ``B A`` never reached the residual stream.
+
+    mcore's wrapper returns ``(out, None)``, or TE's own tuple when it returns the bias
+    (``te_return_bias``): then ``(out, bias, ln_out)`` (TE 2.11 ``layernorm_linear.py``
+    ``LayerNormLinear.forward``, its ``return_bias`` branch).
     """
     module.adapter = adapter
     orig = module.forward
@@ -187,10 +191,14 @@ def attach_lora(module: nn.Module, adapter: LoraAdapter) -> None:
         set_flags(module, return_layernorm_output=True, return_layernorm_output_gathered=False)
 
     def forward(x, *args, **kwargs):
-        out, bias = orig(x, *args, **kwargs)
+        res = orig(x, *args, **kwargs)
         inp = x
-        if isinstance(out, tuple):  # TE: (output, layernorm output)
-            out, inp = out
+        if len(res) == 3:  # TE LayerNormLinear that returns its bias: (out, bias, ln output)
+            out, bias, inp = res
+        else:
+            out, bias = res
+            if isinstance(out, tuple):  # TE: (output, layernorm output)
+                out, inp = out
         m_splits = args[0] if adapter.num_experts and args else kwargs.get("m_splits")
         delta = adapter(inp, m_splits) if adapter.num_experts else adapter(inp)
         return out + delta.to(out.dtype), bias

@@ -173,6 +173,8 @@ def save_policy_checkpoint(
             policy.cfg.lora,
             has_lora=True,
             base=None if with_base else str(base_ckpt or policy.cfg.hf_path),
+            spec=policy.spec,
+            moe_grouped_gemm=policy.grouped_experts,
         )
         fileio.replace_dir(tmp, out)
     dist.barrier()
@@ -213,7 +215,10 @@ def import_worker(rank: int, job: dict) -> dict:
     try:
         t0 = time.perf_counter()
         lora = LoraConfig(**job["lora"])
-        policy = build_policy(ModelConfig(hf_path=job["hf"], lora=lora, dtype=job["dtype"]), groups)
+        mcfg = ModelConfig(
+            hf_path=job["hf"], lora=lora, dtype=job["dtype"], spec=job.get("spec", "local")
+        )
+        policy = build_policy(mcfg, groups)
         t_load = time.perf_counter() - t0
         save_shards(policy, Path(job["tmp"]), with_lora=False)
         dist.barrier()
@@ -239,16 +244,19 @@ def export_worker(rank: int, job: dict) -> dict:
     from megagrpo.model.policy import build_policy
     from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
 
-    meta = job["meta"]
+    meta, ckpt = job["meta"], Path(job["ckpt"])
+    mcfg = model_config_of(meta, str(ckpt / "hf"))
+    base = meta.get("base")
+    base_ckpt = bool(base) and (Path(base) / META).is_file()
+    if base_ckpt and model_config_of(read_meta(Path(base)), "").spec != mcfg.spec:
+        raise CheckpointError(
+            f"{ckpt}: its LoRA shards were written under model.spec={mcfg.spec}, the base "
+            f"checkpoint {base} under another spec (their Megatron names differ)"
+        )
     groups = init_parallel(ParallelConfig(**meta["layout"]))
     try:
         t0 = time.perf_counter()
-        ckpt = Path(job["ckpt"])
-        mcfg = ModelConfig(
-            hf_path=str(ckpt / "hf"), lora=LoraConfig(**meta["lora"]), dtype=meta["dtype"]
-        )
-        base = meta.get("base")
-        if base and not (Path(base) / META).is_file():  # base weights from an HF directory
+        if base and not base_ckpt:  # base weights from an HF directory
             policy = build_policy(dataclasses.replace(mcfg, hf_path=base), groups)
         else:
             policy = build_policy(mcfg, groups, load_weights=False)
@@ -314,6 +322,21 @@ _META_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+def model_config_of(meta: dict, hf_path: str) -> ModelConfig:
+    """The ``ModelConfig`` that rebuilds the modules a checkpoint's shards were saved from.
+    Megatron parameter names depend on the layer spec: the TE spec fuses the layernorms
+    into ``linear_qkv`` / ``linear_fc1`` (``layer_norm_weight``) and its grouped experts hold
+    ``weight0..weight{n-1}`` (no ``local_experts.{j}``). A checkpoint written before the spec
+    was recorded gets ``auto``, what wrote it then."""
+    return ModelConfig(
+        hf_path=hf_path,
+        lora=LoraConfig(**meta["lora"]),
+        dtype=meta["dtype"],
+        spec=meta.get("spec", "auto"),
+        moe_grouped_gemm=meta.get("moe_grouped_gemm", True),
+    )
+
+
 def read_meta(ckpt: Path) -> dict:
     """The checkpoint's ``megagrpo_ckpt.json``, checked: CheckpointError naming the file and
     the key when it is missing, not JSON, of another format, or holds a value of a wrong type."""
@@ -333,6 +356,10 @@ def read_meta(ckpt: Path) -> dict:
             raise CheckpointError(f"{path}: key '{key}' missing")
         if not isinstance(meta[key], types) or (types is int and isinstance(meta[key], bool)):
             raise CheckpointError(f"{path}: key '{key}' has a wrong type: {meta[key]!r:.60}")
+    if meta.get("spec", "auto") not in ("auto", "local", "te") or not isinstance(
+        meta.get("moe_grouped_gemm", True), bool
+    ):
+        raise CheckpointError(f"{path}: key 'spec' or 'moe_grouped_gemm' has a wrong value")
     for section, cls in (("layout", ParallelConfig), ("lora", LoraConfig)):
         unknown = set(meta[section]) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -348,9 +375,13 @@ def write_meta(
     lora: LoraConfig,
     has_lora: bool,
     base: str | None = None,
+    spec: str = "local",
+    moe_grouped_gemm: bool = True,
 ) -> None:
     """``base``: where base weights live when this checkpoint holds only LoRA shards (a
-    megagrpo checkpoint of the same layout, or an HF directory)."""
+    megagrpo checkpoint of the same layout, or an HF directory). ``spec`` /
+    ``moe_grouped_gemm``: the layer spec the shards' names come from
+    (:func:`model_config_of`)."""
     meta = {
         "format": FORMAT,
         "layout": layout,
@@ -359,6 +390,8 @@ def write_meta(
         "lora": asdict(lora),
         "has_lora": has_lora,
         "base": base,
+        "spec": spec,
+        "moe_grouped_gemm": moe_grouped_gemm,
     }
     fileio.write_text(out / META, json.dumps(meta, indent=2))
 

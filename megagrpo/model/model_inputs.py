@@ -108,8 +108,9 @@ def model_inputs(
 
     ``position_ids``: None, 0..T-1 per row, or (packed) 0..l_i-1 per sample: RoPE positions
     are implicit, other positions are rejected. ``attention_mask`` [B, T] (1 = token, 0 =
-    padding) masks padded keys on top of the causal mask. ``cu_seqlens`` [n + 1] makes the row
-    a packed micro-batch (B must be 1; ``attention_mask`` must be None).
+    padding) masks padded keys on top of the causal mask (TE spec: right padding only, where
+    the mask changes nothing; other padding raises ValueError). ``cu_seqlens`` [n + 1] makes
+    the row a packed micro-batch (B must be 1; ``attention_mask`` must be None).
     """
     b, t = input_ids.shape
     dev = groups.device
@@ -131,11 +132,28 @@ def model_inputs(
     if position_ids is not None and not torch.equal(position_ids.to(dev), pos[:, :t]):
         raise ValueError("position_ids must be 0..T-1 per row (RoPE positions are implicit)")
     mask = None
-    if attention_mask is not None:
+    if attention_mask is not None and spec == "te":
+        _te_padding_mask(attention_mask)  # TE ignores it: only right padding is allowed
+    elif attention_mask is not None:
         keep = torch.nn.functional.pad(attention_mask.to(dev).bool(), (0, pad))
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=dev), diagonal=1)
         mask = causal[None, None] | ~keep[:, None, None, :]
     return ModelInputs(ids, pos, mask, t)
+
+
+def _te_padding_mask(attention_mask: torch.Tensor) -> None:
+    """Check a padding mask for the TE spec, where it cannot be applied: megatron-core's
+    ``SelfAttention`` hands TE's ``DotProductAttention`` ``attn_mask_type=causal``, and TE
+    reads ``attention_mask`` only for mask types with "padding" or "arbitrary" (TE 2.11
+    ``attention/dot_product_attention/dot_product_attention.py`` ``forward`` docstring).
+    Right padding needs no mask (causal: no real token sees a pad); anything else (left or
+    inner padding) raises instead of being silently attended to."""
+    keep = attention_mask.to(torch.int8)
+    if not torch.equal(keep.cummin(dim=1).values, keep):
+        raise ValueError(
+            "attention_mask with left or inner padding on the Transformer Engine spec: TE's "
+            "causal attention ignores the mask; right-pad the rows or pack them (cu_seqlens)"
+        )
 
 
 def _packed_inputs(spec: str, ids: torch.Tensor, cu: torch.Tensor, t: int, n: int) -> ModelInputs:

@@ -28,11 +28,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_spec(model_cfg: ModelConfig) -> str:
     """``local`` or ``te``: ``auto`` picks TE only with CUDA and transformer_engine installed."""
-    if model_cfg.spec != "auto":
-        if model_cfg.spec == "te" and not torch.cuda.is_available():
-            raise ConfigError("config key 'model.spec': 'te' needs CUDA + Transformer Engine")
-        return model_cfg.spec
     has_te = importlib.util.find_spec("transformer_engine") is not None
+    if model_cfg.spec != "auto":
+        if model_cfg.spec == "te" and not (torch.cuda.is_available() and has_te):
+            missing = "CUDA" if not torch.cuda.is_available() else "transformer_engine"
+            raise ConfigError(
+                f"config key 'model.spec': 'te' needs CUDA + Transformer Engine ({missing} "
+                "is not available here)"
+            )
+        return model_cfg.spec
     return "te" if torch.cuda.is_available() and has_te else "local"
 
 

@@ -59,7 +59,8 @@ def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
     groups = init_parallel(pcfg)
     try:
         lora = LoraConfig(**job.get("lora", {"rank": 4, "alpha": 8.0}))
-        policy = build_policy(ModelConfig(hf_path=job["hf_dir"], lora=lora), groups)
+        mcfg = ModelConfig(hf_path=job["hf_dir"], lora=lora, spec=job.get("spec", "auto"))
+        policy = build_policy(mcfg, groups)
         ids = job["input_ids"]
         report: dict[str, Any] = {"world_size": groups.world_size, "layout": job["layout"]}
         with torch.no_grad():
@@ -70,7 +71,7 @@ def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
             base = full_logits(policy, ids, groups)
             for k, a in policy.adapters.items():
                 a.scaling = scales[k]
-        report["logits"] = logits
+        report["logits"] = logits.cpu()  # on GPU: compared with transformers' CPU logits
         report["lora_zero_init_max_diff"] = (logits - base).abs().max().item()
         orig = {}
         for f in safetensors_files(job["hf_dir"]):
@@ -81,7 +82,7 @@ def _one_job(rank: int, job: dict, keep: bool) -> dict | None:
         for bucket in policy.export_hf_weights(merge_lora=True, bucket_bytes=1 << 20):
             for name, t in bucket:
                 seen += 1
-                equal &= name in orig and torch.equal(t, orig[name])
+                equal &= name in orig and torch.equal(t.cpu(), orig[name])
         report["roundtrip_bitwise"] = bool(equal and seen == len(orig))
         if job.get("train_steps"):
             report.update(_train(policy, groups, ids, job))
@@ -120,7 +121,7 @@ def _train(policy, groups, ids, job) -> dict:
     v = policy.arch.vocab_size
     w = _loss_weights((b, t, v), job.get("loss_seed", 7))
     n = v // groups.tp_size
-    w_local = w[..., groups.tp_rank * n : (groups.tp_rank + 1) * n]
+    w_local = w[..., groups.tp_rank * n : (groups.tp_rank + 1) * n].to(groups.device)
     opt = torch.optim.SGD(policy.lora_parameters(), lr=job.get("lr", 0.5))
     grads = []
     for _ in range(job["train_steps"]):
@@ -130,19 +131,19 @@ def _train(policy, groups, ids, job) -> dict:
         policy.finish_grad_sync()
         grads.append(
             {
-                k: (a.clone(), bb.clone())
+                k: (a.clone().cpu(), bb.clone().cpu())
                 for k, (a, bb) in gather_lora(policy, use_grad=True).items()
             }
         )
         opt.step()
     out: dict[str, Any] = {"grads": grads}
     with torch.no_grad():
-        out["trained_logits"] = gather_vocab(policy.forward_logits(ids), groups)
+        out["trained_logits"] = gather_vocab(policy.forward_logits(ids), groups).cpu()
     if job.get("adapter_dir"):
         policy.export_peft_adapter(job["adapter_dir"])
         out["adapter_dir"] = job["adapter_dir"]
     if job.get("merged_dir"):
-        out["merged"] = {k: t for bucket in policy.export_hf_weights() for k, t in bucket}
+        out["merged"] = {k: t.cpu() for bucket in policy.export_hf_weights() for k, t in bucket}
     return out
 
 

@@ -188,6 +188,30 @@ def test_moe_act_recompute():
     assert _rules(cfg) == set()
 
 
+def test_te_paths_no_gpu_has_run_are_unverified():
+    """Issue 39 item 3: moe_act recompute with expert linear_fc2 LoRA (megatron-core frees
+    the activation the adapter saved and refills it from a hook) and packed rows (THD) on
+    the TE spec are allowed with a warning naming their GPU test; the local spec, no fc2
+    expert target, or padded micro-batches are not flagged."""
+    act = _run(model__spec="te", model__recompute="selective")
+    act.model.recompute_modules = ["moe_act"]
+    assert _rules(act) == set() and _cautions(act) == {"te.moe_act_expert_lora"}
+    assert compat.verdict(act, MOE, 8) == "unverified"
+    (c,) = compat.cautions(act, MOE, 8)
+    assert "test_te_lora_recompute.py" in c.rule.unverified and "experts.py" in c.rule.upstream
+    act.model.lora.targets = ["linear_qkv", "linear_fc1"]
+    assert _cautions(act) == set()
+    act.model.lora.targets = ["expert_linear_fc2"]
+    assert _cautions(act) == {"te.moe_act_expert_lora"}
+    assert _cautions(act, hf=DENSE) == set()
+    act.model.spec = "local"
+    assert _cautions(act) == set()
+    packed = _run(model__spec="te", trainer__pack_tokens=4096)
+    assert _rules(packed) == set() and _cautions(packed) == {"te.packed_lora"}
+    assert _cautions(_run(model__spec="te")) == set()
+    assert _cautions(_run(model__spec="local", trainer__pack_tokens=4096)) == set()
+
+
 def test_every_rule_has_a_test():
     names = {r.name for r in compat.RULES}
     tested = {
@@ -205,6 +229,8 @@ def test_every_rule_has_a_test():
         "mcore.moe_tp_sequence_parallel",
         "mcore.pp_token_dispatcher",
         "te.moe_act_recompute",
+        "te.moe_act_expert_lora",
+        "te.packed_lora",
     }
     assert names == tested
     assert all(r.upstream and "/" in r.upstream for r in compat.RULES)

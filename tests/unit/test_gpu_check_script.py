@@ -20,6 +20,7 @@ PARTS = [
     "train",
     "train_strict",
     "train_moe",
+    "train_te",
     "recompute",
 ]
 
@@ -93,6 +94,44 @@ def test_train_moe_part_runs_on_cpu(repo_root, tmp_path):
 
     if importlib.util.find_spec("transformer_engine") is None:
         assert "not in .whl/" in summary["not_run"]["transformer_engine"]
+
+
+def test_output_says_what_was_checked(repo_root, tmp_path):
+    """Issue 39 item 4: the script states this machine's CPython (version, path, wheel tag)
+    first, names before pytest runs which tests/gpu files will run or skip and why, and
+    the JSON gives per file what ran and why the rest did not; train_te (item 3b) is
+    recorded skipped, with its reason, where Transformer Engine does not import."""
+    import importlib.util
+
+    tests = "tests/gpu/test_kernel_cuda.py tests/gpu/test_te_lora_grads.py"
+    rc, summary, err = _run(
+        repo_root,
+        tmp_path,
+        GPU_CHECK_MODE="cpu",
+        GPU_CHECK_ONLY="gpu_tests,train_te",
+        GPU_CHECK_TESTS=tests,
+    )
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    first = err.splitlines()[0]
+    assert first.startswith(f"gpu_check: CPython {here}") and tag in first, err
+    assert sys.executable in first
+    assert summary["python"]["wheel_tag"] == tag
+    assert summary["python"]["executable"] == sys.executable
+    assert "skips  tests/gpu/test_te_lora_grads.py" in err and "needs CUDA" in err
+    files = summary["parts"]["gpu_tests"]["result"]["files"]
+    assert set(files) == set(tests.split())
+    te = files["tests/gpu/test_te_lora_grads.py"]
+    assert te["passed"] == 0 and te["skipped"] > 0 and te["expected"] == "skip"
+    assert "Transformer Engine" in te["needs"] and "CUDA" in te["needs"]
+    assert summary["gpu_tests"]["ran"] == []
+    assert set(summary["gpu_tests"]["not_run"]) == set(tests.split())
+    assert "tests/gpu not run: tests/gpu/test_kernel_cuda.py" in err
+    if importlib.util.find_spec("transformer_engine") is None:
+        part = summary["parts"]["train_te"]
+        assert part["status"] == "skipped" and "transformer_engine" in part["reason"]
+        assert "not in .whl/" in summary["not_run"]["transformer_engine"]
+    assert rc == 0 and summary["ok"]
 
 
 def test_time_budget_skips_late_parts(repo_root, tmp_path):

@@ -274,3 +274,119 @@ def test_qkv_adapter_gradient_reaches_the_residual_stream(dtype):
     # fp32: summation order only (~1e-6); bf16: inputs and dx rounded to 8 bits (~1e-2)
     assert err < (1e-5 if dtype == torch.float32 else 3e-2), err
     assert bias is None
+
+
+# ------------------------------------------------- issue 39 item 3: TE path read by fresh eyes
+
+
+class TELayerNormColumnWithBiasStandIn(TELayerNormColumnStandIn):
+    """mcore's wrapper when ``te_return_bias`` (``skip_bias_add and bias``): it returns TE's
+    own tuple, which with ``return_layernorm_output`` is ``(out, bias, ln_out)`` (TE 2.11
+    ``layernorm_linear.py`` ``LayerNormLinear.forward``, the ``return_bias`` branch)."""
+
+    def __init__(self, h: int, out_f: int, gen: torch.Generator):
+        super().__init__(h, out_f, gen)
+        self.bias = nn.Parameter(torch.randn(out_f, generator=gen))
+
+    def forward(self, x):
+        out, _ = super().forward(x)
+        if self.return_layernorm_output:
+            out, ln = out
+            return out, self.bias, ln
+        return out, self.bias
+
+
+def test_lora_on_a_te_layernorm_linear_that_returns_its_bias():
+    """Fails before the fix: the wrapper unpacked two values from TE's three."""
+    gen = torch.Generator().manual_seed(3)
+    h, out_f, r = 16, 24, 4
+    mod = TELayerNormColumnWithBiasStandIn(h, out_f, gen)
+    adapter = LoraAdapter(
+        "column", h, out_f, r, 8.0, 0.0, None, 1, 0, False, False, False, ["qkv"], seed=0
+    )
+    with torch.no_grad():
+        adapter.lora_B.copy_(torch.randn(out_f, r, generator=gen))
+    attach_lora(mod, adapter)
+    x = torch.randn(3, 2, h, generator=gen)
+    out, bias = mod(x)
+    ln = _rms(x, mod.layer_norm_weight.detach())
+    a, b = adapter.lora_A.detach(), adapter.lora_B.detach()
+    ref = ln @ mod.weight.detach().t() + adapter.scaling * F.linear(F.linear(ln, a), b)
+    assert bias is mod.bias
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)  # fp32, summation order only
+
+
+def test_te_spec_refuses_a_padding_mask_it_would_ignore():
+    """TE's causal attention ignores ``attention_mask`` (megatron-core passes
+    attn_mask_type=causal; TE 2.11 reads the mask only for padding/arbitrary types): left
+    padding raises on the TE spec, right padding (harmless under a causal mask) drops the
+    mask, and the local spec keeps building it. Fails before the fix (the mask was handed
+    to TE and silently ignored)."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from megagrpo.model.model_inputs import model_inputs
+
+    g: Any = SimpleNamespace(tp_size=1, sequence_parallel=False, device=torch.device("cpu"))
+    ids = torch.arange(8).view(2, 4)
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="Transformer Engine spec"):
+        model_inputs(g, "te", ids, attention_mask=left)
+    assert model_inputs(g, "te", ids, attention_mask=right).attention_mask is None
+    mask = model_inputs(g, "local", ids, attention_mask=left).attention_mask
+    assert mask is not None and bool(mask[0, 0, 3, 0]) and not bool(mask[1, 0, 3, 0])
+
+
+def test_spec_te_without_transformer_engine_names_what_is_missing(monkeypatch):
+    """``model.spec: te`` on a CUDA machine without transformer_engine: a ConfigError naming
+    the key before any module is built. Before the fix it returned ``te`` and megatron's TE
+    import failed deep inside the build."""
+    import importlib.util
+
+    from megagrpo.errors import ConfigError
+    from megagrpo.model.config import ModelConfig
+    from megagrpo.model.provider import resolve_spec
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformer_engine" else real(name, *a),
+    )
+    with pytest.raises(ConfigError, match="model.spec.*transformer_engine"):
+        resolve_spec(ModelConfig(spec="te"))
+    assert resolve_spec(ModelConfig(spec="auto")) == "local"
+
+
+def test_megatron_checkpoints_record_the_layer_spec(tmp_path):
+    """Shard names depend on the spec (TE: ``linear_qkv.layer_norm_weight``, grouped
+    ``weight{j}``): the checkpoint records it and export rebuilds that spec. Before the fix
+    export built ``auto`` (TE on a GPU node) and failed on shards a CPU import wrote."""
+    from megagrpo.model.megatron_ckpt import model_config_of, read_meta, write_meta
+
+    layout = {"tp": 1, "ep": 1, "etp": 1, "pp": 1}
+    write_meta(tmp_path, layout, 1, "bfloat16", LORA, True, spec="te", moe_grouped_gemm=False)
+    cfg = model_config_of(read_meta(tmp_path), "hf")
+    assert (cfg.spec, cfg.moe_grouped_gemm, cfg.dtype) == ("te", False, "bfloat16")
+    assert cfg.lora.targets == LORA.targets
+    old = read_meta(tmp_path)
+    del old["spec"], old["moe_grouped_gemm"]  # written before the spec was recorded
+    assert model_config_of(old, "hf").spec == "auto"
+
+
+def test_export_refuses_a_base_checkpoint_of_another_spec(tmp_path):
+    """LoRA shards written under the TE spec on top of base shards of the local spec (or the
+    reverse) name different Megatron tensors: export says so before building anything."""
+    from megagrpo.errors import CheckpointError
+    from megagrpo.model.megatron_ckpt import export_worker, read_meta, write_meta
+
+    layout = {"tp": 1, "ep": 1, "etp": 1, "pp": 1}
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    base.mkdir(), lora.mkdir()
+    write_meta(base, layout, 1, "float32", LORA, False, spec="local")
+    write_meta(lora, layout, 1, "float32", LORA, True, base=str(base), spec="te")
+    job = {"ckpt": str(lora), "tmp": str(tmp_path / "out"), "meta": read_meta(lora)}
+    with pytest.raises(CheckpointError, match="model.spec=te.*another spec"):
+        export_worker(0, dict(job, mode="merged", bucket_bytes=1 << 20))
