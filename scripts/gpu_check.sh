@@ -35,7 +35,7 @@
 # (CPU mode: every part's time limit x this, default 6: a shared 2-core machine imports
 # megatron in ~60 s), GPU_CHECK_ONLY=part,part, MEGAGRPO_WHEELS (default .whl), PYTHON.
 # GPU_CHECK_FAIL=part makes that part fail on purpose (tests this script).
-set -uo pipefail
+set -uo pipefail -o noclobber # `>` never truncates an existing file: old ones are removed first
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 MODE=${GPU_CHECK_MODE:-cuda}
@@ -52,7 +52,7 @@ case "$MODE" in cuda | cpu) ;; *) echo "gpu_check: GPU_CHECK_MODE must be cuda o
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
 PARTS="$OUT/parts.jsonl"
-: > "$PARTS"
+rm -f -- "$PARTS" && : >"$PARTS"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 if [ "$MODE" = cpu ]; then
   export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -63,10 +63,11 @@ else
 fi
 START=$(date +%s)
 
-record() { # record NAME STATUS RC MILLISECONDS LOGFILE
-  "$PY" - "$@" >> "$PARTS" <<'PYEOF'
+record() { # record NAME STATUS RC MILLISECONDS LOGFILE   (one line appended to $PARTS)
+  "$PY" - "$PARTS" "$@" <<'PYEOF'
 import json, sys
-name, status, rc, ms, log = sys.argv[1:6]
+from megagrpo import fileio
+parts, name, status, rc, ms, log = sys.argv[1:7]
 secs = int(ms) / 1000
 tail = ""
 if log and log != "-":
@@ -74,7 +75,9 @@ if log and log != "-":
         tail = open(log, encoding="utf-8", errors="replace").read()[-800:]
     except OSError:
         pass
-print(json.dumps({"part": name, "status": status, "rc": int(rc), "seconds": float(secs), "log_tail": tail}))
+row = {"part": name, "status": status, "rc": int(rc), "seconds": float(secs), "log_tail": tail}
+with fileio.open_append_text(parts) as fh:
+    fh.write(json.dumps(row) + "\n")
 PYEOF
 }
 
@@ -95,6 +98,7 @@ part() { # part NAME LIMIT_S CMD...   (LIMIT_S: on the GPU; CPU mode x GPU_CHECK
   fi
   [ "$name" = "$FAIL" ] && set -- false
   local log="$OUT/logs/$name.log" t0 t1 rc status
+  rm -f -- "$log" # a log of an earlier check (noclobber: never written through)
   t0=$(date +%s%N)
   if [ "$(type -t "$1")" = function ]; then # a shell function of this script: no timeout(1)
     "$@" > "$log" 2>&1
@@ -260,7 +264,8 @@ if importlib.util.find_spec("transformer_engine") is None:
 bad = [n for n, p in parts.items() if p["status"] in ("failed", "timeout")]
 summary = {"gpu_check": "megagrpo issue 11", "mode": mode, "ok": not bad, "failed": bad,
            "elapsed_s": elapsed, "not_run": not_run, "parts": parts}
-(out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+from megagrpo import fileio
+fileio.write_text(out / "gpu_check.json", json.dumps(summary, indent=1))
 print(json.dumps(summary))
 sys.exit(1 if bad else 0)
 PYEOF
