@@ -15,17 +15,23 @@ No write follows a symbolic link. Whoever can write into a shared runs directory
 Every file megagrpo writes is therefore opened by :func:`open_fd` (``O_NOFOLLOW``, and only a
 regular file: a FIFO would block, a device would be written) or replaced by a rename, which
 replaces a link itself and never its target; a link or special file met where megagrpo writes
-is refused naming it (:class:`~megagrpo.errors.ConfigError`, nothing is touched). Libraries
+is refused naming it (:class:`~megagrpo.errors.ConfigError`, nothing is touched), and so is a
+file with several hard links where megagrpo would truncate it (:func:`open_fd`). A directory
+is built under a temporary name and renamed into place only while the destination is still
+what was checked (absent, empty, or the same entries: :func:`replace_dir`); what appeared
+there meanwhile is never deleted. Libraries
 that take a file name (safetensors, ``save_pretrained``) write only inside a directory
 megagrpo has just created (:func:`fresh_tmp_dir`). ``tests/unit/test_fileio_links.py`` keeps
-every other writer out of the package.
+every other writer out of the package, ``tools/`` and ``scripts/``.
 """
 
 from __future__ import annotations
 
 import errno as errno_codes
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -39,6 +45,7 @@ from typing import Any, BinaryIO, TextIO
 
 from megagrpo.errors import ConfigError, DataError
 
+log = logging.getLogger(__name__)
 _TMP = re.compile(r"^\..+\.tmp(-\d+)?$")
 
 
@@ -120,14 +127,20 @@ def _kind(path: Path) -> str:
     return "not a regular file"
 
 
-def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+def open_fd(
+    path: str | os.PathLike, flags: int, mode: int = 0o644, *, sole: bool | None = None
+) -> int:
     """``os.open(path, flags)`` that never follows a symbolic link and opens only a regular
-    file (ConfigError naming ``path`` otherwise; a FIFO does not block). The one way megagrpo
-    opens a file it writes (see module docstring)."""
+    file (ConfigError naming ``path`` otherwise; a FIFO does not block). ``sole`` (default:
+    when ``flags`` truncate): also refuse a file with more than one hard link, whose other
+    names would see the truncation (the check runs before anything is truncated). The one way
+    megagrpo opens a file it writes (see module docstring)."""
     path = Path(path)
+    truncate = bool(flags & os.O_TRUNC)
+    sole = truncate if sole is None else sole
     nofollow = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags | nofollow, mode)
+        fd = os.open(path, (flags & ~os.O_TRUNC) | nofollow, mode)
     except OSError as exc:
         if exc.errno in (errno_codes.ELOOP, errno_codes.EISDIR, errno_codes.ENXIO) or (
             exc.errno == errno_codes.EMLINK and os.path.islink(path)  # FreeBSD's ELOOP
@@ -135,13 +148,58 @@ def open_fd(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
             raise not_writable_here(path, _kind(path)) from None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise not_writable_here(path, _kind(path))
+        if sole and st.st_nlink > 1:
+            raise not_writable_here(path, f"a file with {st.st_nlink} hard links")
         os.set_blocking(fd, True)
+        if truncate:
+            os.ftruncate(fd, 0)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def lock_file(path: str | os.PathLike, wait: bool = True) -> int | None:
+    """An exclusive ``flock`` on ``path`` (created; opened by :func:`open_fd`: no link, no
+    FIFO, one hard link): its descriptor, or None when ``wait`` is False and another process
+    holds it. Retried while the file is replaced under us (:func:`unlock_file` removes it: a
+    lock on the old inode would lock nothing)."""
+    while True:
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT, sole=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno_codes.ENOLCK, errno_codes.EOPNOTSUPP, errno_codes.ENOSYS):
+                os.close(fd)
+                raise
+            log.warning("%s: no flock on this file system (%s): not locked", path, exc)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def unlock_file(path: str | os.PathLike, fd: int) -> None:
+    """Release :func:`lock_file`'s lock: the file is removed (while still ours), then closed."""
+    try:
+        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
 
 
 def open_append(path: str | os.PathLike) -> BinaryIO:
@@ -359,23 +417,104 @@ def check_out_dir(
     return out
 
 
-def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Move the finished directory ``tmp`` to ``out`` (an existing ``out`` is removed first;
-    a symlink ``out`` is replaced, never its target) and fsync the parent. Between the removal
-    and the rename a crash leaves ``tmp`` complete. Callers that write where a user pointed
-    check the target with :func:`check_out_dir` first."""
-    tmp, out = Path(tmp), Path(out)
+class OutputChanged(ConfigError):
+    """:func:`replace_dir` found its destination changed since it was checked: nothing there
+    was replaced or deleted; the finished output stays in its temporary directory."""
+
+
+DirState = tuple[tuple[str, int, int, int, int], ...]
+"""What :func:`dir_state` records: ``(relative path, mode, inode, size, mtime ns)`` of a
+directory and of everything under it (links not followed)."""
+
+
+def dir_state(path: str | os.PathLike) -> DirState | None:
+    """``path`` and everything under it, as :func:`replace_dir` compares it (None when
+    ``path`` does not exist). Never follows a link."""
+    root = Path(path)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return None
+    entries = [(".", st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)]
+    if stat.S_ISDIR(st.st_mode):
+        for dirpath, dirnames, filenames in os.walk(root):  # never follows links
+            for name in dirnames + filenames:
+                f = Path(dirpath) / name
+                s = os.lstat(f)
+                rel = f.relative_to(root).as_posix()
+                entries.append((rel, s.st_mode, s.st_ino, s.st_size, s.st_mtime_ns))
+    return tuple(sorted(entries))
+
+
+def files_in(state: DirState | None) -> list[str]:
+    """The relative paths of the non-directories in ``state``."""
+    return [e[0] for e in state or () if e[0] != "." and not stat.S_ISDIR(e[1])]
+
+
+def _is_empty(state: DirState | None) -> bool:
+    return state is None or (len(state) == 1 and stat.S_ISDIR(state[0][1]))
+
+
+def _fsync_tree(tmp: Path) -> None:
     for f in tmp.rglob("*"):
-        if f.is_file():
+        if f.is_file() and not f.is_symlink():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     fsync_dir(tmp)
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        out.unlink()
-    elif out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+
+def replace_dir(
+    tmp: str | os.PathLike, out: str | os.PathLike, expected: DirState | None = None
+) -> Path:
+    """Move the finished directory ``tmp`` to ``out`` (fsynced), only while ``out`` is still
+    what the caller checked: absent or an empty directory (``expected`` None or empty: one
+    ``rename``, which the kernel refuses over anything else), or exactly ``expected``
+    (:func:`dir_state` taken when it was checked; then it is moved aside, compared, and
+    removed once ``tmp`` is in place). Anything else there (a file that appeared, a link, a
+    changed file) raises :class:`OutputChanged` naming it: nothing there is replaced or
+    deleted and ``tmp`` is kept."""
+    tmp, out = Path(tmp), Path(out)
+    _fsync_tree(tmp)
+
+    def changed(now: str) -> OutputChanged:
+        return OutputChanged(
+            f"{out} changed while this command wrote it ({now}): nothing there was replaced "
+            f"or deleted; the finished output is in {tmp} (move it where you want it)"
+        )
+
+    def put_back(aside: Path) -> None:
+        try:
+            os.rename(aside, out)
+        except OSError:
+            raise OutputChanged(
+                f"{out} changed while this command wrote it: what was there is now in "
+                f"{aside}, the finished output in {tmp}; nothing was deleted"
+            ) from None
+
+    aside = None
+    if not _is_empty(expected):
+        aside = out.with_name(f".{out.name}.old-{os.getpid()}")
+        try:
+            os.rename(out, aside)  # out is a directory: rename never follows a link inside
+        except FileNotFoundError:
+            aside = None  # removed meanwhile: nothing left to replace
+        if aside is not None and dir_state(aside) != expected:
+            put_back(aside)
+            raise changed("its content is not what was checked before writing")
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        if aside is not None:
+            put_back(aside)
+        if exc.errno in (errno_codes.ENOTEMPTY, errno_codes.EEXIST, errno_codes.ENOTDIR):
+            shown = ", ".join(files_in(dir_state(out))[:5]) or _kind(out)
+            raise changed(f"now holds {shown}") from None
+        raise
     fsync_dir(out.parent)
+    if aside is not None and (aside.is_symlink() or not aside.is_dir()):
+        aside.unlink()  # a link: the name, never its target
+    elif aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     return out
 
 
@@ -390,22 +529,51 @@ def fresh_tmp_dir(out: str | os.PathLike, unique: bool = False) -> Path:
 
 
 @contextmanager
-def atomic_dir(out: str | os.PathLike, unique: bool = False) -> Iterator[Path]:
+def atomic_dir(
+    out: str | os.PathLike, unique: bool = False, expected: DirState | None | bool = None
+) -> Iterator[Path]:
     """Build a directory atomically::
 
         with atomic_dir(out) as tmp:
             write files into tmp
-        # now out holds them (replacing an old out); on an exception out is untouched
+        # now out holds them; on an exception out is untouched and tmp removed
 
-    ``unique``: a per-process temporary name, for writers that may race for ``out``.
+    ``out`` must still be absent or empty when the work is done, unless ``expected`` is the
+    :func:`dir_state` the caller checked (True: ``out`` as it is now, for a directory this
+    process owns, e.g. under its run lock); see :func:`replace_dir`. ``unique``: a
+    per-process temporary name, for writers that may race for ``out``.
     """
+    if expected is True:
+        expected = dir_state(out)
     tmp = fresh_tmp_dir(out, unique)
     try:
         yield tmp
-        replace_dir(tmp, out)
+        replace_dir(tmp, out, expected or None)
+    except OutputChanged:
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def library_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """``write(str(path))``: a library that takes a file name (safetensors' ``save_file``,
+    ``savefig``) writing inside a directory megagrpo has just created. A failed write comes
+    back as an OSError naming ``path`` (:func:`describe_os_error`), also when the library
+    raised its own type (safetensors: ``SafetensorError: ... No space left on device (os
+    error 28)``)."""
+    path = Path(path)
+    try:
+        write(str(path))
+    except OSError as exc:  # named by the file written (shutil names its source)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    except Exception as exc:
+        m = re.search(r"os error (\d+)", str(exc))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
+    return path
 
 
 @contextmanager

@@ -45,7 +45,7 @@
 # megatron in ~60 s), GPU_CHECK_ONLY=part,part, MEGAGRPO_WHEELS (default .whl), PYTHON.
 # GPU_CHECK_TESTS="path ..." replaces the pytest paths of gpu_tests (default tests/gpu).
 # GPU_CHECK_FAIL=part makes that part fail on purpose (tests this script).
-set -uo pipefail
+set -uo pipefail -o noclobber # `>` never truncates an existing file: old ones are removed first
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 MODE=${GPU_CHECK_MODE:-cuda}
@@ -62,7 +62,7 @@ case "$MODE" in cuda | cpu) ;; *) echo "gpu_check: GPU_CHECK_MODE must be cuda o
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
 PARTS="$OUT/parts.jsonl"
-: > "$PARTS"
+rm -f -- "$PARTS" && : >"$PARTS"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 if [ "$MODE" = cpu ]; then
   export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -73,11 +73,12 @@ else
 fi
 START=$(date +%s)
 
-record() { # record NAME STATUS RC MILLISECONDS LOGFILE [REASON]
-  "$PY" - "$@" >> "$PARTS" <<'PYEOF'
+record() { # record NAME STATUS RC MILLISECONDS LOGFILE [REASON]  (one line appended to $PARTS)
+  "$PY" - "$PARTS" "$@" <<'PYEOF'
 import json, sys
-name, status, rc, ms, log = sys.argv[1:6]
-reason = sys.argv[6] if len(sys.argv) > 6 else ""
+from megagrpo import fileio
+parts, name, status, rc, ms, log = sys.argv[1:7]
+reason = sys.argv[7] if len(sys.argv) > 7 else ""
 secs = int(ms) / 1000
 tail = ""
 if log and log != "-":
@@ -85,10 +86,11 @@ if log and log != "-":
         tail = open(log, encoding="utf-8", errors="replace").read()[-800:]
     except OSError:
         pass
-rec = {"part": name, "status": status, "rc": int(rc), "seconds": float(secs), "log_tail": tail}
+row = {"part": name, "status": status, "rc": int(rc), "seconds": float(secs), "log_tail": tail}
 if reason:
-    rec["reason"] = reason
-print(json.dumps(rec))
+    row["reason"] = reason
+with fileio.open_append_text(parts) as fh:
+    fh.write(json.dumps(row) + "\n")
 PYEOF
 }
 
@@ -115,6 +117,7 @@ part() { # part NAME LIMIT_S CMD...   (LIMIT_S: on the GPU; CPU mode x GPU_CHECK
   fi
   [ "$name" = "$FAIL" ] && set -- false
   local log="$OUT/logs/$name.log" t0 t1 rc status
+  rm -f -- "$log" # a log of an earlier check (noclobber: never written through)
   t0=$(date +%s%N)
   if [ "$(type -t "$1")" = function ]; then # a shell function of this script: no timeout(1)
     "$@" > "$log" 2>&1
@@ -273,7 +276,8 @@ for f in files:
     missing = [n for n in needs if not have[n]]
     plan[str(f)] = {"needs": needs, "expected": "skip" if missing else "run",
                     "why": "; ".join(f"needs {n}: {why[n]}" for n in missing)}
-Path(out).write_text(json.dumps(plan, indent=1))
+from megagrpo import fileio
+fileio.write_text(out, json.dumps(plan, indent=1))
 state = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in have.items())
 print(f"gpu_check: gpu_tests on this machine ({state}):", file=sys.stderr)
 for f, p in plan.items():
@@ -399,7 +403,8 @@ summary = {"gpu_check": "megagrpo issue 11", "mode": mode, "ok": not bad, "faile
            "elapsed_s": elapsed,
            "python": {"version": py_version, "executable": py_path, "wheel_tag": py_tag},
            "not_run": not_run, "gpu_tests": tests_run, "parts": parts}
-(out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+from megagrpo import fileio
+fileio.write_text(out / "gpu_check.json", json.dumps(summary, indent=1))
 print(json.dumps(summary))
 sys.exit(1 if bad else 0)
 PYEOF

@@ -15,14 +15,17 @@ DEST=${MEGAGRPO_WHEELS:-.whl}
 PY=${PYTHON:-python3}
 REQ=scripts/gpu_check_requirements.txt
 mkdir -p "$DEST"
-if [ -n "${ONLY:-}" ]; then
-  tmp=$(mktemp)
-  for p in $ONLY; do grep -i "^$p==" "$REQ" >> "$tmp" || { echo "gpu_wheels: $p not in $REQ" >&2; exit 2; }; done
-  REQ=$tmp
+set -- -r "$REQ"
+if [ -n "${ONLY:-}" ]; then # just those lines, passed as requirements (no temporary file)
+  set --
+  for p in $ONLY; do
+    line=$(grep -i "^$p==" "$REQ") || { echo "gpu_wheels: $p not in $REQ" >&2; exit 2; }
+    set -- "$@" "$line"
+  done
 fi
 "$PY" -m pip download --no-deps --only-binary :all: --dest "$DEST" \
   --python-version "$PYVER" --implementation cp --abi "$ABI" --abi abi3 --abi none \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any \
-  -r "$REQ"
+  "$@"
 echo "gpu_wheels: $(ls "$DEST" | wc -l) wheels, $(du -sh "$DEST" | cut -f1) in $DEST (CPython $PYVER)"

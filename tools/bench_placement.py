@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from megagrpo import fileio  # noqa: E402 - every writer goes through it
 
 
 def _port() -> int:
@@ -99,7 +101,7 @@ def _config(out: Path, tiny: bool, steps: int, name: str, placement: dict) -> tu
         cfg[key] = {k: [str(REPO / p) for p in v] if isinstance(v, list) else v
                     for k, v in cfg[key].items()}  # fmt: skip
     path = out / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    fileio.write_text(path, yaml.safe_dump(cfg))
     return path, int(cfg["rollout"]["group_size"])
 
 

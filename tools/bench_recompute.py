@@ -149,7 +149,7 @@ def worker(a: argparse.Namespace) -> None:
         base = torch.cuda.memory_allocated()
     else:
         _malloc_trim()
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
+        Path("/proc/self/clear_refs").write_text("5")  # peak-RSS reset (a /proc control file)
         base = _rss_bytes("VmRSS")
     t0 = time.perf_counter()
     loss = _step(policy, ids, w, storages)
@@ -164,7 +164,7 @@ def worker(a: argparse.Namespace) -> None:
         for n, p in policy.model.named_parameters()
         if p.grad is not None
     }
-    torch.save(
+    save_result(
         {
             "loss": loss,
             "peak": peak,
@@ -174,6 +174,17 @@ def worker(a: argparse.Namespace) -> None:
         },
         a.out,
     )
+
+
+def save_result(obj: object, path: str | Path) -> None:
+    """``torch.save`` of a worker's result into the file its parent named (via fileio)."""
+    import io
+
+    from megagrpo import fileio
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    fileio.write_bytes(path, buf.getvalue())
 
 
 def run(a: argparse.Namespace) -> dict:

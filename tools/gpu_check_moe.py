@@ -108,7 +108,7 @@ def grads(model: str, device: str, dtype: str, out: str, spec: str = "local") ->
                 b.copy_((torch.randn(b.shape, generator=gen) * 0.05).to(b.dtype))
         result["trained"] = _step_grads(policy, mbs, cfg, logprobs)
         result.update(dtype=dtype, spec=spec, logprobs=logprobs)
-        torch.save(result, out)
+        save_result(result, out)
     finally:
         destroy_parallel()
 
@@ -175,6 +175,17 @@ def _quick() -> int:
     print(f"gpu_check_moe --quick: CPU bf16 against CPU fp32, ok {res['ok']}")
     print(json.dumps(res))
     return 0 if res["ok"] else 1
+
+
+def save_result(obj: object, path: str | Path) -> None:
+    """``torch.save`` of a worker's result into the file its parent named (via fileio)."""
+    import io
+
+    from megagrpo import fileio
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    fileio.write_bytes(path, buf.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ in the first and last third of the run. Each run is calibrated with ``megagrpo p
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -50,6 +51,9 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
+sys.path.insert(0, str(REPO))
+from megagrpo import fileio  # noqa: E402 - every writer goes through it
+
 FIGURE_DIR = REPO / "docs" / "learning_efficiency"
 DEMO_CONFIG = REPO / "configs" / "demo_cpu.yaml"
 K, R = 5, 3
@@ -138,7 +142,7 @@ def _rows(run_dir: Path) -> list[dict]:
 def _subset(src: Path, dest: Path, limit: int) -> Path:
     """The first ``limit`` lines of ``src`` (all with 0)."""
     lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
-    dest.write_text("".join(lines[:limit] if limit else lines), encoding="utf-8")
+    fileio.write_text(dest, "".join(lines[:limit] if limit else lines))
     return dest
 
 
@@ -158,7 +162,7 @@ def profile(out: Path, data: list[str]) -> Path:
         return dest
     print(f"profile: {train}", flush=True)
     log = out / "profile.log"
-    with open(log, "w", encoding="utf-8") as fh:
+    with fileio.open_new(log) as fh:
         args = ["profile", str(DEMO_CONFIG), *data, "--k", str(K), "--out", str(dest)]
         proc = subprocess.run(_cmd(args), env=_env(), stdout=fh, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -205,7 +209,7 @@ def train(cond: Condition, seed: int, args: argparse.Namespace, levels: Path, da
     )
     t0 = time.monotonic()
     log = out / f"{name}.log"
-    with open(log, "w", encoding="utf-8") as fh:
+    with fileio.open_new(log) as fh:
         proc = subprocess.Popen(_cmd(cli), env=_env(), stdout=fh, stderr=subprocess.STDOUT)
         stopped = False
         while proc.poll() is None:
@@ -461,8 +465,9 @@ def plot(result: dict, png: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    fileio.write_bytes(png, buf.getvalue())
     plt.close(fig)
     return png
 
@@ -579,7 +584,7 @@ def main() -> None:
     else:
         result = run(args)
         args.figure_dir.mkdir(parents=True, exist_ok=True)
-        source.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        fileio.write_text(source, json.dumps(result, indent=1) + "\n")
     print(table(result))
     print(calibration_table(result))
     print(plot(result, args.figure_dir / "learning_efficiency.png"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -328,6 +329,9 @@ def build_rule(
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megagrpo import fileio
+
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--train", type=int, default=400)
     parser.add_argument("--eval", type=int, default=240)
@@ -355,7 +359,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
         path = args.out / name
-        path.write_text(text, encoding="utf-8")
+        fileio.write_text(path, text)
         print(f"{path}: {len(files[name])} problems")
 
 

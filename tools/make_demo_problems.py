@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 SYSTEM = (
@@ -92,6 +93,9 @@ def build(seed: int = 0) -> tuple[list[dict], list[dict]]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megagrpo import fileio
+
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--quick",
@@ -112,7 +116,7 @@ def main() -> None:
         raise SystemExit(0 if same else 1)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in texts.items():
-        (out / name).write_text(text, encoding="utf-8")
+        fileio.write_text(out / name, text)
         print(f"{out / name}: {len(files[name])} problems")
 
 

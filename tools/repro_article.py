@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import math
 import os
@@ -48,6 +49,9 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
+sys.path.insert(0, str(REPO))
+from megagrpo import fileio  # noqa: E402 - every writer goes through it
+
 FIGURE_DIR = TOOLS / "repro_article"
 K = 5
 GROUP, BATCH, R = 8, 4, 3
@@ -154,7 +158,7 @@ def write_problem_sets(out: Path, num_a: int, num_b: int) -> dict[str, Path]:
         path = out / f"problems_{name}.jsonl"
         if not path.is_file():
             train, _ = mcq.build(num, 0, seed=seed, templates=templates)
-            path.write_text("".join(json.dumps(r) + "\n" for r in train), encoding="utf-8")
+            fileio.write_text(path, "".join(json.dumps(r) + "\n" for r in train))
         sets[name] = path
     return sets
 
@@ -168,7 +172,7 @@ def _env() -> dict[str, str]:
 
 def _cli(args: list[str], log: Path) -> None:
     cmd = [sys.executable, "-m", "megagrpo.cli", *args]
-    with open(log, "w", encoding="utf-8") as fh:
+    with fileio.open_new(log) as fh:
         proc = subprocess.run(cmd, env=_env(), stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
     if proc.returncode != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
@@ -190,7 +194,7 @@ def profile(config: Path, sets: dict[str, Path], out: Path) -> dict[str, Path]:
         for future in [pool.submit(_cli, *job) for job in todo]:
             future.result()
     both = out / "levels_AB.jsonl"
-    both.write_text("".join(p.read_text(encoding="utf-8") for p in levels.values()))
+    fileio.write_text(both, "".join(p.read_text(encoding="utf-8") for p in levels.values()))
     levels["AB"] = both
     return levels
 
@@ -305,7 +309,7 @@ def run(args: argparse.Namespace) -> dict:
     clock = Clock(args.minutes)
     config = out / "base.yaml"
     base = BASE_CONFIG.replace("engine: vllm", "engine: hf") if args.quick else BASE_CONFIG
-    config.write_text(base, encoding="utf-8")
+    fileio.write_text(config, base)
     sets = write_problem_sets(out, args.problems_a, args.problems_b)
     levels = profile(config, sets, out)
     result: dict = {
@@ -393,8 +397,9 @@ def plot(result: dict, png: Path) -> Path:
         fontsize=10,
     )
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110, bbox_inches="tight")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fileio.write_bytes(png, buf.getvalue())
     plt.close(fig)
     return png
 
@@ -450,7 +455,7 @@ def _main(args: argparse.Namespace) -> None:
     else:
         result = run(args)
         args.figure_dir.mkdir(parents=True, exist_ok=True)
-        source.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        fileio.write_text(source, json.dumps(result, indent=1) + "\n")
     print(table(result))
     print(plot(result, args.figure_dir / "figure1.png"))
 

@@ -10,7 +10,7 @@
 #
 # The figure in the README is this script's `total`, on a quiet 2-core machine (`uptime`
 # is printed before and after: a load above ~0.5 at the start means the figure is inflated).
-set -euo pipefail
+set -euo pipefail -o noclobber  # `>` never truncates an existing file
 here=$(cd "$(dirname "$0")/.." && pwd)
 repo=${1:-$here}
 shift || true

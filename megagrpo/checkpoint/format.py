@@ -158,11 +158,18 @@ def _write_own_files(
     return files, error
 
 
-def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> str | None:
-    """Rank 0: the manifest last, then the fsynced rename; why it failed, or None."""
+def _commit(
+    tmp: Path, final: Path, manifest: dict[str, Any], before: fileio.DirState | None
+) -> str | None:
+    """Rank 0: the manifest last, then the fsynced rename over ``final`` as it was when the
+    save started (``before``: an unusable checkpoint a resume went back past); why it
+    failed, or None."""
     try:
         fileio.write_text(tmp / MANIFEST, json.dumps(to_plain(manifest, "manifest"), indent=1))
-        fileio.replace_dir(tmp, final)
+        fileio.replace_dir(tmp, final, before)
+    except fileio.OutputChanged as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return str(exc).split(": nothing there")[0]
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         return fileio.describe_os_error(exc, exc.filename or tmp / MANIFEST)
@@ -198,11 +205,12 @@ def save(
     root = Path(ckpt_root)
     final = step_dir(root, step)
     tmp = fileio.tmp_sibling(final)
-    error = None
+    error, before = None, None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             remove_stale_tmp(root)
+            before = fileio.dir_state(final)
             fileio.fresh_tmp_dir(final)
         except OSError as exc:
             error = fileio.describe_os_error(exc, exc.filename or tmp)
@@ -228,7 +236,7 @@ def save(
             **(extra or {}),
             "files": {name: d for f, _ in outcomes for name, d in f.items()},
         }
-        error = _commit(tmp, final, manifest)
+        error = _commit(tmp, final, manifest, before)
         if error is None:
             _prune(root, keep)
             log.info("checkpoint step %d -> %s", step, final)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
+from megagrpo.commands.eval_adapter import load_adapter, read_adapter_config
 from megagrpo.errors import ConfigError
 from megagrpo.fileio import stdout_to_stderr
 
@@ -80,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default=None,
         metavar="DIR",
-        help="predictions directory (default RUN_DIR/eval/<step|adapter|base>)",
+        help="predictions directory, new or empty (default RUN_DIR/eval/<step|adapter|base>, "
+        "where a new evaluation of the same files replaces the earlier one)",
     )
     parser.add_argument(
         "--limit",
@@ -103,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="megagrpo",
         help="model name in prediction file names (EXAM-BLOCK_NAME.jsonl)",
     )
+    parser.add_argument(
+        "--allow-base-change",
+        action="store_true",
+        help="--step: serve the LoRA on base weights other than those it was trained on "
+        "(their fingerprint differs from the checkpoint's); refused otherwise",
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -110,27 +118,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- adapters
 
 
-def step_adapter_dir(run_dir: Path, step: int, out_dir: Path) -> Path:
+def step_adapter_dir(
+    run_dir: Path,
+    step: int,
+    out_dir: Path,
+    model_dir: str | os.PathLike | None = None,
+    allow_base_change: bool = False,
+) -> Path:
     """The PEFT adapter of training step ``step`` of the run in ``run_dir``, exported from its
     checkpoint into ``out_dir/adapter`` (:func:`megagrpo.commands.export.export_adapter`:
-    per-expert keys, the layout vLLM and the HF engine serve). ConfigError naming what exists
-    when there is no such checkpoint."""
+    per-expert keys, the layout vLLM and the HF engine serve), after checking that
+    ``model_dir`` (the model eval serves) holds the base weights the LoRA was trained on.
+    ConfigError naming what exists when there is no such checkpoint."""
     from megagrpo.commands.export import export_adapter, find_checkpoint
 
     ckpt = find_checkpoint(run_dir, step)
-    return export_adapter(ckpt, out_dir / "adapter", "vllm")
-
-
-def read_adapter_config(cfg_file: Path) -> dict[str, Any]:
-    """``adapter_config.json`` as a dict; ConfigError naming the file when it is unreadable,
-    not JSON or not an object."""
-    try:
-        conf = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"--adapter: {cfg_file}: unreadable ({str(exc)[:200]})") from None
-    if not isinstance(conf, dict):
-        raise ConfigError(f"--adapter: {cfg_file}: expected a JSON object")
-    return conf
+    model = str(model_dir) if model_dir is not None else None
+    return export_adapter(ckpt, out_dir / "adapter", "vllm", model, allow_base_change)
 
 
 def check_inputs(files: list[Path], limit: int, adapter: str | None) -> None:
@@ -145,31 +149,6 @@ def check_inputs(files: list[Path], limit: int, adapter: str | None) -> None:
         cfg_file = Path(adapter) / "adapter_config.json"
         if cfg_file.is_file():
             read_adapter_config(cfg_file)
-
-
-def load_adapter(path: str | os.PathLike) -> Any:
-    """A PEFT LoRA directory as a :class:`megagrpo.rollout.PeftAdapter` (per-module A/B)."""
-    from safetensors.torch import load_file
-
-    from megagrpo.rollout import PeftAdapter
-    from megagrpo.rollout.lora import unfuse_experts
-
-    path = Path(path)
-    cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise ConfigError(
-            f"--adapter {path}: needs adapter_config.json and adapter_model.safetensors"
-        )
-    conf = read_adapter_config(cfg_file)
-    if conf.get("peft_type", "LORA") != "LORA" or conf.get("use_rslora") or conf.get("use_dora"):
-        raise ConfigError(f"--adapter {path}: only plain LoRA adapters are supported")
-    try:
-        state = load_file(str(weights))
-        if conf.get("target_parameters"):  # peft's fused experts: per expert for the engine
-            state = unfuse_experts(state, list(conf["target_parameters"]), int(conf["r"]))
-        return PeftAdapter.from_peft_state_dict(state, int(conf["r"]), float(conf["lora_alpha"]))
-    except (KeyError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"--adapter {path}: {exc}") from exc
 
 
 def base_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
@@ -190,14 +169,19 @@ def base_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
                 yield name, fh.get_tensor(name)
 
 
-def apply_adapter(engine: Any, adapter_dir: str | os.PathLike, model_dir: Path) -> dict[str, Any]:
-    """Serve ``adapter_dir`` on ``engine``: adapter-only where the engine supports it, else the
-    merged weights ``W + alpha/r * B A`` streamed in; verified by the engine's probe."""
+def apply_adapter(engine: Any, adapter_dir: Any, model_dir: Path) -> dict[str, Any]:
+    """Serve ``adapter_dir`` (a directory, or the adapter :func:`load_adapter` read from it)
+    on ``engine``: adapter-only where the engine supports it, else the merged weights
+    ``W + alpha/r * B A`` streamed in; verified by the engine's probe."""
     from megagrpo.rollout import sync_lora
 
-    adapter = load_adapter(adapter_dir)
+    adapter = (
+        load_adapter(adapter_dir, model_dir)
+        if isinstance(adapter_dir, str | os.PathLike)
+        else adapter_dir
+    )
     if all(float(b.abs().max()) == 0.0 for b in adapter.b.values()):
-        log.info("adapter %s is all zero (step 0): the base model is evaluated", adapter_dir)
+        log.info("the adapter is all zero (step 0): the base model is evaluated")
         return {"modules": len(adapter.a), "applied": False}
     report = sync_lora(engine, adapter, base_tensors(model_dir))
     return {"modules": len(adapter.a), "applied": True, **report.as_dict()}
@@ -351,6 +335,42 @@ def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:
     return run_dir / "eval" / tag
 
 
+def check_out(out: Path, default: bool, full_gold: dict, name: str) -> fileio.DirState | None:
+    """Before the engine starts: an ``--out`` the user named must be new or empty; the
+    default ``RUN_DIR/eval/TAG`` may hold an earlier evaluation of the same files (only the
+    prediction files this one rewrites and ``score.json``), which the new one replaces.
+    ConfigError naming what is in the way; returns the state to compare at the rename."""
+    if not default:
+        fileio.check_out_dir(out, {}, "--out")
+        return None
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"{out} exists and is not a directory: pass --out DIR")
+    ours = {"score.json"} | {f"{g.year}/{g.exam}_{name}.jsonl" for g in full_gold.values()}
+    state = fileio.dir_state(out)
+    foreign = [f for f in fileio.files_in(state) if f not in ours]
+    if foreign:
+        raise ConfigError(
+            f"{out} holds files this evaluation does not rewrite ({', '.join(foreign[:5])}): "
+            "it would replace them; move them, or pass --out DIR"
+        )
+    return state
+
+
+def publish(
+    out_dir: Path,
+    expected: fileio.DirState | None,
+    result: dict[str, Any],
+    write: Any,
+) -> None:
+    """The prediction files (``write(staged_dir)`` returns their paths) and ``score.json``
+    written to a temporary directory, renamed to ``out_dir`` while it is still as
+    :func:`check_out` found it (else refused, nothing there replaced)."""
+    with fileio.atomic_dir(out_dir, unique=True, expected=expected) as staged:
+        result["files"] = [str(out_dir / p.relative_to(staged)) for p in write(staged)]
+        body = json.dumps(result, ensure_ascii=False, indent=1)
+        fileio.write_text(staged / "score.json", body)
+
+
 def official_count(
     full_gold: dict[str, Any], gold: dict[str, Any], answers: dict[str, str]
 ) -> tuple[dict[str, Any] | None, str]:
@@ -395,6 +415,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.name
     files = find_files(args.data, gold=True)
     check_inputs(files, args.limit, args.adapter)  # before the engine is built
+    full_gold = read_gold(files)
+    out_dir = _out_dir(args, run_dir)
+    expected = check_out(out_dir, not args.out, full_gold, args.name)
     model_dir = resolve_model_path(cfg.model.hf_path)
     with (
         tempfile.TemporaryDirectory(prefix="megagrpo-eval-") as tmp,
@@ -402,21 +425,21 @@ def run(args: argparse.Namespace) -> int:
     ):
         adapter = args.adapter
         if args.step is not None:
-            adapter = step_adapter_dir(run_dir, args.step, Path(tmp))
+            adapter = step_adapter_dir(
+                run_dir, args.step, Path(tmp), model_dir, args.allow_base_change
+            )
+        loaded = load_adapter(adapter, model_dir) if adapter else None  # before the engine
         engine = build_engine(cfg.rollout, str(model_dir), args.seed)
         try:
-            sync = apply_adapter(engine, adapter, model_dir) if adapter else None
+            sync = apply_adapter(engine, loaded, model_dir) if loaded else None
             gold, problems, skipped = select_questions(cfg, files, args.limit, engine.tokenizer)
             preds = generate_predictions(engine, problems, args.seed)
         finally:
             engine.close()
     if args.step is not None:
         adapter = f"{run_dir / 'checkpoints'} step {args.step}"
-    out_dir = _out_dir(args, run_dir)
-    full_gold = read_gold(files)
     reasons = {pid: "beyond --limit" for pid in full_gold if pid not in gold}
     reasons |= {pid: reason for reason, ids in skipped.items() for pid in ids}
-    written = write_predictions(out_dir, full_gold, preds, args.name, reasons)
     answers = {pid: p for pid, (p, _) in preds.items()}
     report = score(gold, answers)
     official, official_note = official_count(full_gold, gold, answers)
@@ -425,14 +448,19 @@ def run(args: argparse.Namespace) -> int:
         **report.as_dict(),
         "pass": {exam: c.as_dict() for exam, c in sorted(criteria.items())},
         "predictions": str(out_dir),
-        "files": [str(p) for p in written],
+        "files": [],
         "adapter": str(adapter) if adapter else None,
         "sync": sync,
         "skipped": skipped,
         "guessing": guess_report(gold, problems, preds),
         "official_files": official,
     }
-    fileio.write_text(out_dir / "score.json", json.dumps(result, ensure_ascii=False, indent=1))
+    publish(
+        out_dir,
+        expected,
+        result,
+        lambda staged: write_predictions(staged, full_gold, preds, args.name, reasons),
+    )
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
         return 0

@@ -18,9 +18,15 @@ PEFT view of the adapters (``A [r, in]``, ``B [out, r]`` per HF weight) and
   the base model's config and tokenizer: a model transformers / vLLM load directly.
 
 The checkpoint's files are checked against its manifest (size, SHA-256) first; the base
-model is the run's ``model.hf_path`` unless ``--model`` names another copy of it. Output is
-written to a temporary directory and renamed when complete; ``--out`` must be new or empty and
-apart from the run and model directories (export never deletes).
+model is the run's ``model.hf_path`` unless ``--model`` names another copy of it, and its
+weights must be those the LoRA was trained on (the fingerprint in the checkpoint's manifest;
+``--allow-base-change`` to combine them anyway). ``--merged`` copies the base's config and
+tokenizer files, never its weights in another format (``.bin``, ``.pt``, ``.gguf`` and
+their indexes). Output is written to a temporary directory and renamed when complete;
+``--out`` must be new or empty and apart from the run and model directories, and still new
+or empty at the rename (what appeared there meanwhile is kept, and so is the finished
+output, in a temporary directory the error names): export never deletes. A full disk is
+named (file, free space) with nothing left in ``--out``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from megagrpo.errors import CheckpointError, ConfigError
+from megagrpo import fileio
+from megagrpo.errors import CheckpointError, ConfigError, StorageError
 
 DESCRIPTION = __doc__
 log = logging.getLogger(__name__)
@@ -56,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--expert-format", choices=("fused", "per_expert"), default=None, help=argparse.SUPPRESS
     )
     parser.add_argument("--model", default=None, help="base model directory (default: the run's)")
+    parser.add_argument(
+        "--allow-base-change",
+        action="store_true",
+        help="combine the LoRA with base weights other than those it was trained on (their "
+        "fingerprint differs from the checkpoint's); refused otherwise",
+    )
 
 
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
@@ -115,6 +128,37 @@ def _model_and_lora(manifest: dict, model: str | None) -> tuple[Path, Any, Any]:
     return model_dir, arch_from_hf(load_hf_config(model_dir)), lora
 
 
+def check_base(ckpt: Path, manifest: dict, model_dir: Path, allow_change: bool = False) -> None:
+    """The base weights in ``model_dir`` must be those the checkpoint's LoRA was trained on
+    (the fingerprint in its manifest): CheckpointError naming both, unless ``allow_change``
+    (then a warning); a checkpoint without a fingerprint (older megagrpo) passes with a
+    warning."""
+    from megagrpo.model.fingerprint import changed
+
+    saved = manifest.get("base")
+    if not isinstance(saved, dict):
+        log.warning(
+            "%s was written without a fingerprint of the base weights: whether %s holds the "
+            "weights its LoRA was trained on cannot be checked",
+            ckpt,
+            model_dir,
+        )
+        return
+    diff = changed(saved, model_dir)
+    if diff is None:
+        return
+    what = (
+        f"the base weights in {model_dir} are not those {ckpt.name}'s LoRA was trained on ({diff})"
+    )
+    if allow_change:
+        log.warning("--allow-base-change: %s; combining them anyway", what)
+        return
+    raise CheckpointError(
+        f"{what}: pass --model DIR with the weights the run trained on, or "
+        "--allow-base-change to combine the LoRA with these"
+    )
+
+
 def check_out(out: str | Path, ckpt: Path, model_dir: Path | None = None) -> None:
     """Refuse an ``--out`` that exists and is not empty, or that is, contains or lies inside
     the run directory of ``ckpt`` or the base model directory: export writes, never deletes."""
@@ -131,10 +175,14 @@ FORMATS = {"peft": "fused", "vllm": "per_expert", "fused": "fused", "per_expert"
 
 
 def export_adapter(
-    ckpt: Path, out: str | Path, fmt: str = "peft", model: str | None = None
+    ckpt: Path,
+    out: str | Path,
+    fmt: str = "peft",
+    model: str | None = None,
+    allow_base_change: bool = False,
 ) -> Path:
     """The adapter of checkpoint ``ckpt`` in ``out`` in format ``fmt`` (peft | vllm; see the
-    module docstring)."""
+    module docstring), after :func:`check_base`."""
     from megagrpo import fileio
     from megagrpo.model.lora_state import lora_units
     from megagrpo.model.peft_export import check_exportable, write_peft_dir
@@ -144,6 +192,7 @@ def export_adapter(
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
     check_out(out, ckpt, model_dir)
+    check_base(ckpt, manifest, model_dir, allow_base_change)
     check_exportable(lora, arch.is_moe, layout)
     units = lora_units(pieces, arch, lora)
     if layout == "fused":
@@ -157,9 +206,12 @@ def export_adapter(
     return Path(out)
 
 
-def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path:
+def export_merged(
+    ckpt: Path, out: str | Path, model: str | None = None, allow_base_change: bool = False
+) -> Path:
     """Base weights + the checkpoint's adapters merged, as an HF model directory in ``out``:
-    one output shard per base shard, the index, config and tokenizer files."""
+    one output shard per base shard, the index, config and tokenizer files (after
+    :func:`check_base`)."""
     import torch
     from safetensors.torch import save_file
 
@@ -172,6 +224,7 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
     manifest, pieces = read_checkpoint(ckpt)
     model_dir, arch, lora = _model_and_lora(manifest, model)
     check_out(out, ckpt, model_dir)
+    check_base(ckpt, manifest, model_dir, allow_base_change)
     units = lora_units(pieces, arch, lora)
     scale = lora.alpha / lora.rank
     index: dict[str, str] = {}
@@ -192,7 +245,9 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
                     tensors[name] = w.contiguous()
                     total += w.numel() * w.element_size()
             fname = f"model-{i + 1:05d}.safetensors"
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            fileio.library_write(
+                tmp / fname, lambda p, t=tensors: save_file(t, p, metadata={"format": "pt"})
+            )
             index.update(dict.fromkeys(tensors, fname))
         if merged != len(units):  # before the rename: --out never holds a model missing them
             missing = sorted(set(units) - set(index))
@@ -208,10 +263,17 @@ def export_merged(ckpt: Path, out: str | Path, model: str | None = None) -> Path
 def run(args: argparse.Namespace) -> int:
     ckpt = find_checkpoint(args.run_dir, args.step)
     check_out(args.out, ckpt)  # before reading anything (the model is checked once resolved)
-    if args.adapter:
-        fmt = args.adapter_format or args.expert_format or "peft"
-        out = export_adapter(ckpt, args.out, fmt, args.model)
-    else:
-        out = export_merged(ckpt, args.out, args.model)
+    allow = args.allow_base_change
+    try:
+        if args.adapter:
+            fmt = args.adapter_format or args.expert_format or "peft"
+            out = export_adapter(ckpt, args.out, fmt, args.model, allow)
+        else:
+            out = export_merged(ckpt, args.out, args.model, allow)
+    except OSError as exc:  # disk full, a read-only file system: named, nothing in --out
+        where = exc.filename or args.out
+        raise StorageError(
+            f"{fileio.describe_os_error(exc, where)}; nothing was written to {args.out}"
+        ) from exc
     print(f"{'adapter' if args.adapter else 'merged model'} of {ckpt.name} -> {out}")
     return 0

@@ -2,20 +2,24 @@
 
 Draws collapse.png (raw ACR vs post-filter frac_reward_zero_std, with the ACR = 1 - 1/rounds
 line above which dynamic sampling cannot fill a batch), reward.png, length.png, levels.png and
-time.png into RUN_DIR/report/ (or --out); see :mod:`megagrpo.metrics.report`. The number of
-checked rounds comes from the run's saved config.yaml (dynamic.policy, dynamic.max_resample).
+time.png into RUN_DIR/report/ (or --out: a new or empty directory; RUN_DIR/report may hold
+only an earlier report, which the new one replaces); see :mod:`megagrpo.metrics.report`. The
+number of checked rounds comes from the run's saved config.yaml (dynamic.policy,
+dynamic.max_resample).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 from pathlib import Path
 
+from megagrpo import fileio
 from megagrpo.config import load_config
 from megagrpo.curriculum.dynamic import checked_rounds
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, StorageError
 from megagrpo.metrics.report import make_report
 from megagrpo.trainer.config import RunConfig
 
@@ -54,6 +58,17 @@ def run_rounds(run_dir: Path, max_resample: int | None) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
-    for path in make_report(run_dir, args.out, run_rounds(run_dir, args.max_resample)):
+    out = Path(args.out) if args.out else run_dir / "report"
+    try:
+        paths = make_report(run_dir, args.out, run_rounds(run_dir, args.max_resample))
+    except OSError as exc:  # disk full, a file size limit, a read-only run directory
+        hint = ""
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            hint = "; pass --out DIR on a writable file system"
+        raise StorageError(
+            f"report not written ({fileio.describe_os_error(exc, exc.filename or out)})"
+            f"{hint}; {out} is as it was"
+        ) from exc
+    for path in paths:
         print(path)
     return 0

@@ -5,7 +5,8 @@ any reward function ``(completions, problem) -> list[float]`` (the correctness r
 value >= 0.5 counts as correct). It appends one JSON line per finished problem to the
 levels file (``id, k, correct, level, mean_length, mean_reward``), flushed after every
 batch, so an interrupted profile resumes where it stopped and never re-samples a finished
-problem (a truncated last line is dropped and that problem redone).
+problem (a truncated last line is dropped and that problem redone). One profile at a time
+writes a levels file (``LEVELS.lock`` beside it; a second one is refused naming the first).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megagrpo import fileio
 from megagrpo.curriculum.levels import BetaPrior, histogram, level_from_counts, predict_acr
 from megagrpo.curriculum.stats import SOLVED_THRESHOLD
 from megagrpo.data.loader import read_jsonl
-from megagrpo.errors import DataError
+from megagrpo.errors import ConfigError, DataError
 from megagrpo.types import Problem
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,49 @@ def run_profile(
         raise ValueError(f"k must be >= 1, got {k}")
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    lock = _lock(path)
+    try:
+        return _profile(problems, engine, reward_fn, k, path, batch_size, sampling)
+    finally:
+        fileio.unlock_file(lock_path(path), lock)
+
+
+def lock_path(path: Path) -> Path:
+    """The lock of a levels file: ``LEVELS.lock`` beside it."""
+    return path.with_name(path.name + ".lock")
+
+
+def _lock(path: Path) -> int:
+    """Hold ``LEVELS.lock`` for the whole profile: a second profile of the same file (a
+    requeued job while the old one drains, a second terminal) would rewrite the file under
+    the first one's appends (they went to the unlinked old file, lost). ConfigError naming
+    the holder's pid."""
+    lock = lock_path(path)
+    fd = fileio.lock_file(lock, wait=False)
+    if fd is None:
+        try:
+            holder = lock.read_text(encoding="utf-8").strip() or "?"
+        except OSError:
+            holder = "?"
+        raise ConfigError(
+            f"{path} is being written by another megagrpo profile (pid {holder}; lock {lock}): "
+            "wait for it to finish, or choose another --out"
+        )
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _profile(
+    problems: Sequence[Problem],
+    engine: Any,
+    reward_fn: RewardFn,
+    k: int,
+    path: Path,
+    batch_size: int,
+    sampling: Any | None,
+) -> list[dict]:
+    """:func:`run_profile` under the levels file's lock."""
     done = _finished(path, k)
     todo = [p for p in problems if p.id not in done]
     log.info(

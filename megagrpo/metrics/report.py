@@ -457,6 +457,38 @@ def figure_time(rows: list[dict]) -> Any:
     return _finish(fig, ax, [ax, ax2])
 
 
+REPORT_FILES = (
+    "collapse.png",
+    "reward.png",
+    "length.png",
+    "kl_entropy.png",
+    "levels.png",
+    "time.png",
+    "calibration.png",
+    "summary.json",
+)
+"""Every file :func:`make_report` writes (its own directory may hold only these)."""
+
+
+def check_report_out(out: Path, default: bool) -> fileio.DirState | None:
+    """What may be replaced at ``out``: an ``--out`` named by the user must be new or empty;
+    the default ``RUN_DIR/report`` may hold an earlier report (only :data:`REPORT_FILES`).
+    ConfigError naming what is in the way; returns the state to compare at the rename."""
+    if not default:
+        fileio.check_out_dir(out, {}, "--out")
+        return None
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"{out} exists and is not a directory: pass --out DIR")
+    state = fileio.dir_state(out)
+    foreign = [f for f in fileio.files_in(state) if f not in REPORT_FILES]
+    if foreign:
+        raise ConfigError(
+            f"{out} holds files the report does not write ({', '.join(foreign[:5])}): a new "
+            "report would replace them; move them, or pass --out DIR"
+        )
+    return state
+
+
 def make_report(
     run_dir: str | os.PathLike,
     out: str | os.PathLike | None = None,
@@ -464,7 +496,8 @@ def make_report(
 ) -> list[Path]:
     """Draw every plot; returns the PNG paths. ``checked_rounds``: generation rounds dynamic
     sampling checks (draws the ACR = 1 - 1/rounds line; None: no line). DataError when
-    metrics.jsonl is missing or empty."""
+    metrics.jsonl is missing or empty. Written to a temporary directory and renamed into
+    place while ``out`` is still as checked (:func:`check_report_out`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -475,26 +508,23 @@ def make_report(
     rows = read_metrics(metrics)
     if not rows:
         raise DataError(f"{metrics}: no rows")
-    out = Path(out) if out else run_dir / "report"
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory: choose a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    target = Path(out) if out else run_dir / "report"
+    expected = check_report_out(target, default=not out)
     figures = {
-        "collapse.png": figure_collapse(rows, checked_rounds),
-        "reward.png": figure_reward(rows),
-        "length.png": figure_length(rows),
-        "kl_entropy.png": figure_kl_entropy(rows),
-        "levels.png": figure_levels(rows),
-        "time.png": figure_time(rows),
+        "collapse.png": lambda: figure_collapse(rows, checked_rounds),
+        "reward.png": lambda: figure_reward(rows),
+        "length.png": lambda: figure_length(rows),
+        "kl_entropy.png": lambda: figure_kl_entropy(rows),
+        "levels.png": lambda: figure_levels(rows),
+        "time.png": lambda: figure_time(rows),
     }
     if calibration_levels(rows):
-        figures["calibration.png"] = figure_calibration(rows)
-    paths = [_save(fig, out / name) for name, fig in figures.items()]
+        figures["calibration.png"] = lambda: figure_calibration(rows)
     summary = {
         "steps": len(rows),
         "steps_trained_nothing": sum(1 for r in rows if r.get("train/skipped_empty_batch")),
         "steps_skipped_nonfinite": sum(1 for r in rows if r.get("train/skipped_nonfinite")),
-        "plots": [p.name for p in paths],
+        "plots": list(figures),
         "learning": learning_summary(rows),
         "last": {
             k: rows[-1].get(k)
@@ -507,5 +537,8 @@ def make_report(
             )
         },
     }
-    fileio.write_text(out / "summary.json", json.dumps(summary, indent=1))
-    return paths
+    with fileio.atomic_dir(target, unique=True, expected=expected) as tmp:
+        for name, draw in figures.items():
+            _save(draw(), tmp / name)
+        fileio.write_text(tmp / "summary.json", json.dumps(summary, indent=1))
+    return [target / name for name in figures]

@@ -293,16 +293,23 @@ def export_worker(rank: int, job: dict) -> dict:
         destroy_parallel()
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+"""Weight files in an HF model directory (every format), with their ``*.index.json``."""
+
+
+def is_weight_file(name: str) -> bool:
+    """True for a weight file of any format or a weight index (``*.index.json``)."""
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json")
+
+
 def copy_hf_metadata(src: Path, dst: Path) -> None:
-    """config.json, tokenizer and generation files (everything but the weights)."""
+    """config.json, tokenizer and generation files: everything but the weights of any format
+    (a base that also ships ``pytorch_model.bin`` must not put an unmerged model beside the
+    merged safetensors) and their indexes."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if (
-            f.is_file()
-            and not f.name.endswith(".safetensors")
-            and f.name != "model.safetensors.index.json"
-        ):
-            shutil.copy2(f, dst / f.name)
+        if f.is_file() and not is_weight_file(f.name):
+            fileio.library_write(dst / f.name, lambda path, f=f: shutil.copy2(f, path))
 
 
 def world_of(layout: dict) -> int:

@@ -324,16 +324,22 @@ def write_peft_dir(
     out_dir: str | Path,
     base: str,
     expert_format: str = "fused",
+    replace: bool = False,
 ) -> Path:
     """Write the PEFT adapter of ``{hf_name: (A, B)}`` (:func:`gather_lora`'s view) into
-    ``out_dir`` atomically (temp dir, then rename)."""
+    ``out_dir`` atomically (temp dir, then rename). ``out_dir`` must be absent or empty at
+    the rename, unless ``replace`` (a directory the caller owns, such as the run's own
+    ``adapter/`` under its lock: replaced if unchanged while writing)."""
     from safetensors.torch import save_file
 
     sd, modules, params = peft_tensors(lora_units, num_experts, expert_format)
     config = peft_config(lora, modules, params, base)
     out = Path(out_dir)
-    with fileio.atomic_dir(out, unique=True) as tmp:
-        save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    with fileio.atomic_dir(out, unique=True, expected=replace) as tmp:
+        fileio.library_write(
+            tmp / "adapter_model.safetensors",
+            lambda path: save_file(sd, path, metadata={"format": "pt"}),
+        )
         fileio.write_text(tmp / "adapter_config.json", json.dumps(config, indent=2))
     return out
 
@@ -346,6 +352,6 @@ def export_peft_adapter(policy, out_dir: str | Path, expert_format: str = "fused
     lora = gather_lora(policy)
     if dist.get_rank() != 0:
         return None
-    return write_peft_dir(
-        lora, lc, policy.arch.num_experts, out_dir, str(policy.cfg.hf_path), expert_format
+    return write_peft_dir(  # the run's own adapter/ (or a temp dir): a new one replaces it
+        lora, lc, policy.arch.num_experts, out_dir, str(policy.cfg.hf_path), expert_format, True
     )

@@ -68,10 +68,10 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     if model.generation_config is not None:
         model.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if out.exists():  # another process finished first: keep its copy
-        shutil.rmtree(tmp)
-    else:
+    try:
         fileio.replace_dir(tmp, out)
+    except fileio.OutputChanged:  # another process finished first: keep its copy
+        shutil.rmtree(tmp)
     return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megagrpo import fileio
 from megagrpo.rollout.base import SyncMeter, to_checkpoint_format
 
 _PEFT_PREFIX = "base_model.model."
@@ -171,8 +172,8 @@ def write_peft_adapter(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors, config, meter = peft_state(adapter, dtype)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    fileio.library_write(path / "adapter_model.safetensors", lambda p: save_file(tensors, p))
+    fileio.write_text(path / "adapter_config.json", json.dumps(config, indent=1))
     return meter
 
 

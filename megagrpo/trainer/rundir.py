@@ -38,7 +38,7 @@ from megagrpo.checkpoint.format import (
 from megagrpo.checkpoint.plain import to_plain
 from megagrpo.config.loader import written
 from megagrpo.errors import CheckpointError, ConfigError
-from megagrpo.model.fingerprint import describe as describe_fingerprint
+from megagrpo.model.fingerprint import changed as changed_base
 from megagrpo.parallel.comm import Comm
 from megagrpo.trainer import runlock
 from megagrpo.trainer.config import RunConfig
@@ -146,11 +146,18 @@ def _value_errors(point: ResumePoint, num_problems: int, vocab: int | None) -> s
     return check_trainer_state(state, step, str(file), TRAINER_KEYS, num_problems, vocab)
 
 
-def check_base(point: ResumePoint, base: dict | None, hf_path: str, allow_change: bool) -> None:
-    """The base weights under ``model.hf_path`` must be those the checkpoint's LoRA was
-    trained on (their fingerprint in its manifest): CheckpointError naming both, unless
-    ``--allow-base-change`` (then a warning); a checkpoint written before fingerprints were
-    recorded resumes with a warning."""
+def check_base(
+    point: ResumePoint,
+    base: dict | None,
+    hf_path: str,
+    allow_change: bool,
+    model_dir: str | os.PathLike | None = None,
+) -> None:
+    """The base weights under ``model.hf_path`` (``model_dir``: its local directory) must be
+    those the checkpoint's LoRA was trained on (their fingerprint in its manifest; an older
+    checkpoint's fingerprint version is recomputed as it was): CheckpointError naming both,
+    unless ``--allow-base-change`` (then a warning); a checkpoint written before fingerprints
+    were recorded resumes with a warning."""
     saved = point.manifest.get("base")
     if not isinstance(saved, dict):
         log.warning(
@@ -162,9 +169,12 @@ def check_base(point: ResumePoint, base: dict | None, hf_path: str, allow_change
         return
     if base is None or saved.get("sha256") == base.get("sha256"):
         return
+    diff = changed_base(saved, model_dir, base)
+    if diff is None:
+        return
     what = (
         f"the base weights under model.hf_path {hf_path} changed since {point.path.name} was "
-        f"saved (then: {describe_fingerprint(saved)}; now: {describe_fingerprint(base)})"
+        f"saved ({diff})"
     )
     if allow_change:
         log.warning("--allow-base-change: %s; the LoRA continues on the new base", what)

@@ -16,7 +16,8 @@ refused (its liveness cannot be checked from here: remove ``.lock`` once that ru
 
 ``.lock`` is opened without following a symbolic link and must be a regular file
 (:func:`megagrpo.fileio.open_fd`): a link planted there (a shared runs directory) is refused
-naming it and left as it is, so the lock can never truncate someone else's file.
+naming it and left as it is, and so is a file with several hard links (``ln ~/victim
+RUN_DIR/.lock``), so the lock can never truncate someone else's file.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _open_locked(path: Path) -> tuple[int, bool | None]:
     """``(fd, flock outcome)`` of ``path``, retried while the file is replaced under us (a
     holder removes it on release: a lock on the old inode would lock nothing)."""
     while True:
-        fd = fileio.open_fd(path, os.O_RDWR | os.O_CREAT)
+        fd = fileio.open_fd(path, os.O_RDWR | os.O_CREAT, sole=True)  # truncated below
         locked = _flock(fd)
         try:
             same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino

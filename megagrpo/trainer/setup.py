@@ -429,7 +429,7 @@ def _build(
         point, again = confirm_resume_point(cfg, run_dir, point, comm, count, vocab)
         if again is not None:  # an earlier checkpoint: its settings and problems again
             check_problem_set(point.manifest.get("problems"), data.problem_set, again)
-        check_base(point, base, cfg.model.hf_path, allow_base_change)
+        check_base(point, base, cfg.model.hf_path, allow_base_change, model_path)
     seed_everything(cfg.trainer.seed + comm.rank)
     policy = policy_factory(dataclasses.replace(cfg.model, hf_path=model_path), pgs)
     optimizer, scheduler = _optimizer(cfg, policy)

@@ -97,12 +97,18 @@ def test_check_out_dir_names_the_flag_and_the_protected_directory(tmp_path):
 
 
 def test_replace_dir_replaces_a_symlink_never_its_target(tmp_path):
+    """A link where a new directory goes is refused (it is not what was checked: absent or
+    empty); a directory the caller owns (``expected=True``) replaces the link itself."""
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.txt").write_text("keep")
     link = tmp_path / "adapter"
     link.symlink_to(target, target_is_directory=True)
-    with fileio.atomic_dir(link) as tmp:
+    with pytest.raises(fileio.OutputChanged, match="symbolic link"), fileio.atomic_dir(link) as tmp:
+        (tmp / "w.bin").write_bytes(b"1")
+    assert link.is_symlink() and (tmp / "w.bin").read_bytes() == b"1"  # kept, named
+    shutil.rmtree(tmp)
+    with fileio.atomic_dir(link, expected=True) as tmp:
         (tmp / "w.bin").write_bytes(b"1")
     assert not link.is_symlink() and (link / "w.bin").read_bytes() == b"1"
     assert (target / "keep.txt").read_text() == "keep"
@@ -134,3 +140,114 @@ def test_merged_export_missing_an_adapted_weight_leaves_out_as_it_was(run, tmp_p
     assert list(empty.iterdir()) == []
     assert not new.exists()
     assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob(".*tmp*"))
+
+
+def _rewrite(model: Path, change) -> None:
+    """Rewrite every safetensors file of ``model`` in place with ``change(name, tensor)``:
+    same names, dtypes and shapes (the headers stay byte-identical), other values."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(model.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        save_file({k: change(k, t) for k, t in tensors.items()}, str(shard), {"format": "pt"})
+
+
+@pytest.fixture
+def fp_run(run):
+    """``run`` whose checkpoint records the base fingerprint, as training writes it."""
+    from megagrpo.model.fingerprint import base_fingerprint
+
+    run_dir, model = run
+    manifest = run_dir / "checkpoints" / "step_000001" / checkpoint.MANIFEST
+    body = json.loads(manifest.read_text())
+    body["base"] = base_fingerprint(model)
+    manifest.write_text(json.dumps(body))
+    return run_dir, model
+
+
+@pytest.mark.parametrize("kind", ["--adapter", "--merged"])
+def test_export_refuses_another_base_under_the_same_path(fp_run, tmp_path, kind, capsys):
+    """Red team 4, N3: after the base was rebuilt under model.hf_path (same sizes, other
+    values), export merged the run's LoRA into it silently (rc 0)."""
+    run_dir, model = fp_run
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    _rewrite(model, lambda name, t: t + 0.01)
+    out = tmp_path / "out"
+    assert main(["export", str(run_dir), kind, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "are not those step_000001's LoRA was trained on" in err and "then:" in err, err
+    assert not out.exists()
+    # the weights it was trained on (another copy) export; so does --allow-base-change
+    assert main(["export", str(run_dir), kind, "--model", str(copy), "--out", str(out)]) == 0
+    forced = tmp_path / "forced"
+    args = ["export", str(run_dir), kind, "--allow-base-change", "--out", str(forced)]
+    assert main(args) == 0 and any(forced.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["--adapter", "--merged"])
+def test_what_appears_in_out_during_the_export_is_never_deleted(
+    run, tmp_path, kind, monkeypatch, capsys
+):
+    """Red team 4, N2: ``--out`` was checked once, then ``rmtree``-d at the rename: a file
+    another writer put there meanwhile was deleted. Now the rename is refused, the file stays
+    and the finished export is kept in the temporary directory the error names."""
+    run_dir, _ = run
+    out = tmp_path / "out"
+    real = fileio.write_text
+
+    def write_text(path, text, *a, **kw):  # a second writer, while this export writes
+        if not (out / "precious.txt").exists():
+            out.mkdir(exist_ok=True)
+            (out / "precious.txt").write_text("mine")
+        return real(path, text, *a, **kw)
+
+    monkeypatch.setattr(fileio, "write_text", write_text)
+    assert main(["export", str(run_dir), kind, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "changed while this command wrote it" in err and "precious.txt" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
+    assert (out / "precious.txt").read_text() == "mine"
+    (kept,) = [p for p in tmp_path.iterdir() if fileio.is_tmp(p)]
+    assert str(kept) in err and any(kept.iterdir())
+
+
+def test_merged_export_never_copies_the_bases_other_weight_files(run, capsys):
+    """Red team 4, N20: ``pytorch_model.bin`` (and its index, ``.pt``, ``.gguf``) of the base
+    were copied beside the merged safetensors: a second, unmerged model in the output."""
+    run_dir, model = run
+    for name in ("pytorch_model.bin", "model.pt", "model-q8.gguf", "consolidated.pth"):
+        (model / name).write_bytes(b"\0" * 1000)
+    (model / "pytorch_model.bin.index.json").write_text('{"weight_map": {}}')
+    out = model.parent / "merged"
+    assert main(["export", str(run_dir), "--merged", "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "model.safetensors.index.json" in names
+    assert not [n for n in names if n.endswith((".bin", ".pt", ".pth", ".gguf", ".bin.index.json"))]
+
+
+@pytest.fixture
+def file_size_limit():
+    """``ulimit -f``: writes past ``n`` bytes fail with EFBIG (Python ignores SIGXFSZ)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limit(n: int) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_disk_full_in_a_merged_export_is_named(run, tmp_path, file_size_limit, capsys):
+    """Red team 4, N16: a full disk in ``export --merged`` was a raw SafetensorError."""
+    run_dir, _ = run
+    out = tmp_path / "out"
+    file_size_limit(100_000)  # the config and tokenizer files fit, a weight shard does not
+    rc = main(["export", str(run_dir), "--merged", "--out", str(out)])
+    file_size_limit(-1)
+    err = capsys.readouterr().err
+    assert rc == 2 and "File too large (errno 27, EFBIG)" in err and ".safetensors" in err, err
+    assert "nothing was written to" in err and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if fileio.is_tmp(p)]

@@ -132,6 +132,35 @@ def test_checkpoint_save_never_writes_through_a_planted_link(tmp_path, victim, m
     assert victim.read_text() == "precious\n"
 
 
+def test_a_hard_linked_lock_is_refused_and_the_other_name_kept(tmp_path, victim):
+    """Red team 4, N10: ``ln victim RUN_DIR/.lock`` (O_NOFOLLOW stops links, not hard links):
+    the lock's JSON was written over the victim."""
+    from megagrpo.trainer import runlock
+
+    (tmp_path / "run").mkdir()
+    os.link(victim, tmp_path / "run" / ".lock")
+    with pytest.raises(MegagrpoError, match=r"\.lock is a file with 2 hard links"):
+        runlock.acquire(tmp_path / "run")
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_truncating_open_refuses_a_hard_link_before_truncating(tmp_path, victim):
+    """Every file megagrpo truncates (``O_TRUNC``, or a lock it rewrites): refused with more
+    than one hard link, checked before anything is cut; appending and new files are not."""
+    os.link(victim, tmp_path / "rank0.pt")
+    with pytest.raises(ConfigError, match="2 hard links"):
+        fileio.open_new(tmp_path / "rank0.pt")
+    with pytest.raises(ConfigError, match="2 hard links"):
+        fileio.lock_file(tmp_path / "rank0.pt")
+    assert victim.read_text() == "precious\n"
+    with fileio.open_new(tmp_path / "fresh.bin") as fh:  # a new file: one link
+        fh.write(b"x")
+    fd = fileio.lock_file(tmp_path / "levels.jsonl.lock", wait=False)
+    assert fd is not None and fileio.lock_file(tmp_path / "levels.jsonl.lock", wait=False) is None
+    fileio.unlock_file(tmp_path / "levels.jsonl.lock", fd)
+    assert not (tmp_path / "levels.jsonl.lock").exists()
+
+
 # Ways to write a file other than megagrpo.fileio, and the places allowed to use them (each
 # writes only inside a directory it has just created, or outside any run directory).
 _WRITERS = {
@@ -140,35 +169,93 @@ _WRITERS = {
     "Path.write_text/bytes": re.compile(r"(?<!fileio)\.write_(?:text|bytes)\("),
     "os.open": re.compile(r"\bos\.open\("),
     "library writing to a path": re.compile(
-        r"\bsave_file\(|\.save_pretrained\(|shutil\.copy|\.savefig\((?!buf\b)|torch\.save\([^)]*,\s*(?:str\(|path|f\b)"
+        r"\bsave_file\(|\.save_pretrained\(|shutil\.copy|\.savefig\((?!buf\b)|"
+        r"torch\.save\([^)]*,\s*(?:str\(|path|f\b|out\b|a\.out\b|args\.out\b)|\.extract(?:all)?\("
     ),
 }
+_OWN_TMP = "inside a directory it has just created (tempfile / fileio)"
 _ALLOWED = {
-    ("fileio.py", "os.open"): "the one mechanism",
-    ("preflight/phases.py", "Path.write_text/bytes"): "/proc/self/clear_refs",
-    ("testing.py", "Path.write_text/bytes"): "test fixtures in the test's tmp_path",
-    ("testing.py", "library writing to a path"): "test fixtures in the test's tmp_path",
-    ("rollout/lora.py", "Path.write_text/bytes"): "the engine's private mkdtemp directory",
-    ("rollout/lora.py", "library writing to a path"): "the engine's private mkdtemp directory",
-    ("model/pretrained.py", "library writing to a path"): "inside fileio.atomic_dir",
-    ("model/peft_export.py", "library writing to a path"): "inside fileio.atomic_dir",
-    ("model/megatron_ckpt.py", "library writing to a path"): "inside fresh_tmp_dir/atomic_dir",
-    ("commands/export.py", "library writing to a path"): "inside fileio.atomic_dir",
-    ("commands/preflight.py", "library writing to a path"): "inside its own mkdtemp",
+    ("megagrpo/fileio.py", "os.open"): "the one mechanism",
+    ("megagrpo/preflight/phases.py", "Path.write_text/bytes"): "/proc/self/clear_refs",
+    ("megagrpo/testing.py", "Path.write_text/bytes"): "test fixtures in the test's tmp_path",
+    ("megagrpo/testing.py", "library writing to a path"): "test fixtures in the test's tmp_path",
+    ("megagrpo/rollout/lora.py", "library writing to a path"): "via fileio.library_write",
+    ("megagrpo/model/pretrained.py", "library writing to a path"): "inside fileio.atomic_dir",
+    ("megagrpo/model/peft_export.py", "library writing to a path"): "fileio.library_write",
+    ("megagrpo/model/megatron_ckpt.py", "library writing to a path"): "inside fresh_tmp_dir",
+    ("megagrpo/commands/export.py", "library writing to a path"): "fileio.library_write",
+    ("megagrpo/commands/preflight.py", "library writing to a path"): "inside its own mkdtemp",
+    # tools/: benchmarks build their inputs in a TemporaryDirectory of their own
+    ("tools/bench_convert.py", "library writing to a path"): _OWN_TMP,
+    ("tools/bench_fingerprint.py", "open for writing"): _OWN_TMP,
+    ("tools/bench_train_memory.py", "library writing to a path"): _OWN_TMP,
+    ("tools/upstream_wheels.py", "library writing to a path"): "zipfile into its own mkdtemp",
+    ("tools/bench_recompute.py", "Path.write_text/bytes"): "/proc/self/clear_refs",
 }
+REPO = PACKAGE.parent
+# Shell scripts: `>` only under `set -o noclobber` (an existing file, a link to one or a
+# second hard link is never truncated: the script removes its own old file by name first);
+# no `>|`, no appending `>>`, tee, cp, mv or touch (a Python line through fileio instead).
+_SH_TRUNCATE = re.compile(r"(?<![<>&\d])>(?![>&|])\s*(?!/dev/null\b)\S")
+_SH_OTHER = re.compile(
+    r"(?<![<>&\d])>>(?!&)\s*(?!/dev/null\b)|>\||(?:^|[;&|(]|\bthen|\bdo)\s*(?:tee|cp|mv|touch)\s"
+)
+_NOCLOBBER = re.compile(r"^\s*set\s.*(?:\s-[a-zA-Z]*C\b|-o\s+noclobber)", re.MULTILINE)
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?")
+
+
+def _python_line(rel: str, num: int, line: str) -> list[str]:
+    code = line.split("#", 1)[0]
+    if code.lstrip().startswith(('"', "'")) or "``" in code:
+        return []  # docstrings
+    return [
+        f"{rel}:{num}: {what}: {line.strip()}"
+        for what, rx in _WRITERS.items()
+        if rx.search(code) and (rel, what) not in _ALLOWED
+    ]
+
+
+def _python_writers(path: Path, rel: str) -> list[str]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [hit for num, line in enumerate(lines, start=1) for hit in _python_line(rel, num, line)]
+
+
+def _shell_writers(path: Path, rel: str) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    found, heredoc = [], None
+    for num, line in enumerate(text.splitlines(), start=1):
+        if heredoc is not None:  # Python fed on stdin: its own lines are checked as Python
+            heredoc = None if line.strip() == heredoc else heredoc
+            found += _python_line(rel, num, line)
+            continue
+        code = line.split(" #", 1)[0] if not line.lstrip().startswith("#") else ""
+        m = _HEREDOC.search(code)
+        heredoc = m.group(1) if m else None
+        if _SH_OTHER.search(code):
+            found.append(f"{rel}:{num}: appends, copies or moves: {line.strip()}")
+        elif _SH_TRUNCATE.search(code) and not _NOCLOBBER.search(text):
+            found.append(f"{rel}:{num}: `>` without set -o noclobber: {line.strip()}")
+    return found
+
+
+def _sources() -> list[Path]:
+    return [
+        *sorted(PACKAGE.rglob("*.py")),
+        *sorted((REPO / "tools").rglob("*.py")),
+        *sorted((REPO / "scripts").rglob("*.py")),
+        *sorted((REPO / "tools").rglob("*.sh")),
+        *sorted((REPO / "scripts").rglob("*.sh")),
+    ]
 
 
 def test_every_writer_goes_through_fileio():
+    """The package, tools/ and scripts/ (red team 4, N1: tools/upstream_wheels.py opened its
+    cache lock following links, outside this audit)."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
-        for num, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            code = line.split("#", 1)[0]
-            if code.lstrip().startswith(('"', "'")) or "``" in code:
-                continue  # docstrings
-            for what, rx in _WRITERS.items():
-                if rx.search(code) and (rel, what) not in _ALLOWED:
-                    found.append(f"megagrpo/{rel}:{num}: {what}: {line.strip()}")
+    for path in _sources():
+        rel = path.relative_to(REPO).as_posix()
+        check = _shell_writers if path.suffix == ".sh" else _python_writers
+        found += check(path, rel)
     assert not found, "write through megagrpo.fileio (open_fd / write_text / ...):\n" + "\n".join(
         found
     )
