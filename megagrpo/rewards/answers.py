@@ -49,6 +49,26 @@ def guess_baselines(golds: Sequence[Sequence[str]], options: Sequence[str]) -> G
     return GuessBaselines(count / n, letter, chance / n)
 
 
+NONE = "none"
+"""The answer key of a completion with no readable answer."""
+
+
+def member_answers(groups: Sequence[Any]) -> list[tuple[Any, int, str, list[str]]]:
+    """``(group, index, answer key, gold)`` of every multiple-choice completion, each member
+    read against its own rendering (the key: ``"c"``, ``"c,d"``, :data:`NONE`)."""
+    from megagrpo.rewards.mcq import extract_answer
+
+    out = []
+    for g in groups:
+        if not g.problem.meta.get("choices"):
+            continue
+        for problem, idx in g.member_slices():
+            for i in idx:
+                letters = extract_answer(g.completions[i], problem)
+                out.append((g, i, ",".join(letters) if letters else NONE, list(problem.answer)))
+    return out
+
+
 def answer_bias(groups: Sequence[Any]) -> dict[str, float]:
     """``collapse/answer_bias``: share of the most common answer among the completions of
     ``groups`` (multiple-choice problems only; unreadable answers count in the total), and
@@ -56,19 +76,12 @@ def answer_bias(groups: Sequence[Any]) -> dict[str, float]:
     is right for (what a policy that solves every problem would show);
     ``collapse/answer_bias_letter``: that answer as an index (0 = ``a``; NaN for a
     multi-letter answer). NaN without multiple-choice completions."""
-    from megagrpo.rewards.mcq import answers_match, extract_answer
+    from megagrpo.rewards.mcq import answers_match
 
-    answers: list[str] = []
-    golds: list[list[str]] = []
-    for g in groups:
-        if not g.problem.meta.get("choices"):
-            continue
-        for problem, idx in g.member_slices():  # each member against its own rendering
-            for i in idx:
-                letters = extract_answer(g.completions[i], problem)
-                answers.append(",".join(letters) if letters else "")
-                golds.append(list(problem.answer))
-    given = [a for a in answers if a]
+    rows = member_answers(groups)
+    answers = [key for _, _, key, _ in rows]
+    golds = [gold for *_, gold in rows]
+    given = [a for a in answers if a != NONE]
     if not given:
         return dict.fromkeys(
             ("collapse/answer_bias", "collapse/answer_bias_gold", "collapse/answer_bias_letter"),

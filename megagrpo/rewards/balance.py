@@ -34,23 +34,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-NONE = "none"
-"""The answer key of a completion with no readable answer."""
-
-
-def _member_answers(groups: Sequence[Any]) -> list[tuple[Any, int, str, list[str]]]:
-    """``(group, index, answer key, gold)`` of every multiple-choice completion."""
-    from megagrpo.rewards.mcq import extract_answer
-
-    out = []
-    for g in groups:
-        if not g.problem.meta.get("choices"):
-            continue
-        for problem, idx in g.member_slices():  # each member against its own rendering
-            for i in idx:
-                letters = extract_answer(g.completions[i], problem)
-                out.append((g, i, ",".join(letters) if letters else NONE, list(problem.answer)))
-    return out
+from megagrpo.rewards.answers import NONE, member_answers
 
 
 def answer_excess(groups: Sequence[Any]) -> dict[str, float]:
@@ -58,7 +42,7 @@ def answer_excess(groups: Sequence[Any]) -> dict[str, float]:
     positive excess; empty without multiple-choice completions."""
     from megagrpo.rewards.mcq import answers_match
 
-    rows = _member_answers(groups)
+    rows = member_answers(groups)
     if not rows:
         return {}
     n = len(rows)
@@ -78,6 +62,6 @@ def balance_penalties(
     problem without choices or an answer without excess)."""
     out = [[0.0] * g.size for g in groups]
     index = {id(g): j for j, g in enumerate(groups)}
-    for g, i, key, _ in _member_answers(groups):
+    for g, i, key, _ in member_answers(groups):
         out[index[id(g)]][i] = coef * excess.get(key, 0.0)
     return out
