@@ -172,3 +172,63 @@ def test_train_has_the_allow_base_change_flag():
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     assert parser.parse_args(["c.yaml", "--resume", "--allow-base-change"]).allow_base_change
+
+
+GENERATED = {"mini_batches": 2, "ppo_epochs": 3}
+"""6 optimiser steps per generated batch: the checkpoints of steps 2 and 4 both hold the
+batch of step 1 (``generated.done`` 2 and 4)."""
+
+GENERATED_EDITS = {
+    "done = -100 (red team 4, N6: retrained the batch silently)": ("generated.done", -100),
+    "done = 'x' (N6: raw ValueError after the model)": ("generated.done", "x"),
+    "done = 6: every step of the batch": ("generated.done", 6),
+    "done = 3: not the checkpoint's step": ("generated.done", 3),
+    "done = true": ("generated.done", True),
+    "step = 0": ("generated.step", 0),
+    "step = 5: after the checkpoint": ("generated.step", 5),
+    "step = '1'": ("generated.step", "1"),
+    "prepared = 'yes'": ("generated.prepared", "yes"),
+    "layout = []": ("generated.layout", []),
+    "layout.world_size = 0": ("generated.layout.world_size", 0),
+    "layout.tp = {}": ("generated.layout.tp", {}),
+    "version = 2": ("generated.version", 2),
+}
+
+
+def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, caplog):
+    """N6: every field of a generated batch saved between two mini-batches is checked by
+    value with the rest of trainer.json: the resume skips the checkpoint with a warning
+    naming the field, before any model is built, and continues exactly from the one before
+    (itself between two mini-batches of the same batch)."""
+    import torch
+
+    from megagrpo.trainer.setup import shutdown
+
+    _run(model_dir, tmp_path, trainer=GENERATED)
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000004"
+    state = json.loads((ckpt / "trainer.json").read_text())
+    assert (state["generated"]["step"], state["generated"]["done"]) == (1, 4)
+    full = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    for case, (field, value) in GENERATED_EDITS.items():
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        _tamper(ckpt, _set(field, value))
+        calls: list[str] = []
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls, trainer=GENERATED)
+        warning = next((r.getMessage() for r in caplog.records if "unusable" in r.getMessage()), "")
+        try:
+            assert ctx.step == 2 and calls == ["r"], case
+            assert "step_000004" in warning and field.rsplit(".", 1)[0] in warning, (case, warning)
+            assert ctx.generated is not None and ctx.generated.done == 2, case
+        finally:
+            shutdown(ctx)
+    _train(_context(model_dir, tmp_path, "r", resume=True, trainer=GENERATED))
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(full, rows, strict=True):  # steps 3 and 4 again, to the same numbers
+        for key in ("loss/policy", "loss/ratio_max", "train/epoch", "train/mini_batch"):
+            assert torch.tensor(a[key]).equal(torch.tensor(b[key])), (a["step"], key)
