@@ -204,3 +204,18 @@ def test_an_override_starting_a_yaml_flow_is_taken_as_text(
     assert main(["train", str(cfg), "trainer.lr={a} [x]"]) == 2
     err = capsys.readouterr().err
     assert "config key 'trainer.lr'" in err and "not valid YAML" in err and "Traceback" not in err
+
+
+def test_the_keys_added_since_a_recorded_list_are_listed(tmp_path):
+    """The helper for a fuzz of the config keys added this round (tests/unit/config_keys.py):
+    the recorded list of cabf39c holds only keys of a schema, and a key missing from a list
+    is reported as added."""
+    from config_keys import RECORDED, keys_added_since, schema_keys
+
+    keys = schema_keys()
+    assert "loss.sapo_tau_pos" in keys and "trainer.name" in keys and "trainer" not in keys
+    recorded = RECORDED.read_text(encoding="utf-8").split()
+    assert len(recorded) > 150 and recorded == sorted(recorded)
+    shorter = tmp_path / "keys.txt"
+    shorter.write_text("\n".join(k for k in keys if k != "loss.sapo_tau_neg"), encoding="utf-8")
+    assert keys_added_since(shorter) == ["loss.sapo_tau_neg"]
