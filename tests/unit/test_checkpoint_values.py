@@ -65,6 +65,24 @@ def _tamper(ckpt: Path, edit) -> None:
     (ckpt / "meta.json").write_text(json.dumps(manifest))
 
 
+def _tamper_rank_file(ckpt: Path, edit) -> None:
+    """Edit rank 0's file and re-hash it in the manifest (its checksum matches)."""
+    import io
+
+    import torch
+
+    path = ckpt / "rank00000.pt"
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    path.write_bytes(buf.getvalue())
+    manifest = json.loads((ckpt / "meta.json").read_text())
+    digest = hashlib.sha256(buf.getvalue()).hexdigest()
+    manifest["files"]["rank00000.pt"] = {"bytes": len(buf.getvalue()), "sha256": digest}
+    (ckpt / "meta.json").write_text(json.dumps(manifest))
+
+
 def _carried(token_ids, logprobs) -> dict:
     problem = Problem(id="p", messages=[{"role": "user", "content": "q"}], answer=["a"])
     n = len(token_ids)
@@ -178,28 +196,44 @@ GENERATED = {"mini_batches": 2, "ppo_epochs": 3}
 """6 optimiser steps per generated batch: the checkpoints of steps 2 and 4 both hold the
 batch of step 1 (``generated.done`` 2 and 4)."""
 
-GENERATED_EDITS = {
-    "done = -100 (red team 4, N6: retrained the batch silently)": ("generated.done", -100),
-    "done = 'x' (N6: raw ValueError after the model)": ("generated.done", "x"),
-    "done = 6: every step of the batch": ("generated.done", 6),
-    "done = 3: not the checkpoint's step": ("generated.done", 3),
-    "done = true": ("generated.done", True),
-    "step = 0": ("generated.step", 0),
-    "step = 5: after the checkpoint": ("generated.step", 5),
-    "step = '1'": ("generated.step", "1"),
-    "prepared = 'yes'": ("generated.prepared", "yes"),
-    "layout = []": ("generated.layout", []),
-    "layout.world_size = 0": ("generated.layout.world_size", 0),
-    "layout.tp = {}": ("generated.layout.tp", {}),
-    "version = 2": ("generated.version", 2),
+GENERATED_EDITS = {  # case: (dotted path edited, value, the field the warning names)
+    "done = -100 (red team 4, N6: retrained the batch silently)": ("generated.done", -100, None),
+    "done = 'x' (N6: raw ValueError after the model)": ("generated.done", "x", None),
+    "done = 6: every step of the batch": ("generated.done", 6, None),
+    "done = 3: not the checkpoint's step": ("generated.done", 3, None),
+    "done = true": ("generated.done", True, None),
+    "step = 0": ("generated.step", 0, None),
+    "step = 5: after the checkpoint": ("generated.step", 5, None),
+    "step = '1'": ("generated.step", "1", None),
+    "prepared = 'yes'": ("generated.prepared", "yes", None),
+    "layout = []": ("generated.layout", [], None),
+    "layout.world_size = 0": ("generated.layout.world_size", 0, None),
+    "layout.tp = {}": ("generated.layout.tp", {}, None),
+    "version = 2": ("generated.version", 2, None),
+    "sync verifier count -1 (N11's state)": (
+        "sync.verifiers.0.syncs",
+        -1,
+        "sync.verifiers[0].syncs",
+    ),
+    "sync verifier probe cut short": (
+        "sync.verifiers.0.ref_engine",
+        [-0.5],
+        "sync.verifiers[0].ref_engine",
+    ),
+    "sync verifier probe NaN": (
+        "sync.verifiers.0.last_probe",
+        [float("nan")] * 7,
+        "sync.verifiers[0].last_probe[0]",
+    ),
 }
 
 
 def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, caplog):
     """N6: every field of a generated batch saved between two mini-batches is checked by
-    value with the rest of trainer.json: the resume skips the checkpoint with a warning
-    naming the field, before any model is built, and continues exactly from the one before
-    (itself between two mini-batches of the same batch)."""
+    value with the rest of trainer.json (and N11's sync-verification state): the resume
+    skips the checkpoint with a warning naming the field, before any model is built, and
+    continues exactly from the one before (itself between two mini-batches of the same
+    batch)."""
     import torch
 
     from megagrpo.trainer.setup import shutdown
@@ -211,10 +245,12 @@ def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, 
     full = read_metrics(tmp_path / "r" / "metrics.jsonl")
     pristine = tmp_path / "pristine"
     shutil.copytree(ckpt, pristine)
-    for case, (field, value) in GENERATED_EDITS.items():
+    assert len(state["sync"]["verifiers"][0]["last_probe"]) == 7  # probe_len 8
+    for case, (path, value, field) in GENERATED_EDITS.items():
+        field = field or path
         shutil.rmtree(ckpt)
         shutil.copytree(pristine, ckpt)
-        _tamper(ckpt, _set(field, value))
+        _tamper(ckpt, _set(path, value))
         calls: list[str] = []
         caplog.clear()
         with caplog.at_level(logging.WARNING):
@@ -222,10 +258,18 @@ def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, 
         warning = next((r.getMessage() for r in caplog.records if "unusable" in r.getMessage()), "")
         try:
             assert ctx.step == 2 and calls == ["r"], case
-            assert "step_000004" in warning and field.rsplit(".", 1)[0] in warning, (case, warning)
+            assert "step_000004" in warning and field in warning, (case, warning)
             assert ctx.generated is not None and ctx.generated.done == 2, case
         finally:
             shutdown(ctx)
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    _tamper_rank_file(ckpt, lambda rank: rank["generated"].pop("old"))
+    with pytest.raises(CheckpointError, match="holds no 'old' entry per mini-batch"):
+        _context(model_dir, tmp_path, "r", resume=True, trainer=GENERATED)  # was a KeyError
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    _tamper(ckpt, _set("generated.done", -100))  # the red team's case, to the end
     _train(_context(model_dir, tmp_path, "r", resume=True, trainer=GENERATED))
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
