@@ -124,21 +124,33 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(EDITS))
 def test_a_bad_value_falls_back_to_the_previous_checkpoint_before_the_model(
-    model_dir, tmp_path, caplog, case
+    model_dir, tmp_path, caplog
 ):
-    edit, field = EDITS[case]
+    """Each edit on its own copy of one run's last checkpoint (one run for all the cases)."""
+    from megagrpo.trainer.setup import shutdown
+
     _run(model_dir, tmp_path)
-    _tamper(tmp_path / "r" / "checkpoints" / "step_000004", edit)
-    calls: list[str] = []
-    with caplog.at_level(logging.WARNING):
-        ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls)
-    assert ctx.step == 2
-    assert calls == ["r"]  # one model, built after the fall-back
-    warning = next(r.getMessage() for r in caplog.records if "unusable" in r.getMessage())
-    assert "step_000004" in warning and field in warning, warning
-    _train(ctx)  # and it continues from step 2
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000004"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    for i, case in enumerate(sorted(EDITS)):
+        edit, field = EDITS[case]
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        _tamper(ckpt, edit)
+        calls: list[str] = []
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls)
+        assert ctx.step == 2, case
+        assert calls == ["r"], case  # one model, built after the fall-back
+        warning = next(r.getMessage() for r in caplog.records if "unusable" in r.getMessage())
+        assert "step_000004" in warning and field in warning, (case, warning)
+        if i < len(EDITS) - 1:
+            shutdown(ctx)
+            continue
+        _train(ctx)  # and it continues from step 2
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
@@ -228,6 +240,10 @@ GENERATED_EDITS = {  # case: (dotted path edited, value, the field the warning n
 }
 
 
+E2E_EDITS = [("generated.done", "x"), ("generated.step", 0)]
+"""Also resumed (the red team's ``done = -100`` runs to the end below)."""
+
+
 def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, caplog):
     """N6: every field of a generated batch saved between two mini-batches is checked by
     value with the rest of trainer.json (and N11's sync-verification state): the resume
@@ -236,6 +252,7 @@ def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, 
     batch)."""
     import torch
 
+    from megagrpo.trainer.ckpt_checks import TRAINER_KEYS, check_trainer_state
     from megagrpo.trainer.setup import shutdown
 
     _run(model_dir, tmp_path, trainer=GENERATED)
@@ -246,8 +263,13 @@ def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, 
     pristine = tmp_path / "pristine"
     shutil.copytree(ckpt, pristine)
     assert len(state["sync"]["verifiers"][0]["last_probe"]) == 7  # probe_len 8
-    for case, (path, value, field) in GENERATED_EDITS.items():
-        field = field or path
+    for case, (path, value, field) in GENERATED_EDITS.items():  # the check itself, each field
+        edited = json.loads(json.dumps(state))
+        _set(path, value)(edited)
+        why = check_trainer_state(edited, 4, "trainer.json", TRAINER_KEYS, None, VOCAB)
+        assert why is not None and (field or path) in why, (case, why)
+    assert check_trainer_state(state, 4, "trainer.json", TRAINER_KEYS, None, VOCAB) is None
+    for path, value in E2E_EDITS:  # the resume: falls back before the model, naming it
         shutil.rmtree(ckpt)
         shutil.copytree(pristine, ckpt)
         _tamper(ckpt, _set(path, value))
@@ -257,9 +279,9 @@ def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, 
             ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls, trainer=GENERATED)
         warning = next((r.getMessage() for r in caplog.records if "unusable" in r.getMessage()), "")
         try:
-            assert ctx.step == 2 and calls == ["r"], case
-            assert "step_000004" in warning and field in warning, (case, warning)
-            assert ctx.generated is not None and ctx.generated.done == 2, case
+            assert ctx.step == 2 and calls == ["r"], path
+            assert "step_000004" in warning and path in warning, (path, warning)
+            assert ctx.generated is not None and ctx.generated.done == 2, path
         finally:
             shutdown(ctx)
     shutil.rmtree(ckpt)
