@@ -4,6 +4,7 @@ import functools
 import math
 import os
 import typing
+import unicodedata
 from pathlib import Path
 
 
@@ -77,3 +78,49 @@ def require_finite(value: object, key: str) -> None:
         isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     )
     require(finite, key, f"must be a finite number, got {value!r}")
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The largest and the smallest positive normal float32 (``torch.finfo(torch.float32)``)."""
+
+
+def require_fp32(value: object, key: str) -> None:
+    """Raise ConfigError for ``key`` unless ``value`` is finite and a float32 number: 0 or
+    ``FLOAT32_TINY <= |value| <= FLOAT32_MAX``. For keys that become float32 tensor math (the
+    loss, the optimiser, the LoRA scale): beyond it the cast overflows (a raw RuntimeError
+    at step 1) or the value rounds to 0 or inf and every step is skipped as non-finite with
+    the key unnamed (red team 4, N7)."""
+    require_finite(value, key)
+    assert isinstance(value, int | float)
+    ok = value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX
+    require(ok, key, f"{value!r} is outside float32's range (0 or 1.2e-38 to 3.4e38 in size)")
+
+
+_HIDDEN_CATEGORIES = {
+    "Cc": "a control character",
+    "Cf": "an invisible format character (bidi override, zero-width)",
+    "Cs": "a lone surrogate",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+}
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a run or a file megagrpo writes (``trainer.name``, ``eval
+    --name``), or None: it must be one plain path component (no ``/``, ``\\``, NUL, not
+    ``.``/``..``), not hidden (a leading ``.``), not an option (a leading ``-``: ``rm runs/*``
+    would read ``-rf`` as one), and hold no character that changes how a listing or a log
+    line reads (control characters split log lines and Slurm / W&B names; U+202E makes
+    ``ls runs/`` show another name) (red team 4, N18)."""
+    if not name or name in (".", ".."):
+        return "is empty, '.' or '..'"
+    for i, c in enumerate(name):
+        if c in "/\\":
+            return f"holds {c!r} at {i}: one name, not a path"
+        what = _HIDDEN_CATEGORIES.get(unicodedata.category(c))
+        if what:
+            return f"holds {what} at {i} (U+{ord(c):04X})"
+    if name[0] in ".-":
+        return f"starts with {name[0]!r} ({'hidden' if name[0] == '.' else 'read as an option'})"
+    return None

@@ -80,9 +80,21 @@ export WANDB_DIR=${WANDB_DIR:-$RUN_DIR}
 export MEGAGRPO_CACHE=${MEGAGRPO_CACHE:-$RUN_DIR/.cache}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
-# --- resume when a complete checkpoint exists ----------------------------------------------
+# --- resume when a complete checkpoint exists; a requeue without one starts over ------------
+# A run killed before its first checkpoint (node failure, OOM or SIGKILL in the first
+# save_every steps) leaves metrics rows and perhaps a .step_*.tmp: --resume finds nothing and
+# a plain start is refused. On a requeue of this job (SLURM_RESTART_COUNT > 0) that partial
+# run is this job's own, so it starts over with --overwrite: megagrpo moves the partial run
+# aside to RUN_DIR.old-<UTC time> (never deleted) and logs where. A first start never does.
 RESUME=()
-if compgen -G "$RUN_DIR/checkpoints/step_*/meta.json" >/dev/null; then RESUME=(--resume); fi
+RESTARTS=${SLURM_RESTART_COUNT:-0}
+if compgen -G "$RUN_DIR/checkpoints/step_*/meta.json" >/dev/null; then
+  RESUME=(--resume)
+elif [[ "$RESTARTS" =~ ^[0-9]+$ ]] && [ "$RESTARTS" -gt 0 ]; then
+  RESUME=(--overwrite)
+  echo "grpo_235b.sh: restart $RESTARTS of job $JOB_ID and no complete checkpoint under" \
+       "$RUN_DIR/checkpoints: starting over (--overwrite moves the partial run aside)" >&2
+fi
 
 CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-96}
 export SRUN_CPUS_PER_TASK=$CPUS_PER_TASK      # Slurm >= 22.05: srun no longer inherits it
@@ -97,7 +109,11 @@ PLAN=("$PYTHON" -m megagrpo.cli plan-memory "$CONFIG" "${OVERRIDES[@]}" --hf-con
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# megagrpo GRPO launch (dry run): $NUM_NODES nodes x $GPUS_PER_NODE GPUs, config $CONFIG"
-  echo "# run dir $RUN_DIR; resume: ${RESUME[*]:-no checkpoint yet}"
+  SAY=${RESUME[*]:-no checkpoint yet}
+  if [ "$SAY" = --overwrite ]; then
+    SAY="--overwrite (restart $RESTARTS, no complete checkpoint: the partial run moves aside)"
+  fi
+  echo "# run dir $RUN_DIR; resume: $SAY"
   echo "# env: MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT CUDA_DEVICE_MAX_CONNECTIONS=1" \
        "NCCL_IB_HCA=$NCCL_IB_HCA NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME" \
        "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK" \

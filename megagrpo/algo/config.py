@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagrpo.errors import require, require_finite
+from megagrpo.errors import require, require_fp32
 
 VARIANTS = ("grpo", "dapo", "dr_grpo", "gspo", "sapo")
 LOSS_AGGS = ("auto", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -28,6 +28,16 @@ _DEFAULT_SCALE = {
     "gspo": "group",
     "sapo": "group",
 }
+
+
+SAPO_TAU = (1e-3, 1e3)
+"""The range of ``loss.sapo_tau_pos/neg`` (ms-swift's default 1.0 / 1.05)."""
+_SAPO_TAU_WHY = (
+    "must be in [1e-3, 1e3] (ms-swift's defaults: 1.0, 1.05): the gate sigmoid(tau (r - 1)) "
+    "4 / tau runs in float32, where below 1e-3 its constant part 2 / tau swamps the policy "
+    "term in the loss (4 / tau overflows below ~1e-38), and above 1e3 it shuts within 1e-3 "
+    "of ratio 1, finer than bf16 rounding moves a ratio, so almost no token trains"
+)
 
 
 @dataclass
@@ -144,13 +154,23 @@ class LossConfig:
             "sapo_tau_pos",
             "sapo_tau_neg",
         ):
-            require_finite(getattr(self, key), f"{path}.{key}")
+            require_fp32(getattr(self, key), f"{path}.{key}")
         require(self.variant in VARIANTS, f"{path}.variant", f"must be one of {VARIANTS}")
         require(0.0 <= self.eps_low < 1.0, f"{path}.eps_low", "must be in [0, 1)")
         require(self.eps_high >= 0.0, f"{path}.eps_high", "must be >= 0")
         require(self.kl_coef >= 0.0, f"{path}.kl_coef", "must be >= 0")
-        require(self.sapo_tau_pos > 0.0, f"{path}.sapo_tau_pos", "must be > 0")
-        require(self.sapo_tau_neg > 0.0, f"{path}.sapo_tau_neg", "must be > 0")
+        require(
+            not self.kl_in_reward or self.kl_coef > 0.0,
+            f"{path}.kl_in_reward",
+            f"true with {path}.kl_coef 0 does nothing (the penalty is kl_coef x each "
+            f"completion's summed old - reference log-probs): set {path}.kl_coef > 0 "
+            "(ms-swift's --beta, 0.04 by default) or drop kl_in_reward",
+        )
+        for key in ("sapo_tau_pos", "sapo_tau_neg"):
+            tau = getattr(self, key)
+            require(
+                SAPO_TAU[0] <= tau <= SAPO_TAU[1], f"{path}.{key}", _SAPO_TAU_WHY + f", got {tau}"
+            )
         require(0.0 <= self.positive_weight <= 1.0, f"{path}.positive_weight", "must be in [0, 1]")
         require(self.loss_agg in LOSS_AGGS, f"{path}.loss_agg", f"must be one of {LOSS_AGGS}")
         require(self.max_tokens >= 0, f"{path}.max_tokens", "must be >= 0")

@@ -14,7 +14,10 @@ set's length with values in range), carried groups (dynamic sampling's carry, th
 budget's top-ups, partial rollouts' pending groups, a generated batch between mini-batches):
 every per-completion list as long as the group, token ids inside the vocabulary (when known:
 the model's ``vocab_size``; before the model is known any non-negative 32-bit id), finite
-log-probs <= 0, finite rewards; the loop's counters.
+log-probs <= 0, finite rewards; the loop's counters; a generated batch's progress (``done``
+steps of ``mini_batches x epochs``, consistent with the step it was generated at and the
+checkpoint's), ``prepared`` and ``layout`` (red team 4, N6); the engines' sync-verification
+states (a count, probe log-probs).
 """
 
 from __future__ import annotations
@@ -224,15 +227,57 @@ def _group(vocab: int) -> Callable[[Any, str], None]:
     return lambda v, w: check_group(v, w, vocab)
 
 
-def _generated(state: Any, where: str, vocab: int) -> None:
+GENERATED_VERSION = 1
+"""The format of a generated batch saved between two of its mini-batches."""
+
+
+def _generated(state: Any, where: str, vocab: int, step: Any) -> None:
+    """A generated batch saved at loop step ``step`` between two of its optimiser steps
+    (:func:`megagrpo.trainer.minibatch.state_dict`): each loop step is one optimiser step on
+    it, so the batch of step ``g`` has ``done = step - g + 1`` of its ``mini_batches x
+    epochs`` behind it, at least one and not all."""
     d = _dict(state, where)
+    if d.get("version", GENERATED_VERSION) != GENERATED_VERSION:
+        raise Bad(f"{where}.version: {str(d.get('version'))[:40]!r}, expected 1")
     groups = _list(d.get("groups"), f"{where}.groups")
     _each(groups, f"{where}.groups", _group(vocab))
     adv = _list(d.get("adv"), f"{where}.adv", len(groups))
     for i, (a, g) in enumerate(zip(adv, groups)):
         _each(_list(a, f"{where}.adv[{i}]", len(g["completions"])), f"{where}.adv[{i}]", _num)
+    total = 1
     for key in ("mini_batches", "epochs"):
-        _int(d.get(key), f"{where}.{key}", 1)
+        total *= _int(d.get(key), f"{where}.{key}", 1, 2**31)
+    done = _int(d.get("done"), f"{where}.done", 1, total)
+    at = _int(step, "step", 1)
+    made = _int(d.get("step"), f"{where}.step", 1, at + 1)
+    if done != at - made + 1:
+        raise Bad(
+            f"{where}.done: {done} optimiser steps on the batch of step {made}, but the "
+            f"checkpoint is at step {at} (expected {at - made + 1})"
+        )
+    _bool(d.get("prepared"), f"{where}.prepared")
+    layout = _dict(d.get("layout"), f"{where}.layout")
+    _int(layout.get("world_size"), f"{where}.layout.world_size", 1, 2**31)
+    for key, value in layout.items():
+        if value is not None and not isinstance(value, bool | int | float | str):
+            raise Bad(f"{where}.layout.{key}: expected a number, got {type(value).__name__}")
+
+
+def _sync(state: Any, where: str) -> None:
+    """The engines' sync-verification states (:meth:`SyncVerifier.state_dict` each, or null
+    for an engine that keeps none): a count and probe log-probs of one length."""
+    states = _list(_dict(state, where).get("verifiers"), f"{where}.verifiers")
+    for i, v in enumerate(states):
+        if v is None:
+            continue
+        w = f"{where}.verifiers[{i}]"
+        d = _dict(v, w)
+        _int(d.get("syncs"), f"{w}.syncs", 0, 2**62)
+        size = len(_list(d.get("last_probe"), f"{w}.last_probe"))
+        for key in ("last_probe", "ref_engine", "ref_trainer", "last_expected"):
+            if d.get(key) is not None or key == "last_probe":
+                probe = _list(d.get(key), f"{w}.{key}", size)
+                _each(probe, f"{w}.{key}", lambda x, w2: _num(x, w2, hi=1e-3))
 
 
 def trainer_state_errors(
@@ -253,8 +298,10 @@ def trainer_state_errors(
             _each(pending, "partial.pending", lambda v, w: check_pending(v, w, vocab))
         if "loop" in state:
             _int(_dict(state["loop"], "loop").get("nonfinite_streak", 0), "loop.nonfinite_streak")
+        if "sync" in state:
+            _sync(state["sync"], "sync")
         if state.get("generated"):
-            _generated(state["generated"], "generated", vocab)
+            _generated(state["generated"], "generated", vocab, state.get("step"))
     except Bad as exc:
         return str(exc)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a shape not foreseen

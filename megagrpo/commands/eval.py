@@ -36,7 +36,7 @@ from typing import Any
 
 from megagrpo import fileio
 from megagrpo.commands.eval_adapter import load_adapter, read_adapter_config
-from megagrpo.errors import ConfigError
+from megagrpo.errors import ConfigError, name_problem
 from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = (
@@ -317,11 +317,9 @@ def format_guess(guess: dict[str, Any]) -> str:
 def check_name(name: str) -> None:
     """``--name`` goes into file names (EXAM_NAME.jsonl under OUT/YEAR): one plain name, so
     that nothing is written outside ``--out`` (``../x`` climbed out of it)."""
-    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(
-            f"--name {name!r}: must be a plain name (no '/', '\\', NUL, '.' or '..'): it "
-            "names the prediction files inside --out"
-        )
+    why = name_problem(name)
+    if why:
+        raise ConfigError(f"--name {name!r} {why}: it names the prediction files inside --out")
 
 
 def _out_dir(args: argparse.Namespace, run_dir: Path) -> Path:

@@ -13,10 +13,12 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.basecontainer import BaseContainer
 from omegaconf.errors import OmegaConfBaseException
 
 from megagrpo import fileio
@@ -99,9 +101,8 @@ ENV_ATTR = "_env_interpolations"
 """Attribute of a loaded config: ``{dotted key: raw text}`` of the values the environment
 contributes to (``${oc.env:...}``, directly or through other keys' interpolations)."""
 
-_ENV_OPEN = re.compile(r"\$\{(?:oc\.env|env):")
 _TAINT = "MEGAGRPOENVTAINT7f3a"
-"""What an environment interpolation reads as while tracing which values it reaches."""
+"""What OmegaConf's ``oc.env`` returns while tracing which values the environment reaches."""
 
 
 def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -114,45 +115,57 @@ def _strings(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix, node
 
 
-def _without_env(node: Any) -> Any:
-    """``node`` with every ``${oc.env:...}`` (braces balanced) replaced by :data:`_TAINT`."""
-    if isinstance(node, dict):
-        return {k: _without_env(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_without_env(v) for v in node]
-    if not isinstance(node, str):
-        return node
-    out, i = [], 0
-    while m := _ENV_OPEN.search(node, i):
-        depth, j = 1, m.end()
-        while j < len(node) and depth:
-            depth += {"{": 1, "}": -1}.get(node[j], 0)
-            j += 1
-        out += [node[i : m.start()], _TAINT]
-        i = j
-    return "".join(out) + node[i:]
+@contextmanager
+def _env_traced() -> Iterator[list[str]]:
+    """OmegaConf's own ``oc.env`` resolver replaced, inside the block, by one that returns
+    :data:`_TAINT` and records each call in the yielded list. Whatever spelling OmegaConf's
+    grammar accepts (``${ oc.env : S }``, ``${oc.${k}:S}``, ``${${name}:S}``, quoted, nested
+    in other resolvers) reads the environment only through this registry entry, so nothing
+    reaches the environment unseen. The registry is global: config loading runs before any
+    other thread resolves a config."""
+    calls: list[str] = []
+
+    def traced(config: Any, parent: Any, node: Any, args: Any, args_str: Any) -> str:
+        calls.append(str(args_str))
+        return _TAINT
+
+    registry = BaseContainer._resolvers  # noqa: SLF001 - OmegaConf's resolver registry
+    saved = registry.get("oc.env")
+    registry["oc.env"] = traced
+    try:
+        yield calls
+    finally:
+        if saved is None:
+            registry.pop("oc.env", None)
+        else:
+            registry["oc.env"] = saved
 
 
 def _env_interpolations(raw: Any) -> dict[str, str]:
-    """``{dotted key: raw text}`` of every value the environment contributes to: its text
-    reads ``oc.env``, or it interpolates a key that does (``p-${rewards.functions.1.kwargs.
-    api_key}``), at any depth. Traced by resolving the config with every environment read
-    replaced by a marker; a value that cannot be traced counts as one (keeping its
-    interpolation text is always safe: it loads again to the same value)."""
+    """``{dotted key: raw text}`` of every value the environment contributes to: resolving
+    it reads ``oc.env``, in its own text or through keys it interpolates
+    (``p-${rewards.functions.1.kwargs.api_key}``), at any depth. Traced by resolving each
+    interpolated value with :func:`_env_traced`; a value that cannot be traced counts as one
+    (keeping its interpolation text is always safe: it loads again to the same value)."""
     texts = {key: text for key, text in _strings(raw) if "${" in text}
-    if not any(_ENV_OPEN.search(t) for t in texts.values()):
+    if not texts:
         return {}
-    traced = OmegaConf.create(_without_env(raw))
     out: dict[str, str] = {}
-    for key, text in texts.items():
+    with _env_traced() as calls:
         try:
-            value = OmegaConf.select(traced, key, throw_on_resolution_failure=True)
-            if isinstance(value, DictConfig | ListConfig):
-                value = OmegaConf.to_container(value, resolve=True)
-        except Exception:  # noqa: BLE001 - untraceable: keep the interpolation
-            value = _TAINT
-        if _ENV_OPEN.search(text) or _TAINT in str(value):
-            out[key] = text
+            traced = OmegaConf.create(raw)
+        except OmegaConfBaseException:  # (the config loaded, so not expected): mask them all
+            return dict(texts)
+        for key, text in texts.items():
+            calls.clear()
+            try:
+                value = OmegaConf.select(traced, key, throw_on_resolution_failure=True)
+                if isinstance(value, DictConfig | ListConfig):
+                    value = OmegaConf.to_container(value, resolve=True)
+            except Exception:  # noqa: BLE001 - untraceable: keep the interpolation
+                value = _TAINT
+            if calls or _TAINT in str(value):
+                out[key] = text
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import StringNode
 
 from megagrpo.errors import ConfigError
 
@@ -134,10 +135,48 @@ YAML11_WORDS = frozenset({"on", "off", "yes", "no", "y", "n"})
 
 
 def _is_str_key(cfg: DictConfig, key: str) -> bool:
+    """Whether the config key holds a string (or is string-typed and null)."""
     try:
-        return isinstance(OmegaConf.select(cfg, key, throw_on_missing=False), str)
+        if isinstance(OmegaConf.select(cfg, key, throw_on_missing=False), str):
+            return True
     except OmegaConfBaseException:
         return False
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig | ListConfig) or node._is_none():
+            return False
+        index = int(part) if isinstance(node, ListConfig) and part.isdigit() else part
+        try:
+            node = node._get_node(index)  # pyright: ignore[reportArgumentType]
+        except (OmegaConfBaseException, IndexError, KeyError):
+            return False
+    return isinstance(node, StringNode)
+
+
+def _value(cfg: DictConfig, key: str, raw: str, item: str) -> Any:
+    """An override's value, read as YAML like ``OmegaConf.from_dotlist`` does. For a string
+    key, a YAML 1.1 boolean word stays the word, and text YAML reads as a mapping or a list or
+    cannot read at all (``{question} [x]``, ``Answer: A``) is the string as written: the key
+    cannot hold anything else. Elsewhere unreadable YAML is an error naming the override."""
+    import yaml
+
+    string_key = _is_str_key(cfg, key)
+    if string_key and raw.strip().lower() in YAML11_WORDS:
+        return raw.strip()  # a word for an enum key, not a YAML 1.1 boolean
+    try:
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)
+    except yaml.YAMLError as exc:
+        if string_key:
+            return raw
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at column {mark.column + 1}" if mark is not None and not mark.line else ""
+        why = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(
+            f"override '{item}': config key '{key}': the value is not valid YAML{where} ({why})"
+        ) from exc
+    assert isinstance(parsed, dict)
+    value = parsed["v"]
+    return raw if string_key and isinstance(value, dict | list) else value
 
 
 def keep_words(cfg: DictConfig, loaded: Any, text: str) -> None:
@@ -165,10 +204,12 @@ def keep_words(cfg: DictConfig, loaded: Any, text: str) -> None:
 def _apply(cfg: DictConfig, key: str, raw: str, item: str) -> DictConfig:
     parts = key.split(".")
     step = _first_list_step(cfg, parts, item)
-    if raw.strip().lower() in YAML11_WORDS and _is_str_key(cfg, key):
-        raw = f'"{raw.strip()}"'  # a word for an enum key, not a YAML 1.1 boolean
+    value = _value(cfg, key, raw, item)
     if step is None:
-        parsed = OmegaConf.from_dotlist([f"{key}={raw}"])
+        nested: Any = value
+        for part in reversed(parts):
+            nested = {part: nested}
+        parsed = OmegaConf.create(nested)
         mismatch = container_mismatch(cfg, parsed)
         if mismatch:
             where, expected = mismatch
@@ -182,9 +223,8 @@ def _apply(cfg: DictConfig, key: str, raw: str, item: str) -> DictConfig:
     # against the schema exactly as if the YAML file had listed it.
     list_key = ".".join(parts[:step])
     entries = OmegaConf.to_container(OmegaConf.select(cfg, list_key), resolve=False)
-    value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)
-    assert isinstance(entries, list) and isinstance(value, dict)
-    _set_path(entries, parts[step:], value["v"], list_key, item)
+    assert isinstance(entries, list)
+    _set_path(entries, parts[step:], value, list_key, item)
     patch: Any = entries
     for part in reversed(parts[:step]):
         patch = {part: patch}

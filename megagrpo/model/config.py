@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megagrpo.errors import require, require_finite
+from megagrpo.errors import require, require_finite, require_fp32
 
 SyncTransport = Literal["allreduce", "broadcast", "sliced"]
 """How merged tensors travel between the trainer's ranks (``trainer.sync_transport``;
@@ -49,7 +49,7 @@ class LoraConfig:
     def validate(self, path: str = "model.lora") -> None:
         """Check values; raises ConfigError naming the key."""
         require(self.rank >= 1, f"{path}.rank", "must be >= 1")
-        require_finite(self.alpha, f"{path}.alpha")
+        require_fp32(self.alpha, f"{path}.alpha")
         require_finite(self.dropout, f"{path}.dropout")
         require(0.0 <= self.dropout < 1.0, f"{path}.dropout", "must be in [0, 1)")
         for t in self.targets:

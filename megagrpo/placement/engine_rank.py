@@ -39,6 +39,7 @@ from megagrpo.rollout import RolloutEngine
 from megagrpo.rollout.base import decode_completion
 from megagrpo.rollout.config import PartialConfig
 from megagrpo.rollout.lora import PeftAdapter, expert_range
+from megagrpo.rollout.verify import load_verifier_state, verifier_state
 
 
 @dataclass
@@ -121,6 +122,7 @@ def _hello(engine: RolloutEngine) -> tuple:
             "probe_token_ids": list(engine.probe_token_ids),
             "adapters": bool(engine.supports_adapter_sync()),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "verifier": verifier_state(engine),
         },
     )
 
@@ -202,12 +204,16 @@ class PushHeader:
     """Adapter fed by its owners (:mod:`megagrpo.placement.feed`): where each bucket comes
     from; None: the adapter's tensors follow on the control channel (``a:``/``b:`` names)."""
     num_experts: int = 0
+    verifier: dict | None = None
+    """A resumed run's saved verification state for this engine, taken over before the
+    update is verified (:meth:`megagrpo.placement.rollouts.Rollouts.resume_verifiers`)."""
 
 
 def _push(engine: RolloutEngine, state: EngineState, side: EngineSide, head: PushHeader) -> tuple:
     """Load the pushed tensors (drained in full even when loading fails) and verify them."""
     stream: Any = iter(()) if head.manifest is not None else recv_named(side.control, REQ)
     try:
+        load_verifier_state(engine, head.verifier)
         if head.mode == "adapter":
             if head.manifest is not None:
                 block = engine.expert_block()  # only this rank's experts stay (P1)
@@ -232,4 +238,4 @@ def _push(engine: RolloutEngine, state: EngineState, side: EngineSide, head: Pus
         state.version = head.version
         state.step = head.weights_step or head.version + 1
     busy, state.busy = state.busy, []
-    return ("pushed", report, error, busy)
+    return ("pushed", report, error, busy, verifier_state(engine))

@@ -45,6 +45,7 @@ from megagrpo.rewards.igakuqa import GoldItem, score
 from megagrpo.rollout import RolloutConfig, RolloutEngine, SamplingSpec, SyncReport
 from megagrpo.rollout.base import WeightSyncError, decode_completion
 from megagrpo.rollout.lora import PeftAdapter, expert_range
+from megagrpo.rollout.verify import load_verifier_state, verifier_state
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,54 @@ class Rollouts(ABC):
         """The trainer's probe log-probs of the weights the engines hold (the reference of the
         next sync's change test); None: not known (the engines establish their own)."""
         self._regions: RegionFn | None = None
+        held = engine is not None
+        states = comm.all_gather_object((held, verifier_state(engine) if held else None))
+        self.verifiers: list[dict[str, Any] | None] | None = [s for has, s in states if has]
+        """Every engine's verification state after the last push, or as it started
+        (:meth:`verifier_states`)."""
+        self.resumed_verifiers: list[dict[str, Any] | None] | None = None
+        """Saved states the engines take over at the next push (:meth:`resume_verifiers`)."""
+
+    def verifier_states(self) -> list[dict[str, Any] | None] | None:
+        """What a checkpoint keeps so that a resumed run's syncs are judged as this run's
+        (red team 4, N11): every engine's sync-verification state
+        (:meth:`SyncVerifier.state_dict`, in rank order) as of the last push (or the start),
+        or the saved ones a resumed run still has to hand over. An engine that has not judged
+        a change yet takes its reference at the next push from its own probe and
+        :attr:`last_probe` (:meth:`SyncVerifier.verify`); it is filled in here, as it would
+        be."""
+        states = self.resumed_verifiers if self.resumed_verifiers is not None else self.verifiers
+        if states is None or self.last_probe is None:
+            return states
+        return [
+            s
+            if s is None or s.get("ref_trainer") is not None
+            else {**s, "ref_engine": s["last_probe"], "ref_trainer": list(self.last_probe)}
+            for s in states
+        ]
+
+    def resume_verifiers(self, states: list[dict[str, Any] | None] | None) -> None:
+        """After a resumed run's first sync (its own, checked from scratch): the engines take
+        over the verification state the checkpoint saved before the next push, so that the
+        next sync's checks and ``sync/*`` are the uninterrupted run's. Saved under another
+        number of engines: not taken (logged)."""
+        if states is None or self.verifiers is None:
+            return
+        if len(states) != len(self.verifiers):
+            log.info(
+                "the checkpoint's sync verification state is of %d engines, this run has %d: "
+                "the next sync is judged against this run's own first sync",
+                len(states),
+                len(self.verifiers),
+            )
+            return
+        self.resumed_verifiers = states
+
+    def _hand_over_verifier(self) -> None:
+        """Before a push: this rank's engine takes its saved verification state, if any."""
+        states, self.resumed_verifiers = self.resumed_verifiers, None
+        if states is not None and self.engine is not None:
+            load_verifier_state(self.engine, states[self.comm.rank])
 
     @abstractmethod
     def _generate_on_main(
@@ -275,6 +324,7 @@ class Rollouts(ABC):
         ``sync/verified_engines``. WeightSyncError on every rank if any engine fails."""
         error, metrics = None, None
         try:
+            self._hand_over_verifier()
             report = self._push_here(update, expected)
             metrics = None if report is None else _report_metrics(report)
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
@@ -282,12 +332,15 @@ class Rollouts(ABC):
         finally:
             for _ in update.stream or ():  # a failed load still finishes the collective export
                 pass
-        outcomes = self.comm.all_gather_object((error, metrics))
-        errors = [e for e, _ in outcomes if e]
+        held = self.engine is not None
+        state = verifier_state(self.engine) if held else None
+        outcomes = self.comm.all_gather_object((error, metrics, held, state))
+        errors = [e for e, *_ in outcomes if e]
         if errors:
             raise WeightSyncError("weight sync failed on " + "; ".join(errors))
         self.last_probe = expected
-        return _worst([m for _, m in outcomes if m is not None])
+        self.verifiers = [s for _, _, has, s in outcomes if has]
+        return _worst([m for _, m, *_ in outcomes if m is not None])
 
     def regions(self) -> RegionFn:
         """What this rank's engine holds of each HF tensor (a sliced weight sync sends only

@@ -145,7 +145,7 @@ class SeparateRollouts(Rollouts):
         """The trainer's policy (:meth:`attach`): its owner ranks feed the adapter."""
         self.training_step = 0
         """The step being trained: a push carries the weights current for the next one."""
-        hello = None
+        hello, hellos = None, []
         if comm.is_main:
             if link is None or not link.control:
                 raise ConfigError(
@@ -154,13 +154,16 @@ class SeparateRollouts(Rollouts):
                 )
             for e in link.engines:
                 link.control[e].send(REQ, ("hello",))
-            hello = [_reply(link.control[e].recv(CTRL), "hello")[0] for e in link.engines][0]
+            hellos = [_reply(link.control[e].recv(CTRL), "hello")[0] for e in link.engines]
+            hello = hellos[0]
         hello = comm.broadcast_object(hello)
         self.probe_token_ids: list[int] = hello["probe_token_ids"]
         self.supports_adapter_sync: bool = hello["adapters"]
         self._engine_dtype = getattr(torch, hello["dtype"])
         self.last_probe: list[float] | None = None
         self._regions = None
+        self.verifiers = [h.get("verifier") for h in hellos] if comm.is_main else None
+        self.resumed_verifiers = None  # (rank 0: one state per engine rank)
         self.version = 0
         """Weight pushes sent: the version of the weights the trainer trains from."""
         self.submitted: list[_Sent] = []
@@ -348,20 +351,23 @@ class SeparateRollouts(Rollouts):
                 tensors = [(f"a:{k}", v) for k, v in update.adapter.a.items()]
                 tensors += [(f"b:{k}", v) for k, v in update.adapter.b.items()]
         channels = [self.link.control[e] for e in self.link.engines]
-        for ch in channels:
-            ch.send(REQ, ("push", head))
+        saved, self.resumed_verifiers = self.resumed_verifiers, None
+        for i, ch in enumerate(channels):  # a resumed run's engines take the saved state
+            mine = None if saved is None else saved[i]
+            ch.send(REQ, ("push", dataclasses.replace(head, verifier=mine)))
         if tensors is not None:
             send_named(channels, REQ, iter(tensors), self.bucket_mb)
-        reports, errors = [], []
+        reports, errors, states = [], [], []
         for ch in channels:
-            report, error, busy = self._signalled(ch.recv(PUSH), "pushed")
+            report, error, busy, state = self._signalled(ch.recv(PUSH), "pushed")
             self.engine_busy += busy
             if error:
                 errors.append(error)
             reports.append(report)
+            states.append(state)
         if errors:
             raise WeightSyncError("; ".join(errors))
-        self.version = version
+        self.version, self.verifiers = version, states
         return reports
 
     def push(self, update: WeightUpdate, expected: list[float]) -> dict[str, float]:

@@ -33,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -303,6 +304,23 @@ def _fmt(key: Key) -> str:
 # ----------------------------------------------------------------------------- state
 
 
+VERIFIER_STATE = ("syncs", "last_probe", "ref_engine", "ref_trainer", "last_expected")
+"""The keys of :meth:`SyncVerifier.state_dict`: the count, then probe log-prob lists."""
+
+
+def verifier_state(engine: Any) -> dict[str, Any] | None:
+    """``engine``'s :meth:`SyncVerifier.state_dict` (None: it keeps no verifier)."""
+    verifier = getattr(engine, "verifier", None)
+    return verifier.state_dict() if isinstance(verifier, SyncVerifier) else None
+
+
+def load_verifier_state(engine: Any, state: Mapping[str, Any] | None) -> None:
+    """Give ``engine`` a saved :meth:`SyncVerifier.state_dict` (None, or no verifier: kept)."""
+    verifier = getattr(engine, "verifier", None)
+    if state is not None and isinstance(verifier, SyncVerifier):
+        verifier.load_state_dict(state)
+
+
 @dataclass
 class SyncVerifier:
     """The verification state an engine keeps across syncs (reference point, counters)."""
@@ -318,6 +336,24 @@ class SyncVerifier:
     last_streamed: Stats | None = None
     """Statistics of the last verified sync's stream (a stale-export test)."""
     syncs: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides the next syncs' checks and ``sync/*`` metrics, as plain JSON: the
+        sync count (the full-check schedule) and the probes of the reference point. A
+        checkpoint keeps it, so the first sync after a resume is judged as the uninterrupted
+        run's (red team 4, N11). ``last_streamed`` is not kept: the stale-export test compares
+        with what this engine last received, the resume's own sync."""
+        out = {key: getattr(self, key) for key in VERIFIER_STATE}
+        return {k: list(v) if isinstance(v, list) else v for k, v in out.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take over :meth:`state_dict` of another engine (a resumed run's)."""
+        self.syncs = int(state["syncs"])
+        for key in VERIFIER_STATE[1:]:
+            value = state.get(key)
+            setattr(self, key, None if value is None else [float(v) for v in value])
+        if self.last_probe is None:  # (never None once an engine has started)
+            raise ValueError("a verifier state without last_probe")
 
     def full_check_due(self) -> bool:
         """Value checksums run on the first sync and every ``full_check_every`` syncs after

@@ -13,7 +13,14 @@ from megagrpo.algo.config import LossConfig
 from megagrpo.curriculum.config import BudgetConfig, CurriculumConfig, DynamicSamplingConfig
 from megagrpo.data.config import DataConfig
 from megagrpo.data.truncation import resolve_max_prompt_tokens
-from megagrpo.errors import ConfigError, require, require_choice, require_finite
+from megagrpo.errors import (
+    ConfigError,
+    name_problem,
+    require,
+    require_choice,
+    require_finite,
+    require_fp32,
+)
 from megagrpo.gate import compat
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig, SyncTransport
@@ -158,14 +165,8 @@ class TrainerConfig:
 
     def validate(self, path: str = "trainer") -> None:
         """Check values; raises ConfigError naming the key."""
-        require(
-            bool(self.name)
-            and not any(c in self.name for c in "/\\\0")
-            and not self.name.startswith("."),
-            f"{path}.name",
-            f"must be a directory name without '/' and not starting with '.', got "
-            f"{self.name!r} (the run would be written outside output_dir, or hidden)",
-        )
+        why = name_problem(self.name)
+        require(why is None, f"{path}.name", f"{self.name!r} {why}: it names the run's directory")
         require(self.max_steps >= 1, f"{path}.max_steps", "must be >= 1")
         require(self.batch_groups >= 1, f"{path}.batch_groups", "must be >= 1")
         require(self.micro_batch_size >= 1, f"{path}.micro_batch_size", "must be >= 1")
@@ -185,8 +186,8 @@ class TrainerConfig:
             "need 'recompute' (or 'auto'): the old log-probs are those before the first step",
         )
 
-        for key in ("lr", "weight_decay", "grad_clip"):
-            require_finite(getattr(self, key), f"{path}.{key}")
+        for key in ("lr", "weight_decay", "grad_clip", "min_lr"):
+            require_fp32(getattr(self, key), f"{path}.{key}")
         require(self.lr > 0, f"{path}.lr", "must be > 0")
         require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0")
         require_choice(self, "weight_sync", path)
@@ -254,6 +255,14 @@ class RunConfig:
             budget.mode == "uniform" or self.loss.advantage_estimator == "grpo",
             "loss.advantage_estimator",
             f"{self.loss.advantage_estimator} needs groups of one size (budget.mode=uniform)",
+        )
+        require(
+            self.loss.advantage_estimator == "grpo" or budget.advantage_baseline != "pool",
+            "loss.advantage_estimator",
+            f"{self.loss.advantage_estimator} is its own baseline (the other answers of the "
+            "trained group); budget.advantage_baseline=pool is another (Reinforce-Ada's, "
+            "grpo's normalisation over every answer generated for the problem): use one, "
+            "budget.advantage_baseline=group or loss.advantage_estimator=grpo",
         )
         require(
             not self.loss.kl_in_reward or budget.advantage_baseline != "pool",

@@ -104,6 +104,9 @@ class TrainContext:
     """Step of the newest checkpoint this run wrote or resumed from."""
     nonfinite_streak: int = 0
     """Consecutive steps whose update was skipped for a non-finite loss or gradient."""
+    resumed_verifiers: list | None = None
+    """The engines' sync-verification states of the checkpoint a run resumed from, handed to
+    the engines after their first sync (:meth:`Rollouts.resume_verifiers`)."""
     stopped_by: str | None = None
     """Name of the signal that stopped the run early (SIGTERM, ...); None otherwise."""
     partial: PartialRollouts | None = None

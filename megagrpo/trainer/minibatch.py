@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from megagrpo.checkpoint.values import GENERATED_VERSION
 from megagrpo.errors import CheckpointError
 from megagrpo.model.routing import Routing
 from megagrpo.trainer.batch import has_rollout_logprobs
@@ -41,7 +42,7 @@ from megagrpo.trainer.optimize import (
 )
 from megagrpo.types import Group, Problem
 
-STATE_VERSION = 1
+STATE_VERSION = GENERATED_VERSION
 
 
 def new_batch(ctx: TrainContext, step: int, groups: list[Group], adv: list[torch.Tensor]):
@@ -160,6 +161,13 @@ def restore(
         int(state["step"]), groups, adv, tcfg.mini_batches, tcfg.ppo_epochs, int(state["done"])
     )
     if state.get("prepared"):
+        for key in ("old", "ref", "r2"):
+            saved = ranks.get(key)
+            if not isinstance(saved, list) or len(saved) != gb.mini_batches:
+                raise CheckpointError(
+                    f"{where}: this rank's file holds no '{key}' entry per mini-batch "
+                    f"({gb.mini_batches}), yet trainer.json says the batch was prepared"
+                )
         _restore_updates(ctx, gb, ranks)
     return gb
 

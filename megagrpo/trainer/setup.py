@@ -522,6 +522,7 @@ def start_rollouts(
         ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)
         probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy or resumed)
     start_engines(ctx, probes, resumed)
+    ctx.rollouts.resume_verifiers(ctx.resumed_verifiers)  # the checks continue as saved
 
 
 def open_run(ctx: TrainContext) -> None:

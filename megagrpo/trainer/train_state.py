@@ -84,6 +84,9 @@ def save_checkpoint(ctx: TrainContext, step: int) -> Path:
     }
     if ctx.partial is not None:
         trainer_state["partial"] = ctx.partial.state_dict()
+    verifiers = ctx.rollouts.verifier_states() if ctx.comm.is_main else None
+    if verifiers is not None:  # the next sync after a resume is judged as this run's
+        trainer_state["sync"] = {"verifiers": verifiers}
     if ctx.generated is not None:  # saved between two mini-batches of a generated batch
         trainer_state["generated"] = minibatch.state_dict(ctx, ctx.generated)
         rank_state["generated"] = minibatch.rank_state(ctx, ctx.generated)
@@ -193,5 +196,6 @@ def restore_checkpoint(ctx: TrainContext, point: ResumePoint) -> int:
         set_rng_state(rng)
     ctx.step = ctx.saved_step = int(trainer_state["step"])
     ctx.nonfinite_streak = int((trainer_state.get("loop") or {}).get("nonfinite_streak", 0))
+    ctx.resumed_verifiers = (trainer_state.get("sync") or {}).get("verifiers")
     log.info("resumed from %s (step %d)", point.path, ctx.step)
     return ctx.step

@@ -65,6 +65,24 @@ def _tamper(ckpt: Path, edit) -> None:
     (ckpt / "meta.json").write_text(json.dumps(manifest))
 
 
+def _tamper_rank_file(ckpt: Path, edit) -> None:
+    """Edit rank 0's file and re-hash it in the manifest (its checksum matches)."""
+    import io
+
+    import torch
+
+    path = ckpt / "rank00000.pt"
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    path.write_bytes(buf.getvalue())
+    manifest = json.loads((ckpt / "meta.json").read_text())
+    digest = hashlib.sha256(buf.getvalue()).hexdigest()
+    manifest["files"]["rank00000.pt"] = {"bytes": len(buf.getvalue()), "sha256": digest}
+    (ckpt / "meta.json").write_text(json.dumps(manifest))
+
+
 def _carried(token_ids, logprobs) -> dict:
     problem = Problem(id="p", messages=[{"role": "user", "content": "q"}], answer=["a"])
     n = len(token_ids)
@@ -106,21 +124,33 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(EDITS))
 def test_a_bad_value_falls_back_to_the_previous_checkpoint_before_the_model(
-    model_dir, tmp_path, caplog, case
+    model_dir, tmp_path, caplog
 ):
-    edit, field = EDITS[case]
+    """Each edit on its own copy of one run's last checkpoint (one run for all the cases)."""
+    from megagrpo.trainer.setup import shutdown
+
     _run(model_dir, tmp_path)
-    _tamper(tmp_path / "r" / "checkpoints" / "step_000004", edit)
-    calls: list[str] = []
-    with caplog.at_level(logging.WARNING):
-        ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls)
-    assert ctx.step == 2
-    assert calls == ["r"]  # one model, built after the fall-back
-    warning = next(r.getMessage() for r in caplog.records if "unusable" in r.getMessage())
-    assert "step_000004" in warning and field in warning, warning
-    _train(ctx)  # and it continues from step 2
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000004"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    for i, case in enumerate(sorted(EDITS)):
+        edit, field = EDITS[case]
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        _tamper(ckpt, edit)
+        calls: list[str] = []
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls)
+        assert ctx.step == 2, case
+        assert calls == ["r"], case  # one model, built after the fall-back
+        warning = next(r.getMessage() for r in caplog.records if "unusable" in r.getMessage())
+        assert "step_000004" in warning and field in warning, (case, warning)
+        if i < len(EDITS) - 1:
+            shutdown(ctx)
+            continue
+        _train(ctx)  # and it continues from step 2
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
@@ -172,3 +202,99 @@ def test_train_has_the_allow_base_change_flag():
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     assert parser.parse_args(["c.yaml", "--resume", "--allow-base-change"]).allow_base_change
+
+
+GENERATED = {"mini_batches": 2, "ppo_epochs": 3}
+"""6 optimiser steps per generated batch: the checkpoints of steps 2 and 4 both hold the
+batch of step 1 (``generated.done`` 2 and 4)."""
+
+GENERATED_EDITS = {  # case: (dotted path edited, value, the field the warning names)
+    "done = -100 (red team 4, N6: retrained the batch silently)": ("generated.done", -100, None),
+    "done = 'x' (N6: raw ValueError after the model)": ("generated.done", "x", None),
+    "done = 6: every step of the batch": ("generated.done", 6, None),
+    "done = 3: not the checkpoint's step": ("generated.done", 3, None),
+    "done = true": ("generated.done", True, None),
+    "step = 0": ("generated.step", 0, None),
+    "step = 5: after the checkpoint": ("generated.step", 5, None),
+    "step = '1'": ("generated.step", "1", None),
+    "prepared = 'yes'": ("generated.prepared", "yes", None),
+    "layout = []": ("generated.layout", [], None),
+    "layout.world_size = 0": ("generated.layout.world_size", 0, None),
+    "layout.tp = {}": ("generated.layout.tp", {}, None),
+    "version = 2": ("generated.version", 2, None),
+    "sync verifier count -1 (N11's state)": (
+        "sync.verifiers.0.syncs",
+        -1,
+        "sync.verifiers[0].syncs",
+    ),
+    "sync verifier probe cut short": (
+        "sync.verifiers.0.ref_engine",
+        [-0.5],
+        "sync.verifiers[0].ref_engine",
+    ),
+    "sync verifier probe NaN": (
+        "sync.verifiers.0.last_probe",
+        [float("nan")] * 7,
+        "sync.verifiers[0].last_probe[0]",
+    ),
+}
+
+
+E2E_EDITS = [("generated.done", "x"), ("generated.step", 0)]
+"""Also resumed (the red team's ``done = -100`` runs to the end below)."""
+
+
+def test_a_bad_generated_batch_falls_back_before_the_model(model_dir, tmp_path, caplog):
+    """N6: every field of a generated batch saved between two mini-batches is checked by
+    value with the rest of trainer.json (and N11's sync-verification state): the resume
+    skips the checkpoint with a warning naming the field, before any model is built, and
+    continues exactly from the one before (itself between two mini-batches of the same
+    batch)."""
+    import torch
+
+    from megagrpo.checkpoint.checks import TRAINER_KEYS, check_trainer_state
+    from megagrpo.trainer.setup import shutdown
+
+    _run(model_dir, tmp_path, trainer=GENERATED)
+    ckpt = tmp_path / "r" / "checkpoints" / "step_000004"
+    state = json.loads((ckpt / "trainer.json").read_text())
+    assert (state["generated"]["step"], state["generated"]["done"]) == (1, 4)
+    full = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    assert len(state["sync"]["verifiers"][0]["last_probe"]) == 7  # probe_len 8
+    for case, (path, value, field) in GENERATED_EDITS.items():  # the check itself, each field
+        edited = json.loads(json.dumps(state))
+        _set(path, value)(edited)
+        why = check_trainer_state(edited, 4, "trainer.json", TRAINER_KEYS, None, VOCAB)
+        assert why is not None and (field or path) in why, (case, why)
+    assert check_trainer_state(state, 4, "trainer.json", TRAINER_KEYS, None, VOCAB) is None
+    for path, value in E2E_EDITS:  # the resume: falls back before the model, naming it
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        _tamper(ckpt, _set(path, value))
+        calls: list[str] = []
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ctx = _context(model_dir, tmp_path, "r", resume=True, calls=calls, trainer=GENERATED)
+        warning = next((r.getMessage() for r in caplog.records if "unusable" in r.getMessage()), "")
+        try:
+            assert ctx.step == 2 and calls == ["r"], path
+            assert "step_000004" in warning and path in warning, (path, warning)
+            assert ctx.generated is not None and ctx.generated.done == 2, path
+        finally:
+            shutdown(ctx)
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    _tamper_rank_file(ckpt, lambda rank: rank["generated"].pop("old"))
+    with pytest.raises(CheckpointError, match="holds no 'old' entry per mini-batch"):
+        _context(model_dir, tmp_path, "r", resume=True, trainer=GENERATED)  # was a KeyError
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    _tamper(ckpt, _set("generated.done", -100))  # the red team's case, to the end
+    _train(_context(model_dir, tmp_path, "r", resume=True, trainer=GENERATED))
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for a, b in zip(full, rows, strict=True):  # steps 3 and 4 again, to the same numbers
+        for key in ("loss/policy", "loss/ratio_max", "train/epoch", "train/mini_batch"):
+            assert torch.tensor(a[key]).equal(torch.tensor(b[key])), (a["step"], key)

@@ -60,17 +60,23 @@ def test_a_bad_gold_or_adapter_config_is_named_before_the_engine(
     assert f"{adapter / 'adapter_config.json'}: unreadable" in err
 
 
-@pytest.mark.parametrize("name", ["../../victim", "a/b", "..", "", "x\\y"])
+NAMES = ["../../victim", "a/b", "..", "", "x\\y", "\u202eevil", "-rf"]  # (more: name_problem)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_a_name_that_leaves_out_is_refused_before_the_engine(
     tmp_path, tiny_dense_dir, no_engine, capsys, name
 ):
-    """Red team 3, L4: ``--name ../../victim`` wrote OUT/2022/../../victim.jsonl."""
+    """Red team 3, L4: ``--name ../../victim`` wrote OUT/2022/../../victim.jsonl. Red team
+    4, N18: a bidi override (``ls`` shows another name), a newline (splits log lines) and a
+    leading ``-`` (an option to ``rm OUT/*``) were accepted (the rule, ``name_problem``, is
+    shared with ``trainer.name``: tests/unit/test_config_redteam4.py)."""
     cfg = write_run_config(tmp_path / "c.yaml", tiny_run_config(tiny_dense_dir, tmp_path, "e"))
     exam = _gold(tmp_path / "2018" / "112-A.jsonl", [ROW])
     out = tmp_path / "out"
-    argv = ["eval", str(cfg), "--data", str(exam), "--out", str(out), "--name", name]
+    argv = ["eval", str(cfg), "--data", str(exam), "--out", str(out), f"--name={name}"]
     assert main(argv) == 2
-    assert f"--name {name!r}: must be a plain name" in capsys.readouterr().err
+    assert f"--name {name!r} " in capsys.readouterr().err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["2018", "c.yaml"]
 
 

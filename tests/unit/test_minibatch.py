@@ -86,24 +86,30 @@ def test_lr_schedule_runs_over_optimizer_steps(bigram_dir, tmp_path):
 
 
 def test_resume_between_two_mini_batches_is_exact(bigram_dir, tmp_path):
-    """A checkpoint at step 3 (the first mini-batch of the first batch's second epoch done,
-    three more steps on the same generated batch to go) resumes to the same rows as the
-    uninterrupted run: same old log-probs, groups, advantages, weights and optimiser."""
-    full, _ = _rows(bigram_dir, tmp_path, "full")
-    _rows(bigram_dir, tmp_path, "part", max_steps=3)
-    state = tmp_path / "part" / "checkpoints" / "step_000003" / "trainer.json"
+    """A run killed right after its checkpoint of step 3 (the first mini-batch of the first
+    batch's second epoch done, three more steps on the same generated batch to go) resumes to
+    the same rows as the uninterrupted run: same old log-probs, groups, advantages, weights
+    and optimiser, and the same ``sync/*`` (red team 4, N11: the resumed engines' own first
+    sync reset the full-check count and the change test's reference point, so step 4's
+    ``sync/full_check_tensors``, ``observed_change``, ``predicted_change`` and
+    ``change_error`` differed; the checkpoint now keeps the engines' verification state)."""
+    import shutil
+
+    full, _ = _rows(bigram_dir, tmp_path, "full", save_every=3, keep_checkpoints=3)
+    assert [r["sync/full_check_tensors"] for r in full if r["perf/sync_bytes"]] == [1.0, 0.0]
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", killed)  # as SIGKILL after step 3's checkpoint left it
+    for late in ("step_000006", "step_000008"):
+        shutil.rmtree(killed / "checkpoints" / late)
+    state = killed / "checkpoints" / "step_000003" / "trainer.json"
     assert '"generated"' in state.read_text()
-    rest, _ = _rows(bigram_dir, tmp_path, "part", resume=True)
+    rest, _ = _rows(bigram_dir, tmp_path, "killed", resume=True, save_every=3, keep_checkpoints=3)
     assert [r["step"] for r in rest] == [4, 5, 6, 7, 8]
-    assert [r["step"] for r in read_metrics(tmp_path / "part" / "metrics.jsonl")] == list(
-        range(1, 9)
-    )
+    assert [r["step"] for r in read_metrics(killed / "metrics.jsonl")] == list(range(1, 9))
     for a, b in zip(full[3:], rest, strict=True):
         for key, value in a.items():
             if key.startswith("perf/") or key == "sync/engine_s":
                 continue
-            if key.startswith("sync/") and a["step"] == 4:  # the interrupted run synced at
-                continue  # step 3 (its end), so its step-4 sync measures the change since
             assert b[key] == value or (value != value and b[key] != b[key]), (a["step"], key)
 
 

@@ -98,6 +98,17 @@ def _overrides(tmp_path: Path) -> list[str]:
     ]
 
 
+def _partial_run(tmp_path: Path, checkpoint: bool = False) -> Path:
+    """What a run killed before (or after) its first checkpoint leaves in its directory."""
+    run = tmp_path / "out" / "qwen3_235b_grpo"  # configs/qwen3_235b_a22b.yaml's trainer.name
+    (run / "checkpoints" / ".step_000010.tmp").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n', encoding="utf-8")
+    if checkpoint:
+        (run / "checkpoints" / "step_000005").mkdir()
+        (run / "checkpoints" / "step_000005" / "meta.json").write_text("{}", encoding="utf-8")
+    return run
+
+
 def _events(tmp_path: Path) -> list[str]:
     return (tmp_path / "events").read_text(encoding="utf-8").splitlines()
 
@@ -135,6 +146,7 @@ def test_usr1_checkpoints_before_requeue(repo_root, fake):
     """Before: the trap requeued at once and ``set -e`` ended the script on wait's 138, so the
     ranks were killed without a checkpoint (up to save_every steps lost)."""
     tmp_path, env = fake
+    _partial_run(tmp_path)  # a first start over it: the trainer refuses, a person decides
     proc = _start(repo_root, env, tmp_path)
     try:
         _wait_started(tmp_path, 4, proc)
@@ -149,10 +161,18 @@ def test_usr1_checkpoints_before_requeue(repo_root, fake):
     assert len(ckpt) == 4 and max(ckpt) < requeue  # every rank checkpointed, then requeue
     assert events.index("scancel --signal=USR1 4242") < min(ckpt)
     assert not any(e.startswith("finished") for e in events)
+    launched = [e for e in events if e.startswith(("srun ", "torchrun "))]
+    assert not any("--overwrite" in e or "--resume" in e for e in launched)
 
 
 def test_normal_end_does_not_requeue_and_runs_what_dry_run_prints(repo_root, fake):
+    """Also red team 4, N13: a requeue (``SLURM_RESTART_COUNT`` 1) of a run killed before its
+    first checkpoint passed no flag, so megagrpo refused the run directory (exit 2) on every
+    requeue; now the script passes ``--overwrite`` (the partial run is moved aside) and says
+    so in the job's log, in the real launch and in the dry run alike."""
     tmp_path, env = fake
+    env["SLURM_RESTART_COUNT"] = "1"
+    _partial_run(tmp_path)
     (tmp_path / "finish").touch()  # ranks end on their own
     proc = _start(repo_root, env, tmp_path)
     try:
@@ -180,16 +200,22 @@ def test_normal_end_does_not_requeue_and_runs_what_dry_run_prints(repo_root, fak
     assert sorted(norm) == sorted(ran)
     srun = next(e for e in ran if e.startswith("srun "))
     assert "--cpus-per-task=12" in srun
+    assert all(" --overwrite" in e and "--resume" not in e for e in ran)
+    assert "restart 1 of job 4242 and no complete checkpoint" in err
+    assert "resume: --overwrite (restart 1" in dry.stdout
 
 
-def test_dry_run_header_and_defaults(repo_root):
+def test_dry_run_header_and_defaults(repo_root, tmp_path):
+    """(A requeue that finds a complete checkpoint resumes from it: ``--resume``.)"""
     text = (repo_root / "slurm/grpo_235b.sh").read_text(encoding="utf-8")
     assert "#SBATCH --open-mode=append" in text
     assert "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}" in text
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("NCCL_NVLS_ENABLE", None)
+    env["SLURM_RESTART_COUNT"] = "3"
+    _partial_run(tmp_path, checkpoint=True)
     out = subprocess.run(
-        ["bash", str(repo_root / "slurm/grpo_235b.sh")],
+        ["bash", str(repo_root / "slurm/grpo_235b.sh"), f"trainer.output_dir={tmp_path / 'out'}"],
         capture_output=True,
         text=True,
         env=env,
@@ -198,7 +224,9 @@ def test_dry_run_header_and_defaults(repo_root):
     )
     assert out.returncode == 0, out.stderr
     assert "NCCL_NVLS_ENABLE=0" in out.stdout and "SRUN_CPUS_PER_TASK=96" in out.stdout
-    assert len([ln for ln in out.stdout.splitlines() if ln.startswith("[h100-node")]) == 16
+    nodes = [ln for ln in out.stdout.splitlines() if ln.startswith("[h100-node")]
+    assert len(nodes) == 16
+    assert all(" --resume" in ln and "--overwrite" not in ln for ln in nodes)
 
 
 def test_submit_creates_the_log_folder_first(repo_root, fake, tmp_path):
