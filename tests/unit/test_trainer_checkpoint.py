@@ -260,18 +260,23 @@ def test_stale_tmp_dirs_are_removed_and_complete_checkpoints_kept(tmp_path):
 
 def test_files_manifest_and_directory_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     events: list[tuple[str, str]] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         return real_fsync(fd)
 
-    def replace(src, dst):
+    def replace(src, dst):  # os.replace or os.rename: the rename that publishes the step
         events.append(("replace", f"{src} -> {dst}"))
         return real_replace(src, dst)
 
+    def rename(src, dst):
+        events.append(("replace", f"{src} -> {dst}"))
+        return real_rename(src, dst)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
     final = _save(tmp_path, 1)
     tmp = str(fileio.tmp_sibling(final))
     rename = events.index(("replace", f"{tmp} -> {final}"))
