@@ -36,3 +36,14 @@ def swift_function(relpath: str, name: str, cls: str | None = None, **names: Any
     ns |= {"torch": torch, "logger": logging.getLogger("swift"), **names}
     exec(compile(ast.Module([fn], []), str(path), "exec"), ns)
     return ns[name]
+
+
+def swift_class(relpath: str, name: str, **names: Any) -> type:
+    """``swift/<relpath>``'s class ``name``, compiled alone (its bases must be given in
+    ``names`` unless it has none), with the globals of :func:`swift_function`."""
+    path, tree = swift_tree(relpath)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    ns: dict[str, Any] = {k: getattr(typing, k) for k in typing.__all__}
+    ns |= {"torch": torch, "logger": logging.getLogger("swift"), **names}
+    exec(compile(ast.Module([node], []), str(path), "exec"), ns)
+    return ns[name]
