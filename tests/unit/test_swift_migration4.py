@@ -506,3 +506,35 @@ def test_a01_translates_with_wandb_exp_name_and_model_type(tmp_path, capsys):
     cfg = load_config(RunConfig, [out])
     assert cfg.trainer.name == "qwen3_30b_dapo" and cfg.metrics.wandb_project == "igakuqa-grpo"
     assert cfg.trainer.max_steps == 100 and cfg.trainer.mini_batches == 4
+
+
+@pytest.mark.slow  # imports ms-swift's argument classes (torch, transformers, trl, megatron)
+def test_the_source_reader_sees_what_dataclasses_sees():
+    """:mod:`megagrpo.swift.source` (ast, no import) gives every field and its declaring class
+    exactly as ``dataclasses.fields`` of the imported classes do (Megatron's import of
+    ``mcore_bridge``, not installed here, is served by test_from_swift_loss's stub)."""
+    import dataclasses
+    import importlib.util
+    import sys
+
+    pytest.importorskip("swift")
+    from test_from_swift_loss import _StubFinder
+
+    finder = _StubFinder() if importlib.util.find_spec("mcore_bridge") is None else None
+    if finder is not None:
+        sys.meta_path.insert(0, finder)
+    try:
+        from swift.arguments import RLHFArguments
+        from swift.megatron.arguments import MegatronRLHFArguments
+    finally:
+        if finder is not None:
+            sys.meta_path.remove(finder)
+    for flavor, cls in (("swift", RLHFArguments), ("megatron", MegatronRLHFArguments)):
+        ours = {n: f.owner for n, f in argument_fields(flavor).items()}
+        theirs = {
+            f.name: next(
+                k for k in cls.__mro__ if f.name in getattr(k, "__annotations__", {})
+            ).__name__
+            for f in dataclasses.fields(cls)
+        }
+        assert ours == theirs, flavor
