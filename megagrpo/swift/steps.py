@@ -102,7 +102,13 @@ def _swift(t: Translation, lay: Layout, epochs: float, rows: int) -> None:
                 f"schedule ends at step {run}"
             ),
         )
-        t.add("num_train_epochs", EXACT if given else DIFFERS, {}, why, value=epochs)
+        t.add(
+            "num_train_epochs",
+            EXACT if given else DIFFERS,
+            {},
+            why,
+            value=t.get("num_train_epochs", 3),
+        )
         return
     if cap is not None:
         t.add("max_epochs", EXACT, {}, f"no effect: not below num_train_epochs {epochs:g}")
@@ -111,7 +117,7 @@ def _swift(t: Translation, lay: Layout, epochs: float, rows: int) -> None:
         EXACT if given else DIFFERS,
         {"trainer.max_steps": planned},
         why,
-        value=epochs,
+        value=t.get("num_train_epochs", 3),
     )
 
 
@@ -158,7 +164,8 @@ def _megatron(t: Translation, lay: Layout, epochs: float, rows: int) -> None:
     if dp_note:
         status = DIFFERS
         notes.append(dp_note)
-    t.add("num_train_epochs", status, {"trainer.max_steps": iters}, "; ".join(notes), value=epochs)
+    shown = t.get("num_train_epochs", epochs)
+    t.add("num_train_epochs", status, {"trainer.max_steps": iters}, "; ".join(notes), value=shown)
 
 
 def _unknown_steps(t: Translation, epochs: Any, rows: int | None) -> None:
