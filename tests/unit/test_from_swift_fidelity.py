@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from swift_source import swift_advantage, swift_class, swift_function
+from swift_source import swift_advantage, swift_class, swift_defs, swift_function
 
 from megagrpo.algo.advantages import group_advantages
 from megagrpo.algo.config import LossConfig
@@ -412,7 +412,8 @@ def test_soft_max_length_beyond_the_completion_limit_is_translated(tmp_path, cap
     assert "reward is 0 for every completion" in capsys.readouterr().err
     cfg = load_config(RunConfig, [out])
     assert [f.name for f in cfg.rewards.functions] == ["mcq_accuracy"]
-    from swift.rewards.orm import SoftOverlong
+    # ms-swift's SoftOverlong and ORM compiled alone (swift.rewards imports trl and vLLM)
+    SoftOverlong = swift_defs("rewards/orm.py", "ORM", "SoftOverlong")["SoftOverlong"]  # noqa: N806
 
     class Args:
         soft_max_length, soft_cache_length, max_completion_length = 4096, 2048, 512
