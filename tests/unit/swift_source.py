@@ -62,7 +62,8 @@ def swift_defs(relpath: str, *names: str, **extra: Any) -> dict[str, Any]:
     ns: dict[str, Any] = {k: getattr(typing, k) for k in typing.__all__}
     ns |= {"torch": torch, "logger": logging.getLogger("swift"),
            "dataclass": dataclasses.dataclass, "field": dataclasses.field, **extra}  # fmt: skip
-    exec(compile(ast.Module(nodes, []), str(path), "exec"), ns)
+    body: list[ast.stmt] = list(nodes)
+    exec(compile(ast.Module(body, []), str(path), "exec"), ns)
     return {name: ns[name] for name in names}
 
 
