@@ -7,7 +7,7 @@ Sources (one table row each):
     the real completion lengths of every step's batch; prompt lengths are the problems' real
     prompt ids under ``--tokenizer`` when ``--problems`` names their file, else
     ``--prompt-tokens``.
-  * ``--igakuqa DIR`` (../shared/data/igakuqa): the real IgakuQA prompts (text + choices,
+  * ``--igakuqa DIR`` (data/igakuqa: docs/igakuqa.md): the real IgakuQA prompts (text + choices,
     the built-in Japanese prompt), 96 problems x G=8 per step as in the seed's job, with
     completion lengths drawn from a stated model (log-normal, median ``--median``, sigma
     ``--sigma``, clipped to [16, ``--max-tokens``]) because no 235B completions exist here.
@@ -18,7 +18,7 @@ Sources (one table row each):
 Prints, per source: samples per batch, mean / max length, the padded waste (fraction of
 computed token slots that are padding) at several micro-batch sizes, and packed rows at
 several row budgets (rows, fill). Usage:
-  python tools/bench_packing.py --igakuqa ../shared/data/igakuqa [--completions FILE]
+  python tools/bench_packing.py --igakuqa data/igakuqa [--completions FILE]
   python tools/bench_packing.py --quick   (the bundled demo problems as prompts, 2 steps of 4 x 4)
 """
 

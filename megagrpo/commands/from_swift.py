@@ -8,10 +8,19 @@ megagrpo config: YAML on stdout, or written to ``--out``. The config is loaded t
 megagrpo's own schema and validation before it is written.
 
 On stderr it reports, flag by flag, what maps exactly (``=``), what maps with a different
-meaning or default (``~``), and what has no equivalent (``x``), including the ms-swift
-defaults that differ from megagrpo's and were applied although the flag was not given (beta,
-temperature, lora_alpha, epsilon_high, dynamic_sample, LR schedule, ...). The rules are in
-:mod:`megagrpo.swift` (the translator).
+meaning or default (``~``), what is harmless (``-``: logging, run names, hubs, checkpoints,
+kernels, placement: how ms-swift runs, not what it trains), what megagrpo does not train
+(``x``: out of scope by design, or a value the shell computes) and what from-swift does not
+know (``?``: check it), including the ms-swift defaults that differ from megagrpo's and were
+applied although the flag was not given (beta, temperature, lora_alpha, epsilon_high,
+dynamic_sample, LR schedule, ...). ``x`` and ``?`` stop the config from being written unless
+``--allow-partial`` / ``--allow-unknown``. The rules are in :mod:`megagrpo.swift` (the
+translator; ms-swift 4.6's flags and defaults: :mod:`megagrpo.swift.catalog`).
+
+example:
+  megagrpo from-swift --out configs/mine.yaml -- train_grpo.sh
+  megagrpo from-swift --allow-unknown --allow-partial --transformers 5 --out mine.yaml -- \\
+      swift rlhf --rlhf_type grpo --model /models/Qwen3-30B-A3B --dataset data.jsonl ...
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from pathlib import Path
 
 from megagrpo import fileio
 from megagrpo.errors import ConfigError
-from megagrpo.swift.fidelity import blocking
+from megagrpo.swift.fidelity import blocking, unknown
 from megagrpo.swift.shell import Unexpanded
 from megagrpo.swift.translate import (
     comment_line,
@@ -76,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as blocking; without this flag from-swift then writes nothing and exits 2)",
     )
     parser.add_argument(
+        "--allow-unknown",
+        action="store_true",
+        help="write the config although some flags are not known to from-swift (listed "
+        "with '?'; they are left out of the config)",
+    )
+    parser.add_argument(
         "swift_args",
         nargs=argparse.REMAINDER,
         help="-- then the ms-swift command line, a YAML config, or a .sh script",
@@ -117,6 +132,34 @@ def _world_size(args: argparse.Namespace, env: dict[str, str]) -> int:
     return world
 
 
+def _env_world_known(env: dict[str, str]) -> bool:
+    value = env.get("NPROC_PER_NODE")
+    return value is not None and not isinstance(value, Unexpanded)
+
+
+def _named(entries) -> str:
+    return ", ".join(f"--{e.flag}" if e.given else e.flag for e in entries)
+
+
+def refusal_lines(blockers, unknowns) -> list[str]:
+    """Why no config is written: flags megagrpo trains differently (``x``) and flags
+    from-swift does not know (``?``), each with the option that writes it anyway."""
+    lines = []
+    if blockers:
+        lines.append(
+            f"from-swift: no config written: {len(blockers)} flag(s) train differently in "
+            f"megagrpo: {_named(blockers)} (see 'not supported' above; --allow-partial writes "
+            "the config anyway)"
+        )
+    if unknowns:
+        lines.append(
+            f"from-swift: no config written: {len(unknowns)} flag(s) not known to from-swift: "
+            f"{_named(unknowns)}: check what they do in your ms-swift version "
+            "(--allow-unknown writes the config without them)"
+        )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from megagrpo.config import to_yaml
 
@@ -125,19 +168,23 @@ def run(args: argparse.Namespace) -> int:
     flavor = args.flavor or flavor or "swift"
     if args.world_size:
         env = {k: v for k, v in env.items() if k not in ("NPROC_PER_NODE", "NNODES")}
+    world = _world_size(args, env)
     t = translate(
-        flags, flavor, _world_size(args, env), args.keep_swift_accuracy, env, args.transformers
+        flags,
+        flavor,
+        world,
+        args.keep_swift_accuracy,
+        env,
+        args.transformers,
+        world_known=bool(args.world_size) or _env_world_known(env),
     )
     print("\n".join(report_lines(t)), file=sys.stderr)
-    blockers = blocking(t)
-    if blockers and not args.allow_partial:
-        print(
-            f"from-swift: no config written: {len(blockers)} flag(s) would train differently "
-            "in megagrpo: "
-            + ", ".join(f"--{e.flag}" if e.given else e.flag for e in blockers)
-            + " (see 'no equivalent' above; --allow-partial writes the config anyway)",
-            file=sys.stderr,
-        )
+    blockers, unknowns = blocking(t), unknown(t)
+    refusals = refusal_lines(
+        blockers if not args.allow_partial else [], unknowns if not args.allow_unknown else []
+    )
+    if refusals:
+        print("\n".join(refusals), file=sys.stderr)
         return 2
     cfg = to_config(t)
     source = " ".join(f"--{k} {v}" for k, v in flags.items())
@@ -145,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
     if blockers:
         partial = ", ".join(e.flag for e in blockers)
         text += comment_line(f"# PARTIAL (--allow-partial): trains differently: {partial}") + "\n"
+    if unknowns:
+        left = ", ".join(e.flag for e in unknowns)
+        text += comment_line(f"# --allow-unknown: not known to from-swift, left out: {left}") + "\n"
     text += to_yaml(cfg)
     if args.out:
         try:

@@ -8,9 +8,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from megagrpo.commands.plan_budget import add_budget_arguments, run_budget, run_calibrate
 from megagrpo.config import load_config
@@ -24,7 +25,9 @@ from megagrpo.curriculum.levels import (
 from megagrpo.errors import ConfigError
 from megagrpo.plan.inputs import ARTICLE_LEVELS, PlanInputs, plan_inputs
 from megagrpo.plan.simulate import PlanSetup, run_plan
-from megagrpo.trainer.config import RunConfig
+
+if TYPE_CHECKING:  # imports torch: loaded when the command runs (fast --help)
+    from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = """\
 Runs the real CurriculumSampler and DynamicSampler against a simulated rollout engine whose
@@ -114,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_config(args: argparse.Namespace) -> RunConfig:
     """The run config with the flags applied as overrides (each flag is one config key)."""
+    from megagrpo.trainer.config import RunConfig
+
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]  # no CONFIG: only overrides
@@ -206,14 +211,30 @@ def plan_policies(args: argparse.Namespace, cfg: RunConfig, inputs: PlanInputs) 
         population=inputs.population,
     )
     results = {}
-    for policy in policies:
-        dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")
-        results[policy] = run_plan(setup, dyn).to_dict()
+    print(
+        f"plan: simulating {args.steps} steps x {len(policies)} dynamic-sampling "
+        f"polic{'ies' if len(policies) > 1 else 'y'} ({', '.join(policies)}; G="
+        f"{cfg.rollout.group_size}, B={cfg.trainer.batch_groups}, "
+        f"{sum(inputs.hist.values())} problems) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    with _progress(args.steps * len(policies)) as bar:
+        for policy in policies:
+            dyn = dataclasses.replace(cfg.dynamic, policy=policy, preflight="off")
+            results[policy] = run_plan(setup, dyn, on_step=bar.update).to_dict()
     if args.json:
         print(json.dumps(results[policies[0]] if len(policies) == 1 else results, indent=1))
         return 0
     _print_report(inputs, cfg, args.steps, results)
     return 0
+
+
+def _progress(total: int) -> Any:
+    """A progress bar over the simulated steps on stderr (shown on a terminal only)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="plan", unit="step", disable=None, file=sys.stderr)
 
 
 def _print_report(inputs: PlanInputs, cfg: RunConfig, steps: int, results) -> None:

@@ -8,11 +8,14 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megagrpo.errors import ConfigError
 from megagrpo.plan.inputs import PlanInputs
 from megagrpo.plan.simulate import PlanSetup, population_from_records
-from megagrpo.trainer.config import RunConfig
+
+if TYPE_CHECKING:  # imports torch: annotations only (fast --help)
+    from megagrpo.trainer.config import RunConfig
 
 BUDGET_ROWS = (
     ("generated_completions_per_step", "generated completions / step", "{:.0f}"),

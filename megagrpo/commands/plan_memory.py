@@ -17,25 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
-from megagrpo.gate import compat
-from megagrpo.plan.collapse import billed, collapse_bill
-from megagrpo.plan.gate import Gate, Verdict, overrides_of, planner_unverified, settings_of
-from megagrpo.plan.ladder import ladder_report
-from megagrpo.plan.memory import hf_config_for
-from megagrpo.plan.report import format_ladder, format_plan, format_search
-from megagrpo.plan.scenario import (
-    Assumptions,
-    Hardware,
-    Scenario,
-    parse_assignments,
-    scenario_from_config,
-)
-from megagrpo.plan.search import full_plan, search
-from megagrpo.trainer.config import RunConfig
+
+if TYPE_CHECKING:  # the planner imports torch: only when the command runs (fast --help)
+    from megagrpo.plan.gate import Gate
+    from megagrpo.plan.scenario import Scenario
+    from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__
 
@@ -82,6 +71,8 @@ def _replaced(obj: Any, dotted: list[str], value: Any) -> Any:
 
 def config_of(cfg: RunConfig, sc: Scenario) -> RunConfig:
     """``cfg`` with every key a planned layout sets (:func:`megagrpo.plan.gate.settings_of`)."""
+    from megagrpo.plan.gate import settings_of
+
     for key, value in settings_of(sc):
         cfg = _replaced(cfg, key.split("."), value)
     return cfg
@@ -90,6 +81,8 @@ def config_of(cfg: RunConfig, sc: Scenario) -> RunConfig:
 def make_gate(cfg: RunConfig, hf: dict) -> Gate:
     """The compatibility gate (``megagrpo.gate.compat.check_run``) on ``cfg`` with a
     layout's keys, for the layout's GPUs; FP8 weights marked unverified on GPU."""
+    from megagrpo.gate import compat
+    from megagrpo.plan.gate import Verdict, planner_unverified
 
     def gate(sc: Scenario) -> Verdict:
         layout = config_of(cfg, sc)
@@ -107,6 +100,10 @@ def make_gate(cfg: RunConfig, hf: dict) -> Gate:
 def loads(config: str, overrides: list[str], sc: Scenario) -> str:
     """'' when the config with a layout's overrides loads as `megagrpo train` loads it (the
     trainer's own rules and the gate), else the loader's error."""
+    from megagrpo.config import load_config
+    from megagrpo.plan.gate import overrides_of
+    from megagrpo.trainer.config import RunConfig
+
     try:
         load_config(RunConfig, [config], [*overrides, *overrides_of(sc)])
     except ConfigError as exc:
@@ -117,6 +114,10 @@ def loads(config: str, overrides: list[str], sc: Scenario) -> str:
 def plan_run(cfg: RunConfig, hf: dict, **kw) -> dict:
     """The full plan (memory per phase + step time, dynamic sampling billed: ``collapse``) of
     a run config; ``levels``: a ``--levels`` histogram text."""
+    from megagrpo.plan.collapse import billed, collapse_bill
+    from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
+    from megagrpo.plan.search import full_plan
+
     a = kw.get("assumptions") or Assumptions()
     hw = kw.get("hardware") or Hardware()
     bill = collapse_bill(cfg, kw.get("levels"))
@@ -126,6 +127,8 @@ def plan_run(cfg: RunConfig, hf: dict, **kw) -> dict:
 
 
 def _dump(obj: Any) -> str:
+    from megagrpo.plan.scenario import Scenario
+
     def default(o: Any) -> Any:
         if isinstance(o, Scenario):
             return None  # the overrides say it; the HF config would be repeated
@@ -135,6 +138,21 @@ def _dump(obj: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagrpo.config import load_config
+    from megagrpo.gate import compat
+    from megagrpo.plan.collapse import billed, collapse_bill
+    from megagrpo.plan.ladder import ladder_report
+    from megagrpo.plan.memory import hf_config_for
+    from megagrpo.plan.report import format_ladder, format_plan, format_search
+    from megagrpo.plan.scenario import (
+        Assumptions,
+        Hardware,
+        parse_assignments,
+        scenario_from_config,
+    )
+    from megagrpo.plan.search import full_plan, search
+    from megagrpo.trainer.config import RunConfig
+
     cfg = load_config(RunConfig, [args.config], args.overrides)
     hf = hf_config_for(cfg.model.hf_path, args.hf_config)
     if not args.gpus:  # the pinned upstream rules for this model (the loader had no model)

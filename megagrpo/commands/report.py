@@ -17,11 +17,7 @@ import logging
 from pathlib import Path
 
 from megagrpo import fileio
-from megagrpo.config import load_config
-from megagrpo.curriculum.dynamic import checked_rounds
 from megagrpo.errors import ConfigError, StorageError
-from megagrpo.metrics.report import make_report
-from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__
 log = logging.getLogger(__name__)
@@ -39,8 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_rounds(run_dir: Path, max_resample: int | None) -> int | None:
-    """Rounds the run's dynamic sampling checked (None when the run has no readable config
-    and no --max-resample was given)."""
+    """Rounds the run's dynamic sampling checked: 0 when it was off, None when the run has no
+    readable config and no --max-resample was given."""
+    from megagrpo.config import load_config
+    from megagrpo.curriculum.dynamic import checked_rounds
+    from megagrpo.trainer.config import RunConfig  # imports torch: not before --help
+
     saved = run_dir / "config.yaml"
     try:
         dynamic = load_config(RunConfig, [saved]).dynamic if saved.is_file() else None
@@ -53,10 +53,14 @@ def run_rounds(run_dir: Path, max_resample: int | None) -> int | None:
         dynamic = RunConfig().dynamic
     if max_resample is not None:
         dynamic = dataclasses.replace(dynamic, max_resample=max_resample)
+    elif not dynamic.enabled:
+        return 0
     return checked_rounds(dynamic)
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagrpo.metrics.report import make_report
+
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "report"
     try:

@@ -21,8 +21,10 @@ siblings skipped). Predictions: JSONL lines {"problem_id": ..., "prediction": "c
 model; filter a directory of several models' files with --predictions-glob.
 
 example:
-  megagrpo score --gold ../shared/data/igakuqa/2018 \\
-      --predictions ../shared/data/igakuqa/baseline_results --predictions-glob '*_gpt4.jsonl'
+  megagrpo score --gold data/igakuqa/2018 \\
+      --predictions data/igakuqa/baseline_results --predictions-glob '*_gpt4.jsonl'
+(data/igakuqa: IgakuQA's data/ years and baseline_results/; docs/igakuqa.md says where to get
+it and how to lay it out)
 """
 
 logger = logging.getLogger(__name__)

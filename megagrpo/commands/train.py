@@ -171,7 +171,9 @@ def _report(ctx: TrainContext, rows: list[dict]) -> None:
             f"{ctx.ckpt_root / f'step_{ctx.step:06d}'}; continue with --resume"
         )
     elif rows:
-        last = rows[-1]
+        from megagrpo.metrics.report import last_generation_row
+
+        last = last_generation_row(rows)  # other optimizer steps of a generation hold None
         print(
             f"done: {ctx.step} steps{note}, run dir {ctx.run_dir}, last reward/mean="
             f"{last.get('reward/mean')}, collapse/acr_raw={last.get('collapse/acr_raw')}"

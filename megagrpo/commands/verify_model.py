@@ -15,8 +15,6 @@ import json
 import math
 from dataclasses import asdict
 
-from megagrpo.model.verify import fixed_inputs, hf_reference_logits, run_layout
-
 DESCRIPTION = __doc__
 
 
@@ -78,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--hf DIR is required (or use --meta --hf-config FILE)")
     from megagrpo.model.arch import arch_from_hf, load_hf_config
     from megagrpo.model.pretrained import resolve_model_path
+    from megagrpo.model.verify import fixed_inputs, hf_reference_logits, run_layout
     from megagrpo.parallel import ParallelConfig, validate_layout
 
     # a directory, or a bundled name (smollm2-135m); parity needs the weights only

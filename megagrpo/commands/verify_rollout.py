@@ -16,11 +16,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-import torch
-
-from megagrpo.errors import ConfigError, choices
-from megagrpo.rollout.base import WeightSyncError
-from megagrpo.rollout.config import RolloutConfig
+from megagrpo.errors import ConfigError
 from megagrpo.types import Problem
 
 DESCRIPTION = __doc__
@@ -38,6 +34,9 @@ PROMPTS = [
     [{"role": "user", "content": "Let me think step by step about each option before answering."}],
 ]
 TINY = ("tiny-moe", "tiny-dense")
+ENGINES = ("vllm", "hf")
+"""``rollout.engine``'s values (tests/unit/test_first_hour4.py checks them against the
+config; not read from it here: the rollout config imports torch, and --help stays fast)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF checkpoint directory, smollm2-135m (bundled), or tiny-moe / "
         "tiny-dense (a random tiny test model built on the fly)",
     )
-    parser.add_argument("--engine", choices=choices(RolloutConfig, "engine"), default="vllm")
+    parser.add_argument("--engine", choices=ENGINES, default="vllm")
     parser.add_argument("--n", type=int, default=8, help="answers per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -88,6 +87,8 @@ def _model_dir(spec: str, tmp: Path) -> Path:
 
 def _mismatch(groups, trainer) -> tuple[float, float, int]:
     """Max / mean |engine - trainer| over all sampled tokens, and the token count."""
+    import torch
+
     from megagrpo.rollout.hf_engine import sequence_logprobs
 
     diffs = []
@@ -99,19 +100,24 @@ def _mismatch(groups, trainer) -> tuple[float, float, int]:
     return float(t.max()), float(t.mean()), len(diffs)
 
 
-@torch.no_grad()
 def _perturb(model, noise: float, seed: int) -> None:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        if p.dim() >= 2:
-            p.add_(noise * p.float().std() * torch.randn(p.shape, generator=g).to(p.dtype))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(noise * p.float().std() * torch.randn(p.shape, generator=g).to(p.dtype))
 
 
 def verify(model_dir: Path, args: argparse.Namespace) -> dict:
     """Run the checks; returns the report dict (raises EngineError on engine failures)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from megagrpo.rollout import build_engine
+    from megagrpo.rollout.base import WeightSyncError
+    from megagrpo.rollout.config import RolloutConfig
     from megagrpo.rollout.hf_engine import sequence_logprobs
 
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()

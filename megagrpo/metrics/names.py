@@ -70,7 +70,9 @@ def missing_metrics(row: dict, reward_names: list[str]) -> list[str]:
 #   length/clip_ratio, logged as completions/clipped_ratio_all_rounds.
 # - rewards/<f>/mean|std: under the reward's label (the ms-swift flag name from-swift writes)
 #   and under ms-swift's own name for it (swift_reward_names: the class name, as
-#   swift/rlhf_trainers/utils.py resolve_reward_funcs names them: rewards/MathAccuracy/mean).
+#   swift/rlhf_trainers/utils.py resolve_reward_funcs names them: rewards/SoftOverlong/mean;
+#   mcq_accuracy standing in for ms-swift's accuracy is rewards/MCQAccuracy/mean, never
+#   MathAccuracy's panel).
 SWIFT_ALIASES: dict[str, str] = {
     "reward": "reward/mean",
     "reward_std": "reward/std",
@@ -109,22 +111,37 @@ SWIFT_ORM_CLASSES = {
 dashboards key them by."""
 
 
-def swift_reward_names(terms: list) -> dict[str, str]:
+SAME_AS_SWIFT = {"soft_overlong": "SoftOverlong"}
+"""megagrpo rewards that compute ms-swift's built-in of that name (checked against its code
+in tests/unit/test_from_swift_fidelity.py): dashboarded under its class name."""
+STAND_INS = {"mcq_accuracy": "MCQAccuracy"}
+"""megagrpo rewards from-swift puts in place of another ms-swift function (``accuracy`` ->
+mcq_accuracy): dashboarded under their own class-like name, never the replaced function's
+(reviews/ms-swift-users-4.md F3: rewards/MathAccuracy/mean held mcq_accuracy)."""
+
+
+def swift_reward_names(terms: list, functions: list | None = None) -> dict[str, str]:
     """``{term name: ms-swift's dashboard name}`` for the composite reward's terms (objects
-    with ``name`` and ``fn``): an ms-swift ORM (``fn.orm``) by ms-swift's own rule (a
-    function's ``__name__``, else its class name); a megagrpo reward standing in for an
-    ms-swift one by the built-in's class name (the label from-swift gives it: ``accuracy``
-    -> MathAccuracy, ``soft_overlong`` -> SoftOverlong); others by their own name."""
+    with ``name`` and ``fn``; ``functions``: the ``rewards.functions`` entries they were built
+    from, in order): an ms-swift ORM (``fn.orm``) by ms-swift's own rule (a function's
+    ``__name__``, else its class name); a megagrpo reward that is ms-swift's built-in by the
+    built-in's class name (``soft_overlong`` -> SoftOverlong); a megagrpo reward standing in
+    for another function by its own (``mcq_accuracy`` labelled ``accuracy`` ->
+    MCQAccuracy, not MathAccuracy); others by their own name."""
     import inspect
 
     out = {}
-    for term in terms:
+    for i, term in enumerate(terms):
         orm = getattr(term.fn, "orm", None)
+        source = functions[i].name if functions and i < len(functions) else term.name
         if orm is not None:
             out[term.name] = orm.__name__ if inspect.isfunction(orm) else type(orm).__name__
+        elif source in SAME_AS_SWIFT:
+            out[term.name] = SAME_AS_SWIFT[source]
+        elif source in STAND_INS and source != term.name:
+            out[term.name] = STAND_INS[source]
         else:
-            key = term.name.removeprefix("orms:")
-            out[term.name] = SWIFT_ORM_CLASSES.get(key, term.name)
+            out[term.name] = term.name
     return out
 
 

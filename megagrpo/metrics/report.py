@@ -87,8 +87,19 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def last_generation_row(rows: list[dict]) -> dict:
+    """The last row of a step that generated (``reward/mean`` measured): with several
+    optimizer steps per generated batch (``trainer.mini_batches`` / ``ppo_epochs`` > 1) the
+    other rows hold ``None`` for what a generation measures; {} without rows."""
+    return next(
+        (r for r in reversed(rows) if r.get("reward/mean") is not None), rows[-1] if rows else {}
+    )
+
+
 def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
-    """collapse.png: ACR raw vs post-filter (top), trained groups and success (bottom)."""
+    """collapse.png: ACR raw vs post-filter (top), trained groups and success (bottom).
+    ``rounds``: the rounds dynamic sampling checks (the ACR = 1 - 1/R line), 0 when dynamic
+    sampling is off (said on the plot: every generated group is trained), None unknown."""
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_dyn) = plt.subplots(
@@ -102,6 +113,7 @@ def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
         x, y = _series(rows, key)
         if x:
             ax.plot(x, y, style, ms=3, label=label)
+    off = rounds == 0
     if rounds:
         ax.axhline(
             1 - 1 / rounds,
@@ -111,7 +123,11 @@ def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
         )
     ax.set_ylim(-0.03, 1.03)
     ax.set_ylabel("fraction of groups collapsed")
-    ax.set_title("Advantage collapse: raw vs what dynamic sampling lets through")
+    ax.set_title(
+        "Advantage collapse, dynamic sampling off: every generated group is trained"
+        if off
+        else "Advantage collapse: raw vs what dynamic sampling lets through"
+    )
     x, y = _series(rows, "dynamic/trained_groups")
     if x:
         ax_dyn.bar(
@@ -123,8 +139,10 @@ def figure_collapse(rows: list[dict], rounds: int | None) -> Any:
     ax_dyn.set_ylabel("groups")
     ax_ok = ax_dyn.twinx()
     x, y = _series(rows, "dynamic/success")
-    if x:
+    if x and not off:
         ax_ok.plot(x, y, "d", color="tab:purple", ms=5, label="batch filled (dynamic/success)")
+    if off:
+        ax_dyn.text(0.5, 0.9, "dynamic sampling off", transform=ax_dyn.transAxes, ha="center")
     ax_ok.set_ylim(-0.1, 1.1)
     ax_ok.set_yticks([0, 1], ["short", "filled"])
     return _finish(fig, ax_dyn, [ax, ax_dyn, ax_ok])
@@ -495,9 +513,11 @@ def make_report(
     checked_rounds: int | None = None,
 ) -> list[Path]:
     """Draw every plot; returns the PNG paths. ``checked_rounds``: generation rounds dynamic
-    sampling checks (draws the ACR = 1 - 1/rounds line; None: no line). DataError when
-    metrics.jsonl is missing or empty. Written to a temporary directory and renamed into
-    place while ``out`` is still as checked (:func:`check_report_out`)."""
+    sampling checks (draws the ACR = 1 - 1/rounds line; 0: dynamic sampling off, said on the
+    plot; None: unknown, no line). ``summary.json``'s ``last`` is the last generation's row
+    (:func:`last_generation_row`). DataError when metrics.jsonl is missing or empty. Written
+    to a temporary directory and renamed into place while ``out`` is still as checked
+    (:func:`check_report_out`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -520,14 +540,26 @@ def make_report(
     }
     if calibration_levels(rows):
         figures["calibration.png"] = lambda: figure_calibration(rows)
-    summary = {
+    summary = {**summarize(rows), "plots": list(figures)}
+    with fileio.atomic_dir(target, unique=True, expected=expected) as tmp:
+        for name, draw in figures.items():
+            _save(draw(), tmp / name)
+        fileio.write_text(tmp / "summary.json", json.dumps(summary, indent=1))
+    return [target / name for name in figures]
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """``summary.json`` without the plot list: step counts, the learning summary and the last
+    generation's metrics (:func:`last_generation_row`)."""
+    last = last_generation_row(rows)
+    return {
         "steps": len(rows),
         "steps_trained_nothing": sum(1 for r in rows if r.get("train/skipped_empty_batch")),
         "steps_skipped_nonfinite": sum(1 for r in rows if r.get("train/skipped_nonfinite")),
-        "plots": list(figures),
         "learning": learning_summary(rows),
+        "last_generation_step": last.get("step"),
         "last": {
-            k: rows[-1].get(k)
+            k: last.get(k)
             for k in (
                 "reward/mean",
                 "collapse/acr_raw",
@@ -537,8 +569,3 @@ def make_report(
             )
         },
     }
-    with fileio.atomic_dir(target, unique=True, expected=expected) as tmp:
-        for name, draw in figures.items():
-            _save(draw(), tmp / name)
-        fileio.write_text(tmp / "summary.json", json.dumps(summary, indent=1))
-    return [target / name for name in figures]

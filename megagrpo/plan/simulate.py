@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,9 +242,11 @@ class Simulation:
         return cls(keep, pred, problems, sampler, BernoulliEngine(ps, seed=setup.seed))
 
 
-def run_plan(setup: PlanSetup, dynamic: DynamicSamplingConfig) -> PlanResult:
+def run_plan(
+    setup: PlanSetup, dynamic: DynamicSamplingConfig, on_step: Callable[[], Any] | None = None
+) -> PlanResult:
     """Simulate ``setup.steps`` training steps under ``dynamic``; returns per-step metrics and
-    the predictions."""
+    the predictions. ``on_step`` is called after each simulated step (a progress bar)."""
     t0 = time.perf_counter()
     sim = Simulation.start(setup)
     keep, pred, problems, sampler, engine = (
@@ -286,5 +288,7 @@ def run_plan(setup: PlanSetup, dynamic: DynamicSamplingConfig) -> PlanResult:
         row = dict(batch.stats)
         row.update(sampler.metrics())
         result.steps.append(row)
+        if on_step is not None:
+            on_step()
     result.seconds = time.perf_counter() - t0
     return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -100,6 +101,28 @@ class SyncReport:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        """What was streamed and what was checked, in words (NaN fields left out)."""
+        what = "merged weights" if self.mode == "full" else "the LoRA adapter"
+        out = (
+            f"{what}: {self.num_tensors} tensors in {self.num_buckets} buckets, "
+            f"{self.bytes / 2**20:.1f} MiB, {self.seconds:.2f} s"
+        )
+        if math.isnan(self.mean_probe_diff):  # no trainer prediction (eval, verify-rollout)
+            out += f"; probe log-probs moved by up to {self.max_probe_diff:.3g} (loaded)"
+        else:
+            out += (
+                f"; probe |engine - trainer| max {self.max_probe_diff:.3g}, mean "
+                f"{self.mean_probe_diff:.3g}"
+            )
+        if not math.isnan(self.change_error):
+            out += f"; change vs prediction error {self.change_error:.3g}" + (
+                "" if self.change_verified else " (judged at later syncs)"
+            )
+        if self.full_check_tensors:
+            out += f"; checksums of {self.full_check_tensors} tensors matched"
+        return out
 
 
 @runtime_checkable

@@ -93,6 +93,33 @@ def layout(t: Translation) -> Layout:
     return Layout(per_step, per_gen, mini, micro, spg)
 
 
+def _assumed_world(t: Translation, g: int) -> Layout:
+    """The world size only the shell knows: the smallest that makes an optimizer step a
+    whole number of groups (reported as not supported: pass --world-size)."""
+    one = t.world_size
+    t.world_size = next(w for w in range(1, 4 * g + 1) if layout_at(t, w).per_step % g == 0)
+    t.add(
+        "[world size]",
+        MISSING,
+        {},
+        f"computed by the shell: {one} process(es) make optimizer steps of "
+        f"{layout_at(t, one).per_step} completions, not a multiple of num_generations={g}; "
+        f"written for {t.world_size} processes: pass --world-size",
+        given=False,
+        value=t.world_size,
+    )
+    return layout(t)
+
+
+def layout_at(t: Translation, world: int) -> Layout:
+    """:func:`layout` with another world size."""
+    saved, t.world_size = t.world_size, world
+    try:
+        return layout(t)
+    finally:
+        t.world_size = saved
+
+
 def _world_hint(t: Translation) -> str:
     if t.flavor == "megatron":
         return ""
@@ -107,6 +134,8 @@ def translate_batches(t: Translation) -> Layout:
     """``trainer.batch_groups``, ``trainer.mini_batches``, ``trainer.ppo_epochs``."""
     g = int(t.get("num_generations", SWIFT_DEFAULTS["num_generations"]))
     lay = layout(t)
+    if lay.per_step % g and t.world_from_shell and t.flavor == "swift":
+        lay = _assumed_world(t, g)
     if lay.per_step % g:
         raise ConfigError(
             f"{lay.per_step} completions per optimizer step is not a multiple of "

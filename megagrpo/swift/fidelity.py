@@ -14,8 +14,9 @@ the rules whose absence would let a config train something else without saying s
   multi-turn and gym rollouts, reward models, teachers, QLoRA) is *blocking*: `from-swift`
   writes no config for it unless ``--allow-partial``.
 
-Entries whose flags only change where or how fast ms-swift runs (offloading, workers, kernels,
-checkpoint formats, logging backends) are reported but do not block (:data:`HARMLESS`).
+Flags that only change where, how fast or with what bookkeeping ms-swift runs are reported
+as harmless and never block; flags from-swift does not know block with their own reason
+(:mod:`megagrpo.swift.catalog`).
 """
 
 from __future__ import annotations
@@ -27,92 +28,10 @@ from typing import Any
 
 from megagrpo.errors import ConfigError
 from megagrpo.swift.batching import Layout, loss_normaliser
-from megagrpo.swift.flags import DIFFERS, EXACT, MISSING, Entry, Translation, _bool
+from megagrpo.swift.catalog import UNSUPPORTED
+from megagrpo.swift.flags import DIFFERS, EXACT, MISSING, UNKNOWN, Entry, Translation, _bool
 from megagrpo.swift.shell import Unexpanded
 
-# MISSING flags that change where or how fast ms-swift runs, not what it trains.
-HARMLESS = frozenset(
-    {
-        "offload_bridge",
-        "optimizer_cpu_offload",
-        "use_precision_aware_optimizer",
-        "optimizer_offload_fraction",
-        "gradient_accumulation_fusion",
-        "moe_shared_expert_overlap",
-        "overlap_grad_reduce",
-        "overlap_param_gather",
-        "use_distributed_optimizer",
-        "cross_entropy_loss_fusion",
-        "masked_softmax_fusion",
-        "apply_rope_fusion",
-        "bias_dropout_fusion",
-        "use_liger_kernel",
-        "vllm_enforce_eager",
-        "vllm_disable_cascade_attn",
-        "torch_empty_cache_steps",
-        "sequence_parallel_size",
-        "move_model_batches",
-        "context_parallel_size",
-        "vllm_max_num_seqs",
-        "vllm_engine_kwargs",
-        "vllm_enable_prefix_caching",
-        "dataset_num_proc",
-        "dataloader_num_workers",
-        "dataloader_drop_last",
-        "padding_free",
-        "attention_backend",
-        "attn_impl",
-        "moe_permute_fusion",
-        "moe_grouped_gemm",
-        "deepspeed",
-        "gradient_checkpointing",
-        "finetune",
-        "no_save_optim",
-        "no_save_rng",
-        "merge_lora",
-        "save_safetensors",
-        "save_only_model",
-        "load_from_cache_file",
-        "save_strategy",
-        "eval_strategy",
-        "per_device_eval_batch_size",
-        "swanlab_project",
-        "output_dir",
-        "add_version",
-        "log_entropy",
-        "log_rollout_offpolicy_metrics",
-        "torch_dtype",
-        "report_to",
-        "split_dataset_ratio",
-        "max_resample_times",
-    }
-)
-
-# What ms-swift trains that megagrpo does not (flag -> why), blocking when given.
-UNSUPPORTED: dict[str, str] = {
-    "async_generate": "asynchronous generation with the previous step's weights",
-    "vllm_server_host": "an external vLLM server (vllm_mode server)",
-    "vllm_server_port": "an external vLLM server (vllm_mode server)",
-    "vllm_server_base_url": "an external vLLM server (vllm_mode server)",
-    "multi_turn_scheduler": "multi-turn rollouts",
-    "use_gym_env": "gym environments",
-    "gym_env": "gym environments",
-    "max_turns": "multi-turn rollouts",
-    "reward_model": "reward models (megagrpo: reward functions only)",
-    "reward_model_plugin": "reward models (megagrpo: reward functions only)",
-    "teacher_model": "on-policy distillation from a teacher",
-    "teacher_model_server": "on-policy distillation from a teacher",
-    "teacher_kl_coef": "on-policy distillation from a teacher",
-    "max_pixels": "images (megagrpo trains text-only models)",
-    "freeze_vit": "vision towers (megagrpo trains text-only models)",
-    "quant_method": "quantised base weights (QLoRA)",
-    "quant_bits": "quantised base weights (QLoRA)",
-    "bnb_4bit_quant_type": "quantised base weights (QLoRA)",
-    "delta": "two-sided clipping of the ratio (delta)",
-    "off_policy_sequence_mask_delta": "off-policy sequence masking",
-    "top_entropy_quantile": "entropy-masked tokens",
-    "sync_ref_model": "a reference model that follows the policy",
-}
 TEXT_FAMILIES = re.compile(
     r"^(qwen3-|qwen2(\.5)?-|(meta-)?llama|mistral|qwq)", re.IGNORECASE
 )  # text families megagrpo trains (model/arch.py SUPPORTED), read off a hub id
@@ -191,8 +110,15 @@ def _sapo_taus(t: Translation, loss: str) -> None:
 
 def blocking(t: Translation) -> list[Entry]:
     """The report's entries that make the written config train something else than ms-swift
-    would (``--allow-partial`` writes it anyway)."""
-    return [e for e in t.entries if e.status == MISSING and e.flag not in HARMLESS]
+    would: not supported, or a value the shell computes (``--allow-partial`` writes it
+    anyway)."""
+    return [e for e in t.entries if e.status == MISSING]
+
+
+def unknown(t: Translation) -> list[Entry]:
+    """The flags from-swift does not know (``--allow-unknown`` writes the config without
+    them)."""
+    return [e for e in t.entries if e.status == UNKNOWN]
 
 
 def translate_unexpanded(t: Translation, env: dict[str, str]) -> None:
@@ -209,6 +135,17 @@ def translate_unexpanded(t: Translation, env: dict[str, str]) -> None:
                 "here; give the value itself",
             )
             del t.flags[flag]
+    if isinstance(env.get("TORCHRUN"), Unexpanded):
+        t.add(
+            "[torchrun options]",
+            MISSING,
+            {},
+            f"torchrun's options {env['TORCHRUN']} are computed by the shell: the number of "
+            "processes (swift rlhf's batch size counts them; megatron rlhf's data-parallel "
+            "size) is not known here; pass --world-size",
+            given=False,
+            value=env["TORCHRUN"],
+        )
     for key in ("NPROC_PER_NODE", "NNODES"):
         if isinstance(env.get(key), Unexpanded) and t.flavor == "swift":
             t.add(
@@ -376,75 +313,6 @@ def translate_tuner(t: Translation) -> None:
             value="full",
         )
     t.done.add("tuner_type")
-
-
-def translate_steps(t: Translation, lay: Layout) -> None:
-    """``trainer.max_steps`` (optimizer steps, as ms-swift counts them) from --train_iters /
-    --max_steps, else ms-swift's own count: num_train_epochs (default 3 in ``swift rlhf``) x
-    rows of the local dataset / problems per generated batch x optimizer steps per generated
-    batch (Megatron: ``len // step_batch * step_batch * G * epochs // gbs``)."""
-    g = int(t.get("num_generations", 8))
-    problems_per_gen = max(1, lay.per_generation // g if lay.mini_batches else lay.per_step // g)
-    updates = max(lay.mini_batches, 1) * int(t.get("num_iterations", 1))
-    for flag in ("train_iters", "max_steps"):
-        if flag in t.flags:
-            t.add(
-                flag,
-                EXACT,
-                {"trainer.max_steps": int(t.get(flag))},
-                "optimizer steps (megagrpo's trainer.max_steps counts them too)",
-            )
-            t.done.add("num_train_epochs")
-            if "num_train_epochs" in t.flags:
-                t.add("num_train_epochs", EXACT, {}, f"--{flag} takes precedence")
-            return
-    epochs = t.get("num_train_epochs", 3 if t.flavor == "swift" else None)
-    rows = _dataset_rows(t)
-    if epochs is not None and rows is not None:
-        steps = max(1, int(float(epochs) * rows) // problems_per_gen * updates)
-        t.add(
-            "num_train_epochs",
-            EXACT if "num_train_epochs" in t.flags else DIFFERS,
-            {"trainer.max_steps": steps},
-            f"{epochs} epochs x {rows} rows / {problems_per_gen} problems per generated batch x "
-            f"{updates} optimizer steps each = {steps} optimizer steps"
-            + ("" if "num_train_epochs" in t.flags else " (ms-swift's default)"),
-            value=epochs,
-        )
-        return
-    why = (
-        "no --dataset"
-        if "dataset" not in t.flags
-        else "a hub dataset"
-        if rows is None
-        else "no --num_train_epochs"
-    )
-    t.add(
-        "num_train_epochs",
-        MISSING,
-        {},
-        f"the number of optimizer steps is not known here ({why}): set trainer.max_steps "
-        "(megagrpo's default is 10)",
-        value=epochs,
-    )
-
-
-def _dataset_rows(t: Translation) -> int | None:
-    """Rows of the local JSONL datasets (``path#N``: N rows), None when one is not local."""
-    total = 0
-    for d in _as_list(t.get("dataset", [])):
-        path, _, sample = str(d).partition("#")
-        p = Path(path).expanduser()
-        if not p.is_file():
-            return None
-        with p.open(encoding="utf-8") as f:
-            n = sum(1 for line in f if line.strip())
-        total += int(sample) if sample.isdigit() else n
-    return total or None
-
-
-def _as_list(v: Any) -> list[Any]:
-    return v if isinstance(v, list) else [v]
 
 
 def translate_curriculum(t: Translation) -> None:

@@ -2,7 +2,10 @@
 
 Each ms-swift flag the user gave is translated by one rule and reported with a status:
 ``exact`` (the megagrpo key means the same thing), ``differs`` (mapped, but the meaning or a
-default differs: the note says how) or ``missing`` (no equivalent: not yet, or out of scope).
+default differs: the note says how), ``missing`` (not supported: out of scope by design, or a
+value the shell computes), ``harmless`` (changes how ms-swift runs or logs, not what it trains)
+or ``unknown`` (not known to from-swift). The flags no rule takes get their status from
+:mod:`megagrpo.swift.catalog` (:mod:`megagrpo.swift.status`).
 
 Flags the user did *not* give matter too: where ms-swift's default differs from megagrpo's
 (``beta`` 0.04 vs 0, ``temperature`` 0.9 vs 1.0, ``lora_alpha`` 32 vs 16, ...), the
@@ -22,30 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo.errors import ConfigError
+from megagrpo.swift.catalog import (  # noqa: F401 - re-exported: the tables' old home
+    MEGATRON_DEFAULTS,
+    OPTIM_DEFAULTS,
+    SWIFT_DEFAULTS,
+    SWIFT_RLHF_DEFAULTS,
+)
 
 EXACT, DIFFERS, MISSING = "exact", "differs", "missing"
-
-# ms-swift 4.6 defaults that matter for GRPO (both front ends unless flavor-specific)
-SWIFT_DEFAULTS: dict[str, Any] = {
-    "beta": 0.04,
-    "temperature": 0.9,
-    "lora_alpha": 32.0,
-    "lora_dropout": 0.05,
-    "lora_rank": 8,
-    "epsilon": 0.2,
-    "epsilon_high": None,
-    "dynamic_sample": False,
-    "max_resample_times": 3,
-    "num_generations": 8,
-    "max_completion_length": 512,
-    "lr_schedule": "cosine",
-    "target_modules": ["all-linear"],
-    "truncation_strategy": "left",
-}
-# both front ends: weight_decay 0.1, adam_beta2 0.95, seed 42 (megagrpo: 0.0, 0.999, 0)
-OPTIM_DEFAULTS = {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "seed": 42}
-MEGATRON_DEFAULTS = {"global_batch_size": 16}
-SWIFT_RLHF_DEFAULTS = {"per_device_train_batch_size": 1}
+HARMLESS, UNKNOWN = "harmless", "unknown"
+"""Statuses: ``=`` exact, ``~`` differs, ``x`` not supported (blocks), ``-`` harmless (never
+blocks), ``?`` not known to from-swift (blocks unless --allow-unknown)."""
 
 MATH_VERIFY_NOTE = (
     "ms-swift's 'accuracy' is MathAccuracy (math_verify): it scores 0.0 on every "
@@ -63,66 +53,6 @@ HF_TARGETS = {
     "down_proj": "linear_fc2",
 }
 ALL_LINEAR = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-
-# flags with no megagrpo equivalent, and why (GPU performance knobs, launcher details ...)
-NO_EQUIVALENT: dict[str, str] = {
-    "offload_bridge": "performance knob: the HF<->Megatron bridge's buffers (megagrpo streams "
-    "weights in buckets: trainer.sync_transport)",
-    "optimizer_cpu_offload": "performance knob: Megatron's optimizer CPU offload (the LoRA "
-    "optimizer state is small; trainer.offload_during_rollout moves it during generation)",
-    "use_precision_aware_optimizer": "performance knob: Megatron's precision-aware optimizer "
-    "(megagrpo keeps fp32 LoRA moments)",
-    "optimizer_offload_fraction": "performance knob: Megatron's optimizer CPU offload",
-    "gradient_accumulation_fusion": "performance knob (fused weight-gradient accumulation)",
-    "moe_shared_expert_overlap": "performance knob (overlapped shared-expert compute)",
-    "overlap_grad_reduce": "performance knob (DDP overlap)",
-    "overlap_param_gather": "performance knob (DDP overlap)",
-    "use_distributed_optimizer": "performance knob (sharded optimizer state)",
-    "cross_entropy_loss_fusion": "performance knob (megagrpo fuses its own loss)",
-    "masked_softmax_fusion": "performance knob",
-    "apply_rope_fusion": "performance knob",
-    "bias_dropout_fusion": "performance knob",
-    "use_liger_kernel": "performance knob (megagrpo fuses its own loss)",
-    "vllm_enforce_eager": "performance knob (CUDA graphs of the engine)",
-    "vllm_disable_cascade_attn": "performance knob",
-    "torch_empty_cache_steps": "memory knob",
-    "sequence_parallel_size": "performance knob: Ulysses sequence parallelism of swift rlhf "
-    "(megagrpo: parallel.sequence_parallel with TP)",
-    "context_parallel_size": "no context parallelism (performance / memory, not what is trained)",
-    "num_train_epochs": "megagrpo counts optimizer steps (trainer.max_steps)",
-    "swanlab_project": "no SwanLab backend",
-    "vllm_max_num_seqs": "not configurable",
-    "vllm_engine_kwargs": "not configurable",
-    "vllm_enable_prefix_caching": "not configurable",
-    "move_model_batches": "no offload",
-    "async_generate": "no asynchronous generation",
-    "dataset_num_proc": "local JSONL only; no preprocessing workers",
-    "dataloader_num_workers": "no data loader workers",
-    "dataloader_drop_last": "megagrpo's curriculum sampler always draws full batches",
-    "padding_free": "GPU performance knob",
-    "attention_backend": "GPU performance knob (model.spec te/local)",
-    "moe_permute_fusion": "GPU performance knob",
-    "moe_grouped_gemm": "model.moe_grouped_gemm (TE spec only)",
-    "deepspeed": "Megatron parallelism instead (parallel.*)",
-    "finetune": "always fine-tuning from model.hf_path",
-    "no_save_optim": "checkpoints always hold the optimizer (needed for --resume)",
-    "no_save_rng": "checkpoints always hold the RNG states (bit-exact --resume)",
-    "merge_lora": "tools/convert_ckpt.py export --merge-lora",
-    "save_safetensors": "the final adapter is PEFT safetensors; checkpoints are not",
-    "load_from_cache_file": "no dataset cache",
-    "save_strategy": "trainer.save_every",
-    "eval_strategy": "trainer.eval_every",
-    "torch_dtype": "model.dtype / rollout.dtype",
-    "max_pixels": "text only",
-    "log_entropy": "entropy is always logged (loss/entropy)",
-    "vllm_server_host": "no vLLM server mode",
-    "vllm_server_port": "no vLLM server mode",
-    "vllm_server_base_url": "no vLLM server mode",
-    "multi_turn_scheduler": "single-turn MCQ only",
-    "reward_model": "no reward models, only reward functions",
-    "output_dir": "trainer.output_dir/trainer.name (runs/<name>)",
-    "add_version": "runs/<trainer.name>",
-}
 
 
 @dataclass
@@ -151,6 +81,12 @@ class Translation:
         self.entries: list[Entry] = []
         self.overrides: dict[str, Any] = {}
         self.done: set[str] = set()
+        self.renamed: dict[str, str] = {}
+        self.world_known = world_size > 1
+        self.world_from_shell = False
+        """NPROC_PER_NODE / NNODES / torchrun's options are computed by the shell."""
+        """The world size was given (--world-size, NPROC_PER_NODE), not assumed to be 1."""
+        """ms-swift 3.x flags read as their 4.6 name (new -> old)."""
 
     def get(self, flag: str, default: Any = None) -> Any:
         return self.flags.get(flag, default)
@@ -291,6 +227,13 @@ def translate_algorithm(t: Translation) -> None:
             "" if ok else f"'{mode}' is not implemented",
         )
         t.done.add("rollout_importance_sampling_threshold")
+    elif "rollout_importance_sampling_threshold" in t.flags:
+        t.add(
+            "rollout_importance_sampling_threshold",
+            HARMLESS,
+            {},
+            "no effect without --rollout_importance_sampling_mode",
+        )
     if "overlong_filter" in t.flags:
         on = _bool(t.get("overlong_filter"))
         t.add(
@@ -524,14 +467,12 @@ def _prompt_within_context(t: Translation, prompt: Any, model_len: int, max_toke
     prompt then leaves less room to generate); megagrpo budgets both up front, so the prompt
     budget becomes model_len - max_completion_length (longer prompts are cut, not answered
     shorter)."""
+    if max_tokens >= model_len:
+        _no_room(t, prompt, model_len, max_tokens)
+        return
     if prompt is None or int(prompt) + max_tokens <= model_len:
         return
     budget = model_len - max_tokens
-    if budget < 1:
-        raise ConfigError(
-            f"--max_completion_length {max_tokens} leaves no room for a prompt within "
-            f"--vllm_max_model_len {model_len}"
-        )
     t.entries = [e for e in t.entries if e.flag != "max_length"]
     t.add(
         "max_length",
@@ -543,17 +484,64 @@ def _prompt_within_context(t: Translation, prompt: Any, model_len: int, max_toke
     )
 
 
+def _no_room(t: Translation, prompt: Any, model_len: int, max_tokens: int) -> None:
+    """max_completion_length >= vllm_max_model_len: ms-swift shortens every completion to
+    max_model_len - its prompt's length, with a warning (``InferEngine.set_default_max_tokens``,
+    ``swift/infer_engine/infer_engine.py``); megagrpo budgets lengths up front, so the engine
+    context grows by the prompt budget and completions keep max_completion_length."""
+    budget = int(prompt) if prompt is not None else 2048
+    grown = budget + max_tokens
+    t.entries = [e for e in t.entries if e.flag != "vllm_max_model_len"]
+    t.add(
+        "vllm_max_model_len",
+        DIFFERS,
+        {"rollout.max_model_len": grown, "model.max_seq_len": grown},
+        f"leaves no room for a prompt beside max_completion_length {max_tokens}: ms-swift "
+        f"shortens each completion to {model_len} - its prompt's length (with a warning); "
+        f"megagrpo cannot cap per prompt: the context is {budget} prompt tokens "
+        f"({'max_length' if prompt is not None else 'the default budget'}) + {max_tokens}, so "
+        "completions may run up to a prompt's length longer than ms-swift's",
+    )
+    if prompt is None:
+        t.overrides["data.max_prompt_tokens"] = budget
+
+
 def translate_rollout(t: Translation) -> None:
     """vLLM engine settings."""
+    default = (MEGATRON_DEFAULTS if t.flavor == "megatron" else SWIFT_RLHF_DEFAULTS)["use_vllm"]
+    on = _bool(t.get("use_vllm")) if "use_vllm" in t.flags else default
     if "use_vllm" in t.flags:
-        on = _bool(t.get("use_vllm"))
         t.add(
             "use_vllm",
             EXACT if on else DIFFERS,
             {"rollout.engine": "vllm" if on else "hf"},
             "" if on else "the HF engine is exact but slow",
         )
+    elif not on:
+        t.add(
+            "use_vllm",
+            DIFFERS,
+            {"rollout.engine": "vllm"},
+            "not given: swift rlhf's default is its PyTorch engine (PtEngine, use_vllm false); "
+            "megagrpo generates with vLLM: the same sampling distribution, faster "
+            "(rollout.engine=hf is transformers' generate, as PtEngine)",
+            given=False,
+            value=False,
+        )
     mode = t.get("vllm_mode")
+    if on and mode is None:
+        t.add(
+            "vllm_mode",
+            DIFFERS,
+            {"rollout.colocate": True},
+            "not given: ms-swift 4.6 refuses use_vllm true without vllm_mode (swift rlhf: "
+            "'vllm_mode is required when use_vllm is true', arguments/rlhf_args.py; megatron "
+            "rlhf, where use_vllm defaults to true: 'Invalid vllm_mode: None', "
+            "megatron/trainers/rollout_mixin.py): the command does not run there as given; "
+            "translated as colocate (add --vllm_mode colocate)",
+            given=False,
+            value=None,
+        )
     if mode is not None:
         t.add(
             "vllm_mode",

@@ -11,6 +11,7 @@ from megagrpo.errors import ConfigError, not_utf8
 from megagrpo.swift.flags import (
     DIFFERS,
     EXACT,
+    HARMLESS,
     MATH_VERIFY_NOTE,
     MISSING,
     OPTIM_DEFAULTS,
@@ -138,20 +139,50 @@ def _text_file(path: Path) -> str:
         raise not_utf8(path) from None
 
 
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt", ".arrow")
+"""File types ms-swift loads a local dataset from."""
+
+
+def looks_like_path(name: str) -> bool:
+    """A local dataset path rather than a hub id (``org/name``): absolute, ``./``, ``../``,
+    ``~``, more than one ``/``, or a data file's suffix."""
+    return (
+        name.startswith(("/", "./", "../", "~"))
+        or name.count("/") > 1
+        or (name.lower().endswith(DATA_SUFFIXES))
+    )
+
+
 def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
     """Datasets, prompts, rewards, logging."""
     for flag, key in (("dataset", "data.train"), ("val_dataset", "data.eval")):
         if flag not in t.flags:
             continue
-        local, remote = [], []
+        local, remote, absent, unmounted = [], [], [], []
         for d in _list(t.get(flag)):
             path = str(d).split("#", 1)[0]
-            (
-                local if Path(path).expanduser().exists() or path.endswith(".jsonl") else remote
-            ).append(str(d))
+            if Path(path).expanduser().exists():
+                local.append(str(d))
+            elif path.endswith(".jsonl"):
+                local.append(str(d))
+                unmounted.append(path)
+            elif looks_like_path(path):
+                absent.append(str(d))
+            else:
+                remote.append(str(d))
         note = []
         if remote:
             note.append(f"hub datasets {remote}: download and convert to local JSONL first")
+        if absent:
+            note.append(
+                f"{absent}: not found here (not mounted on this machine?); megagrpo reads "
+                "local JSONL: convert it and give that file"
+            )
+        if unmounted:
+            note.append(
+                f"{unmounted}: not found here (not mounted on this machine?): written as given, "
+                "read when `megagrpo train` starts"
+            )
         sampled = any("#" in d for d in local)
         if sampled:
             note.append(
@@ -160,7 +191,7 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
             )
         t.add(
             flag,
-            EXACT if not note else (DIFFERS if local and not sampled else MISSING),
+            MISSING if remote or absent or sampled else DIFFERS if unmounted else EXACT,
             {key: [d.split("#", 1)[0] for d in local]} if local else {},
             "; ".join(note),
         )
@@ -175,10 +206,11 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
         elif system.endswith(".txt"):
             t.add(
                 "system",
-                DIFFERS,
+                MISSING,
                 {},
-                f"{path} not found here: no system prompt written; set data.prompt.system to "
-                "the file's text (ms-swift reads it at start)",
+                f"{path} not found here (ms-swift reads the file at start; without it megagrpo "
+                "would train with the chat template's default system prompt): give the file "
+                "(a path from here) or its text",
             )
         else:
             t.add("system", EXACT, {"data.prompt.system": system})
@@ -191,6 +223,11 @@ def translate_data_rewards(t: Translation, keep_swift_accuracy: bool) -> None:
 def _rewards(t: Translation, keep_swift_accuracy: bool) -> None:
     names = [str(n) for n in _list(t.get("reward_funcs", []))]
     if not names:
+        if "reward_weights" in t.flags:
+            t.add("reward_weights", HARMLESS, {}, "no --reward_funcs: no function to weight")
+        for flag in ("soft_cache_length", "soft_max_length"):
+            if flag in t.flags:
+                t.add(flag, HARMLESS, {}, "no effect without soft_overlong in reward_funcs")
         t.add(
             "reward_funcs",
             DIFFERS,

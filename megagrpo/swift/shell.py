@@ -255,7 +255,9 @@ def read_launcher(tokens: list[str], i: int) -> tuple[int, str | None, dict[str,
     ``(index of that flag, front end or None, environment the launcher implies)``. Takes
     ``swift``/``megatron`` ``rlhf``, ``python[3] -m swift.cli[._megatron].rlhf``, a path to
     ``swift/cli/[_megatron/]rlhf.py`` and ``torchrun`` with its options (``--nproc_per_node``
-    and ``--nnodes`` become NPROC_PER_NODE / NNODES); ConfigError on anything else."""
+    and ``--nnodes`` become NPROC_PER_NODE / NNODES; options the shell computes,
+    ``$DISTRIBUTED_ARGS``, become TORCHRUN, which from-swift reports); ConfigError on anything
+    else."""
     flavor, env = None, {}
     torchrun = False
     while i < len(tokens):
@@ -269,6 +271,8 @@ def read_launcher(tokens: list[str], i: int) -> tuple[int, str | None, dict[str,
             flavor = word
         elif word.rsplit("/", 1)[-1] == "torchrun":
             torchrun = True
+        elif torchrun and isinstance(word, Unexpanded):  # torchrun $DISTRIBUTED_ARGS ...
+            env["TORCHRUN"] = word
         elif torchrun and word.startswith("-"):
             name, eq, value = word.lstrip("-").partition("=")
             name = name.replace("-", "_")

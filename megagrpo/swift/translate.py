@@ -28,7 +28,6 @@ from megagrpo.swift.fidelity import (
     translate_dtype,
     translate_loss_type,
     translate_old_logprobs,
-    translate_steps,
     translate_tuner,
     translate_unexpanded,
     translate_unsupported,
@@ -36,22 +35,29 @@ from megagrpo.swift.fidelity import (
 from megagrpo.swift.flags import (
     DIFFERS,
     EXACT,
+    HARMLESS,
     MISSING,
-    NO_EQUIVALENT,
+    UNKNOWN,
     Translation,
     translate_algorithm,
     translate_lengths,
     translate_model,
     translate_rollout,
 )
+from megagrpo.swift.flags_extra import translate_extra
 from megagrpo.swift.flags_run import translate_data_rewards, translate_optim
 from megagrpo.swift.shell import Unexpanded, command_from_script, read_launcher
+from megagrpo.swift.status import apply_renames, classify_rest, restore_names
+from megagrpo.swift.steps import translate_steps
 
-MARKS = {EXACT: "=", DIFFERS: "~", MISSING: "x"}
+MARKS = {EXACT: "=", DIFFERS: "~", HARMLESS: "-", MISSING: "x", UNKNOWN: "?"}
 HEADINGS = {
     EXACT: "maps exactly",
     DIFFERS: "maps with a different meaning or default",
-    MISSING: "no equivalent in megagrpo (not yet supported or out of scope)",
+    HARMLESS: "harmless: changes how ms-swift runs or logs, not what it trains (not carried over)",
+    MISSING: "not supported: trains differently in megagrpo (out of scope by design, or a "
+    "value the shell computes)",
+    UNKNOWN: "not known to from-swift: check what these do in your ms-swift version",
 }
 
 
@@ -192,17 +198,32 @@ def translate(
     keep_swift_accuracy: bool = False,
     env: dict[str, str] | None = None,
     transformers_major: int = 5,
+    world_known: bool | None = None,
 ) -> Translation:
-    """Every rule of :mod:`~megagrpo.swift.flags`, then the flags no rule took."""
+    """Every rule of :mod:`~megagrpo.swift.flags`, then the flags no rule took
+    (:func:`~megagrpo.swift.status.classify_rest`). ``world_known``: the world size was given
+    (--world-size, NPROC_PER_NODE); default: ``world_size > 1`` or NPROC_PER_NODE in ``env``."""
     check_values(flags)
     t = Translation(dict(flags), flavor, world_size, transformers_major)
-    translate_unexpanded(t, env or {})
+    env = env or {}
+    nproc = env.get("NPROC_PER_NODE")
+    t.world_known = (
+        world_known
+        if world_known is not None
+        else world_size > 1 or (nproc is not None and not isinstance(nproc, Unexpanded))
+    )
+    t.world_from_shell = any(
+        isinstance(env.get(k), Unexpanded) for k in ("NPROC_PER_NODE", "NNODES", "TORCHRUN")
+    )
+    apply_renames(t)
+    translate_unexpanded(t, env)
     translate_tuner(t)
     translate_algorithm(t)
     translate_advantage(t)
     lay = translate_batches(t)
     translate_loss_type(t, lay)
     translate_model(t)
+    translate_extra(t)
     translate_architecture(t)
     translate_dtype(t)
     translate_lengths(t)
@@ -212,13 +233,10 @@ def translate(
     translate_old_logprobs(t)
     translate_steps(t, lay)
     translate_curriculum(t)
-    translate_launch(t, env or {})
+    translate_launch(t, env)
     translate_unsupported(t)
-    for flag in flags:
-        if flag in t.done:
-            continue
-        why = NO_EQUIVALENT.get(flag, "unknown to megagrpo from-swift: no equivalent")
-        t.add(flag, MISSING, {}, why)
+    classify_rest(t)
+    restore_names(t)
     return t
 
 
@@ -261,7 +279,7 @@ def comment_line(text: str) -> str:
 def report_lines(t: Translation) -> list[str]:
     """The flag-by-flag report (what stderr shows)."""
     lines = [f"ms-swift ({t.flavor} rlhf, {len(t.flags)} flags) -> megagrpo"]
-    for status in (EXACT, DIFFERS, MISSING):
+    for status in (EXACT, DIFFERS, HARMLESS, MISSING, UNKNOWN):
         entries = [e for e in t.entries if e.status == status]
         if not entries:
             continue

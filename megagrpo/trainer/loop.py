@@ -279,7 +279,7 @@ def grpo_step(ctx: TrainContext, step: int) -> dict[str, float | None]:
     if ctx.cfg.metrics.swift_names:  # the ms-swift / TRL dashboard names too
         num = sum(g.size for g in gb.groups)  # the reward statistics' population
         scale = ctx.cfg.loss.resolved_advantage_scale()
-        names = swift_reward_names(ctx.reward_fn.terms)  # rewards/MathAccuracy/mean ...
+        names = swift_reward_names(ctx.reward_fn.terms, ctx.cfg.rewards.functions)
         row.update(swift_aliases(row, ctx.reward_fn.names, num, scale, names))
     ctx.logger.log(step, row)  # 8: metrics (rank 0; others log nothing)
     every_save = ctx.cfg.trainer.save_every or ctx.cfg.trainer.max_steps

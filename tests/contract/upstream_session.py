@@ -403,6 +403,105 @@ def ep_probes(model: str, sent: dict) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
+# ----------------------------------------------------------------------------- vllm serve
+def _upstream_function(relpath: str, name: str):
+    """vLLM's own function ``name`` of ``vllm/<relpath>``, compiled alone (its module's other
+    imports are not loaded)."""
+    import ast
+
+    import vllm
+
+    path = os.path.join(os.path.dirname(vllm.__file__), relpath)
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.Module([node], []), path, "exec"), namespace)
+    return namespace[name]
+
+
+def serve_probe(model: str, argv: list[str]) -> dict[str, Any]:
+    """``vllm serve`` with the argv of docs/evaluation.md's command (tests/contract/
+    serve_command.py), as vLLM 0.33 runs it up to the first request: its CLI parser and checks
+    (``make_arg_parser``, ``validate_parsed_serve_args``), the engine config from the parsed
+    args (``AsyncEngineArgs.from_cli_args``), the model and LoRA managers its worker builds
+    from that config, and the static adapters loaded by ``OpenAIServingModels
+    .init_static_loras`` (``load_lora_adapter`` -> the engine's ``add_lora`` -> the worker's
+    ``add_adapter``). Returns the LoRA config, the request it made and the adapter's buffers."""
+    import asyncio
+    import types
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import (  # pyright: ignore[reportMissingImports]
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.model_executor.model_loader.utils import (
+        initialize_model,
+        process_weights_after_loading,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    args.model = args.model_tag  # as ServeSubcommand.cmd does
+    validate_parsed_serve_args(args)
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    engine_args.enforce_eager = True  # the CPU platform captures no graphs
+    _init_gloo(1, 0, free_port())
+    engine = Engine.__new__(Engine)  # Engine's state, built from the served config
+    engine.config = engine_args.create_engine_config()
+    with set_current_vllm_config(engine.config):
+        init_distributed_environment(1, 0, "env://", 0, "gloo")
+        initialize_model_parallel(1, 1)
+        net = initialize_model(vllm_config=engine.config)
+        process_weights_after_loading(net, engine.config.model_config, torch.device("cpu"))
+        runner = LoRAModelRunnerMixin()
+        runner.lora_config = engine.config.lora_config
+        engine.net = runner.load_lora_model(net, engine.config, torch.device("cpu"))
+    engine.runner, engine.workers = runner, runner.lora_manager
+    engine.manager = runner.lora_manager._adapter_manager
+    requests = []
+
+    async def add_lora(request) -> bool:
+        requests.append(request)
+        engine.add(request)
+        return True
+
+    client = types.SimpleNamespace(
+        model_config=engine.config.model_config,
+        renderer=None,
+        input_processor=None,
+        add_lora=add_lora,
+    )
+    lora = engine.config.lora_config
+    assert lora is not None, "vllm serve --enable-lora made no LoRA config"
+    process_lora_modules = _upstream_function(
+        "entrypoints/serve/utils/api_utils.py", "process_lora_modules"
+    )  # its module imports the HTTP stack (orjson, fastapi); the function needs none of it
+    models = OpenAIServingModels(
+        engine_client=client,  # pyright: ignore[reportArgumentType]
+        base_model_paths=[BaseModelPath(name=args.model, model_path=args.model)],
+        lora_modules=process_lora_modules(args.lora_modules, lora.default_mm_loras or {}),
+    )
+    asyncio.run(models.init_static_loras())
+    request = requests[0]
+    return {
+        "lora_config": {"max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras},
+        "request": {
+            "name": request.lora_name,
+            "id": request.lora_int_id,
+            "path": request.lora_path,
+        },  # fmt: skip
+        "served": sorted(models.lora_requests),
+        "state": engine.state(request.lora_int_id),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, help="tiny Qwen3-MoE HF directory")
@@ -410,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exported", default=None, help="`megagrpo export --format vllm` dir")
     parser.add_argument("--configs", nargs="*", default=[], help="run configs for the gate")
     parser.add_argument("--hf235", default=None, help="Qwen3-235B-A22B config.json")
+    parser.add_argument("--serve", default=None, help="JSON argv of docs' `vllm serve` line")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     import vllm
@@ -420,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     if sent is not None:
         results["ep"] = outcome(ep_probes, args.model, sent)
         results["engine"] = in_fork(engine_probes, args.model, sent, args.exported)
+    if args.serve:  # docs/evaluation.md's `vllm serve` line (tests/contract/test_vllm_serve.py)
+        import json
+
+        results["serve"] = in_fork(serve_probe, args.model, json.loads(args.serve))
     import upstream_gate
 
     results["gate"] = outcome(upstream_gate.probes, args.model, args.configs, args.hf235)

@@ -175,8 +175,9 @@ def test_kinki_counts_against_the_metadata(igakuqa_dir, capsys):
     assert sum(t["kinki_selected"] for t in got["by_exam"].values()) == len(expected)
 
 
-def test_adapter_is_applied_exactly(tmp_path, demo_model):
-    """--adapter: the engine's log-probs equal peft's on the same adapter (fp32)."""
+def test_adapter_is_applied_exactly(tmp_path, demo_model, capsys):
+    """--adapter: the engine's log-probs equal peft's on the same adapter (fp32); the run says
+    plainly that the HF engine merged it (review 4: "verified=True" beside NaNs)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -205,6 +206,9 @@ def test_adapter_is_applied_exactly(tmp_path, demo_model):
     finally:
         engine.close()
     assert info["applied"] and info["modules"] == 2 * 30  # q, v in 30 layers
+    err = capsys.readouterr().err
+    assert "merged into the engine's weights" in err and "HF engine serves no adapters" in err
+    assert info["served"].startswith("merged") and "nan" not in err.lower()
     assert float((before - want).abs().max()) > 1e-2  # the adapter moves the model
     assert float((after - want).abs().max()) < 1e-4  # fp32 merge vs peft's unmerged forward
 

@@ -36,3 +36,42 @@ def swift_function(relpath: str, name: str, cls: str | None = None, **names: Any
     ns |= {"torch": torch, "logger": logging.getLogger("swift"), **names}
     exec(compile(ast.Module([fn], []), str(path), "exec"), ns)
     return ns[name]
+
+
+def swift_class(relpath: str, name: str, **names: Any) -> type:
+    """``swift/<relpath>``'s class ``name``, compiled alone (its bases must be given in
+    ``names`` unless it has none), with the globals of :func:`swift_function`."""
+    path, tree = swift_tree(relpath)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    ns: dict[str, Any] = {k: getattr(typing, k) for k in typing.__all__}
+    ns |= {"torch": torch, "logger": logging.getLogger("swift"), **names}
+    exec(compile(ast.Module([node], []), str(path), "exec"), ns)
+    return ns[name]
+
+
+def swift_defs(relpath: str, *names: str, **extra: Any) -> dict[str, Any]:
+    """Several top-level functions / classes of ``swift/<relpath>`` compiled together alone
+    (one namespace, so they see each other), with ``dataclass`` and ``extra`` as globals."""
+    import dataclasses
+
+    path, tree = swift_tree(relpath)
+    nodes = [
+        n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in names
+    ]
+    assert {n.name for n in nodes} == set(names), f"{relpath}: {names}"
+    ns: dict[str, Any] = {k: getattr(typing, k) for k in typing.__all__}
+    ns |= {"torch": torch, "logger": logging.getLogger("swift"),
+           "dataclass": dataclasses.dataclass, "field": dataclasses.field, **extra}  # fmt: skip
+    body: list[ast.stmt] = list(nodes)
+    exec(compile(ast.Module(body, []), str(path), "exec"), ns)
+    return {name: ns[name] for name in names}
+
+
+def swift_advantage(name: str) -> Any:
+    """``swift.rl_core.advantage.<name>`` compiled alone: importing ``swift.rl_core`` loads
+    the trainers' stack (20 s on the shared machine) for functions that read their arguments."""
+    nanstd = swift_function("utils/torch_utils.py", "nanstd")
+    return swift_defs(
+        "rl_core/advantage.py", "RewardMetrics", "compute_advantages", "compute_reward_metrics",
+        nanstd=nanstd,
+    )[name]  # fmt: skip

@@ -13,7 +13,7 @@ from megagrpo.cli import main
 from megagrpo.config import load_config
 from megagrpo.errors import ConfigError
 from megagrpo.swift.fidelity import blocking
-from megagrpo.swift.flags import DIFFERS, MISSING, OPTIM_DEFAULTS, SWIFT_DEFAULTS
+from megagrpo.swift.flags import DIFFERS, HARMLESS, OPTIM_DEFAULTS, SWIFT_DEFAULTS
 from megagrpo.swift.translate import (
     command_from_script,
     parse_tokens,
@@ -215,8 +215,8 @@ def test_megatron_example_moe_colocate_lora():
     assert cfg.trainer.adam_betas == [0.9, 0.95] and cfg.trainer.weight_decay == 0.1
     assert [f.name for f in cfg.rewards.functions] == ["mcq_accuracy", "orms:format"]
     assert cfg.parallel.pp == 2 and cfg.rollout.sleep_level == 2
-    missing = {e.flag for e in t.entries if e.status == MISSING}
-    assert "context_parallel_size" in missing  # a performance knob: reported, not blocking
+    harmless = {e.flag for e in t.entries if e.status == HARMLESS}
+    assert "context_parallel_size" in harmless  # a performance knob: reported, not blocking
     # a hub dataset (download it first), hence no step count either
     assert {e.flag for e in blocking(t)} == {"dataset", "num_train_epochs"}
     assert cfg.loss.overlong_filter is True and cfg.trainer.offload_during_rollout is True

@@ -1,8 +1,9 @@
 """`megagrpo from-swift` says ``=`` only when megagrpo trains what ms-swift 4.6 trains, and
 writes no config for a recipe it cannot train (exit 2) unless --allow-partial.
 
-References: ms-swift's own code where it is importable (``swift.rl_core.advantage``,
-``swift.utils.hf_config``), else its loss as written in
+References: ms-swift's own code, compiled alone from its installed source where importing
+its module would load its trainers' stack (``rl_core/advantage.py``, ``utils/hf_config.py``:
+tests/unit/swift_source.py), else its loss as written in
 ``swift/megatron/trainers/grpo_trainer.py`` (lines cited at each re-statement), and ms-swift's
 GRPO example scripts (tests/fixtures/ms_swift_grpo/, Apache-2.0, attributed in each file).
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from swift_source import swift_advantage, swift_class, swift_defs, swift_function
 
 from megagrpo.algo.advantages import group_advantages
 from megagrpo.algo.config import LossConfig
@@ -145,7 +147,7 @@ def test_loss_types_train_ms_swifts_loss(loss_type, level):
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("scale", [None, "group", "batch", "none"])
 def test_advantages_are_ms_swifts(loss_type, scale):
-    from swift.rl_core.advantage import compute_advantages
+    compute_advantages = swift_advantage("compute_advantages")
 
     extra = [] if scale is None else ["--scale_rewards", scale]
     cfg = to_config(_t([*BASE, "--loss_type", loss_type, "--num_generations", "4", *extra]))
@@ -162,7 +164,7 @@ def test_advantages_are_ms_swifts(loss_type, scale):
 def test_advantage_estimators_are_ms_swifts(estimator, scale):
     """--advantage_estimator rloo | reinforce_plus_plus (refused at cd819e6) against
     ms-swift's own compute_advantages."""
-    from swift.rl_core.advantage import compute_advantages
+    compute_advantages = swift_advantage("compute_advantages")
 
     t = _t([*BASE, "--advantage_estimator", estimator, "--scale_rewards", scale,
             "--kl_in_reward", "false", "--num_generations", "4"])  # fmt: skip
@@ -247,7 +249,13 @@ def test_old_logprobs_recomputed_and_no_tis_unless_asked():
 
 
 def test_dtype_is_the_models_own(tmp_path):
-    from swift.utils.hf_config import HfConfigFactory
+    # ms-swift's HfConfigFactory compiled alone (swift.utils.hf_config imports transformers'
+    # model stack); a config dict never reaches its PretrainedConfig branches
+    HfConfigFactory = swift_class(  # noqa: N806 - ms-swift's class name
+        "utils/hf_config.py", "HfConfigFactory",
+        PretrainedConfig=type("PretrainedConfig", (), {}),
+        deep_getattr=swift_function("utils/utils.py", "deep_getattr"),
+    )  # fmt: skip
 
     model = tmp_path / "m"
     model.mkdir()
@@ -404,7 +412,8 @@ def test_soft_max_length_beyond_the_completion_limit_is_translated(tmp_path, cap
     assert "reward is 0 for every completion" in capsys.readouterr().err
     cfg = load_config(RunConfig, [out])
     assert [f.name for f in cfg.rewards.functions] == ["mcq_accuracy"]
-    from swift.rewards.orm import SoftOverlong
+    # ms-swift's SoftOverlong and ORM compiled alone (swift.rewards imports trl and vLLM)
+    SoftOverlong = swift_defs("rewards/orm.py", "ORM", "SoftOverlong")["SoftOverlong"]  # noqa: N806
 
     class Args:
         soft_max_length, soft_cache_length, max_completion_length = 4096, 2048, 512

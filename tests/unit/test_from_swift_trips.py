@@ -127,6 +127,7 @@ def test_offload_and_performance_flags_are_accepted_with_a_note():
 OUT_OF_SCOPE = {
     "dataset": "hub datasets / path#N subsampling (download, convert, write the rows)",
     "num_train_epochs": "no step count without the local dataset (hub datasets)",
+    "system": "a --system file not found here (ms-swift reads it at start; F8)",
     "model": "vision-language models and families megagrpo has no provider for",
     "max_pixels": "vision-language models",
     "freeze_vit": "vision-language models",

@@ -85,7 +85,9 @@ def test_reward_std_is_ms_swifts(scale):
     """ms-swift's reward_std (rl_core/advantage.py compute_reward_metrics) is the mean of the
     groups' stds with scale_rewards group/none, not the batch std megagrpo logged under it
     (0.354 vs 0.25 on the review's batch; on an all-collapsed batch ms-swift logs 0)."""
-    from swift.rl_core.advantage import compute_reward_metrics
+    from swift_source import swift_advantage
+
+    compute_reward_metrics = swift_advantage("compute_reward_metrics")
 
     from megagrpo.metrics.names import group_std_mean
 

@@ -92,17 +92,20 @@ def test_reward_dashboards_under_ms_swifts_names(tmp_path):
         type(cfg.functions[0])(name="myplug:LetterFormat"),
     ]
     composite = build_composite(cfg, {"max_completion_length": 512})
-    ours = swift_reward_names(composite.terms)
+    ours = swift_reward_names(composite.terms, cfg.functions)
     mod = sys.modules.get("myplug") or importlib.import_module("myplug")
     theirs = _resolve_reward_funcs(_swift_registry())(
         ["accuracy", "soft_overlong", mod.brevity_reward, mod.LetterFormat()]
     )
-    assert [ours[t.name] for t in composite.terms] == theirs
     assert theirs == ["MathAccuracy", "SoftOverlong", "brevity_reward", "LetterFormat"]
+    # the same functions keep ms-swift's names; mcq_accuracy, which from-swift put in place
+    # of ms-swift's MathAccuracy, is not drawn on MathAccuracy's panel (review 4, F3)
+    assert [ours[t.name] for t in composite.terms] == ["MCQAccuracy", *theirs[1:]]
     row: dict[str, float | None] = {
         f"reward/{t.name}/{s}": 0.5 for t in composite.terms for s in ("mean", "std")
     }
     aliases = swift_aliases(row, [t.name for t in composite.terms], 8, "group", ours)
-    for name in theirs:
+    assert "rewards/MathAccuracy/mean" not in aliases
+    for name in ["MCQAccuracy", *theirs[1:]]:
         assert aliases[f"rewards/{name}/mean"] == 0.5
         assert aliases[f"rewards/{name}/std"] == pytest.approx(0.5 * (8 / 7) ** 0.5)

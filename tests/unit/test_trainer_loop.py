@@ -423,7 +423,9 @@ def _check_swift_dashboards(saved: list[dict], logged: list[dict]) -> None:
     step logged (compute_reward_metrics, scale_rewards group); advantages are logged with
     them (group-normalised: each group's sum is 0); entropy/mean and the clip extremes are
     in every trained row."""
-    from swift.rl_core.advantage import compute_reward_metrics
+    from swift_source import swift_advantage
+
+    compute_reward_metrics = swift_advantage("compute_reward_metrics")
 
     for r in saved:
         if r.get("train/skipped_empty_batch") == 1.0:
