@@ -92,11 +92,18 @@ def export_adapter_dir(model: Path, work: Path, fmt: str) -> Path:
 
 @pytest.fixture(scope="session")
 def contract_model(tmp_path_factory, tiny_tokenizer_dir) -> Path:
-    """A tiny Qwen3-MoE with 8 experts (2 layers, hidden 64, top-2)."""
+    """A tiny Qwen3-MoE with 8 experts (2 layers, hidden 64, top-2) and one KV head (TP 2
+    replicates it, as TP 16 does Qwen3-235B's four)."""
     from megagrpo.testing import build_tiny_model
 
     out = tmp_path_factory.mktemp("contract_moe")
-    return build_tiny_model(out, "moe", tokenizer_dir=tiny_tokenizer_dir, num_experts=NUM_EXPERTS)
+    return build_tiny_model(
+        out,
+        "moe",
+        tokenizer_dir=tiny_tokenizer_dir,
+        num_experts=NUM_EXPERTS,
+        num_key_value_heads=1,
+    )
 
 
 @pytest.fixture(scope="session")
