@@ -185,6 +185,7 @@ def test_normal_end_does_not_requeue_and_runs_what_dry_run_prints(repo_root, fak
 def test_dry_run_header_and_defaults(repo_root):
     text = (repo_root / "slurm/grpo_235b.sh").read_text(encoding="utf-8")
     assert "#SBATCH --open-mode=append" in text
+    assert "#SBATCH --mem=0" in text  # P1: a site's default memory limit must not apply
     assert "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}" in text
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("NCCL_NVLS_ENABLE", None)
@@ -199,6 +200,10 @@ def test_dry_run_header_and_defaults(repo_root):
     assert out.returncode == 0, out.stderr
     assert "NCCL_NVLS_ENABLE=0" in out.stdout and "SRUN_CPUS_PER_TASK=96" in out.stdout
     assert len([ln for ln in out.stdout.splitlines() if ln.startswith("[h100-node")]) == 16
+    directives = next(ln for ln in out.stdout.splitlines() if ln.startswith("# sbatch"))
+    assert " --mem=0 " in directives and " --exclusive " in directives
+    host = next(ln for ln in out.stdout.splitlines() if "host (pinned)" in ln)
+    assert "of 2048 GiB (cluster.host_memory_gib) -> fits" in host
 
 
 def test_submit_creates_the_log_folder_first(repo_root, fake, tmp_path):
