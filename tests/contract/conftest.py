@@ -28,8 +28,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tier shares one upstream subprocess (~30 s on a quiet 2-core machine, ~110 s
-    loaded): slow for the edit-test loop (`make test-fast`), run by `make test` and CI."""
+    """The tier shares one upstream subprocess (~50-90 s on the shared 2-core machine):
+    slow for the edit-test loop (`make test-fast`), run by `make test` and CI."""
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)

@@ -24,11 +24,17 @@ not there: nothing compiled runs). What runs here is upstream's code on real obj
   its real ``FusedMoEParallelConfig`` and ``moe_ep_load_spec``;
 * the idle lock-stepped rank: ``LoRAModelRunnerMixin.maybe_dummy_run_with_lora`` as the V2
   model runner's ``_dummy_run`` calls it (upstream's own, and as megagrpo runs it);
+* megagrpo's ``VLLMEngine`` over a ``vllm.LLM`` built of vLLM 0.33's own objects down to the
+  worker (upstream_llm.py): every sync-side call it makes (upstream_sync.py) on the layouts
+  of :data:`LAYOUTS` -- world 1 and DP 2 x EP 2 with LoRA served, TP 2 merged over one KV
+  head (a fork of its own), a real start at EP 4;
 * the compatibility gate's rules against their upstream functions (upstream_gate.py).
 
 What cannot run here: any forward pass (the kernels are CUDA / the missing C extension), the
 all-gather dispatch between ranks (``naive_dp_ep``), vLLM's engine loop. tests/gpu covers
 those. Every probe's outcome (values or the traceback) goes into one ``torch.save`` file.
+The heavy modules are imported once before the forks (:data:`PRELOAD`): the forks then cost
+seconds, not an import of vLLM each.
 
     python upstream_session.py --model DIR --results FILE [--exported DIR] [--only NAMES]
 """
