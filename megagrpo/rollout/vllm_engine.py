@@ -80,12 +80,7 @@ from megagrpo.rollout.vllm_lora import (
     lora_int_id,
     serve_from_memory,
 )
-from megagrpo.rollout.vllm_reload import (
-    WATCH,
-    checkpoint_names,
-    expected_failures,
-    reload_error,
-)
+from megagrpo.rollout.vllm_reload import WATCH, checkpoint_names, expected_failures, reload_error
 from megagrpo.rollout.vllm_support import (
     NameMap,
     agree,

@@ -111,13 +111,97 @@ def _adapters(eng, engine, sent: dict) -> dict[str, Any]:
     }
 
 
+def _sleep_then_push(eng, engine, base: list) -> dict[str, Any]:
+    eng.sleep()
+    asleep = _wake_state(eng.llm)
+    asleep["finite"] = _finite(engine.net)
+    pushed = _push(eng, base, True)
+    return {"asleep": asleep, "pushed": pushed, "awake": _wake_state(eng.llm)}
+
+
+def _old_names(eng, base: list) -> dict[str, Any]:
+    """A sliced push under the plain expert names megagrpo sent before B1's fix."""
+    infixes = dict(getattr(eng, "_infixes", {}) or {})
+    eng._infixes = {k: "" for k in infixes}
+    try:
+        return _push(eng, sliced(base, eng.weight_regions()), False)
+    finally:
+        eng._infixes = infixes
+
+
+def _apply_model_path(eng, base: list) -> dict[str, Any]:
+    eng.sync_path = "apply_model"
+    try:
+        return _push(eng, base, True)
+    finally:
+        eng.sync_path = "reload_weights"
+
+
+def _repush_served(eng, engine, base: list) -> dict[str, Any]:
+    """A merged push while an adapter is served; what upstream's ``reset_lora_state``
+    leaves, and the adapter after the probe's request (which names it) loaded it again."""
+    served = eng._lora_request.lora_int_id
+    runner, seen = engine.runner, []
+    reset = runner.reset_lora_state
+
+    def recording_reset() -> None:  # upstream's, recording what it leaves
+        reset()
+        seen.append(sorted(engine.manager.list_adapters()))
+
+    runner.reset_lora_state = recording_reset
+    try:
+        _push(eng, base, True)
+    finally:
+        del runner.reset_lora_state
+    return {"after_reload": seen, "served": served, "state": engine.state(served)}
+
+
+def _generate(eng) -> dict[str, Any]:
+    """Rollouts through ``llm.generate`` (vLLM 0.33's ``SamplingParams`` and output classes;
+    the stand-in forward) and the CPU path's request split (``scheduler_config``)."""
+    from megagrpo.types import Problem
+
+    problem = Problem(id="p0", messages=[{"role": "user", "content": "2+2?"}], answer=["4"])
+    groups = eng.generate([problem], n=2)
+    prompts, params, lora_req = eng.llm.requests[-1]
+    on_gpu, eng.on_gpu = eng.on_gpu, False
+    try:
+        calls = eng._prefill_calls(prompts)
+    finally:
+        eng.on_gpu = on_gpu
+    keep = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs")
+    return {
+        "token_ids": groups[0].token_ids,
+        "logprobs": groups[0].logprobs,
+        "finish": groups[0].finish_reasons,
+        "prompt_ids": groups[0].prompt_ids,
+        "params": [{k: getattr(p, k) for k in keep} for p in params],
+        "lora": None if lora_req is None else lora_req.lora_int_id,
+        "prefill_calls": calls,
+    }
+
+
+def _wake_plain(eng) -> dict[str, Any]:
+    """The loop's wake after a step without an update: ``wake_up()`` (every tag)."""
+    eng.sleep()
+    eng.wake_up()
+    return _wake_state(eng.llm)
+
+
+def _poison(eng, engine, base: list) -> dict[str, Any]:
+    from megagrpo.rollout.vllm_support import poison_weights
+
+    count = eng.llm.apply_model(poison_weights)[0]
+    finite = _finite(engine.net)
+    _push(eng, base, True)
+    return {"poisoned": count, "finite_after_poison": finite, "finite": _finite(engine.net)}
+
+
 def sync_probes(engine, model: str, sent: dict, close: bool = False) -> dict[str, Any]:
     """The steps of the module docstring on ``engine`` (an ``upstream_session.Engine``);
     ``close``: end with step 11."""
     from upstream_llm import megagrpo_engine
     from upstream_session import outcome, rollout_config
-
-    from megagrpo.rollout.vllm_support import poison_weights
 
     out: dict[str, Any] = {}
     box: dict[str, Any] = {}
@@ -139,87 +223,17 @@ def sync_probes(engine, model: str, sent: dict, close: bool = False) -> dict[str
     out["block"] = outcome(eng.expert_block)
     out["push_sliced"] = outcome(_push, eng, sliced(base, eng.weight_regions()), False)
     out["after_sliced"] = outcome(lambda: (engine_tensors(engine.net), eng._param_stats()))
-
-    def sleep_then_push() -> dict[str, Any]:
-        eng.sleep()
-        asleep = _wake_state(eng.llm)
-        asleep["finite"] = _finite(engine.net)
-        pushed = _push(eng, base, True)
-        return {"asleep": asleep, "pushed": pushed, "awake": _wake_state(eng.llm)}
-
-    out["push_full"] = outcome(sleep_then_push)
+    out["push_full"] = outcome(_sleep_then_push, eng, engine, base)
     out["after_full"] = outcome(lambda: (engine_tensors(engine.net), eng._param_stats()))
     if lora:
-        infixes = dict(getattr(eng, "_infixes", {}) or {})
-        eng._infixes = {k: "" for k in infixes}
-        out["push_old_names"] = outcome(_push, eng, sliced(base, eng.weight_regions()), False)
-        eng._infixes = infixes
-    eng.sync_path = "apply_model"
-    out["push_apply_model"] = outcome(_push, eng, base, True)
-    eng.sync_path = "reload_weights"
+        out["push_old_names"] = outcome(_old_names, eng, base)
+    out["push_apply_model"] = outcome(_apply_model_path, eng, base)
     if lora:
         out["adapters"] = outcome(_adapters, eng, engine, sent)
-
-        def repush() -> dict[str, Any]:
-            served = eng._lora_request.lora_int_id
-            runner, seen = engine.runner, []
-            reset = runner.reset_lora_state
-
-            def recording_reset() -> None:  # upstream's, recording what it leaves
-                reset()
-                seen.append(sorted(engine.manager.list_adapters()))
-
-            runner.reset_lora_state = recording_reset
-            try:
-                _push(eng, base, True)  # its probe's request loads the adapter again
-            finally:
-                del runner.reset_lora_state
-            return {"after_reload": seen, "served": served, "state": engine.state(served)}
-
-        out["repush_served"] = outcome(repush)
-
-    def generate() -> dict[str, Any]:
-        """Rollouts through ``llm.generate`` (vLLM 0.33's ``SamplingParams`` and output
-        classes; the stand-in forward) and the CPU path's request split
-        (``llm_engine.vllm_config.scheduler_config``)."""
-        from megagrpo.types import Problem
-
-        problem = Problem(id="p0", messages=[{"role": "user", "content": "2+2?"}], answer=["4"])
-        groups = eng.generate([problem], n=2)
-        prompts, params, lora_req = eng.llm.requests[-1]
-        on_gpu, eng.on_gpu = eng.on_gpu, False
-        try:
-            calls = eng._prefill_calls(prompts)
-        finally:
-            eng.on_gpu = on_gpu
-        keep = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs")
-        return {
-            "token_ids": groups[0].token_ids,
-            "logprobs": groups[0].logprobs,
-            "finish": groups[0].finish_reasons,
-            "prompt_ids": groups[0].prompt_ids,
-            "params": [{k: getattr(p, k) for k in keep} for p in params],
-            "lora": None if lora_req is None else lora_req.lora_int_id,
-            "prefill_calls": calls,
-        }
-
-    out["generate"] = outcome(generate)
-
-    def wake_plain() -> dict[str, Any]:
-        """The loop's wake after a step without an update: ``wake_up()`` (every tag)."""
-        eng.sleep()
-        eng.wake_up()
-        return _wake_state(eng.llm)
-
-    out["wake_plain"] = outcome(wake_plain)
-
-    def poison() -> dict[str, Any]:
-        count = eng.llm.apply_model(poison_weights)[0]
-        finite = _finite(engine.net)
-        _push(eng, base, True)
-        return {"poisoned": count, "finite_after_poison": finite, "finite": _finite(engine.net)}
-
-    out["poison"] = outcome(poison)
+        out["repush_served"] = outcome(_repush_served, eng, engine, base)
+    out["generate"] = outcome(_generate, eng)
+    out["wake_plain"] = outcome(_wake_plain, eng)
+    out["poison"] = outcome(_poison, eng, engine, base)
     if close:
         out["close"] = outcome(close_probe, eng)
     return out
