@@ -16,13 +16,17 @@
 # is the job requeued; the next start finds the newest complete checkpoint under
 # {trainer.output_dir}/{trainer.name}/checkpoints and passes --resume. A TERM (scancel,
 # preemption) is forwarded the same way. The log file is appended to across requeues; its
-# folder (logs/) must exist before sbatch: slurm/submit.sh creates it.
+# folder (logs/) must exist before sbatch: slurm/submit.sh creates it. --mem=0: the job gets
+# each node's whole memory (the trainer's offloaded state and vLLM's sleep backups are pinned
+# host buffers: plan-memory's "host (pinned)" line against cluster.host_memory_gib); a site's
+# default memory limit (DefMemPerNode / DefMemPerCPU) would kill it at the first offload.
 #SBATCH --job-name=megagrpo-235b
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=96
 #SBATCH --exclusive
+#SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@300
@@ -109,6 +113,7 @@ PLAN=("$PYTHON" -m megagrpo.cli plan-memory "$CONFIG" "${OVERRIDES[@]}" --hf-con
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "# megagrpo GRPO launch (dry run): $NUM_NODES nodes x $GPUS_PER_NODE GPUs, config $CONFIG"
+  echo "# sbatch directives: $(sed -n 's/^#SBATCH //p' "${BASH_SOURCE[0]}" | tr '\n' ' ')"
   SAY=${RESUME[*]:-no checkpoint yet}
   if [ "$SAY" = --overwrite ]; then
     SAY="--overwrite (restart $RESTARTS, no complete checkpoint: the partial run moves aside)"

@@ -119,7 +119,7 @@ def plan_run(cfg: RunConfig, hf: dict, **kw) -> dict:
     from megagrpo.plan.search import full_plan
 
     a = kw.get("assumptions") or Assumptions()
-    hw = kw.get("hardware") or Hardware()
+    hw = kw.get("hardware") or Hardware(host_memory_gib_per_node=cfg.cluster.host_memory_gib)
     bill = collapse_bill(cfg, kw.get("levels"))
     plan = full_plan(billed(scenario_from_config(cfg, hf), bill), a, hw)
     plan["collapse"] = bill.as_dict()
@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.gpus:  # the pinned upstream rules for this model (the loader had no model)
         compat.enforce(cfg, hf)
     a = parse_assignments(args.assume, Assumptions(), "--assume")
-    hw = parse_assignments(args.hw, Hardware(), "--hw")
+    node = Hardware(host_memory_gib_per_node=cfg.cluster.host_memory_gib)  # --hw overrides
+    hw = parse_assignments(args.hw, node, "--hw")
     bill = collapse_bill(cfg, args.levels)
     sc = billed(scenario_from_config(cfg, hf), bill)
     gate = make_gate(cfg, hf)

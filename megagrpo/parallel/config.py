@@ -55,6 +55,12 @@ class ClusterConfig:
     """GPUs per node (H100 nodes: 8)."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU (H100 SXM: 80 GiB)."""
+    host_memory_gib: float = 2048.0
+    """Host memory of one node the job may use, GiB (DGX H100: 2 TB; `free -g` on a node).
+    `megagrpo plan-memory` checks the pinned buffers of a node's GPUs (offloaded trainer
+    state, vLLM's sleep backups) against it, and slurm/grpo_235b.sh asks for all of it
+    (``#SBATCH --mem=0``: a site's default memory limit would kill the job at its first
+    offload)."""
 
     @property
     def num_gpus(self) -> int:
@@ -65,6 +71,8 @@ class ClusterConfig:
         require(self.gpus_per_node >= 1, f"{path}.gpus_per_node", "must be >= 1")
         require_finite(self.gpu_memory_gib, f"{path}.gpu_memory_gib")
         require(self.gpu_memory_gib > 0, f"{path}.gpu_memory_gib", "must be > 0")
+        require_finite(self.host_memory_gib, f"{path}.host_memory_gib")
+        require(self.host_memory_gib > 0, f"{path}.host_memory_gib", "must be > 0")
 
 
 def stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:

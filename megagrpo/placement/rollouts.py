@@ -184,6 +184,32 @@ def _worst(reports: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def lean(groups: list[Group]) -> list[Group]:
+    """``groups`` as they travel between ranks (m2): without their problem (every rank has
+    it: :func:`restored` puts it back by position) and without prompt ids the problem
+    carries (``meta['prompt_ids']``: a partial rollout's prompt + prefix, resent every chunk
+    otherwise)."""
+    return [
+        dataclasses.replace(
+            g,
+            problem=Problem(id=g.problem.id, messages=[], answer=[]),
+            prompt_ids=[] if "prompt_ids" in g.problem.meta else g.prompt_ids,
+        )
+        for g in groups
+    ]
+
+
+def restored(groups: list[Group], problems: list[Problem]) -> list[Group]:
+    """:func:`lean` undone with this rank's ``problems`` (one group per problem, in order)."""
+    for g, p in zip(groups, problems, strict=True):
+        if g.problem.id != p.id:
+            raise RuntimeError(f"rollouts returned group {g.problem.id!r} for problem {p.id!r}")
+        g.problem = p  # this rank's object, not an unpickled copy
+        if not g.prompt_ids and "prompt_ids" in p.meta:
+            g.prompt_ids = list(p.meta["prompt_ids"])
+    return groups
+
+
 class Rollouts(ABC):
     """The placement of generation (see module docstring). ``engine`` is this rank's engine
     (None on the ranks of :class:`Rank0Rollouts` other than 0)."""
@@ -269,12 +295,10 @@ class Rollouts(ABC):
         """``n`` completions per problem (one count, or one per problem), unscored, one group
         per problem on every rank."""
         counts = round_counts(n, len(problems))
-        groups = self.comm.broadcast_object(self._generate_on_main(problems, counts, spec))
+        groups = self.comm.broadcast_object(lean(self._generate_on_main(problems, counts, spec)))
         if len(groups) != len(problems):
             raise RuntimeError(f"rollouts returned {len(groups)} groups for {len(problems)}")
-        for group, problem in zip(groups, problems):
-            group.problem = problem  # this rank's object, not an unpickled copy
-        return groups
+        return restored(groups, problems)
 
     def generate_round(
         self, problems: list[Problem], n: int | Sequence[int], seed: int
@@ -471,11 +495,11 @@ class ShardedRollouts(Rollouts):
             else []
         )
         leader = self.comm.rank % self.replica_size == 0
-        gathered = self.comm.gather_object(mine if leader else None)
+        gathered = self.comm.gather_object(lean(mine) if leader else None)
         if not self.comm.is_main:
             return []
         size = self.replica_size
-        return [g for r in range(self.num_replicas) for g in gathered[r * size]]
+        return restored([g for r in range(self.num_replicas) for g in gathered[r * size]], problems)
 
     def adapter_experts(self) -> list[tuple[int, int] | None] | None:
         """Collective on the first call (then cached): each rank's engine reports the experts

@@ -20,13 +20,15 @@ def check_host_memory(mem: dict, a: Assumptions, hw: Hardware) -> None:
     host = mem["host"]
     limit = (1 - a.headroom) * hw.host_memory_gib_per_node
     host["fits_node"] = host["pinned_gib_per_node"] <= limit
+    host["node_gib"] = hw.host_memory_gib_per_node
     if not host["fits_node"]:
         mem["fits"] = False
         mem["advice"].append(
             f"pinned host memory {host['pinned_gib_per_node']:.0f} GiB per node is over "
-            f"{limit:.0f} GiB ({1 - a.headroom:.0%} of --hw host_memory_gib_per_node="
-            f"{hw.host_memory_gib_per_node:.0f}): rollout.sleep_level=2 (merged sync), no "
-            "trainer.offload_during_rollout, or more GPUs per model copy"
+            f"{limit:.0f} GiB ({1 - a.headroom:.0%} of cluster.host_memory_gib="
+            f"{hw.host_memory_gib_per_node:.0f}; --hw host_memory_gib_per_node overrides): "
+            "rollout.sleep_level=2 (merged sync), no trainer.offload_during_rollout, or more "
+            "GPUs per model copy"
         )
 
 

@@ -68,6 +68,12 @@ def format_plan(p: dict) -> str:
             f"  host (pinned): {host['pinned_gib_per_gpu']} GiB per GPU, "
             f"{host['pinned_gib_per_node']} GiB per node ({host['exact_gib_per_gpu']} GiB of "
             "tensors; pinned buffers round up to powers of two)"
+            + (
+                f" of {host['node_gib']:.0f} GiB (cluster.host_memory_gib) -> "
+                f"{'fits' if host['fits_node'] else 'DOES NOT FIT'}"
+                if "node_gib" in host
+                else ""
+            )
         )
     if host and host.get("adapter_sync_gib_per_gpu"):
         lines.append(

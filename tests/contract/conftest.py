@@ -29,8 +29,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tier shares one upstream subprocess (~30 s on a quiet 2-core machine, ~110 s
-    loaded): slow for the edit-test loop (`make test-fast`), run by `make test` and CI."""
+    """The tier shares one upstream subprocess (~50-90 s on the shared 2-core machine):
+    slow for the edit-test loop (`make test-fast`), run by `make test` and CI."""
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
@@ -93,11 +93,18 @@ def export_adapter_dir(model: Path, work: Path, fmt: str) -> Path:
 
 @pytest.fixture(scope="session")
 def contract_model(tmp_path_factory, tiny_tokenizer_dir) -> Path:
-    """A tiny Qwen3-MoE with 8 experts (2 layers, hidden 64, top-2)."""
+    """A tiny Qwen3-MoE with 8 experts (2 layers, hidden 64, top-2) and one KV head (TP 2
+    replicates it, as TP 16 does Qwen3-235B's four)."""
     from megagrpo.testing import build_tiny_model
 
     out = tmp_path_factory.mktemp("contract_moe")
-    return build_tiny_model(out, "moe", tokenizer_dir=tiny_tokenizer_dir, num_experts=NUM_EXPERTS)
+    return build_tiny_model(
+        out,
+        "moe",
+        tokenizer_dir=tiny_tokenizer_dir,
+        num_experts=NUM_EXPERTS,
+        num_key_value_heads=1,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -113,3 +113,78 @@ def buffer_errors(
     if not seen_experts:
         errors.append("no MoE LoRA buffers (FusedMoEWithLoRA) in the engine")
     return errors
+
+
+def checkpoint(model_dir) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's tensors (the reference every engine tensor is judged against)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _rows(t: torch.Tensor, tp: int, rank: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(tp, dim=dim)[rank]
+
+
+def expected_engine_tensor(
+    name: str, ckpt: dict[str, torch.Tensor], tp: tuple[int, int], ep: tuple[int, int]
+) -> torch.Tensor | None:
+    """What vLLM's Qwen3-MoE parameter ``name`` (LoRA's ``.base_layer`` removed) must hold on
+    TP rank ``tp = (rank, size)`` (expert parallelism ``ep = (rank, size)``: whole experts, the
+    rank's block), computed from the checkpoint alone: q rows by rank, the KV head replicated when
+    ``tp`` exceeds ``kv_heads``, o_proj columns by rank, vocab rows by rank, experts fused as
+    ``w13 = [gate; up]``; None for a name this reference does not know."""
+    name = name.replace(".base_layer.", ".")
+    rank, size = tp
+    kv_heads = 1  # the contract model's
+    m = re.fullmatch(r"(model\.layers\.\d+)\.(.+)", name)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return _rows(ckpt[name], size, rank)
+    if name == "model.norm.weight":
+        return ckpt[name]
+    if m is None:
+        return None
+    layer, rest = m.groups()
+    if rest == "self_attn.qkv_proj.weight":
+        q = _rows(ckpt[f"{layer}.self_attn.q_proj.weight"], size, rank)
+        kv_rank, kv_tp = (0, 1) if size > kv_heads else (rank, size)
+        k = _rows(ckpt[f"{layer}.self_attn.k_proj.weight"], kv_tp, kv_rank)
+        v = _rows(ckpt[f"{layer}.self_attn.v_proj.weight"], kv_tp, kv_rank)
+        return torch.cat([q, k, v])
+    if rest == "self_attn.o_proj.weight":
+        return _rows(ckpt[f"{layer}.self_attn.o_proj.weight"], size, rank, dim=1)
+    e = re.fullmatch(r"mlp\.experts\.(?:routed_experts\.)?(w13|w2)_weight", rest)
+    if e is not None:
+        local = NUM_EXPERTS // ep[1]
+        block = range(ep[0] * local, (ep[0] + 1) * local)
+        ex = f"{layer}.mlp.experts"
+        if e.group(1) == "w2":
+            return torch.stack([ckpt[f"{ex}.{g}.down_proj.weight"] for g in block])
+        return torch.stack(
+            [
+                torch.cat([ckpt[f"{ex}.{g}.gate_proj.weight"], ckpt[f"{ex}.{g}.up_proj.weight"]])
+                for g in block
+            ]
+        )
+    if f"{layer}.{rest}" in ckpt:  # router, norms: whole on every rank
+        return ckpt[f"{layer}.{rest}"]
+    return None
+
+
+def engine_errors(
+    tensors: dict[str, torch.Tensor], ckpt: dict, tp: tuple[int, int], ep: tuple[int, int]
+) -> list[str]:
+    """Every engine parameter that differs from :func:`expected_engine_tensor` (exactly:
+    float32 engine, float32 checkpoint, nothing computed on the way)."""
+    errors = []
+    for name, got in tensors.items():
+        want = expected_engine_tensor(name, ckpt, tp, ep)
+        if want is None:
+            errors.append(f"{name}: no reference")
+        elif got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+            diff = (got.float() - want.float()).abs().max() if got.shape == want.shape else "-"
+            errors.append(f"{name}: differs from the checkpoint (max |diff| {diff})")
+    return errors

@@ -24,11 +24,17 @@ not there: nothing compiled runs). What runs here is upstream's code on real obj
   its real ``FusedMoEParallelConfig`` and ``moe_ep_load_spec``;
 * the idle lock-stepped rank: ``LoRAModelRunnerMixin.maybe_dummy_run_with_lora`` as the V2
   model runner's ``_dummy_run`` calls it (upstream's own, and as megagrpo runs it);
+* megagrpo's ``VLLMEngine`` over a ``vllm.LLM`` built of vLLM 0.33's own objects down to the
+  worker (upstream_llm.py): every sync-side call it makes (upstream_sync.py) on the layouts
+  of :data:`LAYOUTS` -- world 1 and DP 2 x EP 2 with LoRA served, TP 2 merged over one KV
+  head (a fork of its own), a real start at EP 4;
 * the compatibility gate's rules against their upstream functions (upstream_gate.py).
 
 What cannot run here: any forward pass (the kernels are CUDA / the missing C extension), the
 all-gather dispatch between ranks (``naive_dp_ep``), vLLM's engine loop. tests/gpu covers
 those. Every probe's outcome (values or the traceback) goes into one ``torch.save`` file.
+The heavy modules are imported once before the forks (:data:`PRELOAD`): the forks then cost
+seconds, not an import of vLLM each.
 
     python upstream_session.py --model DIR --results FILE [--exported DIR] [--only NAMES]
 """
@@ -52,6 +58,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch  # noqa: E402
+from upstream_sync import sync_probes  # noqa: E402
 
 LORA_RANK, LORA_ALPHA = 4, 8.0
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -97,8 +104,9 @@ def outcome(fn, *args) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- megagrpo side
 def sent_adapter(model: str) -> dict[str, Any]:
     """The adapter megagrpo's streamed adapter sync hands to a vLLM engine, as its engine
-    hands it to vLLM (``peft_state`` of the synced :class:`PeftAdapter`), and the trainer's
-    full LoRA factors by HF name (``gather_lora``: the reference)."""
+    hands it to vLLM (``peft_state`` of the synced :class:`PeftAdapter`), the trainer's
+    full LoRA factors by HF name (``gather_lora``: the reference), and the stream of base
+    weights a dummy-started engine first receives (``weight_update(merge_lora=False)``)."""
     from megagrpo.model.config import LoraConfig, ModelConfig
     from megagrpo.model.peft_export import gather_lora
     from megagrpo.model.policy import build_policy
@@ -124,11 +132,21 @@ def sent_adapter(model: str) -> dict[str, Any]:
             adapter_dst=0,
             policy_lora=lora,
         )
+        assert update.adapter is not None
         tensors, config, _ = peft_state(update.adapter, torch.float32)
         reference = gather_lora(policy)
+        base = weight_update(policy, "merged", Comm(groups), merge_lora=False)
+        assert base.stream is not None
+        stream = [(name, t.detach().clone()) for name, t in base.stream]
     finally:
         destroy_parallel()
-    return {"tensors": tensors, "config": config, "reference": reference}
+    return {
+        "tensors": tensors,
+        "config": config,
+        "reference": reference,
+        "adapter": update.adapter,
+        "base": stream,  # the merged sync's stream of the base weights (merge_lora=False)
+    }
 
 
 def lora_id(version: int) -> int:
@@ -140,21 +158,45 @@ def lora_id(version: int) -> int:
 
 
 # ----------------------------------------------------------------------------- vLLM side
-def rollout_kwargs(model: str) -> dict[str, Any]:
-    """The ``vllm.LLM`` keywords megagrpo passes for a colocated GPU engine with adapter sync
-    (``engine_kwargs``: lock-stepped replicas over the torch.distributed world, expert
-    parallel), minus what the CPU platform cannot take (sleep mode; eager: no graphs)."""
-    from megagrpo.rollout.config import RolloutConfig
-    from megagrpo.rollout.vllm_support import engine_kwargs
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # the 16-GPU config's (qwen3_235b_a22b_2node.yaml) scaled down: lock-stepped TP 1
+    # replicas, experts over all of them, LoRA served, dummy start
+    "lockstep_ep_lora": dict(enable_lora=True, tp=1, replicas="lockstep", load_format="dummy"),
+    # the 128-GPU config's (qwen3_235b_a22b.yaml): independent TP replicas (TP 2 here, over
+    # the tiny model's single KV head: replicated), experts over TP, merged sync, dummy start
+    "tp_ep_merged": dict(enable_lora=False, tp=2, replicas="independent", load_format="dummy"),
+    # a real start (the checkpoint read by vLLM's default loader) with LoRA served
+    "lockstep_ep_lora_real": dict(enable_lora=True, tp=1, replicas="lockstep", load_format="auto"),
+}
+"""Engine layouts of the shipped configs, scaled down (world size = TP x replicas)."""
 
-    cfg = RolloutConfig(
-        enable_lora=True,
+
+def rollout_config(layout: str):
+    """The rollout section of a layout (:data:`LAYOUTS`)."""
+    from megagrpo.rollout.config import RolloutConfig
+
+    lay = LAYOUTS[layout]
+    return RolloutConfig(
+        enable_lora=lay["enable_lora"],
         max_lora_rank=8,
         enable_expert_parallel=True,
+        tensor_parallel_size=lay["tp"],
+        replicas=lay["replicas"],
         max_model_len=256,
         max_tokens=16,
-        load_format="dummy",
+        load_format=lay["load_format"],
+        dtype="float32",
+        probe_len=8,
     )
+
+
+def rollout_kwargs(model: str, layout: str = "lockstep_ep_lora") -> dict[str, Any]:
+    """The ``vllm.LLM`` keywords megagrpo passes for a colocated GPU engine of ``layout``
+    (``engine_kwargs``: replicas over the torch.distributed world, expert parallel), minus
+    what the CPU platform cannot take (sleep mode; eager: no graphs)."""
+    from megagrpo.rollout.vllm_support import engine_kwargs
+
+    cfg = rollout_config(layout)
     kwargs = engine_kwargs(
         cfg,
         model,
@@ -163,7 +205,7 @@ def rollout_kwargs(model: str) -> dict[str, Any]:
         on_gpu=True,
         is_moe=True,
         sleep_mode=False,
-        lora_enabled=True,
+        lora_enabled=cfg.enable_lora,
         returns_routing=False,
     )
     kwargs.update(enforce_eager=True)  # the CPU platform captures no graphs anyway
@@ -175,31 +217,40 @@ class Engine:
     """vLLM 0.33's model and LoRA managers of one engine rank, built as its worker builds
     them (``Worker.load_model`` -> ``LoRAModelRunnerMixin.load_lora_model``)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, layout: str = "lockstep_ep_lora") -> None:
         from vllm.config import set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader import get_model_loader
         from vllm.model_executor.model_loader.utils import (
             initialize_model,
             process_weights_after_loading,
         )
-        from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-        self.kwargs = rollout_kwargs(model)
-        self.config = EngineArgs(**self.kwargs).create_engine_config()
+        self.layout = layout
+        self.kwargs = rollout_kwargs(model, layout)
+        self.config: Any = EngineArgs(**self.kwargs).create_engine_config()
         rank = torch.distributed.get_rank()
         world = torch.distributed.get_world_size()
+        tp = self.config.parallel_config.tensor_parallel_size
         with set_current_vllm_config(self.config):
             init_distributed_environment(world, rank, "env://", rank, "gloo")
-            initialize_model_parallel(1, 1)
+            initialize_model_parallel(tp, 1)
+            # BaseModelLoader.load_model's order: create, load (dummy: random; auto: the
+            # checkpoint), process; then the worker wraps it for LoRA
             net = initialize_model(vllm_config=self.config)
+            get_model_loader(self.config.load_config).load_weights(net, self.config.model_config)
             process_weights_after_loading(net, self.config.model_config, torch.device("cpu"))
-            runner = LoRAModelRunnerMixin()
-            runner.lora_config = self.config.lora_config
-            self.net = runner.load_lora_model(net, self.config, torch.device("cpu"))
-        self.runner = runner
-        self.workers = runner.lora_manager
-        self.manager = runner.lora_manager._adapter_manager
+            runner: Any = GPUModelRunner.__new__(GPUModelRunner)  # V2's (the GPU pin's)
+            runner.vllm_config, runner.lora_config = self.config, self.config.lora_config
+            runner.encoder_cache = runner.pooling_runner = runner.speculator = None
+            if self.config.lora_config is not None:
+                net = runner.load_lora_model(net, self.config, torch.device("cpu"))
+            runner.model = self.net = net
+        self.runner: Any = runner
+        self.workers: Any = getattr(runner, "lora_manager", None)
+        self.manager: Any = None if self.workers is None else self.workers._adapter_manager
 
     @contextlib.contextmanager
     def current(self):
@@ -275,7 +326,7 @@ def dummy_run(engine: Engine, upstream: bool) -> dict[str, Any]:
     import numpy as np
     from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
 
-    method = LoRAModelRunnerMixin.maybe_dummy_run_with_lora
+    method: Any = LoRAModelRunnerMixin.maybe_dummy_run_with_lora
     if upstream:
         method = getattr(method, "megagrpo_upstream", method)
     runner, cfg = engine.runner, engine.config.lora_config
@@ -311,6 +362,7 @@ def engine_probes(model: str, sent: dict, exported: str | None) -> dict[str, Any
         out["exported"] = outcome(load, LoRARequest("exported", lora_id(2), exported))
     out["dummy_megagrpo"] = outcome(lambda: (load(request), dummy_run(engine, False))[1])
     out["dummy_upstream"] = outcome(lambda: (load(request), dummy_run(engine, True))[1])
+    out["sync"] = sync_probes(engine, model, sent, close=True)
     return out
 
 
@@ -341,11 +393,15 @@ def _local_subset(engine: Engine, tensors: dict) -> dict | None:
     return keep(tensors, block(engine.net))
 
 
-def ep_rank_probe(world: int, rank: int, port: int, model: str, sent: dict) -> dict[str, Any]:
+def ep_rank_probe(
+    world: int, rank: int, port: int, model: str, sent: dict, layout: str
+) -> dict[str, Any]:
     """One rank of a lock-stepped engine at EP ``world`` (a forked process)."""
-    result: dict[str, Any] = {"rank": rank}
+    result: dict[str, Any] = {"rank": rank, "layout": layout}
     _init_gloo(world, rank, port)
-    engine = Engine(model)
+    engine = Engine(model, layout)
+    if LAYOUTS[layout]["load_format"] != "dummy":  # what vLLM's own loader read
+        result["started"] = {n: p.detach().clone() for n, p in engine.net.named_parameters()}
     subset = _local_subset(engine, sent["tensors"])
     result["subset_names"] = None if subset is None else sorted(subset)
     if subset is not None:  # what megagrpo sends this rank (P1)
@@ -354,7 +410,17 @@ def ep_rank_probe(world: int, rank: int, port: int, model: str, sent: dict) -> d
     request = serve("policy-v1", 1, sent["tensors"], sent["config"])  # the whole adapter
     result["full"] = outcome(lambda: (engine.add(request), engine.state(request.lora_int_id))[1])
     result["dummy_megagrpo"] = outcome(dummy_run, engine, False)
+    if layout == "lockstep_ep_lora":  # the 16-GPU config's sync, scaled down
+        result["sync"] = sync_probes(engine, model, sent)
     return result
+
+
+def tp_rank_probe(world: int, rank: int, port: int, model: str, sent: dict) -> dict[str, Any]:
+    """One rank of the 128-GPU config's engine, scaled down: TP ``world`` over one KV head,
+    experts over TP, no LoRA (merged sync), dummy start (a forked process)."""
+    _init_gloo(world, rank, port)
+    engine = Engine(model, "tp_ep_merged")
+    return {"rank": rank, "sync": sync_probes(engine, model, sent)}
 
 
 def in_forks(fn, arglists: list[tuple], timeout: float = 600) -> list[dict[str, Any]]:
@@ -399,7 +465,9 @@ def ep_probes(model: str, sent: dict) -> dict[int, list[dict[str, Any]]]:
     out = {}
     for world in EP_SIZES:
         port = free_port()
-        out[world] = in_forks(ep_rank_probe, [(world, r, port, model, sent) for r in range(world)])
+        layout = "lockstep_ep_lora" if world == 2 else "lockstep_ep_lora_real"
+        args = [(world, r, port, model, sent, layout) for r in range(world)]
+        out[world] = in_forks(ep_rank_probe, args)
     return out
 
 
@@ -502,6 +570,63 @@ def serve_probe(model: str, argv: list[str]) -> dict[str, Any]:
     }
 
 
+def tp_probes(model: str, sent: dict) -> list[dict[str, Any]]:
+    """Both ranks of :func:`tp_rank_probe` at TP 2."""
+    port = free_port()
+    return in_forks(tp_rank_probe, [(2, r, port, model, sent) for r in range(2)])
+
+
+PRELOAD = (
+    "vllm.engine.arg_utils",
+    "vllm.entrypoints.llm",
+    "vllm.lora.model_manager",
+    "vllm.lora.worker_manager",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.model_loader.utils",
+    "vllm.model_executor.models.qwen3_moe",
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.lora_model_runner_mixin",
+    "megagrpo.rollout.vllm_engine",
+    "transformers",
+)
+"""Imported once before the forks (each would import them again: ~15 s apiece, loaded)."""
+
+
+def preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _stub_cpu_prepack()
+
+
+_LIBS: list[Any] = []
+
+
+def _stub_cpu_prepack() -> None:
+    """vLLM's CPU experts (the CPU platform's MoE kernel without LoRA) re-pack their weights
+    with a C op of the wheel's extension, absent here: an identity stands in, so the experts
+    keep the checkpoint layout (as the GPU's Triton experts do). Loading, not the kernel's
+    layout, is what the tier checks."""
+    try:
+        torch.ops._C.prepack_moe_weight  # noqa: B018
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define("prepack_moe_weight(Tensor weight, Tensor(a!) output, str isa) -> ()")
+
+    def identity(weight: torch.Tensor, out: torch.Tensor, isa: str) -> None:
+        out.copy_(weight)
+
+    lib.impl("prepack_moe_weight", identity, "CPU")
+    _LIBS.append(lib)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, help="tiny Qwen3-MoE HF directory")
@@ -514,11 +639,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import vllm
 
+    preload()
+
     results: dict[str, Any] = {"vllm": vllm.__version__, "vllm_file": vllm.__file__}
     results["sent"] = in_fork(sent_adapter, args.model)
     sent = results["sent"].get("value")
     if sent is not None:
         results["ep"] = outcome(ep_probes, args.model, sent)
+        results["tp"] = outcome(tp_probes, args.model, sent)
         results["engine"] = in_fork(engine_probes, args.model, sent, args.exported)
     if args.serve:  # docs/evaluation.md's `vllm serve` line (tests/contract/test_vllm_serve.py)
         import json

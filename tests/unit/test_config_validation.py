@@ -60,6 +60,7 @@ REJECTED = [
     ("model.lora.alpha=inf", "model.lora.alpha"),
     ("model.lora.dropout=nan", "model.lora.dropout"),
     ("cluster.gpu_memory_gib=inf", "cluster.gpu_memory_gib"),
+    ("cluster.host_memory_gib=0", "cluster.host_memory_gib"),
     ("metrics.wandb_init_timeout_s=inf", "metrics.wandb_init_timeout_s"),
     ("trainer.name=..", "trainer.name"),  # was: the run written into output_dir's parent
     ("trainer.name=.", "trainer.name"),

@@ -73,6 +73,20 @@ def test_pinned_host_memory_is_checked_per_node(repo_root, hf235):
     assert any("pinned host memory" in t for t in small["advice"])
 
 
+def test_host_memory_comes_from_the_config(repo_root, hf235):
+    """P1: ``cluster.host_memory_gib`` is the node's memory the plan checks (the shipped
+    configs say 2048, a DGX H100); a node too small for the pinned buffers is flagged,
+    naming the key."""
+    cfg = _two_node(repo_root)
+    assert cfg.cluster.host_memory_gib == 2048
+    pinned = plan_run(cfg, hf235)["host"]["pinned_gib_per_node"]
+    small = plan_run(_two_node(repo_root, f"cluster.host_memory_gib={pinned * 0.8:.0f}"), hf235)
+    assert not small["host"]["fits_node"] and not small["fits"]
+    assert any("cluster.host_memory_gib" in t for t in small["advice"])
+    roomy = plan_run(_two_node(repo_root, f"cluster.host_memory_gib={pinned * 2:.0f}"), hf235)
+    assert roomy["host"]["fits_node"]
+
+
 def test_each_rung_moves_only_its_phases(report):
     _, sc, rep = report
     table = rep["rungs"]

