@@ -14,7 +14,6 @@ import pickle
 from types import SimpleNamespace
 
 from megagrpo.placement.rollouts import ShardedRollouts
-
 from megagrpo.placement.rounds import continuation
 from megagrpo.rollout import SamplingSpec
 from megagrpo.types import Group, Problem
@@ -36,6 +35,9 @@ class _Comm:
     def gather_object(self, obj):
         self.sent.append(pickle.dumps(obj))
         return [pickle.loads(self.sent[-1]), self.other]
+
+    def all_gather_object(self, obj):  # the engines' verifier states, once at start-up
+        return [obj, obj]
 
 
 class _Engine:
@@ -69,7 +71,7 @@ def _chunk(prefix: int) -> tuple[list[int], list[Group], list[Problem]]:
     comm = _Comm()
     rollouts = ShardedRollouts(_Engine(), comm, reward_fn=SimpleNamespace(), replica_size=1)  # type: ignore[arg-type]
     comm.sent.clear()
-    from megagrpo.trainer import rollouts as module
+    from megagrpo.placement import rollouts as module
 
     send = getattr(module, "lean", list)  # what replica 1 sends (this code's format)
     comm.other = send([_answer(problems[1])])
