@@ -349,6 +349,18 @@ def _moe_act_recompute(f: Facts) -> str | None:
     return None
 
 
+def _shared_prefix_thd(f: Facts) -> str | None:
+    m, t = f.cfg.model, f.cfg.trainer
+    if t.shared_prefix != "true" or m.spec == "local":
+        return None
+    return (
+        "shared prefix on the TE spec: THD varlen attention with cu_seqlens_q != "
+        "cu_seqlens_kv and padding_causal_bottom_right (FusedAttention needs sm90 + cuDNN >= "
+        "9.6, or FlashAttention 2/3; no context parallelism, attention dropout 0, vanilla "
+        "softmax, no sliding window); follows TE 2.11's source, not yet run on a GPU"
+    )
+
+
 def _const(text: str) -> Callable[[Facts], str]:
     return lambda f: text
 
@@ -480,6 +492,18 @@ RULES: tuple[Rule, ...] = (
         "(ValueError: moe_act in recompute_modules is only supported with moe_grouped_gemm)",
         _moe_act_recompute,
         _const("model.moe_grouped_gemm=true (TE spec), or drop moe_act from recompute_modules"),
+    ),
+    Rule(
+        "te.shared_prefix_thd",
+        ("trainer.shared_prefix", "model.spec"),
+        "transformer_engine/pytorch/attention/dot_product_attention/utils.py "
+        "get_attention_backend (thd + padding_causal_bottom_right: every backend without "
+        "context parallelism); transformer_engine/common/fused_attn/fused_attn.cpp "
+        "nvte_get_fused_attn_backend (cuDNN >= 9.6: thd + padding_causal_bottom_right, "
+        "max_seqlen_q <= max_seqlen_kv, dropout 0; sm90 for thd)",
+        _shared_prefix_thd,
+        _const("trainer.shared_prefix=auto (off on the TE spec until the GPU check passed)"),
+        unverified="tests/gpu/test_shared_prefix_gpu.py::test_te_route_matches_rows",
     ),
 )
 
