@@ -21,6 +21,7 @@ PARTS = [
     "train_strict",
     "train_moe",
     "recompute",
+    "shared_prefix",
 ]
 
 
