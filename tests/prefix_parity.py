@@ -8,8 +8,9 @@ A job: ``hf_dir``, ``layout`` (ParallelConfig kwargs), ``dtype`` and ``checks``:
 dicts, each measured on the same policy with both paths: ``groups`` (``make_groups``
 kwargs), ``fused_linear``, ``loss`` (LossConfig kwargs), ``routing`` (off | r3), ``old``
 (rollout: the engine's log-probs are the behaviour ones, so the ratio departs from 1 |
-recompute: the scoring forward's), ``pack_tokens``, ``route`` (mask | thd: the TE route with
-:func:`reference_attend` | te: TE's kernel, ``spec: te``), ``logits`` (also the logits).
+recompute: the scoring forward's), ``pack_tokens``, ``route`` (thd: the THD route with the
+local spec's kernel, the default | mask: megatron's attention under the segments' mask |
+ref: THD with the dense :func:`reference_attend` | te: TE's kernel, ``spec: te``), ``logits``.
 Both paths run from the same weights: one SGD step of the rows first, so the LoRA B factors
 (zero at start) are not and every gradient is live.
 """
@@ -92,7 +93,11 @@ def run_parity(jobs: list[dict], world_size: int) -> list[list[dict]]:
 def _one_job(job: dict, keep: bool) -> dict:
     from megagrpo.model.config import LoraConfig, ModelConfig
     from megagrpo.model.policy import build_policy
-    from megagrpo.model.shared_prefix import install_thd_attention, reference_attend
+    from megagrpo.model.shared_prefix import (
+        install_thd_attention,
+        reference_attend,
+        torch_attend,
+    )
     from megagrpo.parallel import ParallelConfig, destroy_parallel, init_parallel
 
     pgs = init_parallel(ParallelConfig(**job["layout"]))
@@ -110,9 +115,10 @@ def _one_job(job: dict, keep: bool) -> dict:
             policy.prefix_route = "thd"
         report: dict[str, Any] = {"is_last_stage": pgs.is_last_stage, "checks": []}
         for i, check in enumerate(job["checks"]):
-            route = check.get("route", "mask")
-            if route == "thd":  # the TE route's index with a torch stand-in for its kernel
-                assert install_thd_attention(policy.model, reference_attend) > 0
+            route = check.get("route", "thd")
+            if route in ("thd", "ref"):  # the local spec's kernel, or the dense stand-in
+                attend = reference_attend if route == "ref" else torch_attend
+                assert install_thd_attention(policy.model, attend) > 0
             policy.prefix_route = "mask" if route == "mask" else "thd"  # te: TE's own kernel
             groups = make_groups(policy.arch.vocab_size, **check.get("groups", {}))
             paths = {shared: _Path(policy, pgs, check, groups, shared) for shared in (False, True)}

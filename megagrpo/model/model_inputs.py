@@ -20,8 +20,9 @@ Padded micro-batches ``[B, T]`` run with Megatron's causal mask (plus a key mask
 
 A *segment row* (:mod:`megagrpo.model.shared_prefix`: a group's prompt once, its
 completions after it) is one row with :class:`~megagrpo.model.shared_prefix.Segments`: the
-local spec gets the segments' mask, the TE spec the THD route's ``packed_seq_params``; both
-get the rotary positions each token really has (:attr:`ModelInputs.rope_positions`).
+THD route's ``packed_seq_params`` (or, route ``mask``, the segments' mask for the local
+spec's attention), and the rotary positions each token really has
+(:attr:`ModelInputs.rope_positions`).
 
 Sequence parallelism splits the sequence over TP, so ``T`` is padded up to a multiple of TP;
 the pad tokens form a trailing block of their own (packed) or sit right of the last token
@@ -121,8 +122,8 @@ def model_inputs(
     are implicit, other positions are rejected. ``attention_mask`` [B, T] (1 = token, 0 =
     padding) masks padded keys on top of the causal mask. ``cu_seqlens`` [n + 1] makes the row
     a packed micro-batch (B must be 1; ``attention_mask`` must be None). ``segments`` makes it
-    a segment row (B = 1; ``position_ids`` None or the segments' positions); ``route``: mask
-    | thd | auto (thd on the TE spec, else mask).
+    a segment row (B = 1; ``position_ids`` None or the segments' positions); ``route``: thd
+    (auto; the model's core attention installed by ``install_thd_attention``) | mask.
     """
     b, t = input_ids.shape
     dev = groups.device
@@ -197,7 +198,7 @@ def _segment_inputs(
     pos = seg.positions(ids.device)
     if position_ids is not None and not torch.equal(position_ids.to(ids.device)[0], pos[:t]):
         raise ValueError("position_ids of a segment row must be its segments' positions")
-    route = ("thd" if spec == "te" else "mask") if route == "auto" else route
+    route = "thd" if route == "auto" else route
     if route == "thd":
         extra = {"packed_seq_params": shared_params(segments, n, ids.device)}
         return ModelInputs(ids, pos[None], None, t, extra, rope_positions=pos)

@@ -36,7 +36,13 @@ from megagrpo.model.model_inputs import LossFn, model_inputs
 from megagrpo.model.peft_export import ExpertBlocks
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.routing import Routing, routed_forward, stage_routers
-from megagrpo.model.shared_prefix import Segments, install_thd_attention, rope_positions
+from megagrpo.model.shared_prefix import (
+    Segments,
+    install_thd_attention,
+    rope_positions,
+    te_attend,
+    torch_attend,
+)
 from megagrpo.model.sync_transport import Counter, ExportLayout, RegionFn, exchange_layout
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
@@ -193,11 +199,11 @@ class MegatronPolicy(nn.Module):
         self.export_counter = Counter()
         """Bytes this rank sent / received in the last export (by transport)."""
         self._layouts: dict[tuple, tuple[ExportLayout, Any]] = {}
-        self.prefix_route = "thd" if spec == "te" else "mask"
-        """How segment rows (shared prefixes) attend: mask (local spec) | thd (TE spec,
-        :func:`megagrpo.model.shared_prefix.install_thd_attention`)."""
-        if spec == "te":
-            install_thd_attention(model)
+        self.prefix_route = "thd"
+        """How segment rows (shared prefixes) attend (:mod:`megagrpo.model.shared_prefix`):
+        thd (TE's varlen kernel on the TE spec, torch's on the local spec) | mask (the local
+        spec's own attention under the segments' mask: T^2 per row, kept as a check)."""
+        install_thd_attention(model, te_attend if spec == "te" else torch_attend)
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:

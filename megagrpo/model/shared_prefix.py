@@ -12,30 +12,37 @@ is the special case with no parents. The prompt runs through attention, MLP and 
 once; the gradient reaching it is the sum over its completions by autograd.
 
 Two routes through megatron-core 0.16.1's ``GPTModel`` (both exact; tested against the
-unshared rows in tests/distributed/test_shared_prefix_layouts.py):
+unshared rows in tests/unit/test_shared_prefix_model.py and
+tests/distributed/test_shared_prefix_layouts.py). Both give every token its own RoPE
+position through :func:`rope_positions`: the rotary table ``GPTModel._preprocess`` builds
+(``RotaryEmbedding.forward``: rows 0..T-1) is gathered at each token's position by a forward
+hook; the table is built once per forward and handed to every layer as an argument, so
+activation recompute and pipeline schedules see the same one.
 
-* mask (local spec, CPU): :meth:`Segments.mask` is the ``[1, 1, T, T]`` boolean mask
-  ``DotProductAttention`` applies (True = masked; megatron fills -10000, which underflows to
-  an exact 0 after the softmax's max subtraction), and :func:`rope_positions` makes the
-  rotary table ``GPTModel._preprocess`` builds (``RotaryEmbedding.forward``: rows
-  0..T-1) hold each token's own position instead (a forward hook gathering rows; the
-  table is built once per forward and handed to every layer as an argument, so activation
-  recompute and pipeline schedules see the same one).
-* THD (TE spec, GPU): the model gets :func:`shared_params` as its ``packed_seq_params``
-  (``qkv_format="sbhd"``: megatron treats the row as an ordinary ``[T, 1]`` sequence, rotary
-  included), and :func:`install_thd_attention` routes every layer's core attention through
-  :func:`segment_attention`: queries are the row's tokens in THD (one sequence per
-  segment, ``cu_seqlens_q``), keys/values are gathered per segment as ``[parent; own]``
-  (``cu_seqlens_kv``), and TE's ``DotProductAttention.forward`` (Transformer Engine 2.11)
-  runs with ``qkv_format="thd"`` and ``attn_mask_type="padding_causal_bottom_right"``:
-  causal aligned to the bottom right, so a completion's query ``i`` sees the ``P`` prompt
-  keys and its own keys ``0..i``; a segment without a parent (``len_q == len_kv``) is plain
-  causal. This is PrefixGrouper's "prefix self-attention + suffix concat-attention"
-  (verl ``verl/trainer/ppo/prefix_grouper_utils.py``) in one varlen call; the gathered
-  keys/values are views' copies of ``K``/``V`` only (no extra layer compute), and their
-  gradient flows back to the prompt's ``K``/``V`` by autograd (index backward sums).
-  :func:`reference_attend` is a pure-torch stand-in for TE's kernel with the same mask
-  semantics, so the route runs on CPU (local spec) in the tests.
+* THD (``MegatronPolicy.prefix_route = "thd"``, the default on both specs): the model gets
+  :func:`shared_params` as its ``packed_seq_params`` (``qkv_format="sbhd"``: megatron treats
+  the row as an ordinary ``[T, 1]`` sequence, rotary included), and
+  :func:`install_thd_attention` routes every layer's core attention through
+  :func:`segment_attention`: queries are the row's tokens in THD (one sequence per segment,
+  ``cu_seqlens_q``), keys/values are gathered per segment as ``[parent; own]``
+  (``cu_seqlens_kv``), and the kernel applies a causal mask aligned to the bottom right, so a
+  completion's query ``i`` sees the ``P`` prompt keys and its own keys ``0..i``; a segment
+  without a parent (``len_q == len_kv``) is plain causal. On the TE spec the kernel is
+  Transformer Engine 2.11's ``DotProductAttention.forward`` with ``qkv_format="thd"`` and
+  ``attn_mask_type="padding_causal_bottom_right"`` (:func:`te_attend`); on the local spec
+  torch's ``scaled_dot_product_attention`` over two padded batches (:func:`torch_attend`).
+  This is PrefixGrouper's "prefix self-attention + suffix concat-attention" (verl
+  ``verl/trainer/ppo/prefix_grouper_utils.py``, johncaged/PrefixGrouper ``forward.py``) in
+  one varlen call; the gathered keys/values are copies of ``K``/``V`` only (no extra layer
+  compute), and their gradient flows back to the prompt's ``K``/``V`` by autograd.
+* mask (``prefix_route = "mask"``, local spec): :meth:`Segments.mask` is the ``[1, 1, T, T]``
+  boolean mask megatron's ``DotProductAttention`` applies (True = masked; it fills -10000,
+  which underflows to an exact 0 after the softmax's max subtraction): the direct
+  generalisation of the packed rows' block-diagonal mask. It computes every query of the row
+  against every key (T^2 per row: with long completions more attention than the rows),
+  so it is a check of the THD route by megatron's own attention, not the default.
+  :func:`reference_attend` is the THD route with a dense torch kernel, the tests' stand-in
+  for TE's.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import contextlib
 import math
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -140,7 +147,7 @@ class Segments:
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class ThdIndex:
     """What the THD route needs per row: ``kv_index`` ``[T_kv]`` (row position of every
     gathered key/value), ``cu_q`` / ``cu_kv`` ``[n + 1]`` int32 and the longest sequences."""
@@ -150,6 +157,54 @@ class ThdIndex:
     cu_kv: Tensor
     max_q: int
     max_kv: int
+    _buckets: list[Bucket] | None = field(default=None, repr=False, compare=False)
+
+    def buckets(self, device) -> list[Bucket]:
+        """The sequences padded into two batches for :func:`torch_attend`: those that
+        continue nothing (``len_q == len_kv``: prompts, plain samples, padding) and those
+        that continue a parent; built once per row (every layer reuses them)."""
+        if self._buckets is None:
+            self._buckets = _buckets(self.cu_q.tolist(), self.cu_kv.tolist(), device)
+        return self._buckets
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Sequences of a THD row padded to ``[n, L_q]`` queries and ``[n, L_kv]`` keys:
+    ``q_index`` / ``kv_index`` (the pad index is the THD length: a zero row appended),
+    ``allowed`` ``[n, 1, L_q, L_kv]`` (bottom-right causal within each sequence; a padding
+    query sees key 0 only, its output discarded) and ``valid`` ``[n, L_q]``."""
+
+    q_index: Tensor
+    kv_index: Tensor
+    allowed: Tensor
+    valid: Tensor
+
+
+def _buckets(cu_q: list[int], cu_kv: list[int], device) -> list[Bucket]:
+    seqs: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}
+    for i in range(len(cu_q) - 1):
+        lq, lkv = cu_q[i + 1] - cu_q[i], cu_kv[i + 1] - cu_kv[i]
+        if lq:
+            seqs[lq == lkv].append((cu_q[i], lq, cu_kv[i], lkv))
+    out = []
+    for group in seqs.values():
+        if not group:
+            continue
+        lq_max = max(g[1] for g in group)
+        lkv_max = max(g[3] for g in group)
+        jq = torch.arange(lq_max, device=device)
+        jk = torch.arange(lkv_max, device=device)
+        q0, lq, k0, lkv = (torch.tensor(c, device=device)[:, None] for c in zip(*group))
+        valid = jq[None, :] < lq
+        qi = torch.where(valid, q0 + jq, cu_q[-1])
+        ki = torch.where(jk[None, :] < lkv, k0 + jk, cu_kv[-1])
+        see = (jk[None, None, :] <= (jq[None, :, None] + (lkv - lq)[:, :, None])) & (
+            jk[None, None, :] < lkv[:, :, None]
+        )
+        see = torch.where(valid[:, :, None], see, jk[None, None, :] == 0)
+        out.append(Bucket(qi, ki, see[:, None], valid))
+    return out
 
 
 def shared_params(segments: Segments, total: int, device=None) -> Any:
@@ -185,6 +240,37 @@ def reference_attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, idx: Th
     scores = torch.einsum("qhd,khd->hqk", q.to(dt), k.to(dt)) * scale
     probs = torch.softmax(scores.masked_fill(~see[None], float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", probs.to(v.dtype), v)
+
+
+def torch_attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, idx: ThdIndex) -> Tensor:
+    """The THD route's kernel on the local spec: varlen attention with a bottom-right causal
+    mask per sequence (TE's ``padding_causal_bottom_right``), as two padded batches of
+    torch's ``scaled_dot_product_attention`` (:meth:`ThdIndex.buckets`): a completion's
+    queries against ``[prompt; own]`` keys only, so the work is the rows' minus the repeated
+    prompts, where the dense mask route computes the whole row against the whole row."""
+    scale = getattr(module, "softmax_scale", None) or 1.0 / math.sqrt(q.shape[-1])
+    rep = q.shape[1] // k.shape[1]
+
+    def pad(x: Tensor) -> Tensor:
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    pos, vals = [], []
+    for b in idx.buckets(q.device):
+        keys, values = kp[b.kv_index], vp[b.kv_index]  # [n, L_kv, h_kv, d]
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, 2), values.repeat_interleave(rep, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            qp[b.q_index].transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=b.allowed,
+            scale=scale,
+        ).transpose(1, 2)  # [n, L_q, h, d]
+        vals.append(y[b.valid])
+        pos.append(b.q_index[b.valid])
+    order = torch.argsort(torch.cat(pos))
+    return torch.cat(vals).index_select(0, order)
 
 
 def te_attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, idx: ThdIndex) -> Tensor:
@@ -284,4 +370,5 @@ __all__ = [
     "segment_attention",
     "shared_params",
     "te_attend",
+    "torch_attend",
 ]

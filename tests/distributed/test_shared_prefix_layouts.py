@@ -1,7 +1,7 @@
 """Shared prefix under Megatron layouts on 2 gloo ranks, one launch (issue 43 item 2): the
 tiny Qwen3-MoE at TP2 x EP2 with sequence parallelism (the experts folded over the TP ranks;
-R3 replay by the mask route, then the TE route's THD index), and at PP2 (Megatron's 1F1B
-schedule with segment rows).
+R3 replay by the THD route, then megatron's attention under the segments' mask), and at PP2
+(Megatron's 1F1B schedule with segment rows).
 Each against the rows on the same batch in the same processes: per-token log-probs, loss and
 every LoRA gradient (gathered over the ranks) within 1e-5 relative (fp32; see
 tests/unit/test_shared_prefix_model.py for the measured spread)."""
@@ -24,7 +24,7 @@ def reports(tiny_moe_dir):
         {
             "hf_dir": tiny_moe_dir,
             "layout": tp_ep,
-            "checks": [{"routing": "r3", "groups": routed}, {"route": "thd", "groups": routed}],
+            "checks": [{"routing": "r3", "groups": routed}, {"route": "mask", "groups": routed}],
         },
         {"hf_dir": tiny_moe_dir, "layout": {"pp": 2}, "checks": [{"groups": {"n": 4}}]},
     ]
@@ -32,7 +32,7 @@ def reports(tiny_moe_dir):
 
 
 @pytest.mark.parametrize(
-    ("job", "check"), [(0, 0), (0, 1), (1, 0)], ids=["tp2ep2_r3", "tp2ep2_thd", "pp2"]
+    ("job", "check"), [(0, 0), (0, 1), (1, 0)], ids=["tp2ep2_r3", "tp2ep2_mask", "pp2"]
 )
 def test_shared_equals_rows_under_layouts(reports, job, check):
     last = [r for r in reports[job] if r["is_last_stage"]]

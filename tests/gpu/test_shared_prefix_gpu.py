@@ -1,5 +1,5 @@
 """Shared prefix on a GPU against the rows on the same batch (issue 43): bf16 on CUDA, the
-local spec's mask route and the TE route's index (torch kernel) always, and with Transformer
+local spec's THD route (torch kernel) and its mask route always, and with Transformer
 Engine installed the TE spec's own route: THD varlen attention with ``cu_seqlens_q`` !=
 ``cu_seqlens_kv`` and ``padding_causal_bottom_right`` (TE 2.11 ``DotProductAttention.forward``,
 megagrpo.model.shared_prefix.te_attend), R3 replay on the tiny MoE. Skipped without CUDA.
@@ -33,7 +33,7 @@ def _check_all(report: dict) -> None:
 
 
 def test_local_spec_routes_match_rows(tiny_moe_dir):
-    checks = [{"routing": "r3", "groups": ROUTED}, {"route": "thd", "groups": ROUTED}]
+    checks = [{"routing": "r3", "groups": ROUTED}, {"route": "mask", "groups": ROUTED}]
     job = {"hf_dir": tiny_moe_dir, "layout": {}, "dtype": "bfloat16", "spec": "local"}
     (report,) = run_parity([{**job, "checks": checks}], 1)[0]
     _check_all(report)

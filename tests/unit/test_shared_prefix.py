@@ -10,7 +10,12 @@ import torch
 
 from megagrpo.errors import ConfigError
 from megagrpo.model.model_inputs import block_causal_mask
-from megagrpo.model.shared_prefix import Segments, reference_attend, segment_attention
+from megagrpo.model.shared_prefix import (
+    Segments,
+    reference_attend,
+    segment_attention,
+    torch_attend,
+)
 from megagrpo.trainer.batch import Sample, build_samples
 from megagrpo.trainer.prefix_batch import plan_units, row_budget, shared_micro_batches
 
@@ -48,19 +53,26 @@ def test_bad_segments_are_refused(cu, parent):
         Segments(cu, parent)
 
 
-def test_thd_route_equals_the_masked_dense_attention():
+@pytest.mark.parametrize("attend", [reference_attend, torch_attend], ids=["dense", "buckets"])
+def test_thd_route_equals_the_masked_dense_attention(attend):
     """The TE route's index (queries per segment, keys/values ``[parent; own]``,
-    bottom-right causal) computes what the mask route computes, grouped-query heads too."""
+    bottom-right causal) computes what the mask route computes, grouped-query heads too, by
+    the dense stand-in and by the local spec's bucketed kernel; gradients flow back to the
+    prompt's keys and values once per completion."""
     g = torch.Generator().manual_seed(0)
     t, h, hkv, d = SEG.total, 4, 2, 8
     q, k, v = (torch.randn(t, 1, n, d, generator=g, dtype=torch.float64) for n in (h, hkv, hkv))
-    out = segment_attention(torch.nn.Module(), reference_attend, q, k, v, SEG.thd())
+    k.requires_grad_(True)
+    out = segment_attention(torch.nn.Module(), attend, q, k, v, SEG.thd())
     kk, vv = k[:, 0].repeat_interleave(2, 1), v[:, 0].repeat_interleave(2, 1)
     scores = torch.einsum("qhd,khd->hqk", q[:, 0], kk) / d**0.5
     probs = torch.softmax(scores.masked_fill(SEG.mask()[0], float("-inf")), -1)
     want = torch.einsum("hqk,khd->qhd", probs, vv).reshape(t, 1, h * d)
     assert out.shape == (t, 1, h * d)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    (gk,) = torch.autograd.grad(out.square().sum(), k)
+    (wk,) = torch.autograd.grad(want.square().sum(), k)
+    torch.testing.assert_close(gk, wk, rtol=1e-10, atol=1e-12)
     idx = SEG.thd()
     assert idx.cu_kv.tolist() == [0, 3, 8, 12, 15, 17, 22] and idx.max_kv == 5
 
@@ -186,12 +198,12 @@ def test_model_inputs_of_a_segment_row():
     from megagrpo.model.model_inputs import model_inputs
 
     ids = torch.arange(SEG.total)[None]  # 14 tokens: padded to 16 under SP over 4
-    x = model_inputs(_G(), "local", ids, segments=SEG)  # type: ignore[arg-type]
+    x = model_inputs(_G(), "local", ids, segments=SEG, route="mask")  # type: ignore[arg-type]
     tail = SEG.padded(16)
     assert x.input_ids.shape == (1, 16) and x.length == 14
     assert x.attention_mask is not None and torch.equal(x.attention_mask, tail.mask())
     assert x.rope_positions is not None and torch.equal(x.rope_positions, tail.positions())
-    t = model_inputs(_G(), "te", ids, SEG.positions()[None], segments=SEG)  # type: ignore[arg-type]
+    t = model_inputs(_G(), "local", ids, SEG.positions()[None], segments=SEG)  # type: ignore[arg-type]
     params = t.extra["packed_seq_params"]
     assert t.attention_mask is None and params.qkv_format == "sbhd"
     assert params.max_seqlen_q == 16 and params.segment_thd.cu_q.tolist()[-1] == 16

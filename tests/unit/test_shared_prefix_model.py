@@ -43,12 +43,14 @@ def _checks(report: dict) -> list[dict]:
 
 
 def test_dense_shared_equals_rows(tiny_dense_dir):
-    """Dense Qwen3: fused-linear head (default) with the logits compared, the logits head
-    with GRPO's per-sequence mean, and the TE route's THD index."""
+    """Dense Qwen3 by the local spec's THD route (the default): fused-linear head with the
+    logits compared, the logits head with GRPO's per-sequence mean; then megatron's own
+    attention under the segments' mask, and the THD index with the dense stand-in kernel."""
     checks = [
         {"logits": True},
         {"fused_linear": False, "loss": {"variant": "grpo"}, "groups": {"seed": 1}},
-        {"route": "thd", "groups": {"seed": 2}},
+        {"route": "mask", "groups": {"seed": 2}, "logits": True},
+        {"route": "ref", "groups": {"seed": 3}},
     ]
     (report,) = run_parity([{"hf_dir": tiny_dense_dir, "layout": {}, "checks": checks}], 1)[0]
     for i, res in enumerate(_checks(report)):
@@ -57,13 +59,13 @@ def test_dense_shared_equals_rows(tiny_dense_dir):
 
 def test_moe_shared_equals_rows_with_r3_packing_and_partial_rollouts(tiny_moe_dir):
     """Qwen3-MoE (4 experts, top-2): R3 replaying the engine's experts (the prompt's
-    routing once) by both routes; partial-rollout tokens (recomputed behaviour log-probs,
-    importance weights against the engine's, GSPO's sequence ratio) in packed rows of 48
-    tokens, where the groups that do not fit train as rows."""
+    routing once) by the THD and the mask routes; partial-rollout tokens (recomputed
+    behaviour log-probs, importance weights against the engine's, GSPO's sequence ratio) in
+    packed rows of 48 tokens, where the groups that do not fit train as rows."""
     routed = {"routing": (2, 4, 2)}
     checks = [
         {"routing": "r3", "groups": routed, "logits": True},
-        {"routing": "r3", "groups": {**routed, "seed": 4}, "route": "thd"},
+        {"routing": "r3", "groups": {**routed, "seed": 4}, "route": "mask"},
         {
             "old": "recompute",
             "loss": {"variant": "gspo", "tis_cap": 2.0},
@@ -101,6 +103,7 @@ def moe_policy(tiny_moe_dir):
 
 
 def _logprobs(policy, pgs, groups, shared: bool) -> dict[int, torch.Tensor]:
+    policy.prefix_route = "mask"  # what the leaky mask below breaks
     path = _Path(policy, pgs, {}, groups, shared)
     return per_sample(path.mbs, path.logprobs())
 
