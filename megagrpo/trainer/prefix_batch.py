@@ -129,13 +129,19 @@ class _RowBuilder:
 
     def completion(self, s: Sample, predicted_from: list[int]) -> None:
         """Sample ``s``'s completion tokens as loss tokens, token ``i`` predicted from row
-        position ``predicted_from[i]``."""
+        position ``predicted_from[i]``. An empty completion keeps one masked slot (outside
+        its span), so every sample has a sequence id, as in the rows (the loss counts
+        sequences by their ids: Dr.GRPO's normaliser, sequence weights)."""
         k, lo = len(self.samples), len(self.targets)
         self.samples.append(s)
         self.targets.extend(s.input_ids[s.prompt_len :])
         self.loss_pos.extend(predicted_from)
         self.seq.extend([k] * len(predicted_from))
         self.spans.append((0, lo, len(self.targets)))
+        if not predicted_from:
+            self.targets.append(0)
+            self.loss_pos.append(self.cu[-1] - 1)
+            self.seq.append(k)
 
     def add(self, unit: Unit) -> None:
         o, p = self.cu[-1], unit.prompt_len
@@ -155,7 +161,7 @@ class _RowBuilder:
 
 
 def _loss_tensors(b: _RowBuilder) -> dict[str, torch.Tensor]:
-    n = max(len(b.targets), 1)  # an all-empty row keeps one masked loss slot
+    n = len(b.targets)  # every sample has at least one slot (its masked one when empty)
     target = torch.zeros(n, dtype=torch.long)
     mask = torch.zeros(n, dtype=torch.float32)
     adv = torch.zeros(n, dtype=torch.float32)

@@ -93,14 +93,33 @@ def test_segment_row_targets_and_predicting_positions():
     assert mb.input_ids[0].tolist() == [11, 12, 13, 21, 22, 23, 31, 41, 42, 43, 44, 0]
     assert mb.segments is not None and mb.segments.parent == (-1, 0, 0, -1)
     assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 3, 0, 1, 2, 3, 0]
-    assert mb.indices == [0, 1, 2, 3] and mb.spans == [(0, 0, 3), (0, 3, 4), (0, 4, 4), (0, 4, 6)]
-    assert mb.target_ids[0].tolist() == [21, 22, 23, 31, 43, 44]
+    assert mb.indices == [0, 1, 2, 3] and mb.spans == [(0, 0, 3), (0, 3, 4), (0, 4, 4), (0, 5, 7)]
+    assert mb.target_ids[0].tolist() == [21, 22, 23, 31, 0, 43, 44]
     assert mb.loss_index is not None
-    # each target is predicted from the prompt's last token or its own previous token
-    assert mb.loss_index.tolist() == [2, 3, 4, 2, 8, 9]
-    assert mb.seq_ids is not None and mb.seq_ids[0].tolist() == [0, 0, 0, 1, 3, 3]
-    assert mb.advantages[0].tolist() == [0.0, 0.0, 0.0, 1.0, 9.0, 9.0]
+    # each target is predicted from the prompt's last token or its own previous token; the
+    # empty completion keeps one masked slot (its sequence id)
+    assert mb.loss_index.tolist() == [2, 3, 4, 2, 6, 8, 9]
+    assert mb.seq_ids is not None and mb.seq_ids[0].tolist() == [0, 0, 0, 1, 2, 3, 3]
+    assert mb.mask[0].tolist() == [1, 1, 1, 1, 0, 1, 1]
+    assert mb.advantages[0].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 9.0, 9.0]
     assert mb.num_seqs == 4 and mb.num_nonempty == 3 and mb.shared_groups == (1, 1)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_aggregation_counts_every_sequence_like_the_rows(agg):
+    """Sequence weights and Dr.GRPO's count of sequences: a row whose last completion is
+    empty still counts it (the loss infers the number of sequences from their ids)."""
+    from megagrpo.algo.losses import make_seq_ids
+    from megagrpo.trainer.batch import micro_batches, microbatch_mass
+
+    s = _group_samples([[1, 2, 3]] * 3, [[4, 5], [6], []])
+    for i, x in enumerate(s):
+        x.weight = 0.5 + i
+    rows = list(micro_batches(s, 2))
+    (shared,) = shared_micro_batches(s, budget=64)
+    assert make_seq_ids(shared.mask.shape, shared.seq_ids, "cpu")[1] == shared.num_seqs == 3
+    want = sum(microbatch_mass(mb, agg) for mb in rows)
+    assert microbatch_mass(shared, agg) == pytest.approx(want)
 
 
 def test_groups_fall_back_to_rows_and_are_counted():
