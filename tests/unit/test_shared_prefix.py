@@ -105,6 +105,16 @@ def test_segment_row_targets_and_predicting_positions():
     assert mb.num_seqs == 4 and mb.num_nonempty == 3 and mb.shared_groups == (1, 1)
 
 
+def test_overlong_filtered_completions_carry_no_loss_token():
+    """``loss.overlong_filter``: a truncated completion stays in the row (the others attend
+    to nothing of it anyway) but none of its tokens is a loss token; counted as filtered."""
+    s = _group_samples([[1, 2, 3]] * 3, [[4, 5], [6, 7, 8], [9]])
+    s[1].excluded = True
+    (mb,) = shared_micro_batches(s, budget=64)
+    assert mb.mask[0].tolist() == [1, 1, 0, 0, 0, 1]
+    assert (mb.filtered_tokens, mb.filtered_nonempty, mb.num_tokens) == (3, 1, 3)
+
+
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_aggregation_counts_every_sequence_like_the_rows(agg):
     """Sequence weights and Dr.GRPO's count of sequences: a row whose last completion is
