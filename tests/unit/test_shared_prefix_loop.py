@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_trainer_loop import _context, _train
 
 
