@@ -311,27 +311,26 @@ def segment_attention(
     return out.reshape(t, 1, -1)
 
 
+def _segment_forward(self, query, key, value, attention_mask, *args, **kwargs):
+    """The core attention's ``forward`` on the instance (:func:`install_thd_attention`)."""
+    idx = getattr(kwargs.get("packed_seq_params"), "segment_thd", None)
+    if idx is None:  # not a segment row: the module's own forward
+        return type(self).forward(self, query, key, value, attention_mask, *args, **kwargs)
+    return segment_attention(self, self._megagrpo_attend, query, key, value, idx)
+
+
 def install_thd_attention(model: nn.Module, attend: Attend = te_attend) -> int:
     """Route every ``self_attention.core_attention`` of ``model`` through
-    :func:`segment_attention` whenever its ``packed_seq_params`` carries a segment index
-    (:func:`shared_params`); any other call goes to the module's own forward unchanged.
-    The module keeps its name and state (its ``forward`` is wrapped on the instance).
-    Returns the number of modules routed. Idempotent."""
+    :func:`segment_attention` with kernel ``attend`` whenever its ``packed_seq_params``
+    carries a segment index (:func:`shared_params`); any other call goes to the module's own
+    (class) forward unchanged. The module keeps its name and state (``forward`` is set on the
+    instance). Returns the number of modules routed; installing again swaps the kernel."""
     count = 0
     for name, mod in model.named_modules():
         if not name.endswith("self_attention.core_attention"):
             continue
-        own = getattr(mod, "_megagrpo_own_forward", None) or mod.forward
-        mod._megagrpo_own_forward = own  # type: ignore[attr-defined]
-
-        def forward(self, query, key, value, attention_mask, *args, own=own, **kwargs):
-            params = kwargs.get("packed_seq_params")
-            idx = getattr(params, "segment_thd", None)
-            if idx is None:
-                return own(query, key, value, attention_mask, *args, **kwargs)
-            return segment_attention(self, attend, query, key, value, idx)
-
-        mod.forward = types.MethodType(forward, mod)  # type: ignore[method-assign]
+        mod._megagrpo_attend = attend  # type: ignore[attr-defined]
+        mod.forward = types.MethodType(_segment_forward, mod)  # type: ignore[method-assign]
         count += 1
     return count
 

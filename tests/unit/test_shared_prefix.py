@@ -238,3 +238,41 @@ def test_model_inputs_of_a_segment_row():
     assert params.max_seqlen_q == 16 and params.segment_thd.cu_q.tolist()[-1] == 16
     with pytest.raises(ValueError, match="segments' positions"):
         model_inputs(_G(), "local", ids, torch.arange(14)[None], segments=SEG)  # type: ignore[arg-type]
+
+
+def test_install_routes_segment_rows_only_and_survives_a_copy():
+    """The core attention's own forward serves every call without a segment index; a copy
+    of the model routes its own modules (no reference to the original's)."""
+    import copy
+    from types import SimpleNamespace
+
+    class Core(torch.nn.Module):
+        tag = 1.0
+
+        def forward(self, q, k, v, mask, attn_mask_type=None, packed_seq_params=None):
+            return torch.full((q.shape[0], 1, q.shape[2] * q.shape[3]), self.tag)
+
+    model = torch.nn.Module()
+    model.self_attention = torch.nn.Module()
+    model.self_attention.core_attention = Core()
+    calls = []
+
+    def attend(module, q, k, v, idx):
+        calls.append(module)
+        return reference_attend(module, q, k, v, idx)
+
+    from megagrpo.model.shared_prefix import install_thd_attention
+
+    assert install_thd_attention(model, attend) == 1
+    q = torch.randn(SEG.total, 1, 2, 4)
+    core = model.self_attention.core_attention
+    plain = core(q, q, q, None, packed_seq_params=None)
+    assert float(plain[0, 0, 0]) == 1.0 and calls == []
+    params = SimpleNamespace(segment_thd=SEG.thd())
+    assert core(q, q, q, None, packed_seq_params=params).shape == (SEG.total, 1, 8)
+    twin = copy.deepcopy(model)
+    other = twin.self_attention.core_attention
+    other.tag = 2.0
+    assert float(other(q, q, q, None)[0, 0, 0]) == 2.0
+    other(q, q, q, None, packed_seq_params=params)
+    assert calls == [core, other]
