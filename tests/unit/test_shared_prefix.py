@@ -271,7 +271,8 @@ def test_install_routes_segment_rows_only_and_survives_a_copy():
     params = SimpleNamespace(segment_thd=SEG.thd())
     assert core(q, q, q, None, packed_seq_params=params).shape == (SEG.total, 1, 8)
     twin = copy.deepcopy(model)
-    other = twin.self_attention.core_attention
+    other = twin.get_submodule("self_attention.core_attention")
+    assert isinstance(other, Core)
     other.tag = 2.0
     assert float(other(q, q, q, None)[0, 0, 0]) == 2.0
     other(q, q, q, None, packed_seq_params=params)
