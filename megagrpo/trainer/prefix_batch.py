@@ -70,7 +70,7 @@ def _same_prompt_routing(members: list[Sample]) -> bool:
         return True
     if any(r is None for r, _ in routes):
         return False
-    src, n0 = max(routes, key=lambda x: x[1])
+    src, _ = max(routes, key=lambda x: x[1])
     assert src is not None
     return all(torch.equal(r[:n], src[:n]) for r, n in routes if r is not None)
 
