@@ -303,6 +303,22 @@ else
 fi
 part recompute 75 "$PY" tools/bench_recompute.py --device "$DEV" --json "${RECOMPUTE_ARGS[@]}"
 
+# ---------------------------------------------------------------- shared prefix (issue 43)
+# tools/bench_prefix.py on the device: train-pass time, saved activations and the CUDA peak,
+# shared prefix vs rows, G 8 at prompt:completion 0.1 / 1 / 10 (bf16, a 1024-wide model); the
+# log-prob / gradient parity is tests/gpu/test_shared_prefix_gpu.py in the gpu_tests part.
+shared_prefix() {
+  local args=(--json --plot "$OUT/bench_prefix.png")
+  if [ "$MODE" = cpu ]; then
+    args+=(--quick)
+  else
+    args+=(--device cuda --dtype bfloat16 --group-sizes 8 --ratios 0.1,1,10 --tokens 1024
+      --hidden 1024 --layers 8)
+  fi
+  timeout --kill-after=15 $((90 * SLOW)) "$PY" tools/bench_prefix.py "${args[@]}"
+}
+part shared_prefix 90 shared_prefix
+
 # ---------------------------------------------------------------- the summary
 "$PY" - "$PARTS" "$OUT" "$MODE" "$(($(date +%s) - START))" "$CPYTHON" <<'PYEOF'
 import json, sys

@@ -23,7 +23,8 @@ from megagrpo.errors import ConfigError
 
 if TYPE_CHECKING:  # the planner imports torch: only when the command runs (fast --help)
     from megagrpo.plan.gate import Gate
-    from megagrpo.plan.scenario import Scenario
+    from megagrpo.plan.prefix import PromptStats
+    from megagrpo.plan.scenario import Assumptions, Scenario
     from megagrpo.trainer.config import RunConfig
 
 DESCRIPTION = __doc__
@@ -137,6 +138,31 @@ def _dump(obj: Any) -> str:
     return json.dumps(obj, default=default)
 
 
+def prompts_line(cfg: RunConfig, stats: PromptStats, sc: Scenario) -> str:
+    """What the plan assumed of the prompts and whether training shares them."""
+    spec = "local" if cfg.model.spec == "local" else "te"
+    on, why = cfg.shared_prefix_decision(spec)
+    shared = (
+        f"each group's prompt once ({sc.prompts_per_group:.2f} renderings per group)"
+        if on
+        else f"off ({why})"
+    )
+    return (
+        f"prompts: {stats.mean_tokens:.0f} tokens on average, {stats.source}; "
+        f"shared prefix: {shared}"
+    )
+
+
+def _prompts(cfg: RunConfig, args: argparse.Namespace, a: Assumptions) -> PromptStats:
+    """The prompt lengths the plan bills: ``--assume mean_prompt_tokens=``, else measured on
+    ``data.train`` when readable here, else the assumption (:mod:`megagrpo.plan.prefix`)."""
+    from megagrpo.plan.prefix import PromptStats, prompt_stats
+
+    if any(item.startswith("mean_prompt_tokens=") for item in args.assume):
+        return PromptStats(a.mean_prompt_tokens, 1.0, "--assume", False)
+    return prompt_stats(cfg, a.mean_prompt_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     from megagrpo.config import load_config
     from megagrpo.gate import compat
@@ -160,8 +186,13 @@ def run(args: argparse.Namespace) -> int:
     a = parse_assignments(args.assume, Assumptions(), "--assume")
     node = Hardware(host_memory_gib_per_node=cfg.cluster.host_memory_gib)  # --hw overrides
     hw = parse_assignments(args.hw, node, "--hw")
+    stats = _prompts(cfg, args, a)
+    a = dataclasses.replace(a, mean_prompt_tokens=stats.mean_tokens)  # a point when measured
     bill = collapse_bill(cfg, args.levels)
-    sc = billed(scenario_from_config(cfg, hf), bill)
+    sc = billed(scenario_from_config(cfg, hf), bill).with_(
+        prompts_per_group=stats.prompts_per_group
+    )
+    prompts = {**dataclasses.asdict(stats), "line": prompts_line(cfg, stats, sc)}
     gate = make_gate(cfg, hf)
     if args.gpus:
 
@@ -172,20 +203,23 @@ def run(args: argparse.Namespace) -> int:
         for key in ("best_runnable", "best_unverified"):
             if res[key] is not None:
                 res[key]["collapse"] = bill.as_dict()
+        res["prompts"] = prompts
         if args.json:
             print(_dump(res))
             return 0
         if not res["top"]:
             print(f"no layout fits {args.gpus} GPUs of {sc.gpu_memory_gib} GiB")
             return 1
-        print(format_search(res, args.gpus, sc.gpu_memory_gib))
+        print(format_search(res, args.gpus, sc.gpu_memory_gib) + "\n" + prompts["line"])
         return 0
     if args.ladder:
         report = ladder_report(sc, a, hw, gate=gate)
         report["collapse"] = bill.as_dict()
-        print(_dump(report) if args.json else format_ladder(report))
+        report["prompts"] = prompts
+        print(_dump(report) if args.json else format_ladder(report) + "\n" + prompts["line"])
         return 0
     result = full_plan(sc, a, hw)
     result["collapse"] = bill.as_dict()
-    print(_dump(result) if args.json else format_plan(result))
+    result["prompts"] = prompts
+    print(_dump(result) if args.json else format_plan(result) + "\n" + prompts["line"])
     return 0

@@ -130,8 +130,9 @@ def _set_path(node: Any, parts: list[str], value: Any, where: str, item: str) ->
             raise ConfigError(f"override '{item}': config key '{here}' is not a list or mapping")
 
 
-YAML11_WORDS = frozenset({"on", "off", "yes", "no", "y", "n"})
-"""Words YAML 1.1 reads as booleans: kept as written for a string-typed config key."""
+YAML11_WORDS = frozenset({"on", "off", "yes", "no", "y", "n", "true", "false"})
+"""Words YAML reads as booleans: kept as written for a string-typed config key (an enum such
+as ``trainer.shared_prefix: auto | true | false`` takes ``true`` as the word)."""
 
 
 def _is_str_key(cfg: DictConfig, key: str) -> bool:

@@ -446,6 +446,14 @@ RULES: tuple[Rule, ...] = (
         _const("trainer.pack_tokens=0 (padded micro-batches), or model.spec=local"),
         unverified=compat_te.PACKED_GPU_TEST,
     ),
+    Rule(
+        "te.shared_prefix_thd",
+        ("trainer.shared_prefix", "model.spec"),
+        compat_te.SHARED_PREFIX_UPSTREAM,
+        compat_te.shared_prefix_thd,
+        _const("trainer.shared_prefix=auto (off on the TE spec until the GPU check passed)"),
+        unverified=compat_te.SHARED_PREFIX_GPU_TEST,
+    ),
 )
 
 

@@ -29,6 +29,14 @@ PACKED_UPSTREAM = (
     "transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py "
     "DotProductAttention.forward (thd: int32 cu_seqlens [n + 1])"
 )
+SHARED_PREFIX_UPSTREAM = (
+    "transformer_engine/pytorch/attention/dot_product_attention/utils.py "
+    "get_attention_backend (thd + padding_causal_bottom_right: every backend without "
+    "context parallelism); transformer_engine/common/fused_attn/fused_attn.cpp "
+    "nvte_get_fused_attn_backend (cuDNN >= 9.6: thd + padding_causal_bottom_right, "
+    "max_seqlen_q <= max_seqlen_kv, dropout 0; sm90 for thd)"
+)
+SHARED_PREFIX_GPU_TEST = "tests/gpu/test_shared_prefix_gpu.py::test_te_route_matches_rows"
 PACKED_GPU_TEST = "tests/gpu/test_packing_te.py::test_te_packed_lora_grads_equal_unpacked"
 
 
@@ -63,4 +71,17 @@ def packed_lora(f: Facts) -> str | None:
     return (
         "packed rows on the TE spec run TE's THD attention (PackedSeqParams, cu_seqlens, "
         "RoPE restarted per sample); no GPU has computed LoRA gradients through it yet"
+    )
+
+
+def shared_prefix_thd(f: Facts) -> str | None:
+    """``trainer.shared_prefix: true`` on the TE spec (THD with separate q / kv lengths)."""
+    m, t = f.cfg.model, f.cfg.trainer
+    if t.shared_prefix != "true" or m.spec == "local":
+        return None
+    return (
+        "shared prefix on the TE spec: THD varlen attention with cu_seqlens_q != "
+        "cu_seqlens_kv and padding_causal_bottom_right (FusedAttention needs sm90 + cuDNN >= "
+        "9.6, or FlashAttention 2/3; no context parallelism, attention dropout 0, vanilla "
+        "softmax, no sliding window); follows TE 2.11's source, not yet run on a GPU"
     )

@@ -14,7 +14,10 @@ from megagrpo.rollout.config import RolloutConfig
 class TrainerKeys(Protocol):
     """The ``trainer`` keys the gate reads."""
 
-    pack_tokens: int
+    @property
+    def pack_tokens(self) -> int: ...
+    @property
+    def shared_prefix(self) -> str: ...
 
 
 class RunConfig(Protocol):

@@ -31,6 +31,10 @@ class Policy(Protocol):
     """The trained model as the GRPO loop sees it (every method is called on every rank;
     the ones marked collective must be)."""
 
+    spec: str
+    """Layer spec: ``local`` or ``te``; says which shared-prefix route its forwards take
+    (``trainer.shared_prefix``; a policy without attention between positions: ``local``)."""
+
     def forward_logits(
         self,
         input_ids: torch.Tensor,

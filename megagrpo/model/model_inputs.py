@@ -18,6 +18,12 @@ Padded micro-batches ``[B, T]`` run with Megatron's causal mask (plus a key mask
   sample, so the logits equal the unpacked ones up to floating-point rounding of the larger
   angles (tested in tests/distributed/test_packing.py).
 
+A *segment row* (:mod:`megagrpo.model.shared_prefix`: a group's prompt once, its
+completions after it) is one row with :class:`~megagrpo.model.shared_prefix.Segments`: the
+THD route's ``packed_seq_params`` (or, route ``mask``, the segments' mask for the local
+spec's attention), and the rotary positions each token really has
+(:attr:`ModelInputs.rope_positions`).
+
 Sequence parallelism splits the sequence over TP, so ``T`` is padded up to a multiple of TP;
 the pad tokens form a trailing block of their own (packed) or sit right of the last token
 (padded, causal: they never influence a real position).
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from megagrpo.model.shared_prefix import Segments
     from megagrpo.parallel.state import ParallelGroups
 
 LossFn = Callable[[torch.Tensor, int], tuple["torch.Tensor | None", Any]]
@@ -52,6 +59,9 @@ class ModelInputs:
     """T before the sequence-parallel padding (logits ``[:, :length]`` are the real ones)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """``packed_seq_params`` for a packed micro-batch on the TE spec."""
+    rope_positions: torch.Tensor | None = None
+    """``[T + padding]`` RoPE position of every token of a segment row (None: row positions);
+    the forward runs inside :func:`megagrpo.model.shared_prefix.rope_positions`."""
 
     @property
     def padded(self) -> bool:
@@ -103,6 +113,8 @@ def model_inputs(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    segments: Segments | None = None,
+    route: str = "auto",
 ) -> ModelInputs:
     """The ``GPTModel`` inputs of token ids ``[B, T]`` on ``groups.device`` (module doc).
 
@@ -110,7 +122,10 @@ def model_inputs(
     are implicit, other positions are rejected. ``attention_mask`` [B, T] (1 = token, 0 =
     padding) masks padded keys on top of the causal mask (TE spec: right padding only, where
     the mask changes nothing; other padding raises ValueError). ``cu_seqlens`` [n + 1] makes
-    the row a packed micro-batch (B must be 1; ``attention_mask`` must be None).
+    the row a packed micro-batch (B must be 1; ``attention_mask`` must be None). ``segments``
+    makes it a segment row (B = 1; ``position_ids`` None or the segments' positions);
+    ``route``: thd (auto; the model's core attention installed by ``install_thd_attention``)
+    | mask.
     """
     b, t = input_ids.shape
     dev = groups.device
@@ -119,6 +134,10 @@ def model_inputs(
     ids = input_ids.to(dev)
     if pad:  # SP splits the sequence over TP; trailing pads do not affect causal logits
         ids = torch.nn.functional.pad(ids, (0, pad))
+    if segments is not None:
+        if attention_mask is not None or cu_seqlens is not None:
+            raise ValueError("a segment row takes neither cu_seqlens nor an attention_mask")
+        return _segment_inputs(spec, ids, segments, position_ids, t, n, route)
     if cu_seqlens is not None:
         if attention_mask is not None:
             raise ValueError("a packed micro-batch takes cu_seqlens, not an attention_mask")
@@ -176,3 +195,32 @@ def _packed_inputs(spec: str, ids: torch.Tensor, cu: torch.Tensor, t: int, n: in
         max_seqlen_kv=longest,
     )
     return ModelInputs(ids, pos, None, t, {"packed_seq_params": packed})
+
+
+def _segment_inputs(
+    spec: str,
+    ids: torch.Tensor,
+    segments: Segments,
+    position_ids: torch.Tensor | None,
+    t: int,
+    n: int,
+    route: str,
+) -> ModelInputs:
+    """Segment row ``ids`` [1, n] (n = t + SP padding): :mod:`megagrpo.model.shared_prefix`."""
+    from megagrpo.model.shared_prefix import shared_params
+
+    if ids.shape[0] != 1:
+        raise ValueError(f"a segment row is one row [1, T]; got {ids.shape[0]} rows")
+    if segments.total > t:
+        raise ValueError(f"segments cover {segments.total} tokens of a {t}-token row")
+    seg = segments.padded(n)
+    pos = seg.positions(ids.device)
+    if position_ids is not None and not torch.equal(position_ids.to(ids.device)[0], pos[:t]):
+        raise ValueError("position_ids of a segment row must be its segments' positions")
+    route = "thd" if route == "auto" else route
+    if route == "thd":
+        extra = {"packed_seq_params": shared_params(segments, n, ids.device)}
+        return ModelInputs(ids, pos[None], None, t, extra, rope_positions=pos)
+    if route != "mask":
+        raise ValueError(f"segment route {route!r} is not auto | mask | thd")
+    return ModelInputs(ids, pos[None], seg.mask(ids.device), t, rope_positions=pos)

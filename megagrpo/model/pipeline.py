@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megagrpo.model.model_inputs import LossFn, model_inputs
+from megagrpo.model.shared_prefix import rope_positions
 from megagrpo.parallel.cpu_shims import pipeline_schedule_compat
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class MegatronPolicy(Protocol):
     model: Any
     groups: ParallelGroups
     spec: str
+    prefix_route: str
+    """Shared-prefix attention route of segment rows (:mod:`megagrpo.model.shared_prefix`)."""
     forward_logits: Callable[..., torch.Tensor]
 
 
@@ -78,6 +81,7 @@ def micro_batch_loop(
             mb.position_ids,
             cu_seqlens=getattr(mb, "cu_seqlens", None),
             routing=None if routing is None else routing(i),
+            segments=getattr(mb, "segments", None),
         )
         loss, out = loss_fn(logits, i)
         if not forward_only:
@@ -116,8 +120,11 @@ def pipeline_schedule(
             mb.input_ids,
             mb.position_ids,
             cu_seqlens=getattr(mb, "cu_seqlens", None),
+            segments=getattr(mb, "segments", None),
+            route=policy.prefix_route,
         )
-        output = model(x.input_ids, x.position_ids, x.attention_mask, **x.extra)
+        with rope_positions(model, x.rope_positions):  # every stage builds its rotary table
+            output = model(x.input_ids, x.position_ids, x.attention_mask, **x.extra)
 
         def loss_func(output_tensor: torch.Tensor, non_loss_data: bool = False):
             logits = output_tensor[:, : x.length] if x.padded else output_tensor

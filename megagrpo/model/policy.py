@@ -36,6 +36,13 @@ from megagrpo.model.model_inputs import LossFn, model_inputs
 from megagrpo.model.peft_export import ExpertBlocks
 from megagrpo.model.provider import DTYPES, build_gpt_model
 from megagrpo.model.routing import Routing, routed_forward, stage_routers
+from megagrpo.model.shared_prefix import (
+    Segments,
+    install_thd_attention,
+    rope_positions,
+    te_attend,
+    torch_attend,
+)
 from megagrpo.model.sync_transport import Counter, ExportLayout, RegionFn, exchange_layout
 from megagrpo.model.weights import export_hf_tensors, load_hf_weights
 from megagrpo.parallel.config import ParallelConfig
@@ -192,6 +199,11 @@ class MegatronPolicy(nn.Module):
         self.export_counter = Counter()
         """Bytes this rank sent / received in the last export (by transport)."""
         self._layouts: dict[tuple, tuple[ExportLayout, Any]] = {}
+        self.prefix_route = "thd"
+        """How segment rows (shared prefixes) attend (:mod:`megagrpo.model.shared_prefix`):
+        thd (TE's varlen kernel on the TE spec, torch's on the local spec) | mask (the local
+        spec's own attention under the segments' mask: T^2 per row, kept as a check)."""
+        install_thd_attention(model, te_attend if spec == "te" else torch_attend)
 
     # ------------------------------------------------------------------ building
     def params(self) -> dict[str, torch.Tensor]:
@@ -220,6 +232,7 @@ class MegatronPolicy(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         routing: Routing | None = None,
+        segments: Segments | None = None,
     ) -> torch.Tensor:
         """Vocab-parallel logits of this TP rank: [B, T] token ids → [B, T, V/TP].
 
@@ -233,7 +246,9 @@ class MegatronPolicy(nn.Module):
         at 0 per sample, or None). With pipeline parallelism use :meth:`forward_backward`.
         ``routing``: the MoE expert selection to replay, measure or record in this forward
         (:class:`megagrpo.model.routing.Routing`, ``[B, T, num_layers, top_k]``; not with
-        ``cu_seqlens``); None: the own routers decide.
+        ``cu_seqlens``); None: the own routers decide. ``segments``: a segment row (B = 1, a
+        group's prompt once and its completions after it: :mod:`megagrpo.model.shared_prefix`;
+        routing may be given).
         """
         if self.groups.pp_size > 1:
             raise NotImplementedError(
@@ -243,19 +258,27 @@ class MegatronPolicy(nn.Module):
         if routing is not None and cu_seqlens is not None:
             raise NotImplementedError("routing replay with packed rows (trainer.pack_tokens)")
         x = model_inputs(
-            self.groups, self.spec, input_ids, position_ids, attention_mask, cu_seqlens
+            self.groups,
+            self.spec,
+            input_ids,
+            position_ids,
+            attention_mask,
+            cu_seqlens,
+            segments,
+            self.prefix_route,
         )
         shape = (input_ids.shape[0], x.length, x.input_ids.shape[1] - x.length)
-        logits = routed_forward(
-            self.model,
-            self.routers,
-            routing,
-            shape,
-            x.input_ids,
-            x.position_ids,
-            x.attention_mask,
-            **x.extra,
-        )
+        with rope_positions(self.model, x.rope_positions):
+            logits = routed_forward(
+                self.model,
+                self.routers,
+                routing,
+                shape,
+                x.input_ids,
+                x.position_ids,
+                x.attention_mask,
+                **x.extra,
+            )
         return logits[:, : x.length] if x.padded else logits
 
     def forward_backward(

@@ -38,6 +38,7 @@ RANGES: dict[str, Range] = {
     "moe_lora_decode_speed": Range(0.54, 0.65, "high"),
     "train_mfu": Range(0.20, 0.25, "high"),
     "mean_completion_tokens": Range(800.0, 1400.0, "low"),
+    "mean_prompt_tokens": Range(200.0, 500.0, "low"),
     "completion_sigma": Range(0.4, 0.8, "low"),
     "decode_hbm_eff": Range(0.4, 0.6, "high"),
     "decode_mfu": Range(0.3, 0.6, "high"),

@@ -66,7 +66,9 @@ class Assumptions:
     (range 0.4-0.8; tools/bench_packing.py's model: 0.6, median ~900). Sets how fast a round's
     batch shrinks (:mod:`megagrpo.plan.decode`)."""
     mean_prompt_tokens: float = 330.0
-    """Mean prompt length (IgakuQA + the built-in prompt, tokenised: tools/bench_packing.py)."""
+    """Mean prompt length (IgakuQA + the built-in prompt, tokenised: tools/bench_packing.py).
+    `plan-memory` measures it on ``data.train`` when the files and the tokenizer are here
+    (:mod:`megagrpo.plan.prefix`); otherwise an assumption (range 200-500)."""
     train_mfu: float = 0.225
     """Fraction of the bf16 dense peak that the trainer's executed GEMM FLOPs reach (forward,
     input gradient, full-recompute forward, no-grad forwards; communication separate).
@@ -199,6 +201,11 @@ class Scenario:
     trained_groups_per_step: float | None = None
     """Groups trained per step (the shortfall policy may train fewer than ``batch_groups``);
     None: ``batch_groups``."""
+    shared_prefix: bool = False
+    """``trainer.shared_prefix`` as the trainer resolves it on this spec: each group's prompt
+    computed once in training (:mod:`megagrpo.plan.prefix`)."""
+    prompts_per_group: float = 1.0
+    """Distinct prompts (renderings, ``data.variants``) per group: what sharing computes."""
 
     @property
     def trained_groups(self) -> float:
@@ -284,6 +291,7 @@ def scenario_from_config(cfg: Any, hf: dict) -> Scenario:
         placement="separate" if ro.placement == "separate" else "colocated",
         rollout_gpus=ro.engine_ranks if ro.placement == "separate" else 0,  # the last ranks
         offpolicy_staleness=ro.resolved_max_staleness() if ro.placement == "separate" else 0,
+        shared_prefix=cfg.shared_prefix_decision("local" if m.spec == "local" else "te")[0],
     )
 
 

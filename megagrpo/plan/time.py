@@ -33,9 +33,11 @@ input is printed with the result.
   factors over the model-parallel groups, copies them to host, and loads the engine's share
   into its LoRA slot (over InfiniBand to the engines' GPUs when separate).
 * **train**: the trained groups' tokens (the shortfall policy may train fewer than
-  ``batch_groups``) x (1 forward + 1 input-gradient pass, the frozen base has no weight
-  gradient, + 1 recomputed forward under ``model.recompute=full``, + the no-grad forwards for
-  old / reference log-probs) x 2 x active params, attention scores added, at ``train_mfu``
+  ``batch_groups``; with ``trainer.shared_prefix`` each group's prompt counted once where the
+  group fits a micro-batch: :mod:`megagrpo.plan.prefix`, ``tokens_computed``) x (1 forward
+  + 1 input-gradient pass, the frozen base has no weight gradient, + 1 recomputed forward
+  under ``model.recompute=full``, + the no-grad forwards for old / reference log-probs)
+  x 2 x active params, attention scores added, at ``train_mfu``
   (a hardware utilisation: recompute included, see its docstring); the LoRA adapters' thin
   GEMMs, memory-bound (``lora_hbm_eff``); the MoE all-to-alls (dispatch + combine in each of
   those passes) and SP all-gather / reduce-scatter bytes; the 1F1B bubble
@@ -76,6 +78,7 @@ from megagrpo.plan.memory import (
     memory_plan,
     shapes_of,
 )
+from megagrpo.plan.prefix import computed_train_tokens
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 
 
@@ -302,12 +305,19 @@ def _lora_s(sc: Scenario, a: Assumptions, hw: Hardware, s, tokens: float, passes
     return flops / (sc.num_gpus * rate)
 
 
+def computed_tokens(sc: Scenario, a: Assumptions) -> float:
+    """Tokens the trainer computes per step: :func:`train_tokens` with each shared prompt
+    once (``trainer.shared_prefix``: :mod:`megagrpo.plan.prefix`)."""
+    mean, age = length_moments(sc, a)
+    return computed_train_tokens(sc, a.mean_prompt_tokens, mean, 2 * mean * age)
+
+
 def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     """The train phase of ``sc``: seconds (``s``) and its parts (module doc)."""
     s = shapes_of(sc.hf)
     active = param_counts(arch_from_hf(sc.hf))["active"]
     mean_len = a.mean_prompt_tokens + length_moments(sc, a)[0]
-    tokens = train_tokens(sc, a)
+    tokens = computed_tokens(sc, a)
     recompute = int(sc.recompute == "full")
     # forward, input gradient (the frozen base has no weight gradient), recomputed forward,
     # no-grad forwards (old / reference log-probs)
@@ -351,6 +361,8 @@ def train_phase(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
         "micro_batches_per_dp_rank": n_micro,
         "passes": passes_all,
         "model_flops_utilisation": model_flops / (peak * total) if total else 0.0,
+        "tokens_computed": tokens,
+        "tokens_trained": train_tokens(sc, a),
     }
 
 

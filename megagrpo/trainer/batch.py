@@ -32,6 +32,7 @@ import torch
 from megagrpo.algo.losses import aggregation_mass, make_seq_ids
 from megagrpo.model.model_inputs import packed_positions
 from megagrpo.model.routing import pad_routing
+from megagrpo.model.shared_prefix import Segments
 from megagrpo.types import Group
 
 
@@ -52,6 +53,8 @@ class Sample:
     excluded: bool = False
     """Truncated and ``loss.overlong_filter``: no loss token, still counted in the batch's
     normalisers (ms-swift masks it out of ``completion_mask`` in the loss only)."""
+    group: int = -1
+    """Index of its group in the batch (:func:`build_samples`; -1: unknown)."""
 
     @property
     def length(self) -> int:
@@ -87,6 +90,17 @@ class MicroBatch:
     """Completion tokens of its samples the overlong filter took out of ``mask``."""
     filtered_nonempty: int = 0
     """Its non-empty samples the overlong filter took out of ``mask`` entirely."""
+    spans: list[tuple[int, int, int]] | None = None
+    """Per sample (the order of ``indices``): ``(row, lo, hi)``, its completion tokens'
+    log-probs are ``[row, lo:hi]`` of the loss tensors (``target_ids``, ``mask`` ...)."""
+    segments: Segments | None = None
+    """A segment row (:mod:`megagrpo.trainer.prefix_batch`): ``input_ids`` / ``position_ids``
+    ``[1, T]`` are the row, the loss tensors ``[1, N]`` list its completion tokens, each
+    predicted from row position ``loss_index[n]``."""
+    loss_index: torch.Tensor | None = None
+    """Segment row: ``[N]`` row position whose output predicts loss token ``n``."""
+    shared_groups: tuple[int, int] = (0, 0)
+    """Segment row: (groups trained with their prompt shared, groups that could share)."""
 
     @property
     def num_seqs(self) -> int:
@@ -96,9 +110,9 @@ class MicroBatch:
     @property
     def num_nonempty(self) -> int:
         """Samples with at least one loss token."""
-        if self.seq_ids is None or self.cu_seqlens is None:
+        if self.seq_ids is None:
             return int((self.mask.sum(dim=1) > 0).sum().item())
-        per = torch.zeros(self.cu_seqlens.numel() - 1, dtype=self.mask.dtype)
+        per = torch.zeros(self.num_seqs, dtype=self.mask.dtype)
         per.index_add_(0, self.seq_ids.reshape(-1).cpu(), self.mask.reshape(-1).cpu())
         return int((per > 0).sum().item())
 
@@ -125,6 +139,10 @@ class MicroBatch:
             seq_weights=None if self.seq_weights is None else self.seq_weights.to(device),
             filtered_tokens=self.filtered_tokens,
             filtered_nonempty=self.filtered_nonempty,
+            spans=self.spans,
+            segments=self.segments,
+            loss_index=None if self.loss_index is None else self.loss_index.to(device),
+            shared_groups=self.shared_groups,
         )
 
 
@@ -149,7 +167,15 @@ def padding_micro_batch(length: int, pad_id: int) -> MicroBatch:
     pos = torch.arange(length, dtype=torch.long).unsqueeze(0)
     fed = torch.zeros((1, length), dtype=torch.bool)  # nothing to replay or measure
     return MicroBatch(
-        ids, pos, torch.zeros_like(ids), zeros, zeros.clone(), zeros.clone(), [], routing_valid=fed
+        ids,
+        pos,
+        torch.zeros_like(ids),
+        zeros,
+        zeros.clone(),
+        zeros.clone(),
+        [],
+        routing_valid=fed,
+        spans=[],
     )
 
 
@@ -182,6 +208,7 @@ def build_samples(
                     overlong_filter
                     and g < len(group.finish_reasons)
                     and group.finish_reasons[g] == "length",
+                    n,
                 )
             )
     return samples
@@ -218,6 +245,7 @@ def _collate(samples: list[Sample], pad_id: int) -> MicroBatch:
         seq_weights=_seq_weights(samples),
         filtered_tokens=_filtered(samples)[0],
         filtered_nonempty=_filtered(samples)[1],
+        spans=[(i, s.prompt_len - 1, s.length - 1) for i, s in enumerate(samples)],
     )
 
 
@@ -293,6 +321,7 @@ def _pad(mb: MicroBatch, extra: int, pad_id: int) -> MicroBatch:
         seq_weights=mb.seq_weights,
         filtered_tokens=mb.filtered_tokens,
         filtered_nonempty=mb.filtered_nonempty,
+        spans=mb.spans,
     )
 
 
@@ -411,6 +440,7 @@ def _packed_row(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int) ->
         seq_weights=_seq_weights(samples),
         filtered_tokens=_filtered(samples)[0],
         filtered_nonempty=_filtered(samples)[1],
+        spans=[(0, c + s.prompt_len - 1, c + s.length - 1) for c, s in zip(cu, samples)],
     )
 
 

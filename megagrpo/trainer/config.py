@@ -115,6 +115,17 @@ class TrainerConfig:
     """Pack samples into rows of at most this many tokens, one row per micro-batch
     (padding-free; must be >= rollout.max_model_len); 0: padded micro-batches of
     micro_batch_size samples."""
+    shared_prefix: Literal["auto", "true", "false"] = "auto"
+    """auto | true | false. Compute each group's prompt once in every training forward
+    (policy, old and reference log-probs): the group trains as one row ``[prompt | c_1 | ... |
+    c_G]``, each completion attending to the prompt and to itself, its positions continuing
+    from the prompt's end (megagrpo.trainer.prefix_batch), several groups to a micro-batch of
+    at most pack_tokens tokens (else micro_batch_size x the longest sample); a group longer
+    than that trains as rows (``train/shared_prefix_fraction``). The same loss, log-probs and
+    gradients as the rows, to rounding. auto: on where that is tested (the local spec, LoRA
+    dropout 0), the reason printed once where it is off; true: also with the TE spec (not yet
+    run on a GPU: a warning) and LoRA dropout (one dropout mask for the shared prompt);
+    false: rows."""
     weight_sync: WeightSync = "auto"
     """auto | merged | adapter. merged: stream base + LoRA merged HF tensors into the engine
     every step (works for every engine and target, but a bf16 base keeps only part of a small
@@ -190,6 +201,7 @@ class TrainerConfig:
             require_fp32(getattr(self, key), f"{path}.{key}")
         require(self.lr > 0, f"{path}.lr", "must be > 0")
         require(self.weight_decay >= 0, f"{path}.weight_decay", "must be >= 0")
+        require_choice(self, "shared_prefix", path)
         require_choice(self, "weight_sync", path)
         require_choice(self, "sync_transport", path)
         require_choice(self, "adapter_transport", path)
@@ -321,6 +333,7 @@ class RunConfig:
         )
         self._resolve_sync_thresholds()
         self._check_routing_replay()
+        self._check_shared_prefix()
         self._resolve_partial()
         self._resolve_separate()
         require(
@@ -338,9 +351,10 @@ class RunConfig:
             return
         require(self.parallel.pp == 1, "model.routing_replay", "not wired for parallel.pp > 1")
         require(
-            self.trainer.pack_tokens == 0,
+            self.trainer.pack_tokens == 0 or self.trainer.shared_prefix == "true",
             "model.routing_replay",
-            "not with packed rows (trainer.pack_tokens)",
+            "not with packed rows (trainer.pack_tokens) unless trainer.shared_prefix=true "
+            "(its segment rows carry the routing)",
         )
         require(
             mode != "r2"
@@ -349,6 +363,42 @@ class RunConfig:
             "r2 records the routing of the old-log-prob forward and replays it in training: "
             "set trainer.old_logprobs=recompute",
         )
+
+    def shared_prefix_decision(self, spec: str) -> tuple[bool, str]:
+        """Whether the trainer computes each group's prompt once (``trainer.shared_prefix``)
+        on a model of layer spec ``spec`` (local | te), and why not when it does not."""
+        mode = self.trainer.shared_prefix
+        if mode == "false":
+            return False, "trainer.shared_prefix=false"
+        tcfg = self.trainer
+        if tcfg.pack_tokens == 0 and tcfg.micro_batch_size == 1:
+            return False, (
+                "a micro-batch holds one sample (trainer.micro_batch_size=1, pack_tokens=0), "
+                "never a prompt with its completions: set trainer.pack_tokens (>= prompt + the "
+                "group's completions) or micro_batch_size >= 2"
+            )
+        if mode == "true":
+            return True, ""
+        if self.model.lora.dropout > 0:
+            return False, (
+                f"model.lora.dropout={self.model.lora.dropout}: the shared prompt would draw "
+                "one dropout mask where the rows draw one per completion (a different gradient "
+                "sample); trainer.shared_prefix=true accepts that"
+            )
+        if spec == "te":
+            return False, (
+                "the Transformer Engine route (THD, padding_causal_bottom_right) has not run "
+                "on a GPU yet (tests/gpu/test_shared_prefix_gpu.py, scripts/gpu_check.sh "
+                "shared_prefix); trainer.shared_prefix=true runs it"
+            )
+        return True, ""
+
+    def _check_shared_prefix(self) -> None:
+        """``trainer.shared_prefix: true`` on a layout that cannot share is refused."""
+        if self.trainer.shared_prefix != "true":
+            return
+        on, why = self.shared_prefix_decision("local")
+        require(on, "trainer.shared_prefix", f"true, but {why}")
 
     def _resolve_partial(self) -> None:
         """Partial rollouts train tokens sampled by older weights: the trainer recomputes the

@@ -94,3 +94,5 @@ class Update:
     ref: list | None = None
     extra: dict[str, float] = field(default_factory=dict)
     """``train/logprob_mismatch*`` measured when the old log-probs were recomputed."""
+    shared_fraction: float | None = None
+    """``train/shared_prefix_fraction`` of its groups (None: shared prefix off)."""

@@ -42,9 +42,13 @@ def _spans(gb: Generated, k: int, dp_rank: int, dp_size: int) -> Iterator[tuple]
         for j, completion in enumerate(group.token_ids):
             local.append((offsets[gi] + j, len(group.prompt_of(j)), len(completion)))
     for i, mb in enumerate(gb.updates[k].mbs):
-        starts = mb.cu_seqlens.tolist() if mb.cu_seqlens is not None else None
         for pos, index in enumerate(mb.indices):
             flat, prompt, length = local[index]
+            if mb.spans is not None:
+                row, lo, hi = mb.spans[pos]
+                yield i, row, lo, hi, flat
+                continue
+            starts = mb.cu_seqlens.tolist() if mb.cu_seqlens is not None else None
             row, base = (0, starts[pos]) if starts is not None else (pos, 0)
             yield i, row, base + prompt - 1, base + prompt - 1 + length, flat
 

@@ -9,6 +9,11 @@ With the output weight the loss multiplies the hidden states by it chunk by chun
 ``[T, V/TP]`` logits of a micro-batch nor their gradient: on the last pipeline stage of a
 large-vocabulary model these are the biggest activation. Sampling temperature: the
 tempered logits ``logits / T`` equal ``(hidden / T) @ W^T``, so the hidden states are divided.
+
+A segment row (shared prefix, :mod:`megagrpo.trainer.prefix_batch`) lists its loss tokens
+apart from the row: the rows ``mb.loss_index`` of the output are gathered first
+(:func:`loss_rows`; each completion's first token is predicted from the prompt's last
+position, so that row is taken once per completion and its gradient is their sum).
 """
 
 from __future__ import annotations
@@ -52,6 +57,14 @@ def model_output(policy: Policy, loss_cfg: LossConfig) -> Iterator[Tensor | None
         yield weight
 
 
+def loss_rows(output: Tensor, mb: MicroBatch) -> Tensor:
+    """``output`` ``[B, T, *]`` at the positions predicting ``mb``'s loss tokens: itself, or
+    for a segment row the gathered ``[1, N, *]`` (``mb.loss_index``)."""
+    if mb.loss_index is None:
+        return output
+    return output.index_select(1, mb.loss_index.to(output.device))
+
+
 def micro_batch_loss(
     output: Tensor,
     weight: Tensor | None,
@@ -77,7 +90,7 @@ def micro_batch_loss(
         ref_logprobs=ref,
         rollout_logprobs=mb.rollout_logprobs,
     )
-    x = tempered(output, temperature)
+    x = tempered(loss_rows(output, mb), temperature)
     rollout = mb.rollout_logprobs if cfg.tis_cap > 0 else None
     if weight is None:
         fused = partial(fused_policy_loss, x)
@@ -109,7 +122,7 @@ def micro_batch_logprobs(
     """Log-probs ``[B, T]`` fp32 of ``mb``'s targets (0 off the mask) from ``output`` (as in
     :func:`micro_batch_loss`), no gradient."""
     check_on_device("logprobs", output=output, target_ids=mb.target_ids, mask=mb.mask)
-    x = tempered(output, temperature)
+    x = tempered(loss_rows(output, mb), temperature)
     if weight is None:
         lp, *_ = token_stats(
             x, mb.target_ids, tp_group=tp_group, backend=cfg.backend, chunk_bytes=cfg.chunk_bytes

@@ -55,6 +55,7 @@ from megagrpo.trainer.config import RunConfig
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.generated import Update
 from megagrpo.trainer.loss_head import micro_batch_logprobs, micro_batch_loss, model_output
+from megagrpo.trainer.prefix_batch import row_budget, shared_micro_batches
 from megagrpo.types import Group
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,19 @@ def build_micro_batches(
     pack_tokens: int = 0,
     weights: Sequence[torch.Tensor] | None = None,
     overlong_filter: bool = False,
+    shared_prefix: bool = False,
 ) -> list[MicroBatch]:
     """Micro-batches of ``groups`` (advantage rows ``adv``, one per group; optional sequence
     ``weights``, one row per group) on ``device``: padded, of ``micro_batch_size`` samples,
-    or packed rows of at most ``pack_tokens`` tokens; ``pad_to_multiple``: sequence
-    parallelism needs T % TP == 0; ``overlong_filter``: truncated completions carry no loss
-    token (``loss.overlong_filter``)."""
+    or packed rows of at most ``pack_tokens`` tokens, or with ``shared_prefix`` segment rows
+    (each group's prompt once: :mod:`megagrpo.trainer.prefix_batch`); ``pad_to_multiple``:
+    sequence parallelism needs T % TP == 0; ``overlong_filter``: truncated completions carry
+    no loss token (``loss.overlong_filter``)."""
     samples = build_samples(groups, adv, weights, overlong_filter)
-    if pack_tokens:
+    if shared_prefix:
+        budget = row_budget(samples, micro_batch_size, pack_tokens)
+        mbs = shared_micro_batches(samples, budget, pad_id, pad_to_multiple)
+    elif pack_tokens:
         mbs = pack_samples(samples, pack_tokens, pad_id, pad_to_multiple)
     else:
         mbs = micro_batches(samples, micro_batch_size, pad_id, pad_to_multiple=pad_to_multiple)
@@ -336,6 +342,7 @@ def prepare_update(
     weights = group_seq_weights(groups, ctx.cfg.loss.group_weighting)
     my_w = None if weights is None else local_share(groups, weights, pgs.dp_rank, pgs.dp_size)[1]
     pad_to = pgs.tp_size if pgs.sequence_parallel else 1
+    shared = ctx.cfg.shared_prefix_decision(ctx.policy.spec)[0]
     mbs = build_micro_batches(
         mine,
         my_adv,
@@ -346,6 +353,7 @@ def prepare_update(
         tcfg.pack_tokens,
         my_w,
         overlong_filter=ctx.cfg.loss.overlong_filter,
+        shared_prefix=shared,
     )
     mbs = equalize_micro_batches(mbs, ctx.comm, pgs, ctx.pad_id)
     # Totals over the whole batch (all DP ranks): DP grad sync averages, so scale by dp_size.
@@ -367,11 +375,23 @@ def prepare_update(
         [(mb.routing, mb.routing_valid) for mb in mbs],
         routed=all(g.routing for g in groups),
         old_source=source,
-        measurable=pgs.pp_size == 1 and not tcfg.pack_tokens,  # replay refused at load time
+        # replay refused at load time; segment rows carry routing
+        measurable=pgs.pp_size == 1 and (shared or not tcfg.pack_tokens),
     )
     reused = source == "recompute" and reuse
     probe = reused and has_rollout_logprobs(groups)  # old = logp.detach() in the loss
-    return Update(mbs, totals, source, plan, reused, probe)
+    u = Update(mbs, totals, source, plan, reused, probe)
+    if shared:
+        u.shared_fraction = shared_fraction(ctx, mbs)
+    return u
+
+
+def shared_fraction(ctx: TrainContext, mbs: list[MicroBatch]) -> float:
+    """``train/shared_prefix_fraction``: groups (of two or more completions) trained with
+    their prompt shared, over every data-parallel rank (collective; 1.0 when none could)."""
+    shared = ctx.comm.sum_over(float(sum(mb.shared_groups[0] for mb in mbs)), ctx.pgs.dp)
+    total = ctx.comm.sum_over(float(sum(mb.shared_groups[1] for mb in mbs)), ctx.pgs.dp)
+    return shared / total if total else 1.0
 
 
 def behaviour_logprobs(ctx: TrainContext, u: Update, engine_logprobs: bool) -> None:
@@ -445,6 +465,8 @@ def optimizer_step(ctx: TrainContext, u: Update) -> dict[str, float]:
     metrics["train/micro_batches"] = float(sum(1 for mb in u.mbs if mb.indices))
     metrics["train/old_logprobs_" + u.source] = 1.0
     metrics["train/old_logprobs_reused"] = float(u.reused)
+    if u.shared_fraction is not None:
+        metrics["train/shared_prefix_fraction"] = u.shared_fraction
     if u.plan is not None:
         extra |= u.plan.metrics(ctx.comm.mean_over)
         u.plan.measured.clear()  # the next update of this mini-batch reports its own

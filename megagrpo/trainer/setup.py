@@ -432,6 +432,11 @@ def _build(
         check_base(point, base, cfg.model.hf_path, allow_base_change, model_path)
     seed_everything(cfg.trainer.seed + comm.rank)
     policy = policy_factory(dataclasses.replace(cfg.model, hf_path=model_path), pgs)
+    shared, why = cfg.shared_prefix_decision(policy.spec)
+    if comm.is_main:  # once per run: trainer.shared_prefix
+        log.info(
+            "shared prefix: %s", "on (each prompt once per group)" if shared else f"off: {why}"
+        )
     optimizer, scheduler = _optimizer(cfg, policy)
     reward_fn = build_composite(
         cfg.rewards,

@@ -22,6 +22,7 @@ QUICK = {
     "bench_loss.py": ("max |logp fused - logp naive|", []),
     "bench_packing.py": ("padded waste", []),
     "bench_partial.py": ('"speedup"', [SLOW]),
+    "bench_prefix.py": ("crossover (shared faster than rows)", [SLOW]),
     "bench_placement.py": ('"speedup"', [SLOW, pytest.mark.distributed]),
     "bench_recompute.py": ("(equal: True", [SLOW]),
     "bench_rollout.py": ("model tiny-dense", [SLOW]),

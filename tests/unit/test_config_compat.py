@@ -212,6 +212,17 @@ def test_te_paths_no_gpu_has_run_are_unverified():
     assert _cautions(_run(model__spec="local", trainer__pack_tokens=4096)) == set()
 
 
+def test_shared_prefix_on_te_is_allowed_unverified():
+    """trainer.shared_prefix=true on the TE spec follows TE 2.11's source (THD +
+    padding_causal_bottom_right): a warning naming the GPU check, never a refusal; auto and
+    the local spec match nothing."""
+    cfg = _run(trainer__shared_prefix="true")
+    assert _rules(cfg) == set() and _cautions(cfg) == {"te.shared_prefix_thd"}
+    assert compat.verdict(cfg, MOE, 8) == "unverified"
+    assert _cautions(_run(trainer__shared_prefix="true", model__spec="local")) == set()
+    assert _cautions(_run()) == set()
+
+
 def test_every_rule_has_a_test():
     names = {r.name for r in compat.RULES}
     tested = {
@@ -231,6 +242,7 @@ def test_every_rule_has_a_test():
         "te.moe_act_recompute",
         "te.moe_act_expert_lora",
         "te.packed_lora",
+        "te.shared_prefix_thd",
     }
     assert names == tested
     assert all(r.upstream and "/" in r.upstream for r in compat.RULES)

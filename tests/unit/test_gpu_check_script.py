@@ -22,6 +22,7 @@ PARTS = [
     "train_moe",
     "train_te",
     "recompute",
+    "shared_prefix",
 ]
 
 

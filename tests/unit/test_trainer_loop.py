@@ -39,6 +39,8 @@ class BigramPolicy:
     """A bigram model ``W [V, V]`` (frozen) plus a LoRA delta ``scale * B @ A``: the Policy
     contract in 50 lines. Its only HF tensor is ``bigram.weight``."""
 
+    spec = "local"  # its logits read one token: every segment row is exact
+
     def __init__(self, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.base = torch.randn(VOCAB, VOCAB, generator=gen)
