@@ -58,7 +58,6 @@ class _LLM:
 
 def _engine(llm: _LLM, covers: bool):
     import torch
-
     import torch.distributed as dist
 
     from megagrpo.rollout.config import RolloutConfig
