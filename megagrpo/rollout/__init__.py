@@ -17,10 +17,10 @@ from megagrpo.rollout.base import (
     SamplingSpec,
     SyncReport,
     WeightSyncError,
-    to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig, resolved_weight_sync
 from megagrpo.rollout.lora import PeftAdapter, merged_stream
+from megagrpo.rollout.stream import to_checkpoint_format
 
 __all__ = [
     "EngineError",

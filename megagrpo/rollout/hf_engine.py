@@ -23,23 +23,20 @@ import torch
 from megagrpo.rollout.base import (
     EngineError,
     SamplingSpec,
-    SyncMeter,
     SyncReport,
     WeightSyncError,
     chat_prompt_ids,
     decode_completion,
     default_probe_ids,
-    iter_buckets,
     problem_max_tokens,
     request_seed,
-    resolve_dtype,
     sample_counts,
-    to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter
 from megagrpo.rollout.routing import RoutingCapture, attach_routing, moe_routers
 from megagrpo.rollout.sampling import SamplingParams, process_logits
+from megagrpo.rollout.stream import SyncMeter, iter_buckets, resolve_dtype, to_checkpoint_format
 from megagrpo.rollout.verify import (
     Key,
     Stats,

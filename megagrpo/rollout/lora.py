@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megagrpo import fileio
-from megagrpo.rollout.base import SyncMeter, to_checkpoint_format
+from megagrpo.rollout.stream import SyncMeter, to_checkpoint_format
 
 _PEFT_PREFIX = "base_model.model."
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from megagrpo.rollout.base import SyncMeter, SyncReport, WeightSyncError
+from megagrpo.rollout.base import SyncReport, WeightSyncError
+from megagrpo.rollout.stream import SyncMeter
 
 log = logging.getLogger(__name__)
 

@@ -47,22 +47,19 @@ import torch
 from megagrpo.rollout.base import (
     EngineError,
     SamplingSpec,
-    SyncMeter,
     SyncReport,
     WeightSyncError,
     chat_prompt_ids,
     decode_completion,
     default_probe_ids,
-    iter_buckets,
     problem_max_tokens,
     request_seed,
-    resolve_dtype,
     sample_counts,
-    to_checkpoint_format,
 )
 from megagrpo.rollout.config import RolloutConfig, serves_adapters
 from megagrpo.rollout.lora import PeftAdapter, peft_state, write_peft_adapter
 from megagrpo.rollout.routing import attach_routing, vllm_returns_routing
+from megagrpo.rollout.stream import SyncMeter, iter_buckets, resolve_dtype, to_checkpoint_format
 from megagrpo.rollout.verify import (
     Stats,
     SyncVerifier,

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("vllm")
 
 from megagrpo.rollout import RolloutConfig, WeightSyncError, build_engine  # noqa: E402
-from megagrpo.rollout.base import to_checkpoint_format  # noqa: E402
 from megagrpo.rollout.hf_engine import sequence_logprobs  # noqa: E402
+from megagrpo.rollout.stream import to_checkpoint_format  # noqa: E402
 
 
 @pytest.fixture(scope="module")

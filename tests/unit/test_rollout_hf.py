@@ -15,8 +15,8 @@ from megagrpo.rollout import (
     build_engine,
     to_checkpoint_format,
 )
-from megagrpo.rollout.base import iter_buckets
 from megagrpo.rollout.hf_engine import sequence_logprobs
+from megagrpo.rollout.stream import iter_buckets
 from megagrpo.testing import TINY_PROBLEMS, logprob_errors
 
 PROBLEMS = TINY_PROBLEMS

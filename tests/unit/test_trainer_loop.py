@@ -20,7 +20,8 @@ from torch import nn
 
 from megagrpo.config import load_config
 from megagrpo.metrics import missing_metrics, read_metrics
-from megagrpo.rollout.base import SyncMeter, request_seed, sample_counts
+from megagrpo.rollout.base import request_seed, sample_counts
+from megagrpo.rollout.stream import SyncMeter
 from megagrpo.rollout.verify import SyncVerifier, sync_report, thresholds_for
 from megagrpo.testing import tiny_run_config, write_run_config
 from megagrpo.trainer.config import RunConfig
