@@ -36,8 +36,7 @@ import os
 import re
 import shutil
 import stat
-import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -451,6 +450,29 @@ def files_in(state: DirState | None) -> list[str]:
     return [e[0] for e in state or () if e[0] != "." and not stat.S_ISDIR(e[1])]
 
 
+def check_rewrite_dir(
+    out: Path, default: bool, ours: Collection[str], what: str
+) -> DirState | None:
+    """What a writer may replace at ``out``: an ``--out`` named by the user must be new or
+    empty; the writer's ``default`` directory may hold an earlier output of the same files
+    (only ``ours``, relative paths), which the new one replaces. ConfigError naming what is in
+    the way (``what``: "this evaluation", "the report"); returns the state to compare at the
+    rename (:func:`replace_dir`), None for a user's ``--out``."""
+    if not default:
+        check_out_dir(out, {}, "--out")
+        return None
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"{out} exists and is not a directory: pass --out DIR")
+    state = dir_state(out)
+    foreign = [f for f in files_in(state) if f not in ours]
+    if foreign:
+        raise ConfigError(
+            f"{out} holds files {what} does not write ({', '.join(foreign[:5])}): it would "
+            "replace them; move them, or pass --out DIR"
+        )
+    return state
+
+
 def _is_empty(state: DirState | None) -> bool:
     return state is None or (len(state) == 1 and stat.S_ISDIR(state[0][1]))
 
@@ -574,22 +596,3 @@ def library_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pa
         code = int(m.group(1))
         raise OSError(code, os.strerror(code), str(path)) from exc
     return path
-
-
-@contextmanager
-def stdout_to_stderr(active: bool = True) -> Iterator[None]:
-    """While active, file descriptor 1 is stderr: whatever the engine prints (vLLM's logger
-    writes to stdout, its worker processes inherit the descriptor) stays off stdout, which
-    then holds only what the command prints afterwards (``--json``)."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)

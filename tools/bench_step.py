@@ -231,7 +231,7 @@ def main() -> int:
         if key in pinned:
             ap.error(f"--set {key}: the workload pins it (both sides must do the same work)")
     run_trl = not args.no_trl and (args.trl or importlib.util.find_spec("trl") is not None)
-    from megagrpo.fileio import stdout_to_stderr  # --json: vLLM logs to stdout
+    from megagrpo.commands.stdout import stdout_to_stderr  # --json: vLLM logs to stdout
 
     with stdout_to_stderr(args.json), tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         if w["model"] == "tiny-dense":

@@ -36,8 +36,8 @@ from typing import Any
 
 from megagrpo import fileio
 from megagrpo.commands.eval_adapter import load_adapter, read_adapter_config
+from megagrpo.commands.stdout import stdout_to_stderr
 from megagrpo.errors import ConfigError, name_problem
-from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = (
     (__doc__ or "")
@@ -380,20 +380,8 @@ def check_out(out: Path, default: bool, full_gold: dict, name: str) -> fileio.Di
     default ``RUN_DIR/eval/TAG`` may hold an earlier evaluation of the same files (only the
     prediction files this one rewrites and ``score.json``), which the new one replaces.
     ConfigError naming what is in the way; returns the state to compare at the rename."""
-    if not default:
-        fileio.check_out_dir(out, {}, "--out")
-        return None
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ConfigError(f"{out} exists and is not a directory: pass --out DIR")
     ours = {"score.json"} | {f"{g.year}/{g.exam}_{name}.jsonl" for g in full_gold.values()}
-    state = fileio.dir_state(out)
-    foreign = [f for f in fileio.files_in(state) if f not in ours]
-    if foreign:
-        raise ConfigError(
-            f"{out} holds files this evaluation does not rewrite ({', '.join(foreign[:5])}): "
-            "it would replace them; move them, or pass --out DIR"
-        )
-    return state
+    return fileio.check_rewrite_dir(out, default, ours, "this evaluation")
 
 
 def publish(

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
+from megagrpo.commands.stdout import stdout_to_stderr
 from megagrpo.errors import ConfigError, MegagrpoError
-from megagrpo.fileio import stdout_to_stderr
 
 DESCRIPTION = __doc__
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo import fileio
-from megagrpo.errors import ConfigError, DataError
+from megagrpo.errors import DataError
 from megagrpo.metrics.answers import answer_bias_warning, learning_verdict, wilson_interval
 from megagrpo.metrics.logger import read_metrics
 
@@ -492,19 +492,7 @@ def check_report_out(out: Path, default: bool) -> fileio.DirState | None:
     """What may be replaced at ``out``: an ``--out`` named by the user must be new or empty;
     the default ``RUN_DIR/report`` may hold an earlier report (only :data:`REPORT_FILES`).
     ConfigError naming what is in the way; returns the state to compare at the rename."""
-    if not default:
-        fileio.check_out_dir(out, {}, "--out")
-        return None
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ConfigError(f"{out} exists and is not a directory: pass --out DIR")
-    state = fileio.dir_state(out)
-    foreign = [f for f in fileio.files_in(state) if f not in REPORT_FILES]
-    if foreign:
-        raise ConfigError(
-            f"{out} holds files the report does not write ({', '.join(foreign[:5])}): a new "
-            "report would replace them; move them, or pass --out DIR"
-        )
-    return state
+    return fileio.check_rewrite_dir(out, default, REPORT_FILES, "the report")
 
 
 def make_report(

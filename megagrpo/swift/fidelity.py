@@ -60,22 +60,14 @@ def translate_loss_type(t: Translation, lay: Layout) -> None:
         t.done.add("importance_sampling_level")
         return
     if loss == "sapo" and level != "token":
+        why = f"not supported with loss_type sapo: '{level}' (megagrpo's SAPO gates token ratios)"
+    elif level not in ("token", "sequence"):
+        why = f"not supported: '{level}' (megagrpo: token, or sequence = GSPO)"
+    else:
+        why = ""
+    if why:
         t.add("loss_type", EXACT, {}, value=loss)
-        t.add(
-            "importance_sampling_level",
-            MISSING,
-            {},
-            f"not supported with loss_type sapo: '{level}' (megagrpo's SAPO gates token ratios)",
-        )
-        return
-    if level not in ("token", "sequence"):
-        t.add("loss_type", EXACT, {}, value=loss)
-        t.add(
-            "importance_sampling_level",
-            MISSING,
-            {},
-            f"not supported: '{level}' (megagrpo: token, or sequence = GSPO)",
-        )
+        t.add("importance_sampling_level", MISSING, {}, why)
         return
     variant = (
         "gspo"
