@@ -47,6 +47,15 @@ def test_te_route_matches_rows(tiny_moe_dir):
     checks = [
         {"route": "te", "routing": "r3", "groups": ROUTED},
         {"route": "te", "groups": {"n": 4}},
+        # every TE backend TE may pick (utils.py get_attention_backend): the unfused one
+        # forced (its THD mask follows attention_type: te_attend runs as cross-attention),
+        # then FlashAttention where flash-attn is installed (else unfused again)
+        {
+            "route": "te",
+            "groups": {"n": 4},
+            "env": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"},
+        },
+        {"route": "te", "groups": {"n": 4}, "env": {"NVTE_FUSED_ATTN": "0"}},
     ]
     job = {"hf_dir": tiny_moe_dir, "layout": {}, "dtype": "bfloat16", "spec": "te"}
     (report,) = run_parity([{**job, "checks": checks}], 1)[0]
