@@ -10,13 +10,16 @@ kwargs), ``fused_linear``, ``loss`` (LossConfig kwargs), ``routing`` (off | r3),
 (rollout: the engine's log-probs are the behaviour ones, so the ratio departs from 1 |
 recompute: the scoring forward's), ``pack_tokens``, ``route`` (thd: the THD route with the
 local spec's kernel, the default | mask: megatron's attention under the segments' mask |
-ref: THD with the dense :func:`reference_attend` | te: TE's kernel, ``spec: te``), ``logits``.
+ref: THD with the dense :func:`reference_attend` | te: TE's kernel, ``spec: te``), ``logits``,
+``env`` (environment variables for both paths of the check: TE's backend switches).
 Both paths run from the same weights: one SGD step of the rows first, so the LoRA B factors
 (zero at start) are not and every gradient is live.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -121,12 +124,11 @@ def _one_job(job: dict, keep: bool) -> dict:
                 assert install_thd_attention(policy.model, attend) > 0
             policy.prefix_route = "mask" if route == "mask" else "thd"  # te: TE's own kernel
             groups = make_groups(policy.arch.vocab_size, **check.get("groups", {}))
-            paths = {shared: _Path(policy, pgs, check, groups, shared) for shared in (False, True)}
-            if i == 0:
-                paths[False].sgd_step()  # both paths from the same non-zero LoRA B
-            res = {
-                shared: path.measure(check.get("logits", False)) for shared, path in paths.items()
-            }
+            with _environ(check.get("env", {})):
+                paths = {s: _Path(policy, pgs, check, groups, s) for s in (False, True)}
+                if i == 0:
+                    paths[False].sgd_step()  # both paths from the same non-zero LoRA B
+                res = {s: path.measure(check.get("logits", False)) for s, path in paths.items()}
             report["checks"].append(res)
         return report
     finally:
@@ -273,6 +275,36 @@ def per_sample(mbs: list, outs: list) -> dict[int, torch.Tensor]:
         for index, (row, lo, hi) in zip(mb.indices, mb.spans or []):
             res[index] = out[row, lo:hi].detach().cpu()
     return res
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set inside the block (a check's ``env``: e.g. TE's ``NVTE_FLASH_ATTN`` /
+    ``NVTE_FUSED_ATTN`` to force one attention backend), TE's cached backend choice dropped
+    on entry and exit (TE 2.11 ``dot_product_attention.py`` ``_attention_backends``: it
+    re-reads the variables only when it selects again)."""
+    import os
+    import sys
+
+    def reselect() -> None:
+        mod = sys.modules.get(
+            "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
+        )
+        if mod is not None:
+            mod._attention_backends["backend_selection_requires_update"] = True
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    reselect()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reselect()
 
 
 def rel_diffs(rows: dict, shared: dict) -> dict[str, float]:

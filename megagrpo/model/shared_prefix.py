@@ -273,25 +273,65 @@ def torch_attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, idx: ThdInd
     return torch.cat(vals).index_select(0, order)
 
 
+TE_SEQLEN_ROUND = 64
+"""``max_seqlen_q/kv`` handed to TE rounded up to this (what TE 2.11 ``DotProductAttention.forward``
+does itself when it derives them from ``cu_seqlens``): cuDNN 9.6's fused THD kernel takes
+``padding_causal_bottom_right`` only with multiples of 64 (``fused_attn.cpp``
+``nvte_get_fused_attn_backend``); a larger bound changes no result."""
+
+TE_BACKENDS = ("flash_attention", "fused_attention", "unfused_attention")
+"""TE 2.11 ``DotProductAttention``'s backend modules, each with its own ``attention_type``."""
+
+
+@contextlib.contextmanager
+def _cross_attention(module: nn.Module) -> Iterator[None]:
+    """``module`` and its TE backends as ``attention_type="cross"`` inside the block. TE
+    2.11's ``UnfusedDotProductAttention`` builds a *self*-attention THD mask from
+    ``cu_seqlens_q`` alone (``utils.py`` ``get_padding_mask``: ``attention_type == "self"``
+    keeps the query mask only; ``get_full_mask`` then takes the key lengths equal to the
+    query lengths): with ``cu_seqlens_kv != cu_seqlens_q`` it raises on the shapes, or, when
+    the longest query and key sequences are equally long, silently masks top-left over the
+    first ``len_q`` keys. As cross-attention it takes both lengths (``[q_mask, kv_mask]``)
+    and aligns the causal mask bottom-right per sequence; TE itself switches to ``cross``
+    for the same case, queries shorter than keys (KV cache: ``DotProductAttention.forward``).
+    FlashAttention and FusedAttention read ``attention_type`` for sbhd / bshd only."""
+    mods = [module, *(getattr(module, n, None) for n in TE_BACKENDS)]
+    mods = [m for m in mods if m is not None and hasattr(m, "attention_type")]
+    saved = [m.attention_type for m in mods]
+    for m in mods:
+        m.attention_type = "cross"
+    try:
+        yield
+    finally:
+        for m, a in zip(mods, saved):
+            m.attention_type = a
+
+
+def _te_seqlen(n: int) -> int:
+    return -(-n // TE_SEQLEN_ROUND) * TE_SEQLEN_ROUND
+
+
 def te_attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, idx: ThdIndex) -> Tensor:
     """Transformer Engine 2.11's ``DotProductAttention.forward`` on the THD inputs (the
     parent class of megatron-core's ``TEDotProductAttention``, called directly: megatron's
-    ``AttnMaskType`` has no ``padding_causal_bottom_right``)."""
+    ``AttnMaskType`` has no ``padding_causal_bottom_right``), as cross-attention
+    (:func:`_cross_attention`) with ``max_seqlen`` rounded to :data:`TE_SEQLEN_ROUND`."""
     import transformer_engine.pytorch as te  # pyright: ignore[reportMissingImports]  (GPU only)
 
-    return te.DotProductAttention.forward(
-        module,
-        q,
-        k,
-        v,
-        None,
-        qkv_format="thd",
-        cu_seqlens_q=idx.cu_q,
-        cu_seqlens_kv=idx.cu_kv,
-        max_seqlen_q=idx.max_q,
-        max_seqlen_kv=idx.max_kv,
-        attn_mask_type="padding_causal_bottom_right",
-    )
+    with _cross_attention(module):
+        return te.DotProductAttention.forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            qkv_format="thd",
+            cu_seqlens_q=idx.cu_q,
+            cu_seqlens_kv=idx.cu_kv,
+            max_seqlen_q=_te_seqlen(idx.max_q),
+            max_seqlen_kv=_te_seqlen(idx.max_kv),
+            attn_mask_type="padding_causal_bottom_right",
+        )
 
 
 Attend = Callable[[nn.Module, Tensor, Tensor, Tensor, ThdIndex], Tensor]

@@ -6,7 +6,12 @@ megagrpo.model.shared_prefix.te_attend), R3 replay on the tiny MoE. Skipped with
 
 Tolerance: 4 bf16 eps (3.1e-2) relative for the log-probs, the loss and the gradients as a
 whole, as on CPU (tests/unit/test_shared_prefix_model.py); two kernels on the same bf16
-inputs differ by about one eps, a completion seeing another moves log-probs by 1e-2 to 1."""
+inputs differ by about one eps. Measured on CPU in bf16 (torch kernel, tiny MoE, 3-4 groups of
+4): the right masks 3e-3 (log-probs) / 2.4e-2 (grads_norm, R3); a top-left causal mask (what TE's
+unfused backend did as self-attention) 0.36 / 0.91, a mask letting completions see each other
+0.32 / 2.9. The MoE checks replay the engine routing (R3): without it a bf16 near-tie flips
+a token's expert in one path and not the other (4 groups, seed 0: 0.51 nats on one token,
+4.5e-2 relative, over the bound with a right mask); the dense model checks the unrouted path."""
 
 from __future__ import annotations
 
@@ -33,7 +38,10 @@ def _check_all(report: dict) -> None:
 
 
 def test_local_spec_routes_match_rows(tiny_moe_dir):
-    checks = [{"routing": "r3", "groups": ROUTED}, {"route": "mask", "groups": ROUTED}]
+    checks = [
+        {"routing": "r3", "groups": ROUTED},
+        {"route": "mask", "routing": "r3", "groups": ROUTED},
+    ]
     job = {"hf_dir": tiny_moe_dir, "layout": {}, "dtype": "bfloat16", "spec": "local"}
     (report,) = run_parity([{**job, "checks": checks}], 1)[0]
     _check_all(report)
@@ -42,12 +50,19 @@ def test_local_spec_routes_match_rows(tiny_moe_dir):
 @pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
 )
-def test_te_route_matches_rows(tiny_moe_dir):
-    """The compat gate's te.shared_prefix_thd rule stays 'unverified' until this passes."""
+def test_te_route_matches_rows(tiny_moe_dir, tiny_dense_dir):
+    """The compat gate's te.shared_prefix_thd rule stays 'unverified' until this passes. TE
+    picks its backend per call (utils.py get_attention_backend); besides its own pick, the
+    unfused backend is forced (its THD mask follows ``attention_type``: te_attend runs as
+    cross-attention), then FlashAttention where flash-attn is installed (else unfused)."""
+    r3 = {"route": "te", "routing": "r3", "groups": ROUTED}
     checks = [
-        {"route": "te", "routing": "r3", "groups": ROUTED},
-        {"route": "te", "groups": {"n": 4}},
+        r3,
+        {**r3, "env": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"}},
+        {**r3, "env": {"NVTE_FUSED_ATTN": "0"}},
     ]
-    job = {"hf_dir": tiny_moe_dir, "layout": {}, "dtype": "bfloat16", "spec": "te"}
-    (report,) = run_parity([{**job, "checks": checks}], 1)[0]
-    _check_all(report)
+    job = {"layout": {}, "dtype": "bfloat16", "spec": "te"}
+    moe = {**job, "hf_dir": tiny_moe_dir, "checks": checks}
+    dense = {**job, "hf_dir": tiny_dense_dir, "checks": [{"route": "te", "groups": {"n": 4}}]}
+    for (report,) in run_parity([moe, dense], 1):
+        _check_all(report)

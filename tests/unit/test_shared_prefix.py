@@ -277,3 +277,68 @@ def test_install_routes_segment_rows_only_and_survives_a_copy():
     assert float(other(q, q, q, None)[0, 0, 0]) == 2.0
     other(q, q, q, None, packed_seq_params=params)
     assert calls == [core, other]
+
+
+def test_te_call_is_cross_attention_with_rounded_lengths(monkeypatch):
+    """What ``te_attend`` hands TE 2.11 (no TE on CPU: a stand-in module records the call and
+    answers with the dense kernel). TE's ``UnfusedDotProductAttention`` builds a THD
+    *self*-attention mask from ``cu_seqlens_q`` alone (v2.11 ``dot_product_attention/utils.py``
+    ``get_padding_mask`` / ``get_full_mask``): key lengths taken equal to the query lengths,
+    no bottom-right shift. The call must therefore run as cross-attention (the module and
+    its three backends), restored afterwards, even when TE raises; ``max_seqlen_q/kv`` are
+    rounded up to 64 as TE rounds them itself (cuDNN 9.6's fused THD bottom-right kernel)."""
+    import sys
+    import types
+
+    from megagrpo.model.shared_prefix import te_attend
+
+    # TE 2.11 DotProductAttention.__init__'s backend modules (dot_product_attention.py)
+    TE_BACKENDS = ("flash_attention", "fused_attention", "unfused_attention")
+    seen: list[dict] = []
+
+    class Backend(torch.nn.Module):
+        attention_type = "self"
+
+    class FakeDPA(Backend):
+        def __init__(self):
+            super().__init__()
+            for name in TE_BACKENDS:
+                setattr(self, name, Backend())
+
+        def forward(self, q, k, v, mask, **kw):
+            types_now = [self.attention_type]
+            types_now += [getattr(self, n).attention_type for n in TE_BACKENDS]
+            seen.append({"types": types_now, **kw})
+            if kw.get("max_seqlen_q") == 0:
+                raise RuntimeError("TE refused")
+            idx = SEG.thd()
+            return reference_attend(self, q, k, v, idx).reshape(q.shape[0], -1)
+
+    te_pkg = types.ModuleType("transformer_engine")
+    te_pt = types.ModuleType("transformer_engine.pytorch")
+    te_pt.DotProductAttention = FakeDPA  # type: ignore[attr-defined]
+    te_pkg.pytorch = te_pt  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformer_engine", te_pkg)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te_pt)
+
+    g = torch.Generator().manual_seed(1)
+    t, h, d = SEG.total, 2, 4
+    q, k, v = (torch.randn(t, 1, h, d, generator=g, dtype=torch.float64) for _ in range(3))
+    module = FakeDPA()
+    idx = SEG.thd()
+    out = segment_attention(module, te_attend, q, k, v, idx)
+    want = segment_attention(module, reference_attend, q, k, v, idx)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    (call,) = seen
+    assert call["types"] == ["cross"] * 4
+    assert call["qkv_format"] == "thd"
+    assert call["attn_mask_type"] == "padding_causal_bottom_right"
+    assert call["cu_seqlens_q"] is idx.cu_q and call["cu_seqlens_kv"] is idx.cu_kv
+    assert (call["max_seqlen_q"], call["max_seqlen_kv"]) == (64, 64)  # longest: 5 and 5
+    assert module.attention_type == "self"
+    assert all(getattr(module, n).attention_type == "self" for n in TE_BACKENDS)
+    idx.max_q = 0  # the stand-in raises
+    with pytest.raises(RuntimeError, match="TE refused"):
+        te_attend(module, q[:, 0], k[:, 0], v[:, 0], idx)
+    assert [getattr(module, n).attention_type for n in TE_BACKENDS] == ["self"] * 3
+    assert module.attention_type == "self"
