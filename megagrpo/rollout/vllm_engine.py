@@ -399,8 +399,9 @@ class VLLMEngine:
         streamed: Stats = {}
         unmapped: list[str] = []
         observe = stream_observer(self.name_map, streamed, unmapped)
+        source = iter(named_tensors)
         buckets = iter_buckets(
-            to_checkpoint_format(named_tensors),
+            to_checkpoint_format(source),
             int(self.cfg.sync_bucket_mb * 2**20),
             self.dtype,
             self.device,
@@ -416,12 +417,12 @@ class VLLMEngine:
                 f"{meter.num_tensors} tensors: {type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc
-        # what follows (checksums, the probe) is collective over this engine's ranks: agree
-        # first, so a load that failed on one rank fails on all of them instead of hanging
-        if not self.llm.apply_model(functools.partial(agree, ok=error is None))[0]:
-            raise error or WeightSyncError("weight sync failed on another rank of this engine")
-        if error is not None:
-            raise error
+        # the stream is the trainer's collective export: a failed rank finishes it before it
+        # agrees (else it waits in agree while the others wait for it in the export); what
+        # follows (checksums, the probe) is collective too: all fail if one rank did
+        for _ in source if error is not None else ():
+            pass
+        self._agree(error)
         self._weights_dropped = False
         self._wake_kv_cache()
         t1 = time.perf_counter()
@@ -429,6 +430,11 @@ class VLLMEngine:
         t_stats += time.perf_counter() - t1
         evidence = WeightEvidence(self.name_map.keys(), streamed, unmapped, post, pre)
         return self._verify(t0, meter, expected_probe, expected_before, "full", evidence, t_stats)
+
+    def _agree(self, error: WeightSyncError | None) -> None:
+        """Collective over this engine's ranks: when any rank has an error, all raise."""
+        if not self.llm.apply_model(functools.partial(agree, ok=error is None))[0]:
+            raise error or WeightSyncError("weight sync failed on another rank of this engine")
 
     def _param_stats(self) -> Stats:
         stats = self.llm.apply_model(param_stats)[0]
@@ -450,7 +456,12 @@ class VLLMEngine:
             t1 = time.perf_counter()
             ver = self.verifier
             predicts = ver.predicts_change(expected_probe, expected_before)
-            checked = check_weights(evidence, predicts, what, ver.last_streamed)
+            error = None
+            try:  # coverage is per rank (its own experts): agree before the collective probe
+                checked = check_weights(evidence, predicts, what, ver.last_streamed)
+            except WeightSyncError as exc:
+                error = exc
+            self._agree(error)
             t_full += time.perf_counter() - t1 if evidence.engine_values is not None else 0.0
         probe = self.probe_logprobs()
         verdict = self.verifier.verify(probe, expected_probe, expected_before, what, checked)
