@@ -198,8 +198,10 @@ def _probe_advice(loaded: int) -> str:
     return (
         "No full check compared the engine's tensors with the stream in this sync "
         "(rollout.full_check_every; trainer.sync_transport=sliced has none): find out first "
-        "which tensors stayed unchanged -- a sync with full_check (megagrpo preflight runs one "
-        "at start-up) names every engine tensor that differs from the stream. Do not raise "
+        "which tensors stayed unchanged -- a sync with full_check names every engine tensor "
+        "that differs from the stream (megagrpo preflight runs one at start-up, but not with "
+        "trainer.sync_transport=sliced: run preflight with trainer.sync_transport=allreduce; "
+        "its 2-layer model makes that cheap). Do not raise "
         "rollout.verify_tol: with weights that did not load, training would go on against a "
         "policy the engine does not hold."
     )

@@ -505,8 +505,6 @@ class VLLMEngine:
         (``expected_probe`` / ``expected_before`` as in :meth:`update_weights`). May be called
         asleep (level 1 only: the base weights must have survived).
         """
-        from vllm.lora.request import LoRARequest
-
         if not self.supports_adapter_sync():
             raise EngineError(
                 "adapter-only sync needs rollout.enable_lora=true and LoRA "
@@ -522,16 +520,13 @@ class VLLMEngine:
         self._wake_weights()
         version = next(self._lora_versions)
         old = self._lora_request
-        name, lora_id = f"policy-v{version}", lora_int_id(version)
-        if in_memory:  # only this rank's experts are kept (P1; vLLM would drop the others)
-            tensors, config, meter = peft_state(adapter, self.dtype)
-            tensors = local_tensors(tensors, self.expert_block())
-            self._lora_request = serve_from_memory(name, lora_id, tensors, config)
-        else:
-            path = self._lora_dir / f"v{version}"
-            meter = write_peft_adapter(adapter, path, self.dtype)
-            self._lora_request = LoRARequest(name, lora_id, str(path))
-        keep_in_dummy_runs(self._lora_request)  # idle lock-stepped steps keep it (W1)
+        error, meter = None, SyncMeter()
+        try:  # the probe below is a collective forward: a rank failing here must not skip it
+            self._lora_request, meter = self._serve(adapter, version, in_memory)
+        except Exception as exc:  # alone (a full /tmp on one node): all fail, none hangs
+            error = WeightSyncError(f"adapter sync on this rank: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+        self._agree(error)
         self._wake_kv_cache()
         try:
             report = self._verify(t0, meter, expected_probe, expected_before, "adapter", None)
@@ -546,6 +541,22 @@ class VLLMEngine:
             else:
                 shutil.rmtree(old.lora_path, ignore_errors=True)
         return report
+
+    def _serve(self, adapter: PeftAdapter, version: int, in_memory: bool) -> tuple[Any, SyncMeter]:
+        """The LoRARequest of ``adapter`` (in memory: this rank's experts only, P1; else a
+        PEFT directory), kept through idle lock-stepped steps (W1)."""
+        name, lora_id = f"policy-v{version}", lora_int_id(version)
+        if in_memory:
+            tensors, config, meter = peft_state(adapter, self.dtype)
+            tensors = local_tensors(tensors, self.expert_block())
+            request = serve_from_memory(name, lora_id, tensors, config)
+        else:
+            meter = write_peft_adapter(adapter, self._lora_dir / f"v{version}", self.dtype)
+            from vllm.lora.request import LoRARequest
+
+            request = LoRARequest(name, lora_id, str(self._lora_dir / f"v{version}"))
+        keep_in_dummy_runs(request)
+        return request, meter
 
     # ------------------------------------------------------------------ lifecycle
     def sleep(self) -> None:

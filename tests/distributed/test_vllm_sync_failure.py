@@ -19,6 +19,11 @@ own: ``ShardedRollouts.push`` -> ``VLLMEngine.update_weights`` -> ``agree`` over
 from __future__ import annotations
 
 import datetime
+import itertools
+import pathlib
+import shutil
+import tempfile
+import types
 
 import pytest
 
@@ -69,7 +74,10 @@ def _engine(llm: _LLM, covers: bool):
     eng.cfg, eng.llm, eng.sync_path = RolloutConfig(), llm, "reload_weights"
     eng.dtype, eng.device, eng.on_gpu = torch.float32, "cpu", True
     eng._asleep, eng.sleep_mode, eng._infixes, eng._expected = False, False, {}, set()
-    eng.probe_token_ids, eng.lora_enabled = [1, 2, 3], False
+    eng.probe_token_ids, eng.lora_enabled = [1, 2, 3], True  # adapter syncs served too
+    eng._weights_dropped, eng.sleep_level, eng._lora_request = False, 1, None
+    eng._lora_versions = itertools.count(1)
+    eng._lora_dir = pathlib.Path("/dev/null/megagrpo-lora")  # not a directory: no write
     eng.verifier = SyncVerifier(thresholds_for(eng.cfg, eng.dtype), 1, [0.0, 0.0])
     params = {
         f"w{i}": {"experts": 0, "held": [], "opaque": False, "derived": False} for i in (0, 1)
@@ -87,8 +95,9 @@ def _engine(llm: _LLM, covers: bool):
     return eng
 
 
-CASES = [(c, full) for c in ("load", "coverage") for full in (False, True)]
-"""(what fails on rank 0, value checksums on): a load raising midway, a coverage check."""
+CASES = [(c, full) for c in ("load", "coverage") for full in (False, True)] + [("adapter", None)]
+"""(what fails on rank 0, value checksums on): a load raising midway, a coverage check; an
+adapter sync whose PEFT directory cannot be written on rank 0 (a full /tmp on one node)."""
 
 
 def _worker(rank: int) -> dict:
@@ -98,6 +107,8 @@ def _worker(rank: int) -> dict:
     from megagrpo.parallel.comm import Comm
     from megagrpo.placement.rollouts import ShardedRollouts, WeightUpdate
     from megagrpo.rollout import vllm_support
+    from megagrpo.rollout.base import SyncMeter
+    from megagrpo.rollout.lora import PeftAdapter
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     vllm_support._group = lambda kind: dist.group.WORLD if kind == "tp" else None
@@ -114,13 +125,33 @@ def _worker(rank: int) -> dict:
         eng = _engine(llm, covers=not (case == "coverage" and rank == 0))
         eng.cfg.sync_bucket_mb = 1e-9  # one tensor per bucket: the loader pulls them one by one
         rollouts = ShardedRollouts(eng, Comm(), None, replica_size=2)  # type: ignore[arg-type]
+        if case == "adapter":
+            if rank != 0:  # writing the adapter fails on rank 0 only; rank 1's succeeds
+                eng._lora_dir = pathlib.Path(tempfile.mkdtemp(prefix="megagrpo-test-lora-"))
+                # (a served request without importing vLLM here: its import can outlast the
+                # gloo timeout on a loaded machine; rank 0's write fails before it imports)
+                eng._serve = lambda adapter, version, in_memory: (
+                    types.SimpleNamespace(lora_int_id=version, lora_path=""),
+                    SyncMeter(),
+                )
+            adapter = PeftAdapter(
+                a={"model.layers.0.self_attn.q_proj": torch.zeros(2, 4)},
+                b={"model.layers.0.self_attn.q_proj": torch.zeros(4, 2)},
+                rank=2,
+                alpha=4.0,
+            )
+            update = WeightUpdate("adapter", adapter=adapter, in_memory=False)
+        else:
+            update = WeightUpdate("merged", stream=export(), full_check=full)
         try:
-            rollouts.push(WeightUpdate("merged", stream=export(), full_check=full), [0.0, 0.0])
+            rollouts.push(update, [0.0, 0.0])
             out[(case, full)] = None
         except Exception as exc:  # noqa: BLE001 - the test reads it
             out[(case, full)] = f"{type(exc).__name__}: {exc}"
             if "imed out" in str(exc):
                 break  # the group is broken: the remaining cases cannot run
+        finally:
+            shutil.rmtree(eng._lora_dir, ignore_errors=True)
     dist.destroy_process_group()
     return out
 
@@ -128,12 +159,17 @@ def _worker(rank: int) -> dict:
 def test_a_sync_failing_on_one_rank_fails_on_both_without_a_hang():
     """Fails on cabf39c (a load failing with checksums on, a coverage check failing: rank 0
     waits in ``agree`` / the push's gather while rank 1 waits in the export / the probe:
-    gloo timeout) and on gpu4's merge (also without checksums: ``agree`` every sync)."""
+    gloo timeout) and on gpu4's merge (also without checksums: ``agree`` every sync); the
+    adapter case fails on 76ad576 (rank 0's PEFT write fails, rank 1 waits in the probe)."""
     from megagrpo.parallel.launch import launch
 
     results = launch(_worker, 2)
     for case, full in CASES:
-        want = "loader failed on this rank" if case == "load" else "were not streamed"
+        want = {
+            "load": "loader failed on this rank",
+            "coverage": "were not streamed",
+            "adapter": "adapter sync on this rank: NotADirectoryError",
+        }[case]
         for rank, res in enumerate(results):
             err = res.get((case, full)) or "no error"
             assert err.startswith("WeightSyncError: weight sync failed on rank 0"), (

@@ -119,6 +119,10 @@ def test_probe_failure_advises_tolerances_only_when_the_weights_loaded():
     msg = str(unchecked.value)
     assert "Do not raise rollout.verify_tol" in msg and "stayed unchanged" in msg
     assert "raise the bounds" not in msg
+    # the sliced transport (the 2-node config's) never runs a full check, preflight's
+    # start-up sync included: the message says how to get one there (76ad576 claimed
+    # preflight's would, which it skips under sliced: trainer/sync.weight_update)
+    assert "trainer.sync_transport=allreduce" in msg
     with pytest.raises(WeightSyncError) as checked:
         judge_probe([0.0] * 4, [-2.0] * 4, BF16, "t", loaded=49)
     msg = str(checked.value)

@@ -253,3 +253,25 @@ def test_submit_creates_the_log_folder_first(repo_root, fake, tmp_path):
     assert _events(tmp_path)[-1] == (
         "sbatch --nodes=16 slurm/grpo_235b.sh trainer.max_steps=3 (logs exists)"
     )
+
+
+def test_submit_asks_for_the_nodes_of_the_config(repo_root, fake, tmp_path):
+    """Fails on 76ad576 (submit.sh passed no --nodes, so ``CONFIG=<the 2-node config> bash
+    slurm/submit.sh`` queued for grpo_235b.sh's ``#SBATCH --nodes=16`` and the job exited 2 once
+    it started): without a --nodes flag the config's ``cluster.num_nodes`` is asked for,
+    overrides included; a --nodes flag is left as given."""
+    _, env = fake
+    work = tmp_path / "clone"
+    for rel in ("slurm/submit.sh", "configs/qwen3_235b_a22b_2node.yaml"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text((repo_root / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    env = dict(env, CONFIG="configs/qwen3_235b_a22b_2node.yaml")
+    for flags, overrides, want in (
+        ([], [], "sbatch --nodes=2 slurm/grpo_235b.sh"),
+        ([], ["cluster.num_nodes=4"], "sbatch --nodes=4 slurm/grpo_235b.sh cluster.num_nodes=4"),
+        (["-N", "3"], [], "sbatch -N 3 slurm/grpo_235b.sh"),
+    ):
+        cmd = ["bash", str(work / "slurm/submit.sh"), *flags, "--", *overrides]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert _events(tmp_path)[-1] == f"{want} (logs exists)", out.stderr
