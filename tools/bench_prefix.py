@@ -28,6 +28,7 @@ speedups against the token ratio, which is what the saving would be if time foll
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import sys
@@ -193,6 +194,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megagrpo import fileio
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for g in sorted({r["G"] for r in rows}):
         pts = sorted((r["ratio"], r["speedup"], r["token_ratio"]) for r in rows if r["G"] == g)
@@ -206,7 +209,9 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("shared prefix: train-pass speedup")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    fileio.write_bytes(path, buf.getvalue())
     plt.close(fig)
 
 

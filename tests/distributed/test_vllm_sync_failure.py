@@ -107,8 +107,8 @@ def _worker(rank: int) -> dict:
     from megagrpo.parallel.comm import Comm
     from megagrpo.placement.rollouts import ShardedRollouts, WeightUpdate
     from megagrpo.rollout import vllm_support
-    from megagrpo.rollout.base import SyncMeter
     from megagrpo.rollout.lora import PeftAdapter
+    from megagrpo.rollout.stream import SyncMeter
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     vllm_support._group = lambda kind: dist.group.WORLD if kind == "tp" else None
