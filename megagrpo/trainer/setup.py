@@ -64,7 +64,7 @@ from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rollouts import EngineFactory, build_rollouts
 from megagrpo.trainer.rundir import check_base, confirm_resume_point, prepare_run_dir
 from megagrpo.trainer.separate import EngineLink, SeparateRollouts
-from megagrpo.trainer.sync import first_probes, start_engines
+from megagrpo.trainer.sync import check_sync_exactness, first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
 
@@ -520,6 +520,7 @@ def start_rollouts(
     if probes is None or ctx.rollouts.probe_token_ids != probe_ids:
         ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)
         probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy or resumed)
+    check_sync_exactness(ctx, model_path, compat.read_hf_config(model_path))
     start_engines(ctx, probes, resumed)
 
 
