@@ -172,6 +172,8 @@ class PlanResult:
             "valid_groups_per_step": self.mean("dynamic/valid_groups"),
             "trained_groups_per_step": self.mean("dynamic/trained_groups"),
             "gen_batches_per_step": self.mean("dynamic/gen_batches"),
+            "first_round_groups_per_step": self.mean("dynamic/first_round_groups"),
+            "generated_groups_per_step": self.mean("dynamic/generated_groups"),
             "rounds_per_step": self.mean("dynamic/rounds"),
             "collapsed_groups_trained_per_step": self.mean("dynamic/collapsed_groups_trained"),
             "valid_groups_discarded_per_step": self.mean("dynamic/valid_groups_discarded"),
