@@ -28,7 +28,7 @@ from megagrpo.errors import ConfigError
 from megagrpo.plan.collapse import billed, collapse_bill
 from megagrpo.plan.exactness import lossy_notes
 from megagrpo.plan.gate import Gate, Verdict, overrides_of, planner_unverified, settings_of
-from megagrpo.plan.hwfile import hardware_from_file
+from megagrpo.plan.hwfile import hardware_from_file, measured_line
 from megagrpo.plan.ladder import ladder_report
 from megagrpo.plan.memory import hf_config_for
 from megagrpo.plan.report import format_ladder, format_plan, format_search
@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     a = parse_assignments(args.assume, Assumptions(), "--assume")
     measured = hardware_from_file(args.hw_file) if args.hw_file else Hardware()
     hw = parse_assignments(args.hw, measured, "--hw")
+    if args.hw_file and not args.json:
+        print(measured_line(args.hw_file))
     bill = collapse_bill(cfg, args.levels)
     sc = billed(scenario_from_config(cfg, hf), bill)
     gate = make_gate(cfg, hf)

@@ -1,9 +1,12 @@
-"""`megagrpo report RUN_DIR`: PNG plots from runs/<name>/metrics.jsonl.
+"""`megagrpo report RUN_DIR [--hw-file FILE]`: PNG plots from runs/<name>/metrics.jsonl.
 
 Draws collapse.png (raw ACR vs post-filter frac_reward_zero_std, with the ACR = 1 - 1/rounds
 line above which dynamic sampling cannot fill a batch), reward.png, length.png, levels.png and
 time.png into RUN_DIR/report/ (or --out); see :mod:`megagrpo.metrics.report`. The number of
 checked rounds comes from the run's saved config.yaml (dynamic.policy, dynamic.max_resample).
+``--hw-file``: the cluster figures ``tools/measure_cluster.py`` measured, printed beside the
+planner's assumptions (:func:`megagrpo.plan.hwfile.comparison`) and written to
+report/cluster.txt.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="R for the 1 - 1/rounds line (default: dynamic.max_resample of RUN_DIR/config.yaml)",
     )
+    parser.add_argument(
+        "--hw-file",
+        default=None,
+        help="cluster figures measured by tools/measure_cluster.py: shown beside the planner's",
+    )
 
 
 def run_rounds(run_dir: Path, max_resample: int | None) -> int | None:
@@ -56,4 +64,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     for path in make_report(run_dir, args.out, run_rounds(run_dir, args.max_resample)):
         print(path)
+    if args.hw_file:
+        from megagrpo import fileio
+        from megagrpo.plan.hwfile import comparison, read_measurements
+
+        lines = comparison(read_measurements(args.hw_file))
+        out = Path(args.out) if args.out else run_dir / "report"
+        print("\n".join(lines))
+        print(fileio.write_text(out / "cluster.txt", "\n".join(lines) + "\n"))
     return 0

@@ -125,6 +125,17 @@ def hardware_from_file(path: str | Path, base: Hardware | None = None) -> Hardwa
     )
 
 
+def measured_line(path: str | Path) -> str:
+    """One line naming the measured figures a plan uses (``plan-memory --hw-file``)."""
+    data = read_measurements(path)
+    fields = ", ".join(f"{k}={v:.3g}" for k, v in data["hardware"].items())
+    return (
+        f"hardware measured by {data.get('tool', '?')} on {data.get('device', '?')} "
+        f"({data.get('backend', '?')}, {data.get('world', '?')} ranks, "
+        f"{data.get('measured_at', '?')}; {path}): {fields or 'nothing'}"
+    )
+
+
 def comparison(data: dict[str, Any], a: Assumptions | None = None) -> list[str]:
     """Lines of measured vs planned figures (``megagrpo report --hw-file``): what the planner
     assumes without the file (data sheet x efficiency, the ranged latencies) beside what was

@@ -34,6 +34,7 @@ QUICK = {
     "learning_efficiency.py": ("| original (R=3) | 1 |", [SLOW]),
     "make_demo_mcq.py": ("regenerate byte for byte: True", []),
     "make_demo_problems.py": ("regenerate byte for byte: True", []),
+    "measure_cluster.py": ("hardware for plan-memory --hw-file", [SLOW, pytest.mark.distributed]),
     "repro_article.py": ("all levels, knapsack + carry", [SLOW]),
     "upstream_wheels.py": ("vllm-", []),
 }
