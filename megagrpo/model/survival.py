@@ -88,6 +88,8 @@ def lr_factors(
     else:
         decay = 1.0 - progress
     decay = decay * (1.0 - min_ratio) + min_ratio
+    if schedule == "linear":  # warmup_stable_decay warms up from min_lr_ratio too
+        out = min_ratio + (1.0 - min_ratio) * out
     return np.where(warm, out, decay)
 
 

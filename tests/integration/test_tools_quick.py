@@ -20,6 +20,7 @@ QUICK = {
     "bench_curriculum.py": ("target < 10 ms", []),
     "bench_fingerprint.py": ("SHA-256 all", []),
     "bench_loss.py": ("max |logp fused - logp naive|", []),
+    "bench_oversample.py": ("dynamic/gen_batches", [SLOW]),
     "bench_packing.py": ("padded waste", []),
     "bench_partial.py": ('"speedup"', [SLOW]),
     "bench_placement.py": ('"speedup"', [SLOW, pytest.mark.distributed]),
