@@ -78,6 +78,12 @@ def format_plan(p: dict) -> str:
             "vLLM's read copy while it loads)"
         )
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
+    if "fits_memory_high" in p:
+        high = "still fits" if p["fits_memory_high"] else "does NOT fit"
+        lines.append(
+            f"  with every memory pool at the high end of its range (CUDA context, NCCL, CUDA "
+            f"graphs, vLLM workspace, slack: megagrpo.plan.ranges.MEMORY_RANGES): {high}"
+        )
     lines += [f"  - {t}" for t in p["advice"]]
     return "\n".join(lines)
 

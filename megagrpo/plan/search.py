@@ -42,7 +42,7 @@ from megagrpo.plan.layouts import (
     trainer_layouts,
 )
 from megagrpo.plan.memory import memory_plan, shapes_of
-from megagrpo.plan.ranges import bounds
+from megagrpo.plan.ranges import bounds, memory_corner
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 from megagrpo.plan.time import split_placement, step_time
 from megagrpo.rollout.config import PartialConfig
@@ -65,6 +65,8 @@ def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     mem["hardware"] = vars(hw)
     pred = sync_survival(sc)
     mem["survival"] = pred.as_dict() if pred is not None else None
+    if sc.placement != "separate":  # the memory pools at the high ends of their ranges
+        mem["fits_memory_high"] = memory_plan(sc, memory_corner(a))["fits"]
     return mem
 
 
