@@ -178,8 +178,10 @@ class PlanResult:
             "collapsed_groups_trained_per_step": self.mean("dynamic/collapsed_groups_trained"),
             "valid_groups_discarded_per_step": self.mean("dynamic/valid_groups_discarded"),
             "valid_groups_carried_per_step": self.mean("dynamic/valid_groups_carried"),
-            "valid_groups_per_gen_batch": (
-                self.mean("dynamic/valid_groups") / max(self.mean("dynamic/gen_batches"), 1e-12)
+            "valid_groups_per_gen_batch": (  # per batch_groups problems generated
+                self.mean("dynamic/valid_groups")
+                * self.config["batch_groups"]
+                / max(self.mean("dynamic/generated_groups"), 1e-12)
             ),
             "level_hist_final": {
                 k.rsplit("/", 1)[1]: v
