@@ -42,7 +42,7 @@ def test_a_ring_is_fitted_by_hand():
     assert hw["ib_latency_us"] == pytest.approx(75.0)
     # a 32-rank ring would anchor at 75 x 15 / 31 us a hop-scaled 16-rank collective
     wide = [dict(m, ranks=32, nodes=4) for m in RING]
-    moved = [m["bytes"] * 31 / 32 for m in wide]
+    moved = [float(m["bytes"]) * 31 / 32 for m in wide]
     lat32, _ = fit_ring([(moved[0], 100e-6), (moved[1], 3.2e-3)])
     assert derive_hardware(wide, 8)["ib_latency_us"] == pytest.approx(lat32 * 1e6 * 15 / 31)
 
