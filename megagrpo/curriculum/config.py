@@ -107,7 +107,7 @@ class DynamicSamplingConfig:
     (:mod:`megagrpo.curriculum.oversample`). off: batch_groups, then whole resampling rounds
     for the groups still missing. auto: enough that the batch fills with ~98 % probability at
     the online estimate of the raw ACR (B - carried needed, ``/(1 - ACR)`` plus two binomial
-    standard deviations, at most twice that), the valid groups beyond the batch carried to
+    standard deviations, at most four times that), the valid groups beyond the batch carried to
     the next step (``carry_max_staleness``, ``carry_max_groups``); off unless policy is
     carry. FACTOR: ``(B - carried) x FACTOR`` problems (policy carry only)."""
 
