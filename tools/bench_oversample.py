@@ -12,8 +12,8 @@ first round, groups trained and carried, raw ACR, reward, ``perf/step_s`` / ``ge
 that of every completion generated (``length/mean`` vs ``perf/gen_tokens / gen_seqs``): a
 selection that favoured short (fast) groups would train shorter completions than it generated.
 
-``--quick``: a random tiny dense Qwen3 (``megagrpo.testing``) in place of SmolLM2, 2 steps: checks
-that both arms run, measures nothing.
+``--quick``: a random tiny dense Qwen3 (``megagrpo.testing``) in place of SmolLM2, one step of 4
+problems: checks that both arms run, measures nothing.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def run_arm(setting: str, steps: int, out: Path, model: str | None, seed: int) -
         "metrics.progress_bar=false",
         "metrics.log_completions=false",
     ]
-    if model:
-        overrides.append(f"model.hf_path={model}")
+    if model:  # --quick: a tiny random model, a small step
+        overrides += [f"model.hf_path={model}", "rollout.max_tokens=8", "trainer.batch_groups=4"]
+        overrides += ["trainer.micro_batch_size=16"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("TRITON_INTERPRET", "1")
     cmd = [sys.executable, "-m", "megagrpo.cli", "train", "configs/demo_cpu.yaml", *overrides]
@@ -88,10 +89,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per arm (default 8; quick 2)")
     ap.add_argument("--arms", default="off,auto", help="dynamic.oversample settings to compare")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny random model, 2 steps")
+    ap.add_argument("--quick", action="store_true", help="tiny random model, one small step")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    steps = args.steps or (2 if args.quick else 8)
+    steps = args.steps or (1 if args.quick else 8)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     with tempfile.TemporaryDirectory(prefix="bench_oversample_") as tmp:
         model = None
