@@ -24,9 +24,21 @@ from megagrpo.errors import (
 from megagrpo.gate import compat
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig, SyncTransport
+from megagrpo.model.survival import (
+    SurvivalPrediction,
+    TargetShape,
+    known_shapes,
+    merge_format,
+    predict_survival,
+)
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
-from megagrpo.rollout.config import RolloutConfig, WeightSync
+from megagrpo.rollout.config import (
+    RolloutConfig,
+    WeightSync,
+    resolved_weight_sync,
+    serves_adapters,
+)
 from megagrpo.rollout.verify import thresholds_for
 
 log = logging.getLogger(__name__)
@@ -133,6 +145,14 @@ class TrainerConfig:
     engine serve it on its base weights, exactly (needs rollout.enable_lora and vLLM LoRA
     support for the targeted modules). auto: adapter where the engine serves LoRA, else
     merged. Both are verified against the trainer's probe log-probs."""
+    allow_lossy_sync: bool = False
+    """Start a run whose weight sync is lossy: a merged sync into a bf16 / fp16 / FP8 engine
+    that keeps only part of the LoRA update, so the engines sample another policy than the
+    one trained (:mod:`megagrpo.model.survival` predicts how much arrives at steps 1, 10 and
+    50 from the lr, warm-up, LoRA rank / alpha and the weights' scales). False (default):
+    such a run is refused at load and at start, naming the predicted survival;
+    ``weight_sync: merged`` alone is not consent. Measured at every sync as
+    ``sync/lora_survival`` (a warning below 0.9)."""
     sync_transport: SyncTransport = "allreduce"
     """allreduce | broadcast | sliced: how merged tensors travel between the trainer's ranks
     (:func:`megagrpo.model.weights.export_hf_tensors`). allreduce: every rank zero-fills each
@@ -332,6 +352,7 @@ class RunConfig:
             self.data, self.rollout.max_model_len, self.rollout.max_tokens
         )
         self._resolve_sync_thresholds()
+        self._check_sync_exactness(compat.read_hf_config(self.model.hf_path))
         self._check_routing_replay()
         self._check_shared_prefix()
         self._resolve_partial()
@@ -343,6 +364,101 @@ class RunConfig:
             "must fit one packed row)",
         )
         compat.enforce(self, compat.read_hf_config(self.model.hf_path))
+
+    def reuses_training_forward(self) -> bool:
+        """True when recomputed old log-probs need no forward of their own: one optimiser
+        update per generated batch (``trainer.mini_batches`` and ``ppo_epochs`` 1), no LoRA
+        dropout (the training forward then equals the scoring forward), no r2 routing replay
+        (which records the old forward's routing) and no ``loss.kl_in_reward`` (the rewards
+        need the old log-probs before training). The training forward's detached log-probs
+        are then the behaviour log-probs (:func:`megagrpo.trainer.optimize.prepare_update`).
+        The one rule for the trainer and the planner (:meth:`no_grad_forwards`)."""
+        return (
+            self.trainer.updates_per_batch == 1
+            and self.model.lora.dropout == 0
+            and self.model.routing_replay != "r2"
+            and not self.loss.kl_in_reward
+        )
+
+    def no_grad_forwards(self, engine_logprobs: bool = True) -> int:
+        """No-grad forwards the trainer runs per generated batch
+        (:func:`megagrpo.trainer.optimize.behaviour_logprobs`): the old log-probs when they are
+        recomputed and the training forward is not reused, the reference (frozen base) when
+        ``loss.kl_coef`` > 0. What ``megagrpo plan-memory`` bills (scale-audit-3 finding 2)."""
+        source = self.trainer.resolved_old_logprobs(engine_logprobs)
+        old = source == "recompute" and not self.reuses_training_forward()
+        return int(old) + int(self.loss.kl_coef > 0)
+
+    def engine_weight_dtype(self, hf: dict | None) -> str:
+        """The engines' weight dtype as they resolve it: ``rollout.dtype``, or with ``auto``
+        the checkpoint's (``hf``'s ``torch_dtype`` / ``dtype``), else float32."""
+        if self.rollout.dtype != "auto":
+            return self.rollout.dtype
+        name = str((hf or {}).get("torch_dtype") or (hf or {}).get("dtype") or "float32")
+        return name.removeprefix("torch.")
+
+    def merged_sync_survival(
+        self,
+        shapes: list[TargetShape],
+        hf: dict,
+        engine_dtype: str | None = None,
+        weight_std: dict[str, float] | None = None,
+        weight_source: str = "",
+    ) -> SurvivalPrediction:
+        """The predicted survival of the LoRA update through this run's merged sync
+        (:func:`megagrpo.model.survival.predict_survival` on its lr, schedule, warm-up,
+        LoRA shape and formats); ``engine_dtype`` None: :meth:`engine_weight_dtype`."""
+        tr, lora = self.trainer, self.model.lora
+        fmt = merge_format(
+            self.model.dtype,
+            engine_dtype or self.engine_weight_dtype(hf),
+            self.rollout.quantization,
+        )
+        return predict_survival(
+            fmt=fmt,
+            lr=tr.lr,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            shapes=shapes,
+            warmup=tr.num_warmup_steps,
+            schedule=tr.lr_schedule,
+            total_steps=tr.max_steps,
+            min_ratio=tr.min_lr / tr.lr if tr.lr > 0 else 0.0,
+            weight_std=weight_std,
+            weight_source=weight_source,
+            base_fmt=self.model.dtype,
+        )
+
+    def refuse_lossy_sync(self, pred: SurvivalPrediction) -> None:
+        """ConfigError naming ``trainer.allow_lossy_sync`` when ``pred`` is lossy and the
+        config did not allow it; a warning when it did."""
+        if pred.exact:
+            return
+        what = f"trainer.weight_sync resolves to merged: the sync is lossy ({pred.summary()})"
+        if self.trainer.allow_lossy_sync:
+            log.warning("%s; allowed by trainer.allow_lossy_sync", what)
+            return
+        raise ConfigError(
+            f"config key 'trainer.allow_lossy_sync': {what}; the engines would sample another "
+            "policy than the one trained. Use the exact adapter sync (trainer.weight_sync="
+            "adapter, rollout.enable_lora=true, rollout.max_lora_rank >= model.lora.rank), "
+            "model.dtype=float32 with an fp32 engine, or set trainer.allow_lossy_sync=true to "
+            "run it knowingly (`megagrpo plan-memory --gpus N` ranks the exact layouts)"
+        )
+
+    def _check_sync_exactness(self, hf: dict | None) -> None:
+        """At load, where the model's config is here: refuse a lossy merged sync
+        (:meth:`refuse_lossy_sync`) as the trainer would resolve it on GPUs (the engines
+        serving adapters where ``rollout.enable_lora``); the start of a run checks again with
+        the engines' real dtype and the checkpoint's weight scales
+        (:func:`megagrpo.trainer.sync.check_sync_exactness`)."""
+        shapes = known_shapes(hf, self.model.lora.targets)
+        if shapes is None or hf is None:
+            return
+        serves = serves_adapters(self.rollout.engine, self.rollout.enable_lora, True, False)
+        if resolved_weight_sync(self.trainer.weight_sync, serves) != "merged":
+            return
+        self.refuse_lossy_sync(self.merged_sync_survival(shapes, hf))
 
     def _check_routing_replay(self) -> None:
         """What MoE routing replay cannot run with, named at load time (not at step 1)."""
