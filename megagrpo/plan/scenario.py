@@ -17,6 +17,7 @@ from megagrpo.errors import ConfigError
 from megagrpo.model.arch import arch_from_hf
 from megagrpo.model.survival import checkpoint_weight_stds, known_shapes
 from megagrpo.rollout.config import resolved_weight_sync, serves_adapters
+from megagrpo.rollout.exactness import engine_weight_dtype
 
 
 @dataclass
@@ -357,7 +358,7 @@ def scenario_from_config(cfg: Any, hf: dict) -> Scenario:
         lr_schedule=tr.lr_schedule,
         max_steps=tr.max_steps,
         min_lr_ratio=tr.min_lr / tr.lr if tr.lr > 0 else 0.0,
-        engine_dtype=cfg.engine_weight_dtype(hf),
+        engine_dtype=engine_weight_dtype(cfg, hf),
         weight_std=_checkpoint_stds(m.hf_path, hf, m.lora.targets),
     )
 

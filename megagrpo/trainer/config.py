@@ -24,21 +24,10 @@ from megagrpo.errors import (
 from megagrpo.gate import compat
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig, SyncTransport
-from megagrpo.model.survival import (
-    SurvivalPrediction,
-    TargetShape,
-    known_shapes,
-    merge_format,
-    predict_survival,
-)
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
-from megagrpo.rollout.config import (
-    RolloutConfig,
-    WeightSync,
-    resolved_weight_sync,
-    serves_adapters,
-)
+from megagrpo.rollout.config import RolloutConfig, WeightSync
+from megagrpo.rollout.exactness import refuse_lossy_at_load
 from megagrpo.rollout.verify import thresholds_for
 
 log = logging.getLogger(__name__)
@@ -352,7 +341,7 @@ class RunConfig:
             self.data, self.rollout.max_model_len, self.rollout.max_tokens
         )
         self._resolve_sync_thresholds()
-        self._check_sync_exactness(compat.read_hf_config(self.model.hf_path))
+        refuse_lossy_at_load(self, compat.read_hf_config(self.model.hf_path))
         self._check_routing_replay()
         self._check_shared_prefix()
         self._resolve_partial()
@@ -388,77 +377,6 @@ class RunConfig:
         source = self.trainer.resolved_old_logprobs(engine_logprobs)
         old = source == "recompute" and not self.reuses_training_forward()
         return int(old) + int(self.loss.kl_coef > 0)
-
-    def engine_weight_dtype(self, hf: dict | None) -> str:
-        """The engines' weight dtype as they resolve it: ``rollout.dtype``, or with ``auto``
-        the checkpoint's (``hf``'s ``torch_dtype`` / ``dtype``), else float32."""
-        if self.rollout.dtype != "auto":
-            return self.rollout.dtype
-        name = str((hf or {}).get("torch_dtype") or (hf or {}).get("dtype") or "float32")
-        return name.removeprefix("torch.")
-
-    def merged_sync_survival(
-        self,
-        shapes: list[TargetShape],
-        hf: dict,
-        engine_dtype: str | None = None,
-        weight_std: dict[str, float] | None = None,
-        weight_source: str = "",
-    ) -> SurvivalPrediction:
-        """The predicted survival of the LoRA update through this run's merged sync
-        (:func:`megagrpo.model.survival.predict_survival` on its lr, schedule, warm-up,
-        LoRA shape and formats); ``engine_dtype`` None: :meth:`engine_weight_dtype`."""
-        tr, lora = self.trainer, self.model.lora
-        fmt = merge_format(
-            self.model.dtype,
-            engine_dtype or self.engine_weight_dtype(hf),
-            self.rollout.quantization,
-        )
-        return predict_survival(
-            fmt=fmt,
-            lr=tr.lr,
-            rank=lora.rank,
-            alpha=lora.alpha,
-            shapes=shapes,
-            warmup=tr.num_warmup_steps,
-            schedule=tr.lr_schedule,
-            total_steps=tr.max_steps,
-            min_ratio=tr.min_lr / tr.lr if tr.lr > 0 else 0.0,
-            weight_std=weight_std,
-            weight_source=weight_source,
-            base_fmt=self.model.dtype,
-        )
-
-    def refuse_lossy_sync(self, pred: SurvivalPrediction) -> None:
-        """ConfigError naming ``trainer.allow_lossy_sync`` when ``pred`` is lossy and the
-        config did not allow it; a warning when it did."""
-        if pred.exact:
-            return
-        what = f"trainer.weight_sync resolves to merged: the sync is lossy ({pred.summary()})"
-        if self.trainer.allow_lossy_sync:
-            log.warning("%s; allowed by trainer.allow_lossy_sync", what)
-            return
-        raise ConfigError(
-            f"config key 'trainer.allow_lossy_sync': {what}; the engines would sample another "
-            "policy than the one trained. Use the exact adapter sync (trainer.weight_sync="
-            "adapter, rollout.enable_lora=true, rollout.max_lora_rank >= model.lora.rank), "
-            "model.dtype=float32 with an fp32 engine, or set trainer.allow_lossy_sync=true to "
-            "run it knowingly (`megagrpo plan-memory --gpus N` ranks the exact layouts)"
-        )
-
-    def _check_sync_exactness(self, hf: dict | None) -> None:
-        """At load, where the model's config is here: refuse a lossy merged sync
-        (:meth:`refuse_lossy_sync`) as the trainer would resolve it on GPUs (the engines
-        serving adapters where ``rollout.enable_lora``); the start of a run checks again with
-        the engines' real dtype and the checkpoint's weight scales
-        (:func:`megagrpo.trainer.sync.check_sync_exactness`)."""
-        shapes = known_shapes(hf, self.model.lora.targets)
-        if shapes is None or hf is None:
-            return
-        serves = serves_adapters(self.rollout.engine, self.rollout.enable_lora, True, False)
-        if resolved_weight_sync(self.trainer.weight_sync, serves) != "merged":
-            return
-        self.refuse_lossy_sync(self.merged_sync_survival(shapes, hf))
 
     def _check_routing_replay(self) -> None:
         """What MoE routing replay cannot run with, named at load time (not at step 1)."""

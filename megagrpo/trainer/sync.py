@@ -39,6 +39,7 @@ from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.placement.rollouts import WeightUpdate
 from megagrpo.rollout.config import resolved_weight_sync
+from megagrpo.rollout.exactness import merged_sync_survival, refuse_lossy_sync
 from megagrpo.rollout.lora import PeftAdapter, read_peft_adapter
 from megagrpo.trainer.context import TrainContext
 
@@ -194,8 +195,8 @@ def check_sync_exactness(ctx: TrainContext, model_path: str, hf: dict | None) ->
     Adapter sync is exact; a merged one is predicted with the engines' real dtype and the
     checkpoint's weight scales (read on rank 0: :func:`megagrpo.model.survival.
     checkpoint_weight_stds`), logged, and refused when lossy unless
-    ``trainer.allow_lossy_sync`` (:meth:`RunConfig.refuse_lossy_sync`). Returns the
-    prediction (``{}`` for an adapter sync) for the run's log."""
+    ``trainer.allow_lossy_sync`` (:mod:`megagrpo.rollout.exactness`). Returns the prediction
+    (``{}`` for an adapter sync) for the run's log."""
     mode = sync_mode(ctx)
     if mode != "merged" or not ctx.cfg.model.lora.targets:
         if ctx.comm.is_main:
@@ -210,11 +211,11 @@ def check_sync_exactness(ctx: TrainContext, model_path: str, hf: dict | None) ->
     stds = checkpoint_weight_stds(model_path, shapes) if ctx.comm.is_main else None
     stds = ctx.comm.broadcast_object(stds)
     source = f"checkpoint {model_path}" if stds else ""
-    pred = ctx.cfg.merged_sync_survival(shapes, hf, engine, stds, source)
+    pred = merged_sync_survival(ctx.cfg, shapes, hf, engine, stds, source)
     if ctx.comm.is_main:
         status = "exact" if pred.exact else "LOSSY"
         log.info("weight sync: merged into a %s engine: %s; %s", engine, status, pred.summary())
-    ctx.cfg.refuse_lossy_sync(pred)
+    refuse_lossy_sync(ctx.cfg, pred)
     return pred.as_dict()
 
 
