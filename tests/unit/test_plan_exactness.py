@@ -48,6 +48,30 @@ def test_each_layout_has_one_status(repo_root, hf235, overrides, status):
         assert "trainer.allow_lossy_sync=true" not in overrides_of(sc)
 
 
+def test_an_fp8_merge_is_labelled_with_its_noise(repo_root, hf235):
+    """Finding 13: an FP8 merged sync keeps the update unbiased but buried in rounding noise
+    larger than the update; its lossy note says so, next to the bf16 merge's (whose error is
+    at most the update it rounds away)."""
+    fp8 = ungated(
+        scenario_from_config(
+            _two_node(
+                repo_root, "trainer.allow_lossy_sync=true", *MERGED, "rollout.quantization=fp8"
+            ),
+            hf235,
+        )
+    ).note()
+    bf16 = ungated(
+        scenario_from_config(_two_node(repo_root, "trainer.allow_lossy_sync=true", *MERGED), hf235)
+    ).note()
+    assert "fp8 merge" in fp8 and "rounding noise up to" in fp8
+
+    def noise(note: str) -> float:
+        return float(note.split("rounding noise up to ")[1].split("x")[0])
+
+    assert "bfloat16 merge" in bf16
+    assert noise(bf16) <= 1.0 + 1e-6 < noise(fp8), (fp8, bf16)
+
+
 def test_shipped_configs_are_exact_and_meet_the_targets(repo_root, hf235):
     """Both shipped 235B configs are exact (through the real gate) and their central step
     times meet issue 40's targets; the printed plan says why the sync is exact."""
