@@ -59,6 +59,8 @@ SUMMARY_KEYS = (
     "ds_success_prob_predicted",
     "ds_success_rate",
     "gen_batches_per_step",
+    "generated_groups_per_step",
+    "first_round_groups_per_step",
     "valid_groups_per_step",
     "collapsed_groups_trained_per_step",
     "valid_groups_discarded_per_step",

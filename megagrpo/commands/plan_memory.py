@@ -1,9 +1,13 @@
-"""`megagrpo plan-memory CONFIG [key=value ...] [--hf-config FILE] [--gpus N] [--ladder]
-[--levels TEXT] [--hw k=v] [--assume k=v] [--json]`: per-GPU memory of every phase (train,
-generate, sync, startup) of the config's layout on its cluster, and a per-phase step-time
-estimate with its low / central / high bounds, before renting GPUs. ``--gpus N`` searches the
-layouts of N GPUs and prints the best runnable and the best unverified one; ``--ladder`` the
-step time with one throughput lever added per rung (:mod:`megagrpo.plan.ladder`).
+"""`megagrpo plan-memory CONFIG [key=value ...] [--hf-config FILE] [--gpus N [--allow-lossy]]
+[--ladder] [--levels TEXT] [--hw-file FILE] [--hw k=v] [--assume k=v] [--json]`: per-GPU memory
+of every phase (train, generate, sync, startup) of the config's layout on its cluster, a
+per-phase step-time estimate with its low / central / high bounds, and whether its weight sync
+is exact or lossy (the predicted survival of the LoRA update), before renting GPUs. ``--gpus
+N`` searches the layouts of N GPUs and prints the best exact and the best unverified one
+(``--allow-lossy``: the best lossy one too); ``--ladder`` the step time with one throughput
+lever added per rung (:mod:`megagrpo.plan.ladder`). ``--hw-file``: the figures
+``tools/measure_cluster.py`` measured on the cluster (points, no longer ranges; ``--hw``
+overrides them).
 
 Dynamic sampling is billed from the collapse simulation of `megagrpo plan` (the run's levels
 file, or ``--levels``; :mod:`megagrpo.plan.collapse`). Every layout goes through the
@@ -42,7 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus",
         type=int,
         default=0,
-        help="search the layouts of N GPUs: the best runnable and the best unverified one",
+        help="search the layouts of N GPUs: the best exact and the best unverified one",
+    )
+    parser.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="with --gpus: rank lossy layouts too (a merged sync that rounds the LoRA update "
+        "away); the trainer runs them only with trainer.allow_lossy_sync=true",
     )
     parser.add_argument(
         "--ladder",
@@ -56,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="L1=..,L2=..",
         help="level histogram that dynamic sampling is billed from (default: "
         "curriculum.levels_file; the article's when that file is not here)",
+    )
+    parser.add_argument(
+        "--hw-file",
+        default=None,
+        metavar="FILE",
+        help="hardware figures measured on the cluster (tools/measure_cluster.py --out FILE)",
     )
     parser.add_argument("--hw", nargs="*", default=[], metavar="key=value", help="Hardware")
     parser.add_argument("--assume", nargs="*", default=[], metavar="key=value", help="Assumptions")
@@ -83,6 +99,7 @@ def make_gate(cfg: RunConfig, hf: dict) -> Gate:
     """The compatibility gate (``megagrpo.gate.compat.check_run``) on ``cfg`` with a
     layout's keys, for the layout's GPUs; FP8 weights marked unverified on GPU."""
     from megagrpo.gate import compat
+    from megagrpo.plan.exactness import lossy_notes
     from megagrpo.plan.gate import Verdict, planner_unverified
 
     def gate(sc: Scenario) -> Verdict:
@@ -93,7 +110,7 @@ def make_gate(cfg: RunConfig, hf: dict) -> Gate:
             f"{c.rule.name}: follows vLLM 0.33's source, not yet run on a GPU"
             for c in compat.cautions(layout, hf, world=sc.num_gpus)
         )
-        return Verdict(refused, planner_unverified(sc) + cautions)
+        return Verdict(refused, planner_unverified(sc) + cautions, lossy_notes(sc))
 
     return gate
 
@@ -167,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.config import load_config
     from megagrpo.gate import compat
     from megagrpo.plan.collapse import billed, collapse_bill
+    from megagrpo.plan.hwfile import hardware_from_file, measured_line
     from megagrpo.plan.ladder import ladder_report
     from megagrpo.plan.memory import hf_config_for
     from megagrpo.plan.report import format_ladder, format_plan, format_search
@@ -179,13 +197,17 @@ def run(args: argparse.Namespace) -> int:
     from megagrpo.plan.search import full_plan, search
     from megagrpo.trainer.config import RunConfig
 
-    cfg = load_config(RunConfig, [args.config], args.overrides)
+    # a lossy config is planned (and labelled lossy), not refused as `megagrpo train` refuses it
+    cfg = load_config(RunConfig, [args.config], [*args.overrides, "trainer.allow_lossy_sync=true"])
     hf = hf_config_for(cfg.model.hf_path, args.hf_config)
     if not args.gpus:  # the pinned upstream rules for this model (the loader had no model)
         compat.enforce(cfg, hf)
     a = parse_assignments(args.assume, Assumptions(), "--assume")
-    node = Hardware(host_memory_gib_per_node=cfg.cluster.host_memory_gib)  # --hw overrides
-    hw = parse_assignments(args.hw, node, "--hw")
+    node = Hardware(host_memory_gib_per_node=cfg.cluster.host_memory_gib)
+    measured = hardware_from_file(args.hw_file, node) if args.hw_file else node
+    hw = parse_assignments(args.hw, measured, "--hw")  # --hw overrides the file
+    if args.hw_file and not args.json:
+        print(measured_line(args.hw_file))
     stats = _prompts(cfg, args, a)
     a = dataclasses.replace(a, mean_prompt_tokens=stats.mean_tokens)  # a point when measured
     bill = collapse_bill(cfg, args.levels)
@@ -199,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
         def loader(cand: Scenario) -> str:
             return loads(args.config, args.overrides, cand)
 
-        res = search(sc, a, hw, args.gpus, gate=gate, loads=loader)
-        for key in ("best_runnable", "best_unverified"):
+        res = search(sc, a, hw, args.gpus, gate=gate, loads=loader, allow_lossy=args.allow_lossy)
+        for key in ("best_exact", "best_unverified", "best_lossy"):
             if res[key] is not None:
                 res[key]["collapse"] = bill.as_dict()
         res["prompts"] = prompts

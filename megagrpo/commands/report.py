@@ -1,11 +1,13 @@
-"""`megagrpo report RUN_DIR`: PNG plots from runs/<name>/metrics.jsonl.
+"""`megagrpo report RUN_DIR [--hw-file FILE]`: PNG plots from runs/<name>/metrics.jsonl.
 
 Draws collapse.png (raw ACR vs post-filter frac_reward_zero_std, with the ACR = 1 - 1/rounds
 line above which dynamic sampling cannot fill a batch), reward.png, length.png, levels.png and
 time.png into RUN_DIR/report/ (or --out: a new or empty directory; RUN_DIR/report may hold
 only an earlier report, which the new one replaces); see :mod:`megagrpo.metrics.report`. The
 number of checked rounds comes from the run's saved config.yaml (dynamic.policy,
-dynamic.max_resample).
+dynamic.max_resample). ``--hw-file``: the cluster figures ``tools/measure_cluster.py``
+measured, printed beside the planner's assumptions (:func:`megagrpo.plan.hwfile.comparison`)
+and written to report/cluster.txt.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="R for the 1 - 1/rounds line (default: dynamic.max_resample of RUN_DIR/config.yaml)",
+    )
+    parser.add_argument(
+        "--hw-file",
+        default=None,
+        help="cluster figures measured by tools/measure_cluster.py: shown beside the planner's",
     )
 
 
@@ -63,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     out = Path(args.out) if args.out else run_dir / "report"
+    measured = None
+    if args.hw_file:  # a bad file is named before anything is drawn
+        from megagrpo.plan.hwfile import read_measurements
+
+        measured = read_measurements(args.hw_file)
     try:
         paths = make_report(run_dir, args.out, run_rounds(run_dir, args.max_resample))
     except OSError as exc:  # disk full, a file size limit, a read-only run directory
@@ -75,4 +87,10 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     for path in paths:
         print(path)
+    if measured is not None:
+        from megagrpo.plan.hwfile import comparison
+
+        lines = comparison(measured)
+        print("\n".join(lines))
+        print(fileio.write_text(out / "cluster.txt", "\n".join(lines) + "\n"))
     return 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megagrpo.errors import require, require_choice, require_finite
+from megagrpo.curriculum.oversample import parse_oversample
+from megagrpo.errors import ConfigError, require, require_choice, require_finite
 
 SamplingPolicy = Literal["original", "partial", "carry"]
 """The values of ``dynamic.policy``."""
@@ -101,11 +102,37 @@ class DynamicSamplingConfig:
     """Carried groups older than this many steps are dropped (their log-probs are stale)."""
     preflight: Literal["warn", "fail", "off"] = "warn"
     """warn | fail | off: start-up check that (1 - predicted ACR) * rounds >= 1."""
+    oversample: str = "auto"
+    """auto | off | FACTOR (1-4): how many problems a step's first round draws
+    (:mod:`megagrpo.curriculum.oversample`). off: batch_groups, then whole resampling rounds
+    for the groups still missing. auto: enough that the batch fills with ~98 % probability at
+    the online estimate of the raw ACR (B - carried needed, ``/(1 - ACR)`` plus two binomial
+    standard deviations, at most four times that), the valid groups beyond the batch carried to
+    the next step (``carry_max_staleness``, ``carry_max_groups``); off unless policy is
+    carry. FACTOR: ``(B - carried) x FACTOR`` problems (policy carry only)."""
+
+    def resolved_oversample(self) -> str | float:
+        """``oversample`` as it runs: ``off`` unless dynamic sampling is on with policy carry
+        (only the carry buffer keeps the surplus), else ``auto`` or the factor."""
+        setting = parse_oversample(self.oversample)
+        if not self.enabled or self.policy != "carry":
+            return "off"
+        return setting
 
     def validate(self, path: str) -> None:
         """Check values; raises ConfigError naming the key."""
         require_finite(self.tau, f"{path}.tau")
         require_choice(self, "policy", path)
+        try:
+            setting = parse_oversample(self.oversample)
+        except ValueError as exc:
+            raise ConfigError(f"config key '{path}.oversample': {exc}") from None
+        require(
+            isinstance(setting, str) or self.policy == "carry",
+            f"{path}.oversample",
+            f"a factor needs policy carry (the surplus groups go to the carry buffer), got "
+            f"policy {self.policy}",
+        )
         require(self.max_resample >= 0, f"{path}.max_resample", "must be >= 0")
         require(self.tau > 0, f"{path}.tau", "must be > 0")
         require(self.carry_max_groups >= 0, f"{path}.carry_max_groups", "must be >= 0")

@@ -44,6 +44,7 @@ import numpy as np
 from megagrpo.curriculum.budget_rounds import BudgetPlanner, BudgetRounds
 from megagrpo.curriculum.config import DynamicSamplingConfig
 from megagrpo.curriculum.levels import fill_success_prob
+from megagrpo.curriculum.oversample import first_round_size
 from megagrpo.curriculum.rounds import (
     DynamicState,
     FilledBatch,
@@ -86,14 +87,25 @@ class UniformRounds(RoundsBase):
         r, c = group_matrices(self.carried, self.shared.correctness_key)
         self._rows_r, self._rows_c = [r] if self.carried else [], [c] if self.carried else []
         self._unchecked_next = False  # ms-swift generates its last round without checking it
+        self.first_round_groups = 0
 
     def next_problems(self) -> list[Problem] | None:
         """The problems of the next round to generate (G answers each), or None when the
-        step's batch is decided (full, or the round budget of the policy is spent)."""
+        step's batch is decided (full, or the round budget of the policy is spent). The first
+        round draws what ``dynamic.oversample`` asks (:func:`~megagrpo.curriculum.oversample.
+        first_round_size`), a resampling round ``batch_groups``."""
         if self._done:
             return None
-        resample = self.num_generated > 0
-        return self.sampler.next_problems(self.batch_groups, resample=resample)
+        if self.num_generated > 0:
+            return self.sampler.next_problems(self.batch_groups, resample=True)
+        n = first_round_size(
+            self.batch_groups,
+            len(self.carried),
+            self.shared.acr_estimate,
+            self.cfg.resolved_oversample(),
+        )
+        self.first_round_groups = n
+        return self.sampler.next_problems(n, resample=False)
 
     def next_requests(self) -> list[Request] | None:
         """:meth:`next_problems` as requests of G answers each (ValueError without G)."""
@@ -117,6 +129,7 @@ class UniformRounds(RoundsBase):
         matrices = group_matrices(groups, self.shared.correctness_key)
         if self.num_generated == 1:
             self.first, self.first_matrices = list(groups), matrices
+            self._observe_first(matrices[0])
         cfg = self.cfg
         if not cfg.enabled or self._unchecked_next:
             self._done = True
@@ -129,6 +142,12 @@ class UniformRounds(RoundsBase):
             self._unchecked_next = cfg.policy == "original" and cfg.max_resample > 0
             self._done = not self._unchecked_next
         return decisions
+
+    def _observe_first(self, rewards: np.ndarray) -> None:
+        """The raw first round's collapse into the online ACR estimate (oversampling)."""
+        if len(rewards):
+            collapsed = int((rewards.std(axis=1) < self.cfg.tau).sum())
+            self.shared.observe_first_round(collapsed, len(rewards))
 
     def _check(
         self, groups: list[Group], r: np.ndarray, c: np.ndarray | None
@@ -146,6 +165,20 @@ class UniformRounds(RoundsBase):
             self.num_valid_first = int(keep.sum())
         self.decisions.extend(decisions)
         return decisions
+
+    def _oversample_stats(self) -> dict[str, float]:
+        """``dynamic/first_round_groups`` (problems the first round drew),
+        ``dynamic/generated_groups`` (all rounds) and ``dynamic/acr_estimate`` (the online
+        estimate after this step; -1 while there is none)."""
+        first = self.first_round_groups or (self.batch_groups if self.num_generated else 0)
+        est = self.shared.acr_estimate
+        return {
+            "dynamic/first_round_groups": float(first),
+            "dynamic/generated_groups": float(
+                first + self.batch_groups * max(0, self.num_generated - 1)
+            ),
+            "dynamic/acr_estimate": -1.0 if est is None else float(est),
+        }
 
     def valid_matrices(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Reward (and correctness) rows ``[n, G]`` of the first ``n`` valid groups."""
@@ -169,7 +202,7 @@ class UniformRounds(RoundsBase):
             take = min(batch_groups, self.num_valid)
             trained, post = self.valid[:take], self.valid_matrices(take)
             discarded = self.shared.keep_surplus(self.valid[take:], batch_groups)
-        batch = self._batch(trained, post, success, discarded)
+        batch = self._batch(trained, post, success, discarded, self._oversample_stats())
         if trained and not success and cfg.enabled:
             log.info(
                 "step %d: dynamic sampling short (%d/%d valid after %d rounds, policy %s)",
@@ -256,6 +289,8 @@ class DynamicSampler:
         pending top-ups."""
         carry = [dataclasses.asdict(dataclasses.replace(g, routing=[])) for g in self.carry]
         state: dict[str, Any] = {"version": 1, "carry": carry}
+        if self.shared.acr_estimate is not None:
+            state["acr_estimate"] = self.shared.acr_estimate
         if self.budget is not None:
             state["budget"] = self.budget.state_dict()
         return state
@@ -268,6 +303,8 @@ class DynamicSampler:
         self, state: Mapping[str, Any], routing: Mapping[str, Any] | None = None
     ) -> None:
         """Restore :meth:`state_dict` (and :meth:`carry_routing`)."""
+        if state.get("acr_estimate") is not None:
+            self.shared.acr_estimate = float(state["acr_estimate"])
         if self.budget is not None:
             self.budget.load_state_dict(state.get("budget", {}))
         groups = []

@@ -19,6 +19,7 @@ import numpy as np
 
 from megagrpo.curriculum.calibrate import predicted_acr_metrics
 from megagrpo.curriculum.config import DynamicSamplingConfig
+from megagrpo.curriculum.oversample import updated_estimate
 from megagrpo.curriculum.stats import collapse_metrics, collapse_stats
 from megagrpo.types import Group, Problem
 
@@ -95,6 +96,19 @@ class DynamicState:
     acr_predicted: float | None = None
     """Predicted ACR from the levels (``collapse/acr_predicted``)."""
     carry: list[Group] = field(default_factory=list)
+    acr_estimate: float | None = None
+    """Online estimate of the raw ACR (``dynamic.oversample: auto``): the levels' prediction
+    at first, then an average of each step's first round (:mod:`~megagrpo.curriculum.
+    oversample`)."""
+
+    def __post_init__(self) -> None:
+        if self.acr_estimate is None:
+            self.acr_estimate = self.acr_predicted
+
+    def observe_first_round(self, collapsed: int, total: int) -> None:
+        """Fold a step's raw first-round ACR into :attr:`acr_estimate`."""
+        if total > 0:
+            self.acr_estimate = updated_estimate(self.acr_estimate, collapsed / total)
 
     def take_carry(self, step: int) -> tuple[list[Group], int]:
         """``(carried groups no staler than carry_max_staleness, how many were dropped)``;

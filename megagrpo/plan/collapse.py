@@ -3,12 +3,14 @@ the simulation `megagrpo plan` runs.
 
 Bounded dynamic sampling regenerates a whole round of ``trainer.batch_groups`` problems when
 too few groups of the first one split (``dynamic.max_resample``, ``dynamic.policy``), and the
-shortfall policy may train fewer groups than asked. How often depends on the problems' levels
+shortfall policy may train fewer groups than asked; with ``dynamic.oversample`` the first
+round draws more problems and resampling rounds become rare
+(:mod:`megagrpo.curriculum.oversample`). How often depends on the problems' levels
 and the curriculum, which the step-time model cannot know; :func:`collapse_bill` runs the real
 ``CurriculumSampler`` + ``DynamicSampler`` against the Bernoulli engine
 (:func:`megagrpo.plan.simulate.run_plan`, the simulation of `megagrpo plan`, same inputs:
-:func:`megagrpo.plan.inputs.plan_inputs`) and returns the mean rounds and trained groups per
-step, which the step-time model then multiplies (:mod:`megagrpo.plan.time`).
+:func:`megagrpo.plan.inputs.plan_inputs`) and returns the mean rounds, first-round problems
+and trained groups per step, which the step-time model bills (:mod:`megagrpo.plan.time`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ PLAN_STEPS = 200
 
 @dataclass(frozen=True)
 class CollapseBill:
-    """Per step, in the mean over the simulated steps: generation rounds of ``batch_groups``
-    problems, groups trained; the raw ACR (first round) predicted from the levels and
-    simulated; where the level histogram came from."""
+    """Per step, in the mean over the simulated steps: generation rounds (the first of
+    ``first_round_groups`` problems, the others of ``batch_groups``), groups trained; the raw
+    ACR (first round) predicted from the levels and simulated; where the level histogram came
+    from."""
 
     rounds_per_step: float
     trained_groups_per_step: float
@@ -41,6 +44,9 @@ class CollapseBill:
     source: str
     policy: str
     max_resample: int
+    first_round_groups: float = 0.0
+    """Mean problems of the first round (0: ``batch_groups``)."""
+    oversample: str = "off"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,7 +62,7 @@ def collapse_bill(cfg: Any, levels: str | None = None, steps: int = PLAN_STEPS) 
     batch = int(cfg.trainer.batch_groups)
     if not dyn.enabled:
         off = "dynamic.enabled=false"
-        return CollapseBill(1.0, float(batch), batch, 0.0, 0.0, off, dyn.policy, 0)
+        return CollapseBill(1.0, float(batch), batch, 0.0, 0.0, off, dyn.policy, 0, float(batch))
     source = f"--levels {levels}" if levels else f"curriculum.levels_file {cur.levels_file}"
     if not levels and cur.levels_file and not Path(cur.levels_file).is_file():
         levels = ARTICLE_LEVELS
@@ -104,12 +110,16 @@ def _simulate(key: str, levels: str | None, steps: int, source: str) -> Collapse
         source=source,
         policy=dyn.policy,
         max_resample=dyn.max_resample,
+        first_round_groups=float(res["first_round_groups_per_step"]) or float(batch),
+        oversample=str(dyn.resolved_oversample()),
     )
 
 
 def billed(sc: Any, bill: CollapseBill) -> Any:
-    """Scenario ``sc`` with the bill's rounds and trained groups per step."""
+    """Scenario ``sc`` with the bill's rounds, first-round problems and trained groups per
+    step."""
     return sc.with_(
         rounds_per_step=bill.rounds_per_step,
         trained_groups_per_step=bill.trained_groups_per_step,
+        first_round_groups=bill.first_round_groups or None,
     )

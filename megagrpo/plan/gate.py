@@ -4,10 +4,19 @@ and the verdict of the compatibility gate on them.
 The planner (this package) does not import the trainer; the command that plans
 (`megagrpo plan-memory`) passes in a :data:`Gate` that applies :func:`settings_of` to the run
 config and asks ``megagrpo.gate.compat`` (the pinned vLLM / megatron-core rules) about it.
-A layout is **runnable** when the gate passes it and nothing in it is marked unverified,
-**unverified** when the gate passes it but it has not run on a GPU yet (FP8 rollout weights
-with LoRA on the experts: the gate follows vLLM 0.33's source, no GPU has run it), and
-**refused** when the gate names a rule it breaks.
+Every layout the planner prints, searches or ships has one status:
+
+* **exact**: the gate passes it, the engines sample the policy the trainer trains, nothing in
+  it is unverified;
+* **lossy**: its weight sync delivers only part of the LoRA update (a merged sync into a bf16
+  or FP8 engine: :mod:`megagrpo.plan.exactness`), printed with the predicted survival; the
+  trainer refuses it unless ``trainer.allow_lossy_sync``; ``--gpus N`` ranks it only with
+  ``--allow-lossy``;
+* **unverified**: the gate passes it but it has not run on a GPU yet (FP8 rollout weights
+  with LoRA on the experts: the gate follows vLLM 0.33's source, no GPU has run it);
+* **refused**: the gate names a rule it breaks.
+
+A layout that is several of these takes the first in the order refused, lossy, unverified.
 """
 
 from __future__ import annotations
@@ -16,35 +25,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megagrpo.plan.exactness import lossy_notes
 from megagrpo.plan.scenario import Scenario
 
-RUNNABLE, UNVERIFIED, REFUSED = "runnable", "unverified", "refused"
+EXACT, LOSSY, UNVERIFIED, REFUSED = "exact", "lossy", "unverified", "refused"
+STATUSES = (EXACT, LOSSY, UNVERIFIED, REFUSED)
 
 FP8_UNVERIFIED = "rollout.quantization=fp8: unverified on GPU (no GPU has run FP8 + LoRA yet)"
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The gate's answer for one layout: the rules it breaks (``refused``) and what in it has
-    not run on a GPU (``unverified``)."""
+    """The gate's answer for one layout: the rules it breaks (``refused``), what in it has
+    not run on a GPU (``unverified``) and why its sync is lossy (``lossy``)."""
 
     refused: tuple[str, ...] = ()
     unverified: tuple[str, ...] = field(default=())
+    lossy: tuple[str, ...] = field(default=())
 
     @property
     def status(self) -> str:
         if self.refused:
             return REFUSED
-        return UNVERIFIED if self.unverified else RUNNABLE
+        if self.lossy:
+            return LOSSY
+        return UNVERIFIED if self.unverified else EXACT
 
     def note(self) -> str:
-        """One line: the refusing rules (their names), else what is unverified, else
-        ``runnable``."""
+        """One line: the refusing rules (their names), else why it is lossy, else what is
+        unverified, else ``exact``."""
         if self.refused:
             return "REFUSED: " + ", ".join(r.split(" ", 1)[0] for r in self.refused)
+        if self.lossy:
+            return "LOSSY: " + "; ".join(self.lossy + self.unverified)
         if self.unverified:
             return "UNVERIFIED: " + "; ".join(self.unverified)
-        return RUNNABLE
+        return EXACT
 
     def detail(self) -> str:
         """:meth:`note` with each refusing rule's reason."""
@@ -62,8 +78,8 @@ def planner_unverified(sc: Scenario) -> tuple[str, ...]:
 
 def ungated(sc: Scenario) -> Verdict:
     """The verdict without a gate (library use, tests of the arithmetic): nothing refused,
-    FP8 unverified."""
-    return Verdict((), planner_unverified(sc))
+    FP8 unverified, a merged sync lossy where the survival model says so."""
+    return Verdict((), planner_unverified(sc), lossy_notes(sc))
 
 
 def settings_of(sc: Scenario) -> list[tuple[str, Any]]:
@@ -102,6 +118,8 @@ def settings_of(sc: Scenario) -> list[tuple[str, Any]]:
         ("trainer.offload_during_rollout", bool(sc.offload_during_rollout)),
         ("trainer.sync_transport", sc.sync_transport),
     ]
+    if lossy_notes(sc):  # the trainer refuses a lossy sync unless the config consents
+        out.append(("trainer.allow_lossy_sync", True))
     return out
 
 

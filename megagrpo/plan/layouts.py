@@ -64,12 +64,19 @@ def check_engine_gpus(mem: dict, sc: Scenario, a: Assumptions) -> None:
         )
 
 
+ENGINE_UTIL_CAP = 0.9
+"""Largest ``rollout.gpu_memory_utilization`` the search gives an engine: the last 0.05 step
+under vLLM 0.33's own default (``CacheConfig.gpu_memory_utilization`` 0.92,
+``vllm/config/cache.py``), the share vLLM is tuned and tested at."""
+
+
 def best_utilization(sc: Scenario, a: Assumptions) -> float | None:
-    """The largest engine budget (0.05 steps, <= 0.9) whose generate phase fits."""
+    """The largest engine budget (0.05 steps, <= :data:`ENGINE_UTIL_CAP`) whose generate phase
+    fits."""
     probe = memory_plan(sc.with_(gpu_memory_utilization=0.0), a)
     limit = (1 - a.headroom) * sc.gpu_memory_gib
     util = (limit - probe["phase_peak_gib"]["generate"]) / sc.gpu_memory_gib
-    util = min(0.9, math.floor(util * 20) / 20)
+    util = min(ENGINE_UTIL_CAP, math.floor(util * 20) / 20)
     return util if util > 0 else None
 
 

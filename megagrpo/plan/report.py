@@ -1,12 +1,12 @@
-"""Text of the plans (`megagrpo plan-memory`): one plan's phases, the layout search's best
-runnable and unverified layouts, and the throughput ladder with its verdict against the
-targets."""
+"""Text of the plans (`megagrpo plan-memory`): one plan's phases and the exactness of its sync,
+the layout search's best exact, unverified (and, asked for, lossy) layouts, and the throughput
+ladder with its verdict against the targets."""
 
 from __future__ import annotations
 
 import math
 
-from megagrpo.plan.gate import RUNNABLE, UNVERIFIED
+from megagrpo.plan.gate import EXACT, UNVERIFIED
 from megagrpo.plan.memory import GIB
 
 
@@ -53,6 +53,7 @@ def format_plan(p: dict) -> str:
         )
     if "time" in p:
         lines += _format_time(p["time"], p["num_gpus"], p.get("bounds"))
+    lines.append(_sync_line(p))
     if p.get("collapse"):
         c = p["collapse"]
         lines.append(
@@ -60,6 +61,7 @@ def format_plan(p: dict) -> str:
             f"{c['source']}): predicted raw ACR {c['acr_predicted']:.3f}, simulated "
             f"{c['acr_raw']:.3f}; {c['rounds_per_step']:.2f} rounds and "
             f"{c['trained_groups_per_step']:.1f} of {c['batch_groups']} groups trained per step"
+            + _oversample_text(c)
         )
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     host = p.get("host")
@@ -82,8 +84,41 @@ def format_plan(p: dict) -> str:
             "vLLM's read copy while it loads)"
         )
     lines.append(f"per GPU: {p['per_gpu_gib']} GiB of {p['gpu_memory_gib']} GiB -> {verdict}")
+    if "fits_memory_high" in p:
+        high = "still fits" if p["fits_memory_high"] else "does NOT fit"
+        lines.append(
+            f"  with every memory pool at the high end of its range (CUDA context, NCCL, CUDA "
+            f"graphs, vLLM workspace, slack: megagrpo.plan.ranges.MEMORY_RANGES): {high}"
+        )
     lines += [f"  - {t}" for t in p["advice"]]
     return "\n".join(lines)
+
+
+def _sync_line(p: dict) -> str:
+    """Whether the plan's weight sync trains the policy it samples (:mod:`megagrpo.plan.
+    exactness`): exact, or lossy with the predicted survival of the LoRA update."""
+    sv = p.get("survival")
+    if not sv:
+        return f"  weight sync: {p['layout']['weight_sync']}: exact (the engines serve the adapter)"
+    steps = ", ".join(
+        f"step {k}: no update yet (lr warm-up)"
+        if not mv
+        else f"step {k}: {lo:.0%}" + (f"-{hi:.0%}" if abs(hi - lo) >= 0.005 else "")
+        for k, lo, hi, mv in zip(sv["steps"], sv["low"], sv["high"], sv["moved"])
+    )
+    head = "exact" if sv["exact"] else "LOSSY (trainer.allow_lossy_sync needed)"
+    return (
+        f"  weight sync: merged ({sv['format']}): {head}; predicted survival of the LoRA "
+        f"update {steps} (noise-dominated - coherent Adam updates); weight scales: "
+        f"{sv['weight_source']}"
+    )
+
+
+def _oversample_text(c: dict) -> str:
+    first = c.get("first_round_groups")
+    if not first or abs(first - c["batch_groups"]) < 0.05:
+        return ""
+    return f"; first round {first:.1f} problems (dynamic.oversample), the surplus carried"
 
 
 def _format_time(t: dict, gpus: int, band: dict | None = None) -> list[str]:
@@ -97,12 +132,15 @@ def _format_time(t: dict, gpus: int, band: dict | None = None) -> list[str]:
     ]
     if math.isfinite(g["s"]):
         lines.append(
-            f"    generate    {g['s']:>7.1f} s  ({g['rounds']:.2f} rounds x "
-            f"{g['round_s']:.1f} s, collapse {g.get('collapse_s', 0.0):.1f} s; a round: "
+            f"    generate    {g['s']:>7.1f} s  ({g['rounds']:.2f} rounds, first "
+            f"{g['first_round_s']:.1f} s, a resampling round {g['round_s']:.1f} s, collapse "
+            f"{g.get('collapse_s', 0.0):.1f} s; a round: "
             f"{g['decode_steps']:.0f} decode steps x "
             f"{g['step_ms']:.1f} ms, batch shrinking from {g['concurrent_per_replica']:.0f} "
             f"sequences/replica (at full batch throughout: {g['full_batch_decode_s']:.0f} s), "
-            f"MoE-LoRA speed {g['moe_lora_decode_speed']:.2f}, prefill {g['prefill_s']:.1f} s"
+            f"MoE-LoRA speed {g['moe_lora_decode_speed']:.2f}, attention LoRA "
+            f"{g['attention_lora_ms']:.1f} ms/step, prefill {g['prefill_s']:.1f} s of which "
+            f"collectives {g['prefill_comm_s']:.1f} s"
             + (
                 f", {g['partial_chunks_s']:.1f} s of partial chunks)"
                 if g["partial_chunks_s"]
@@ -137,13 +175,19 @@ def _format_time(t: dict, gpus: int, band: dict | None = None) -> list[str]:
 
 
 def format_search(res: dict, gpus: int, memory_gib: float) -> str:
-    """The layout search (:func:`megagrpo.plan.search.search`): the best runnable and the
-    best unverified layout with their phases, then the fastest overall."""
+    """The layout search (:func:`megagrpo.plan.search.search`): the best exact and the best
+    unverified layout (and the best lossy one with ``--allow-lossy``) with their phases, then
+    the fastest overall."""
+    ranked = "ranked" if res.get("allow_lossy") else "not ranked (--allow-lossy ranks them)"
     lines = [
         f"layout search, {gpus} GPUs: {res['searched']} layouts tried, {res['refused']} "
-        f"refused by the gate, {res['fitting']} fit {memory_gib} GiB with every phase's headroom"
+        f"refused by the gate, {res.get('lossy', 0)} lossy ({ranked}), {res['fitting']} "
+        f"ranked fit {memory_gib} GiB with every phase's headroom"
     ]
-    for key, title in (("best_runnable", "best runnable"), ("best_unverified", "best unverified")):
+    picks = [("best_exact", "best exact"), ("best_unverified", "best unverified")]
+    if res.get("allow_lossy"):
+        picks.append(("best_lossy", "best lossy"))
+    for key, title in picks:
         p = res.get(key)
         if p is None:
             lines.append(f"\n{title}: none fits")
@@ -165,7 +209,7 @@ def format_search(res: dict, gpus: int, memory_gib: float) -> str:
 
 def _line(r: dict) -> str:
     ph = r["phases"]
-    status = r["note"] if r["status"] != RUNNABLE else "runnable"
+    status = r["note"] if r["status"] != EXACT else EXACT
     return (
         f"{r['name']:<25} {ph['generate']:>8.1f} {r['collapse_s']:>8.1f} {ph['sync']:>6.1f} "
         f"{ph['train']:>6.1f} {ph['transitions']:>6.1f} {(-r['overlap_s'] or 0.0):>8.1f} "
@@ -193,7 +237,7 @@ def _verdict(title: str, rows: list[dict], target: float | None) -> str:
 
 def format_ladder(report: dict) -> str:
     """The ladder (:func:`megagrpo.plan.ladder.ladder_report`) as a text table: the config
-    as written first, every rung (cumulative) with the gate's status, then the best runnable
+    as written first, every rung (cumulative) with the gate's status, then the best exact
     and the best unverified step against the targets for this GPU count."""
     head = (
         f"{'rung':<25} {'generate':>8} {'collapse':>8} {'sync':>6} {'train':>6} {'trans':>6} "
@@ -217,11 +261,12 @@ def format_ladder(report: dict) -> str:
             f"step (raw ACR {c['acr_raw']:.3f}); 'collapse' is what the extra rounds cost"
         )
     targets = report.get("targets", {})
-    runnable = [*report["runnable"], *([config] if config["status"] == RUNNABLE else [])]
-    unverified = [*report["unverified"], *([config] if config["status"] != "refused" else [])]
-    lines.append(_verdict("best runnable", runnable, targets.get(RUNNABLE)))
+    exact = [*report["exact"], *([config] if config["status"] == EXACT else [])]
+    ok = (EXACT, UNVERIFIED)
+    unverified = [*report["unverified"], *([config] if config["status"] in ok else [])]
+    lines.append(_verdict("best exact", exact, targets.get(EXACT)))
     lines.append(_verdict("best unverified", unverified, targets.get(UNVERIFIED)))
-    refused = [r for r in rows if r["status"] not in (RUNNABLE, UNVERIFIED)]
+    refused = [r for r in [config, *rows] if r["status"] not in ok]
     for r in refused:
         lines.append(f"  {r['name']}: {r.get('detail', r['note'])}")
     return "\n".join(lines)

@@ -16,11 +16,14 @@ and tries:
   the rest) one step ahead or on-policy (``rollout.max_staleness`` 1 / 0).
 
 Every candidate goes through the gate (:mod:`megagrpo.plan.gate`): refused layouts are skipped,
-FP8 ones are kept as unverified. The engine gets the largest ``gpu_memory_utilization`` (a
-multiple of 0.05, at most 0.9) that keeps generation inside the headroom. Among the layouts
-whose every phase fits, the fastest central estimate wins; :func:`search` returns the best
-runnable and the best unverified layout and the fastest ones overall, each with its low /
-central / high step time.
+FP8 ones are kept as unverified, lossy ones (a merged sync that rounds the LoRA update away:
+:mod:`megagrpo.plan.exactness`) are counted but ranked only with ``allow_lossy``
+(``--allow-lossy``). The engine gets the largest ``gpu_memory_utilization`` (a multiple of
+0.05, at most :data:`~megagrpo.plan.layouts.ENGINE_UTIL_CAP`) that keeps generation inside the
+headroom. Among the layouts whose every phase fits, the fastest central estimate wins;
+:func:`search` returns the best exact layout (the default pick), the best unverified one, the
+best lossy one (with ``allow_lossy``) and the fastest ones overall, each with its low / central
+/ high step time.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
-from megagrpo.plan.gate import RUNNABLE, UNVERIFIED, Gate, overrides_of, ungated
+from megagrpo.plan.exactness import sync_survival
+from megagrpo.plan.gate import EXACT, LOSSY, UNVERIFIED, Gate, overrides_of, ungated
 from megagrpo.plan.layouts import (
     best_utilization,
     check_host_memory,
@@ -38,7 +42,7 @@ from megagrpo.plan.layouts import (
     trainer_layouts,
 )
 from megagrpo.plan.memory import memory_plan, shapes_of
-from megagrpo.plan.ranges import bounds
+from megagrpo.plan.ranges import bounds, memory_corner
 from megagrpo.plan.scenario import Assumptions, Hardware, Scenario
 from megagrpo.plan.time import split_placement, step_time
 from megagrpo.rollout.config import PartialConfig
@@ -56,9 +60,13 @@ def full_plan(sc: Scenario, a: Assumptions, hw: Hardware) -> dict:
     mem = separate_memory(sc, a) if sc.placement == "separate" else memory_plan(sc, a)
     check_host_memory(mem, a, hw)
     mem["time"] = step_time(sc, a, hw, mem)
-    mem["bounds"] = bounds(lambda aa: step_time(sc, aa, hw, mem)["step_s"], a)
+    mem["bounds"] = bounds(lambda aa, hh: step_time(sc, aa, hh, mem)["step_s"], a, hw)
     mem["assumptions"] = vars(a)
     mem["hardware"] = vars(hw)
+    pred = sync_survival(sc)
+    mem["survival"] = pred.as_dict() if pred is not None else None
+    if sc.placement != "separate":  # the memory pools at the high ends of their ranges
+        mem["fits_memory_high"] = memory_plan(sc, memory_corner(a))["fits"]
     return mem
 
 
@@ -142,18 +150,22 @@ def search(
     top: int = 5,
     gate: Gate = ungated,
     loads: Callable[[Scenario], str] | None = None,
+    allow_lossy: bool = False,
 ) -> dict:
     """The fastest layouts for ``gpus`` GPUs whose every phase fits (module doc):
-    ``{"best_runnable", "best_unverified", "top"}``, each a :func:`full_plan`-like dict with
-    ``overrides`` (the config keys to set), ``status`` and ``note`` (the gate's), ``bounds``;
-    ``searched`` / ``refused``: how many layouts were tried / refused by the gate."""
+    ``{"best_exact", "best_unverified", "best_lossy", "top"}``, each a :func:`full_plan`-like
+    dict with ``overrides`` (the config keys to set), ``status`` and ``note`` (the gate's),
+    ``bounds``; ``searched`` / ``refused`` / ``lossy``: how many layouts were tried / refused
+    by the gate / lossy (ranked only with ``allow_lossy``; ``best_lossy`` None without it)."""
     found: list[dict] = []
-    refused = searched = 0
+    refused = searched = lossy = 0
+    ranked = (EXACT, UNVERIFIED, LOSSY) if allow_lossy else (EXACT, UNVERIFIED)
     for cand in candidates(sc, gpus, a, hw):
         searched += 1
         verdict = gate(cand)
-        if verdict.status not in (RUNNABLE, UNVERIFIED):
-            refused += 1
+        lossy += verdict.status == LOSSY
+        if verdict.status not in ranked:
+            refused += verdict.status not in (LOSSY,)
             continue
         plan = _fitting(cand, a, hw)
         if plan is not None:
@@ -173,14 +185,17 @@ def search(
         return None
 
     out = {
-        "best_runnable": first(RUNNABLE),
+        "best_exact": first(EXACT),
         "best_unverified": first(UNVERIFIED),
+        "best_lossy": first(LOSSY) if allow_lossy else None,
         "top": found[:top],
         "searched": searched,
         "refused": refused,
+        "lossy": lossy,
+        "allow_lossy": allow_lossy,
         "fitting": len(found),
     }
-    for p in [out["best_runnable"], out["best_unverified"], *out["top"]]:
+    for p in [out["best_exact"], out["best_unverified"], out["best_lossy"], *out["top"]]:
         if p is not None and "bounds" not in p:
             _finish(p, a, hw)
     return out
@@ -190,6 +205,8 @@ def _finish(plan: dict, a: Assumptions, hw: Hardware) -> None:
     """Add what a printed layout shows: its low / central / high step time, its overrides
     and the inputs."""
     cand = plan["scenario"]
-    plan["bounds"] = bounds(lambda aa: step_time(cand, aa, hw, plan)["step_s"], a)
+    plan["bounds"] = bounds(lambda aa, hh: step_time(cand, aa, hh, plan)["step_s"], a, hw)
     plan["overrides"] = overrides_of(cand)
+    pred = sync_survival(cand)
+    plan["survival"] = pred.as_dict() if pred is not None else None
     plan.update(assumptions=vars(a), hardware=vars(hw))

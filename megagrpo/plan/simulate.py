@@ -172,12 +172,16 @@ class PlanResult:
             "valid_groups_per_step": self.mean("dynamic/valid_groups"),
             "trained_groups_per_step": self.mean("dynamic/trained_groups"),
             "gen_batches_per_step": self.mean("dynamic/gen_batches"),
+            "first_round_groups_per_step": self.mean("dynamic/first_round_groups"),
+            "generated_groups_per_step": self.mean("dynamic/generated_groups"),
             "rounds_per_step": self.mean("dynamic/rounds"),
             "collapsed_groups_trained_per_step": self.mean("dynamic/collapsed_groups_trained"),
             "valid_groups_discarded_per_step": self.mean("dynamic/valid_groups_discarded"),
             "valid_groups_carried_per_step": self.mean("dynamic/valid_groups_carried"),
-            "valid_groups_per_gen_batch": (
-                self.mean("dynamic/valid_groups") / max(self.mean("dynamic/gen_batches"), 1e-12)
+            "valid_groups_per_gen_batch": (  # per batch_groups problems generated
+                self.mean("dynamic/valid_groups")
+                * self.config["batch_groups"]
+                / max(self.mean("dynamic/generated_groups"), 1e-12)
             ),
             "level_hist_final": {
                 k.rsplit("/", 1)[1]: v

@@ -226,9 +226,11 @@ def run_budget_plan(
 
 def uniform_summary(plan: dict[str, Any]) -> dict[str, Any]:
     """The comparison figures of a :func:`run_plan` summary (uniform G): every valid group
-    trains G completions with non-zero advantages (0/1 rewards), every round costs B * G."""
+    trains G completions with non-zero advantages (0/1 rewards), every problem generated costs
+    G (a resampling round B * G, an oversampled first round more: ``dynamic.oversample``)."""
     g, b = plan["group_size"], plan["batch_groups"]
-    generated = plan["gen_batches_per_step"] * b * g
+    generated = plan.get("generated_groups_per_step") or plan["gen_batches_per_step"] * b
+    generated *= g
     effective = plan["valid_groups_per_step"] * g
     return {
         **plan,

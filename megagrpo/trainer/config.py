@@ -27,6 +27,7 @@ from megagrpo.model.config import ModelConfig, SyncTransport
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig, WeightSync
+from megagrpo.rollout.exactness import refuse_lossy_at_load
 from megagrpo.rollout.verify import thresholds_for
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,14 @@ class TrainerConfig:
     engine serve it on its base weights, exactly (needs rollout.enable_lora and vLLM LoRA
     support for the targeted modules). auto: adapter where the engine serves LoRA, else
     merged. Both are verified against the trainer's probe log-probs."""
+    allow_lossy_sync: bool = False
+    """Start a run whose weight sync is lossy: a merged sync into a bf16 / fp16 / FP8 engine
+    that keeps only part of the LoRA update, so the engines sample another policy than the
+    one trained (:mod:`megagrpo.model.survival` predicts how much arrives at steps 1, 10 and
+    50 from the lr, warm-up, LoRA rank / alpha and the weights' scales). False (default):
+    such a run is refused at load and at start, naming the predicted survival;
+    ``weight_sync: merged`` alone is not consent. Measured at every sync as
+    ``sync/lora_survival`` (a warning below 0.9)."""
     sync_transport: SyncTransport = "allreduce"
     """allreduce | broadcast | sliced: how merged tensors travel between the trainer's ranks
     (:func:`megagrpo.model.weights.export_hf_tensors`). allreduce: every rank zero-fills each
@@ -332,6 +341,7 @@ class RunConfig:
             self.data, self.rollout.max_model_len, self.rollout.max_tokens
         )
         self._resolve_sync_thresholds()
+        refuse_lossy_at_load(self, compat.read_hf_config(self.model.hf_path))
         self._check_routing_replay()
         self._check_shared_prefix()
         self._resolve_partial()
@@ -343,6 +353,30 @@ class RunConfig:
             "must fit one packed row)",
         )
         compat.enforce(self, compat.read_hf_config(self.model.hf_path))
+
+    def reuses_training_forward(self) -> bool:
+        """True when recomputed old log-probs need no forward of their own: one optimiser
+        update per generated batch (``trainer.mini_batches`` and ``ppo_epochs`` 1), no LoRA
+        dropout (the training forward then equals the scoring forward), no r2 routing replay
+        (which records the old forward's routing) and no ``loss.kl_in_reward`` (the rewards
+        need the old log-probs before training). The training forward's detached log-probs
+        are then the behaviour log-probs (:func:`megagrpo.trainer.optimize.prepare_update`).
+        The one rule for the trainer and the planner (:meth:`no_grad_forwards`)."""
+        return (
+            self.trainer.updates_per_batch == 1
+            and self.model.lora.dropout == 0
+            and self.model.routing_replay != "r2"
+            and not self.loss.kl_in_reward
+        )
+
+    def no_grad_forwards(self, engine_logprobs: bool = True) -> int:
+        """No-grad forwards the trainer runs per generated batch
+        (:func:`megagrpo.trainer.optimize.behaviour_logprobs`): the old log-probs when they are
+        recomputed and the training forward is not reused, the reference (frozen base) when
+        ``loss.kl_coef`` > 0. What ``megagrpo plan-memory`` bills (scale-audit-3 finding 2)."""
+        source = self.trainer.resolved_old_logprobs(engine_logprobs)
+        old = source == "recompute" and not self.reuses_training_forward()
+        return int(old) + int(self.loss.kl_coef > 0)
 
     def _check_routing_replay(self) -> None:
         """What MoE routing replay cannot run with, named at load time (not at step 1)."""

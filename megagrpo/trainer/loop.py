@@ -359,6 +359,7 @@ def _perf(ctx: TrainContext, gen: GenStats, step_s: float) -> dict[str, float]:
         "perf/tokens_per_s": gen.gen_tokens / max(step_s, 1e-9),
         "perf/gen_tokens_per_s": gen.gen_tokens / max(t.get("gen", 0.0), 1e-9),
         "perf/gen_tokens": gen.gen_tokens,
+        "perf/gen_seqs": gen.gen_seqs,
     } | phase_times(t)
 
 

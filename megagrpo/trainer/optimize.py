@@ -314,21 +314,15 @@ def _weighted_mass(ctx: TrainContext, mbs: list[MicroBatch], agg: str) -> float:
 
 
 def reuses_training_forward(cfg: RunConfig) -> bool:
-    """True when recomputed old log-probs need no forward of their own: one optimiser update
-    per generated batch (``trainer.mini_batches`` and ``ppo_epochs`` 1), no LoRA dropout (the
-    training forward then equals the scoring forward) and no r2 routing replay (which records
-    the old forward's routing). The training forward's detached log-probs are then the
-    behaviour log-probs: the weights are those a separate forward would have used, so the
-    ratio is 1 as with ``recompute``, the importance weights against the engine are the same,
-    and a forward is saved. Megatron's other training-mode differences do not apply to the
-    models we build: the provider sets no sinkhorn routing and no router input jitter, and
-    full recompute leaves values unchanged."""
-    return (
-        cfg.trainer.updates_per_batch == 1
-        and cfg.model.lora.dropout == 0
-        and cfg.model.routing_replay != "r2"
-        and not cfg.loss.kl_in_reward  # the rewards need the old log-probs before training
-    )
+    """True when recomputed old log-probs need no forward of their own
+    (:meth:`RunConfig.reuses_training_forward`, the rule the planner bills by too): the
+    training forward's detached log-probs are then the behaviour log-probs; the weights are
+    those a separate forward would have used, so the ratio is 1 as with ``recompute``, the
+    importance weights against the engine are the same, and a forward is saved. Megatron's
+    other training-mode differences do not apply to the models we build: the provider sets
+    no sinkhorn routing and no router input jitter, and full recompute leaves values
+    unchanged."""
+    return cfg.reuses_training_forward()
 
 
 def prepare_update(

@@ -65,7 +65,7 @@ from megagrpo.trainer.config import RunConfig, TrainerConfig
 from megagrpo.trainer.context import TrainContext
 from megagrpo.trainer.resume_check import check_problem_set
 from megagrpo.trainer.rundir import check_base, confirm_resume_point, prepare_run_dir
-from megagrpo.trainer.sync import first_probes, start_engines
+from megagrpo.trainer.sync import check_sync_exactness, first_probes, start_engines
 from megagrpo.trainer.train_state import problem_set, restore_checkpoint
 from megagrpo.types import Problem
 
@@ -526,6 +526,7 @@ def start_rollouts(
     if probes is None or ctx.rollouts.probe_token_ids != probe_ids:
         ctx.offload.for_training()  # (an engine with its own probe sequence: test fakes)
         probes = first_probes(ctx, ctx.rollouts.probe_token_ids, dummy or resumed)
+    check_sync_exactness(ctx, model_path, compat.read_hf_config(model_path))
     start_engines(ctx, probes, resumed)
     ctx.rollouts.resume_verifiers(ctx.resumed_verifiers)  # the checks continue as saved
 

@@ -33,11 +33,13 @@ import torch
 from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
 from megagrpo.model.peft_export import ExpertBlocks
+from megagrpo.model.survival import WARN_SURVIVAL, checkpoint_weight_stds, known_shapes
 from megagrpo.model.sync_transport import RegionFn
 from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.placement.rollouts import WeightUpdate
 from megagrpo.rollout.config import resolved_weight_sync
+from megagrpo.rollout.exactness import merged_sync_survival, refuse_lossy_sync
 from megagrpo.rollout.lora import PeftAdapter, read_peft_adapter
 from megagrpo.trainer.context import TrainContext
 
@@ -169,7 +171,52 @@ def push_weights(
         metrics["sync/transport_recv_mb"] = ctx.policy.export_bytes_received() / 1e6
         if merge_lora:  # how much of the LoRA update the base dtype kept (collective)
             metrics.update(ctx.policy.merge_survival(None))
+            warn_low_survival(ctx, metrics)
     return metrics
+
+
+def warn_low_survival(ctx: TrainContext, metrics: dict[str, float]) -> None:
+    """A warning (rank 0) for every sync whose ``sync/lora_survival`` is below
+    :data:`~megagrpo.model.survival.WARN_SURVIVAL`: the engines sample another policy."""
+    survival = metrics.get("sync/lora_survival", 1.0)
+    if survival < WARN_SURVIVAL and ctx.comm.is_main:
+        log.warning(
+            "step %d: the merged sync delivered %.1f%% of the LoRA update "
+            "(sync/lora_survival < %.1f): the engines sample another policy than the one "
+            "trained; trainer.weight_sync=adapter is exact",
+            ctx.step,
+            100 * survival,
+            WARN_SURVIVAL,
+        )
+
+
+def check_sync_exactness(ctx: TrainContext, model_path: str, hf: dict | None) -> dict[str, Any]:
+    """At start (collective): whether the run's weight sync delivers the LoRA update exactly.
+    Adapter sync is exact; a merged one is predicted with the engines' real dtype and the
+    checkpoint's weight scales (read on rank 0: :func:`megagrpo.model.survival.
+    checkpoint_weight_stds`), logged, and refused when lossy unless
+    ``trainer.allow_lossy_sync`` (:mod:`megagrpo.rollout.exactness`). Returns the prediction
+    (``{}`` for an adapter sync) for the run's log."""
+    mode = sync_mode(ctx)
+    if mode != "merged" or not ctx.cfg.model.lora.targets:
+        if ctx.comm.is_main:
+            log.info("weight sync: %s: exact (the engines serve the adapter as trained)", mode)
+        return {}
+    shapes = known_shapes(hf, ctx.cfg.model.lora.targets)
+    if shapes is None or hf is None:  # test stand-ins without a model: measured per sync only
+        if ctx.comm.is_main:
+            log.info("weight sync: merged; no model config to predict its survival from")
+        return {}
+    engine = str(ctx.rollouts.engine_dtype()).removeprefix("torch.")  # collective (first call)
+    stds = checkpoint_weight_stds(model_path, shapes) if ctx.comm.is_main else None
+    stds = ctx.comm.broadcast_object(stds)
+    source = f"checkpoint {model_path}" if stds else ""
+    pred = merged_sync_survival(ctx.cfg, shapes, hf, engine, stds, source)
+    if ctx.comm.is_main:
+        status = "exact" if pred.exact else "LOSSY"
+        log.info("weight sync: merged into a %s engine: %s; %s", engine, status, pred.summary())
+    refuse_lossy_sync(ctx.cfg, pred)
+    return pred.as_dict()
 
 
 def sync_weights(ctx: TrainContext) -> dict[str, float]:

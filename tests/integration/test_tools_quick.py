@@ -20,6 +20,7 @@ QUICK = {
     "bench_curriculum.py": ("target < 10 ms", []),
     "bench_fingerprint.py": ("SHA-256 all", []),
     "bench_loss.py": ("max |logp fused - logp naive|", []),
+    "bench_oversample.py": ("dynamic/gen_batches", [SLOW]),
     "bench_packing.py": ("padded waste", []),
     "bench_partial.py": ('"speedup"', [SLOW]),
     "bench_prefix.py": ("crossover (shared faster than rows)", [SLOW]),
@@ -35,6 +36,7 @@ QUICK = {
     "learning_efficiency.py": ("| original (R=3) | 1 |", [SLOW]),
     "make_demo_mcq.py": ("regenerate byte for byte: True", []),
     "make_demo_problems.py": ("regenerate byte for byte: True", []),
+    "measure_cluster.py": ("hardware for plan-memory --hw-file", [SLOW, pytest.mark.distributed]),
     "repro_article.py": ("all levels, knapsack + carry", [SLOW]),
     "upstream_wheels.py": ("vllm-", []),
 }

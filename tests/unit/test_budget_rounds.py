@@ -31,7 +31,8 @@ ALL = [1, 2, 3, 4, 5, 6]
 def test_uniform_budget_reproduces_dynamic_sampler(policy, retire):
     """The round loop + planner with budget=uniform is the real DynamicSampler, draw for draw."""
     cur = CurriculumConfig(keep_levels=ALL, retire_streak=retire)
-    dyn = DynamicSamplingConfig(policy=policy, max_resample=3)
+    # a uniform budget is dynamic sampling with first rounds of B (no oversampling)
+    dyn = DynamicSamplingConfig(policy=policy, max_resample=3, oversample="off")
     setup = PlanSetup(SPECIALIST, 5, 8, 96, 25, cur, seed=1)
     ref = run_plan(setup, dyn)
     got = run_budget_plan(setup, dyn, BudgetConfig())

@@ -170,7 +170,10 @@ def test_stops_at_the_first_round_that_fills():
 
 
 def test_carry_feeds_the_next_step_and_respects_staleness_and_bound():
-    cfg = DynamicSamplingConfig(policy="carry", max_resample=3, carry_max_staleness=1)
+    # the carry buffer's own rules, with first rounds of B (dynamic.oversample off)
+    cfg = DynamicSamplingConfig(
+        policy="carry", max_resample=3, carry_max_staleness=1, oversample="off"
+    )
     ds = DynamicSampler(cfg, "acc")
     _fill("carry", [_round(4), _round(4)], step=0, ds=ds)  # nothing surplus
     _fill("carry", [_round(2), _round(4)], step=1, ds=ds)  # 2 surplus from round 1

@@ -23,6 +23,7 @@ PARTS = [
     "train_te",
     "recompute",
     "shared_prefix",
+    "measure",
 ]
 
 
@@ -52,6 +53,7 @@ def test_dry_run_lists_every_part(repo_root, tmp_path):
     assert all(p["status"] == "dry" for p in summary["parts"].values())
     assert "tools/bench_loss.py --device cuda" in err and "rollout.engine=hf" in err
     assert "MEGAGRPO_STRICT_DEVICES=1" in err and "bench_recompute.py --device cuda" in err
+    assert "tools/measure_cluster.py configs/qwen3_235b_a22b_2node.yaml" in err
     saved = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert saved == summary
 
@@ -133,6 +135,19 @@ def test_output_says_what_was_checked(repo_root, tmp_path):
         assert part["status"] == "skipped" and "transformer_engine" in part["reason"]
         assert "not in .whl/" in summary["not_run"]["transformer_engine"]
     assert rc == 0 and summary["ok"]
+
+
+def test_measure_part_writes_the_hw_file_plan_memory_reads(repo_root, tmp_path):
+    """Issue 40: the single-GPU part of tools/measure_cluster.py (here on the CPU, tiny sizes)
+    writes a file `plan-memory --hw-file` accepts, with the HBM copy and the GEMMs timed."""
+    from megagrpo.plan.hwfile import hardware_from_file, read_measurements
+
+    rc, summary, err = _run(repo_root, tmp_path, GPU_CHECK_MODE="cpu", GPU_CHECK_ONLY="measure")
+    assert rc == 0 and summary["parts"]["measure"]["status"] == "ok", err
+    path = tmp_path / "out" / "cluster_1gpu.json"
+    data = read_measurements(path)
+    assert data["world"] == 1 and {m["op"] for m in data["measurements"]} == {"hbm_copy", "gemm"}
+    assert hardware_from_file(path).hbm_gb_s == data["hardware"]["hbm_gb_s"] > 0
 
 
 def test_time_budget_skips_late_parts(repo_root, tmp_path):

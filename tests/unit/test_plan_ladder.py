@@ -16,7 +16,7 @@ from test_plan_phases import _two_node
 from megagrpo.commands.plan_memory import config_of, make_gate, plan_run
 from megagrpo.gate import compat
 from megagrpo.plan.collapse import billed, collapse_bill
-from megagrpo.plan.gate import REFUSED, RUNNABLE, UNVERIFIED
+from megagrpo.plan.gate import EXACT, REFUSED, UNVERIFIED
 from megagrpo.plan.ladder import PHASES, TARGETS, ladder_report, rungs
 from megagrpo.plan.memory import FUSED_CHUNK_BYTES, GIB, shapes_of
 from megagrpo.plan.scenario import Assumptions, Hardware, scenario_from_config
@@ -30,9 +30,10 @@ def report(repo_root, hf235):
 
 
 def test_streamed_adapter_sync_bytes_closed_form(repo_root, hf235):
-    """Streamed: bf16 full factors all-reduced over the model-parallel groups (dense over
-    tp x pp = 2, experts over ep x etp x pp = 16): 2 x bytes x (n - 1) / n each; the PEFT
-    directory: 8 B per adapter parameter."""
+    """Streamed: bf16 attention factors all-reduced over the model-parallel group (tp x pp = 2:
+    2 x bytes x (n - 1) / n), each expert's factors reduced to the ranks whose engine holds it
+    over ep x etp x pp = 16 (scale-audit-3 finding 9: bytes x (n - 1) / n); the PEFT directory:
+    8 B per adapter parameter."""
     s = shapes_of(hf235)
     r = 32
     q, kv = s.heads * s.hd, s.kv * s.hd
@@ -40,7 +41,7 @@ def test_streamed_adapter_sync_bytes_closed_form(repo_root, hf235):
     expert = s.moe_layers * s.experts * r * ((s.h + 2 * s.moe_ffn) + (s.moe_ffn + s.h))
     assert expert == pytest.approx(4.93e9, rel=0.01)  # the 235B adapter is mostly experts
     p = plan_run(_two_node(repo_root), hf235)
-    want = 2 * dense * 2 * (2 - 1) / 2 + 2 * expert * 2 * (16 - 1) / 16
+    want = 2 * dense * 2 * (2 - 1) / 2 + expert * 2 * (16 - 1) / 16
     assert p["time"]["phases"]["sync"]["bytes_per_gpu"] == pytest.approx(want, rel=1e-12)
     old = plan_run(_two_node(repo_root, "trainer.adapter_transport=peft_dir"), hf235)
     assert old["time"]["phases"]["sync"]["bytes_per_gpu"] == pytest.approx(8 * (dense + expert))
@@ -109,15 +110,15 @@ def test_each_rung_moves_only_its_phases(report):
 
 
 def test_tp8_rung_is_bf16_and_separate_from_fp8(report):
-    """scale-audit-2 section 4 item 8: the TP 8 per node rung is bf16 (a runnable lever of its
-    own) and FP8 comes after it; the runnable ladder keeps it whatever the FP8 verdict."""
+    """scale-audit-2 section 4 item 8: the TP 8 per node rung is bf16 (an exact lever of its
+    own) and FP8 comes after it; the exact ladder keeps it whatever the FP8 verdict."""
     _, _, rep = report
     rows = {r["name"]: r for r in rep["rungs"]}
     tp8 = rows["+ vLLM TP 8 per node"]
     assert tp8["changes"]["vllm_tp"] == 8 and tp8["changes"]["replicas"] == "independent"
-    assert "quantization" not in tp8["changes"] and tp8["status"] == RUNNABLE
-    assert "+ vLLM TP 8 per node" in [r["name"] for r in rep["runnable"]]
-    assert all(r["status"] == RUNNABLE for r in rep["runnable"])
+    assert "quantization" not in tp8["changes"] and tp8["status"] == EXACT
+    assert "+ vLLM TP 8 per node" in [r["name"] for r in rep["exact"]]
+    assert all(r["status"] == EXACT for r in rep["exact"])
 
 
 def test_fp8_rung_status_is_the_gates_verdict(report, hf235):
@@ -155,11 +156,12 @@ def test_off_policy_rung_closed_form(report):
     assert off["name"] == "+ one-step off-policy"
     ph, rounds = off["phases"], off["rounds_per_step"]
     assert rounds == sc.rounds_per_step > 1  # the collapse bill
-    round_s = ph["generate"] / rounds
+    first, round_s = off["first_round_s"], off["round_s"]
+    assert ph["generate"] == pytest.approx(first + (rounds - 1) * round_s)
     assert off["changes"]["placement"] == "separate" and off["changes"]["rollout_gpus"] == 8
     assert ph["transitions"] == 0
-    assert off["overlap_s"] == pytest.approx(min(round_s, ph["train"]))
-    want = max(round_s, ph["train"]) + (rounds - 1) * round_s + ph["sync"]
+    assert off["overlap_s"] == pytest.approx(min(first, ph["train"]))
+    want = max(first, ph["train"]) + (rounds - 1) * round_s + ph["sync"]
     assert off["step_s"] == pytest.approx(want)
     assert "rollout.partial.enabled=true" in off["overrides"]  # it stacks on partial rollouts
     assert "rollout.max_staleness=1" in off["overrides"]
@@ -207,8 +209,8 @@ def test_cli_ladder_table_and_json(repo_root, report, capsys):
     text = capsys.readouterr().out
     for r in rep["rungs"]:
         assert r["name"] in text and f"{r['step_s']:>7.1f}" in text
-    assert "best runnable:" in text and "best unverified:" in text
-    assert f"target <= {TARGETS[16][RUNNABLE]:.0f} s/step" in text
+    assert "best exact:" in text and "best unverified:" in text
+    assert f"target <= {TARGETS[16][EXACT]:.0f} s/step" in text
     assert "collapse" in text and "generation rounds" in text and "low-high" in text
     js = _cli(repo_root, "--json", "--levels", "L1=10,L2=10,L3=10,L4=10,L5=10,L6=10")
     assert js.returncode == 0, js.stderr
@@ -222,7 +224,7 @@ def test_cli_ladder_table_and_json(repo_root, report, capsys):
 
 def test_fp8_rung_is_unverified_once_the_gate_allows_it(repo_root, hf235, monkeypatch):
     """With the gate's FP8 rule lifted (the GPU-path change: allowed, unverified on GPU) the
-    FP8 rung is unverified, not refused: in the unverified ladder, not in the runnable one."""
+    FP8 rung is unverified, not refused: in the unverified ladder, not in the exact one."""
     rules = tuple(r for r in compat.RULES if r.name != "vllm.fp8_moe_lora")
     monkeypatch.setattr(compat, "RULES", rules)
     cfg = _two_node(repo_root)
@@ -231,6 +233,6 @@ def test_fp8_rung_is_unverified_once_the_gate_allows_it(repo_root, hf235, monkey
     fp8 = next(r for r in rep["rungs"] if r["name"] == "+ FP8 rollout")
     assert fp8["status"] == UNVERIFIED and "unverified on GPU" in fp8["note"]
     assert "+ FP8 rollout" in [r["name"] for r in rep["unverified"]]
-    assert "+ FP8 rollout" not in [r["name"] for r in rep["runnable"]]
+    assert "+ FP8 rollout" not in [r["name"] for r in rep["exact"]]
     off = rep["rungs"][-1]  # stacks on FP8: unverified too
     assert off["status"] == UNVERIFIED

@@ -116,7 +116,7 @@ def test_lora_activations_are_counted(repo_root, hf235):
     width = h + 64 * 128 / 4 + 2 * (h + 1536)
     rows = 1 + 1 + 2 * 2
     per_layer = tokens * (width * 2 + rows * 32 * 4)
-    old = ("parallel.ep=32", "parallel.pp=1")  # the layout the closed form is written for
+    old = ("parallel.tp=4", "parallel.ep=32", "parallel.pp=1")  # the closed form's layout
     full = plan(_cfg(repo_root, *old), hf235)
     none = plan(_cfg(repo_root, *old, "model.recompute=none"), hf235)
     assert full["breakdown_gib"]["lora_activations"] == pytest.approx(per_layer / GIB, abs=0.01)

@@ -130,7 +130,7 @@ def test_search_finds_the_fastest_fitting_layouts(repo_root, hf235):
         b = p["bounds"]
         assert b["low"] <= b["central"] == p["time"]["step_s"] <= b["high"]
     # without a gate nothing is refused and FP8 is unverified: the two bests differ in that
-    assert res["best_runnable"]["scenario"].quantization == "none"
+    assert res["best_exact"]["scenario"].quantization == "none"
     assert res["best_unverified"]["scenario"].quantization == "fp8"
     assert not search(sc, Assumptions(), Hardware(), 4)["top"]  # 470 GB of bf16 on 4 x 80 GB
 
