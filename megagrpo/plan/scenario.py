@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from megagrpo.errors import ConfigError
+from megagrpo.gate.sync_exactness import engine_weight_dtype
 from megagrpo.model.arch import arch_from_hf
 from megagrpo.model.survival import checkpoint_weight_stds, known_shapes
 from megagrpo.rollout.config import resolved_weight_sync, serves_adapters
-from megagrpo.rollout.exactness import engine_weight_dtype
 
 
 @dataclass

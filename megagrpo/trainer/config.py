@@ -22,12 +22,12 @@ from megagrpo.errors import (
     require_fp32,
 )
 from megagrpo.gate import compat
+from megagrpo.gate.sync_exactness import refuse_lossy_at_load
 from megagrpo.metrics.config import MetricsConfig
 from megagrpo.model.config import ModelConfig, SyncTransport
 from megagrpo.parallel.config import ClusterConfig, ParallelConfig
 from megagrpo.rewards.config import RewardsConfig, resolve_soft_overlong
 from megagrpo.rollout.config import RolloutConfig, WeightSync
-from megagrpo.rollout.exactness import refuse_lossy_at_load
 from megagrpo.rollout.verify import thresholds_for
 
 log = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from megagrpo.gate.sync_exactness import merged_sync_survival, refuse_lossy_sync
 from megagrpo.kernels import token_stats
 from megagrpo.model import Policy
 from megagrpo.model.peft_export import ExpertBlocks
@@ -39,7 +40,6 @@ from megagrpo.parallel.comm import Comm
 from megagrpo.parallel.strict import check_on_device
 from megagrpo.placement.rollouts import WeightUpdate
 from megagrpo.rollout.config import resolved_weight_sync
-from megagrpo.rollout.exactness import merged_sync_survival, refuse_lossy_sync
 from megagrpo.rollout.lora import PeftAdapter, read_peft_adapter
 from megagrpo.trainer.context import TrainContext
 
@@ -195,7 +195,7 @@ def check_sync_exactness(ctx: TrainContext, model_path: str, hf: dict | None) ->
     Adapter sync is exact; a merged one is predicted with the engines' real dtype and the
     checkpoint's weight scales (read on rank 0: :func:`megagrpo.model.survival.
     checkpoint_weight_stds`), logged, and refused when lossy unless
-    ``trainer.allow_lossy_sync`` (:mod:`megagrpo.rollout.exactness`). Returns the prediction
+    ``trainer.allow_lossy_sync`` (:mod:`megagrpo.gate.sync_exactness`). Returns the prediction
     (``{}`` for an adapter sync) for the run's log."""
     mode = sync_mode(ctx)
     if mode != "merged" or not ctx.cfg.model.lora.targets:
