@@ -27,7 +27,7 @@ process (imports, loading the inputs, the timed call, the counted call) and ``CP
 process's CPU seconds (all threads), which other jobs on a shared machine do not inflate (its
 wall time they do, several-fold); stderr gives both per phase as each method ends. The inputs
 are made once, by the parent, and loaded by every worker (the logit methods rebuild the
-``[T, V]`` logits from them). The default shape (T=2,048, V=151,936) is ~2 CPU-minutes in all.
+``[T, V]`` logits from them). The end prints the whole run's wall and CPU seconds and the load.
 
 Usage: python tools/bench_loss.py [--device cpu|cuda] [--tokens T] [--vocab V] [--json]
        python tools/bench_loss.py --quick     (64 tokens, vocab 2048, naive / fused / fused_linear)
@@ -54,13 +54,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=2048,
-        help="T: tokens in the batch (2,048: two 1,024-token sequences; the whole default run "
-        "is ~2 CPU-minutes, 4,096 twice that)",
-    )
+    p.add_argument("--tokens", type=int, default=4096, help="T: tokens in the batch")
     p.add_argument("--vocab", type=int, default=151936, help="V: vocabulary size")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (Liger)")
     p.add_argument("--hidden", type=int, default=128, help="H of the projection that makes logits")
@@ -436,6 +430,19 @@ def progress(r: dict | None, m: str, took: float) -> str:
 # ----------------------------------------------------------------------------- report
 
 
+def cpu_isa() -> str:
+    """torch's CPU capability and the bf16 instructions the CPU has: the bf16 GEMMs of
+    fused_linear and Liger run ~170-450 GFLOP/s with AMX, ~30 without bf16 instructions (AVX512)
+    and far less on AVX2, so their times only compare between machines of one kind."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    bf16 = [x for x in ("avx512_bf16", "amx_bf16") if x in flags] or ["no bf16 instructions"]
+    return f"{torch.backends.cpu.get_cpu_capability()}, {', '.join(bf16)}, {os.cpu_count()} CPUs"
+
+
 def summarise(res: dict[str, dict], a: argparse.Namespace) -> dict:
     """The JSON figures: peaks, times, errors vs naive, ratios."""
     naive = res.get("naive")
@@ -445,6 +452,7 @@ def summarise(res: dict[str, dict], a: argparse.Namespace) -> dict:
         "vocab": a.vocab,
         "dtype": a.dtype,
         "hidden": a.hidden,
+        "cpu": cpu_isa() if a.device == "cpu" else None,
         "memory_method": (
             "torch allocator bytes (profiler allocation events replayed: peak minus the "
             "level at the call), fresh subprocess per method"
@@ -493,6 +501,8 @@ def print_table(s: dict, res: dict) -> None:
         f"GRPO loss bench: T={s['tokens']} V={s['vocab']} dtype={s['dtype']} device={s['device']}"
     )
     print(f"memory: {s['memory_method']}")
+    if s.get("cpu"):
+        print(f"cpu: {s['cpu']} (the bf16 GEMMs of fused_linear / liger depend on it)")
     print(
         f"{'method':<15}{'peak extra MiB':>16}{'time s':>10}{'naive/x mem':>13}"
         f"{'err loss':>11}{'err grad':>11}{'worker s':>10}{'CPU s':>8}"
