@@ -46,10 +46,14 @@ def allocator_peak_bytes(
     (~10 s of wall time on a loaded 2-core machine) that a benchmark worker paid every run."""
     from torch.autograd.profiler import profile
 
-    with profile(profile_memory=True, use_kineto=True) as prof:
+    prof = profile(profile_memory=True, use_kineto=True)
+    with prof:
         out = fn(*args, **kwargs)
+    results = prof.kineto_results
+    if results is None:  # set by the profiler's exit; None only if it did not run
+        raise RuntimeError("the Kineto profiler returned no results")
     live = peak = 0
-    for _, _, size in _allocations(prof.kineto_results, device_type):
+    for _, _, size in _allocations(results, device_type):
         live += size
         peak = max(peak, live)
     return out, peak
