@@ -17,12 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _allocations(prof: Any, device_type: str) -> list[tuple[int, int, int]]:
-    """(time ns, order, signed bytes) of every allocator event on ``device_type``."""
+def _allocations(results: Any, device_type: str) -> list[tuple[int, int, int]]:
+    """(time ns, order, signed bytes) of every allocator event on ``device_type`` in the
+    profiler's ``results``."""
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation:
@@ -37,13 +38,22 @@ def allocator_peak_bytes(
     fn: Callable[..., Any], *args: Any, device_type: str = "cpu", **kwargs: Any
 ) -> tuple[Any, int]:
     """``fn(*args, **kwargs)`` and the peak bytes torch's ``device_type`` allocator held
-    above its level when the call started (tensors freed during the call count while alive)."""
-    from torch.profiler import ProfilerActivity, profile
+    above its level when the call started (tensors freed during the call count while alive).
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    The profiler is ``torch.autograd.profiler.profile`` (Kineto, CPU activity: the events of
+    ``torch.profiler.profile(activities=[CPU], profile_memory=True)``), not the latter itself:
+    its start imports ``torch._inductor`` to read one setting, ~3 CPU seconds per process
+    (~10 s of wall time on a loaded 2-core machine) that a benchmark worker paid every run."""
+    from torch.autograd.profiler import profile
+
+    prof = profile(profile_memory=True, use_kineto=True)
+    with prof:
         out = fn(*args, **kwargs)
+    results = prof.kineto_results
+    if results is None:  # set by the profiler's exit; None only if it did not run
+        raise RuntimeError("the Kineto profiler returned no results")
     live = peak = 0
-    for _, _, size in _allocations(prof, device_type):
+    for _, _, size in _allocations(results, device_type):
         live += size
         peak = max(peak, live)
     return out, peak
