@@ -86,7 +86,7 @@ def _factories(rec: Recorder):
 
 def _run(tmp_path, model_dir, name: str, offload: bool, monkeypatch, max_steps: int = 2):
     from megagrpo.commands.train import host_modules
-    from megagrpo.trainer import offload as offload_mod
+    from megagrpo.placement import offload as offload_mod
     from megagrpo.trainer.loop import train
     from megagrpo.trainer.setup import build_context, shutdown
 

@@ -20,7 +20,7 @@ import torch
 
 from megagrpo import fileio
 from megagrpo.checkpoint import format as checkpoint
-from megagrpo.checkpoint import plain_state
+from megagrpo.checkpoint import plain as plain_state
 from megagrpo.curriculum.config import DynamicSamplingConfig
 from megagrpo.curriculum.dynamic import DynamicSampler
 from megagrpo.errors import CheckpointError

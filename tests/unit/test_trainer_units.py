@@ -10,7 +10,7 @@ import torch
 
 from megagrpo.algo.config import LossConfig
 from megagrpo.checkpoint import format as checkpoint
-from megagrpo.checkpoint import plain_state
+from megagrpo.checkpoint import plain as plain_state
 from megagrpo.errors import CheckpointError, ConfigError
 from megagrpo.kernels import fused_policy_loss
 from megagrpo.placement.rollouts import round_seed
