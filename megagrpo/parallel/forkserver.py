@@ -1,0 +1,187 @@
+"""A preloaded fork server for local child processes: the gloo ranks of :func:`launch` and,
+in the tests, whole ``megagrpo`` commands (tests/forkrun.py).
+
+``spawn`` starts each child as a fresh interpreter that imports torch, megatron-core and
+transformers (and vLLM) again: 5-20 s of CPU per child on 2 cores, most of a small test's
+time. Python's ``forkserver`` start method starts ONE server per parent process that imports
+:func:`preload_modules` once and forks every later child from it. The server has run no
+OpenMP team, no CUDA context and no thread of its own, so forking it is safe.
+
+A fork is not a fresh interpreter; :class:`ChildSetup` (applied first thing in the child)
+takes care of what would otherwise leak from the server into it:
+
+- environment: the child inherits the server's, frozen when the server started; the
+  caller's ``os.environ`` is applied instead, plus what the preloaded imports themselves set
+  (vLLM sets ``TORCHINDUCTOR_*`` at import: a fresh process that imports it has them too);
+- working directory and stdout/stderr: the caller's, passed as file descriptors (the
+  server's are those of whichever test started it);
+- exit: the child runs ``atexit`` handlers and joins its threads like an interpreter does.
+
+What a fork cannot reset is state computed at import time by the preloaded modules: an
+environment variable read at import (``PYTHONPATH``, ``PYTHONHASHSEED``, ``TRITON_INTERPRET``:
+:data:`IMPORT_TIME_VARS`) must be the same for the caller and the server, which
+:func:`unlike_server` checks (callers fall back to a fresh process when it differs).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from typing import Any
+
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers")
+"""What the server imports unless :func:`set_preload` names other modules."""
+IMPORT_TIME_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+"""Variables read when the interpreter starts or a preloaded module is imported."""
+
+_server_env: dict[str, str] | None = None
+"""``os.environ`` as the server got it (set when this process first uses the server)."""
+_IMPORT_SYS_PATH = list(sys.path)
+"""In the server: its own ``sys.path`` (a fresh interpreter's, for :meth:`ChildSetup.enter`)."""
+
+
+_preload: tuple[str, ...] = DEFAULT_PRELOAD
+
+
+def set_preload(modules: tuple[str, ...] | list[str]) -> None:
+    """The modules this process's server imports (before it starts: tests/conftest.py adds
+    vLLM and megagrpo's trainer, which every test's command imports)."""
+    global _preload
+    if _server_env is not None:
+        raise RuntimeError("the fork server already runs: set_preload must come first")
+    _preload = tuple(modules)
+
+
+def preload_modules() -> list[str]:
+    return [__name__, *_preload]
+
+
+def context() -> Any:
+    """The forkserver multiprocessing context, its server started (and preloaded) on the
+    first call in this process, with ``PYTHONHASHSEED=0`` unless the caller set a seed
+    (children of one server share its hash seed; a fixed one is what the tests ask for)."""
+    global _server_env
+    ctx = multiprocessing.get_context("forkserver")
+    if _server_env is None:  # the preload list only counts before the server starts
+        ctx.set_forkserver_preload(preload_modules())
+        env = dict(os.environ)
+        env.setdefault("PYTHONHASHSEED", "0")
+        saved = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = env["PYTHONHASHSEED"]
+        try:
+            from multiprocessing import forkserver as mp_forkserver
+
+            mp_forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONHASHSEED"]
+        _server_env = env
+    return ctx
+
+
+def server_env() -> dict[str, str]:
+    """The environment the server started with (this process's, when it has not yet)."""
+    return dict(os.environ) if _server_env is None else dict(_server_env)
+
+
+def unlike_server(env: dict[str, str]) -> str | None:
+    """Why a child forked from the server would not be what a fresh interpreter with
+    ``env`` is (a variable of :data:`IMPORT_TIME_VARS` differs), or None."""
+    base = server_env()
+    for var in IMPORT_TIME_VARS:
+        if var == "PYTHONHASHSEED" and var not in env:
+            continue  # any seed is what an unset variable asks for
+        if env.get(var) != base.get(var):
+            return f"{var}={env.get(var)!r} (the fork server has {base.get(var)!r})"
+    return None
+
+
+class InheritedFd:
+    """A file descriptor of the caller that the child gets a copy of (sent over the
+    server's socket while the child is started)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _rebuild_fd, (reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+@dataclass
+class ChildSetup:
+    """What the child takes from its caller instead of from the server.
+
+    ``stdio`` maps the child's fd (1, 2) to the caller's; ``fresh_path`` gives the child a
+    fresh interpreter's ``sys.path`` (``python -m``: the working directory first) instead of
+    the caller's; ``new_session`` makes it a session leader (``start_new_session``)."""
+
+    env: dict[str, str]
+    cwd: str
+    stdio: dict[int, Any] = field(default_factory=dict)
+    fresh_path: bool = False
+    new_session: bool = False
+    server_env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def here(cls, env: dict[str, str] | None = None, cwd: str | None = None, **kw) -> ChildSetup:
+        """The caller's environment and directory (or those given); stdout/stderr the
+        caller's unless ``stdio`` says otherwise."""
+        stdio = kw.pop("stdio", None)
+        if stdio is None:
+            stdio = {1: InheritedFd(1), 2: InheritedFd(2)}
+        return cls(
+            env=dict(os.environ if env is None else env),
+            cwd=os.path.abspath(cwd or os.getcwd()),
+            stdio=stdio,
+            server_env=server_env(),
+            **kw,
+        )
+
+    def enter(self) -> None:
+        """In the child, before anything else runs."""
+        global _server_env
+        from multiprocessing import forkserver as mp_forkserver
+
+        server = mp_forkserver._forkserver  # type: ignore[attr-defined]
+        if getattr(server, "_forkserver_address", None) is not None:
+            # forked by the server: a launch from here forks from it too (the server is
+            # not this process's child, so multiprocessing would start another one)
+            server.ensure_running = lambda: None
+            _server_env = dict(self.server_env)
+        if self.new_session:
+            os.setsid()
+        for target, fd in self.stdio.items():
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.dup2(fd, target)
+            os.close(fd)
+        added = {k: v for k, v in os.environ.items() if self.server_env.get(k) != v}
+        os.environ.clear()
+        os.environ.update({**added, **self.env})
+        os.chdir(self.cwd)
+        if self.fresh_path:
+            sys.path[:] = [self.cwd, *[p for p in _IMPORT_SYS_PATH if p not in ("", ".")]]
+
+
+def finish(code: int) -> int:
+    """End a child as the interpreter would: join its threads, run atexit handlers, flush."""
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
