@@ -15,7 +15,14 @@ takes care of what would otherwise leak from the server into it:
   (vLLM sets ``TORCHINDUCTOR_*`` at import: a fresh process that imports it has them too);
 - working directory and stdout/stderr: the caller's, passed as file descriptors (the
   server's are those of whichever test started it);
-- exit: the child runs ``atexit`` handlers and joins its threads like an interpreter does.
+- exit: the child runs ``atexit`` handlers and joins its threads like an interpreter does;
+- torch's thread count (read from ``OMP_NUM_THREADS`` when torch is imported, in the
+  server) and the random generators the preloaded imports seeded: set as a fresh
+  interpreter has them (:func:`_fresh_numerics`);
+- ``multiprocessing``'s view: ``MainProcess``, no parent, the default start method.
+
+Each child forks from the server, which has only imported modules, never from a test: no
+cache, handler or generator state passes from one child to the next.
 
 What a fork cannot reset is state computed at import time by the preloaded modules: an
 environment variable read at import (``PYTHONPATH``, ``PYTHONHASHSEED``, ``TRITON_INTERPRET``:
@@ -36,7 +43,18 @@ from typing import Any
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers")
 """What the server imports unless :func:`set_preload` names other modules."""
-IMPORT_TIME_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+IMPORT_TIME_VARS = (
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING",
+    "PYTHONWARNINGS",
+    "PYTHONOPTIMIZE",
+    "TRITON_INTERPRET",
+    "CUDA_VISIBLE_DEVICES",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_CONFIGURE_LOGGING",
+)
 """Variables read when the interpreter starts or a preloaded module is imported."""
 
 _server_env: dict[str, str] | None = None
@@ -98,6 +116,9 @@ def unlike_server(env: dict[str, str]) -> str | None:
             continue  # any seed is what an unset variable asks for
         if env.get(var) != base.get(var):
             return f"{var}={env.get(var)!r} (the fork server has {base.get(var)!r})"
+    if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" in base:
+        # torch's default thread count is the server's; a set one is applied in the child
+        return f"OMP_NUM_THREADS unset (the fork server has {base['OMP_NUM_THREADS']!r})"
     return None
 
 
@@ -157,6 +178,7 @@ class ChildSetup:
             # not this process's child, so multiprocessing would start another one)
             server.ensure_running = lambda: None
             _server_env = dict(self.server_env)
+            _as_main_process()
         if self.new_session:
             os.setsid()
         for target, fd in self.stdio.items():
@@ -170,6 +192,38 @@ class ChildSetup:
         os.chdir(self.cwd)
         if self.fresh_path:
             sys.path[:] = [self.cwd, *[p for p in _IMPORT_SYS_PATH if p not in ("", ".")]]
+        _fresh_numerics(self.env)
+
+
+def _as_main_process() -> None:
+    """What ``multiprocessing`` tells code in a fresh interpreter: this is ``MainProcess``,
+    it has no parent process, and the start method is the platform default again (a
+    multiprocessing child has it forced to its own, ``forkserver``)."""
+    import multiprocessing.context as mp_context
+    from multiprocessing import process as mp_process
+
+    mp_process.current_process().name = "MainProcess"
+    mp_process._parent_process = None  # type: ignore[attr-defined]
+    mp_context._default_context._actual_context = None  # type: ignore[attr-defined]
+
+
+def _fresh_numerics(env: dict[str, str]) -> None:
+    """Thread counts and random generators as a fresh interpreter with ``env`` has them.
+
+    torch reads ``OMP_NUM_THREADS`` once, when it is imported (in the server): the child's is
+    applied here (thread count changes reduction order, so results with it). The global
+    generators the server seeded when it imported torch and numpy are seeded again from the
+    OS, as each fresh interpreter seeds its own (children would otherwise share one stream;
+    Python's ``random`` reseeds itself after a fork)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        threads = env.get("OMP_NUM_THREADS", "")
+        if threads.strip().isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def finish(code: int) -> int:
