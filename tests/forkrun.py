@@ -5,6 +5,7 @@ stdout/stderr, exit status, pid and signals, as ``subprocess`` would give them.
     proc = run_cli(["train", str(config)], env=env, timeout=600)  # a CompletedProcess
     proc = start_cli(["train", str(config)], env=env)             # Popen-like: pid, signals
     proc = torchrun_cli(2, ["train", str(config)], env=env)        # torchrun --nproc-per-node 2
+    spawn(worker, args=(...,), nprocs=2)                           # torch.multiprocessing.spawn
 
 A fresh ``python -m megagrpo.cli`` costs 5-20 s of CPU importing torch, megatron-core,
 transformers and vLLM on 2 cores; a fork costs milliseconds. What a fork cannot give is
@@ -79,7 +80,7 @@ class ForkedCli:
         stderr: int | None = subprocess.PIPE,
     ) -> None:
         self.args = ["megagrpo", *args]
-        self.returncode: int | None = None
+        self.returncode: Any = None  # as typed on subprocess.Popen
         self._files: dict[int, Any] = {}
         stdio: dict[int, Any] = {}
         opened = []
@@ -119,7 +120,7 @@ class ForkedCli:
         f.seek(0)
         return f.read().decode("utf-8", errors="replace")
 
-    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         self.wait(timeout)
         out, err = self._read(1), self._read(2)
         for f in self._files.values():
@@ -245,3 +246,27 @@ def _watch(ranks: list[ForkedCli], deadline: float) -> int | None:
             deadline = min(deadline, time.monotonic() + 30.0)
         time.sleep(0.2)
     return 1 if failed or any(r.returncode for r in ranks) else 0
+
+
+def _spawned(rank: int, setup: forkserver.ChildSetup, fn: Any, args: tuple) -> None:
+    setup.enter()
+    fn(rank, *args)
+    forkserver.finish(0)
+
+
+def spawn(fn: Any, args: tuple = (), nprocs: int = 1) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)`` with the processes forked
+    from the preloaded server (a real ``spawn`` where the environment asks for one): each
+    runs ``fn(rank, *args)`` with this process's environment, directory and stdout/stderr;
+    an exception in one is raised here, as ``spawn`` raises it."""
+    from torch.multiprocessing.spawn import spawn as torch_spawn
+    from torch.multiprocessing.spawn import start_processes
+
+    if forkserver.unlike_server(dict(os.environ)):
+        torch_spawn(fn, args=args, nprocs=nprocs, join=True)
+        return
+    forkserver.context()  # the server, preloaded, before the first child
+    setup = forkserver.ChildSetup.here()
+    start_processes(
+        _spawned, args=(setup, fn, args), nprocs=nprocs, join=True, start_method="forkserver"
+    )
