@@ -57,14 +57,18 @@ def _cli_child(setup: forkserver.ChildSetup, args: list[str]) -> None:
         code = exc.code
     except KeyboardInterrupt:
         traceback.print_exc()
-        forkserver.finish(0)
+        forkserver.wind_down()
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # as the interpreter exits on ^C
         os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - printed and exit status 1, as the interpreter does
         traceback.print_exc()
         code = 1
-    forkserver.finish(0)
-    raise SystemExit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # SystemExit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    forkserver.finish(code)
 
 
 class ForkedCli:

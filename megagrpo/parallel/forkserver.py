@@ -33,13 +33,15 @@ environment variable read at import (``PYTHONPATH``, ``PYTHONHASHSEED``, ``TRITO
 from __future__ import annotations
 
 import atexit
+import ctypes
+import fcntl
 import multiprocessing
 import os
 import sys
 import threading
 from dataclasses import dataclass, field
 from multiprocessing import reduction
-from typing import Any
+from typing import Any, NoReturn
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers")
 """What the server imports unless :func:`set_preload` names other modules."""
@@ -181,9 +183,15 @@ class ChildSetup:
             _as_main_process()
         if self.new_session:
             os.setsid()
-        for target, fd in self.stdio.items():
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        # the received descriptors first move above 0-2: one may have landed on a slot that
+        # another is about to be copied into (dup2 onto itself, then close, would close it)
+        moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 3) for target, fd in self.stdio.items()}
+        for fd in self.stdio.values():
+            if fd not in self.stdio:
+                os.close(fd)
+        for target, fd in moved.items():
             os.dup2(fd, target)
             os.close(fd)
         added = {k: v for k, v in os.environ.items() if self.server_env.get(k) != v}
@@ -226,8 +234,19 @@ def _fresh_numerics(env: dict[str, str]) -> None:
         numpy.random.seed()
 
 
-def finish(code: int) -> int:
-    """End a child as the interpreter would: join its threads, run atexit handlers, flush."""
+def finish(code: int) -> NoReturn:
+    """End a child as the interpreter ends: join its threads, run the ``atexit`` handlers,
+    flush, then leave through the C library's ``exit``, which runs the C-level exit handlers
+    and C++ static destructors that multiprocessing's ``os._exit`` skips (vLLM's CPU
+    all-reduce unlinks its /dev/shm segments there: skipped, they outlive the child and
+    the next engine of that TP group on the machine fails with EEXIST)."""
+    wind_down()
+    ctypes.PyDLL(None).exit(code)  # holds the GIL: daemon threads stay stopped
+    os._exit(code)  # not reached
+
+
+def wind_down() -> None:
+    """What the interpreter does before it exits: join the threads, run ``atexit``, flush."""
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not t.daemon:
@@ -238,4 +257,3 @@ def finish(code: int) -> int:
             stream.flush()
         except (OSError, ValueError):
             pass
-    return code

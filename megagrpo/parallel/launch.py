@@ -101,9 +101,7 @@ def _entry(
     buf = io.BytesIO()
     torch.save(result, buf)
     fileio.write_bytes(out, buf.getvalue())  # the parent never reads a half-written result
-    forkserver.finish(0)
-    if "error" in result:
-        raise SystemExit(1)
+    forkserver.finish(1 if "error" in result else 0)
 
 
 def _summary(rank: int, res: dict[str, Any]) -> str:

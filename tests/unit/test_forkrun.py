@@ -109,3 +109,30 @@ def test_a_variable_read_at_import_runs_a_fresh_process(tmp_path):
     assert isinstance(proc, subprocess.Popen)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and "no-such-command" in err
+
+
+def _registers_a_c_exit_handler(setup: forkserver.ChildSetup, marker: str) -> None:
+    import ctypes
+
+    setup.enter()
+    libc = ctypes.PyDLL(None)
+    handler = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p)
+    wrote = handler(lambda status, arg: open(marker, "w").close())  # noqa: SIM115
+    globals()["_keep"] = wrote  # alive until exit
+    libc.on_exit(wrote, None)  # glibc's atexit with the status (atexit is not exported)
+    forkserver.finish(0)
+
+
+def test_a_forked_child_runs_the_c_level_exit_handlers(tmp_path):
+    """C++ destructors and C atexit handlers run at a child's exit as at an interpreter's
+    (vLLM's CPU all-reduce unlinks its /dev/shm segments there; multiprocessing's
+    ``os._exit`` skipped them and the next 2-rank engine on the machine failed, EEXIST)."""
+    marker = tmp_path / "exited"
+    setup = forkserver.ChildSetup.here(cwd=str(tmp_path))
+    proc = forkserver.context().Process(
+        target=_registers_a_c_exit_handler, args=(setup, str(marker))
+    )
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == 0
+    assert marker.exists()
