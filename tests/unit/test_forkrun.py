@@ -53,7 +53,9 @@ def _run_forked_probe(env: dict[str, str], cwd: str) -> list[dict]:
 
 
 def test_a_forked_child_has_a_fresh_interpreters_state(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", FORKRUN_PROBE="from the caller")
+    forkserver.context()  # (the server: started here unless an earlier test started it)
+    # the server's environment (another test may have changed os.environ since it started)
+    env = dict(forkserver.server_env(), OMP_NUM_THREADS="1", FORKRUN_PROBE="from the caller")
     assert forkserver.unlike_server(env) is None  # else the tests would not fork at all
     fresh = subprocess.run(
         [sys.executable, "-c", PROBE],
@@ -81,7 +83,8 @@ def test_a_forked_child_has_a_fresh_interpreters_state(tmp_path):
 
 def test_a_forked_command_prints_and_exits_as_a_fresh_one(tmp_path):
     args = ["no-such-command"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    forkserver.context()
+    env = dict(forkserver.server_env(), OMP_NUM_THREADS="1")
     fresh = subprocess.run(
         [sys.executable, "-m", "megagrpo.cli", *args],
         env=env,
