@@ -48,7 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("config", nargs="?", default=str(REPO / "configs/qwen3_235b_a22b_2node.yaml"))
     p.add_argument("--hf-config", default=str(REPO / "configs/qwen3_235b_a22b.hf_config.json"))
-    p.add_argument("--out", default="cluster.json", help="the JSON plan-memory --hw-file reads")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the JSON plan-memory --hw-file reads (default cluster.json; with --quick a "
+        "temporary directory's, so a smoke run never replaces a measured file)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0, help="message sizes x this")
     p.add_argument("--nproc", type=int, default=0, help="spawn N local gloo ranks (CPU)")
@@ -56,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.nproc, args.repeats, args.scale = args.nproc or 2, 2, 1e-4
+        if args.out is None:
+            import tempfile
+
+            args.out = str(Path(tempfile.mkdtemp(prefix="measure_cluster_")) / "cluster.json")
+    args.out = args.out or "cluster.json"
     return args
 
 

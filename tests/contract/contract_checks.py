@@ -52,11 +52,15 @@ def buffer_errors(
     reference: dict,
     scale: float,
     experts: list[int] | None = None,
+    tp: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """Every mismatch between vLLM's stacked LoRA buffers of one slot (``Engine.state``) and
     the trainer's factors: attention (``qkv_proj`` = q | k | v slices, ``o_proj``) and the
     experts ``experts`` (this rank's global expert ids in local order; None: all). B is
-    compared scaled by alpha / r (vLLM folds the scale into B when it loads an adapter)."""
+    compared scaled by alpha / r (vLLM folds the scale into B when it loads an adapter).
+    At TP rank ``tp = (rank, size)``: q's B rows and o_proj's A columns by rank (vLLM's
+    column / row parallel LoRA), k / v's B rows by rank unless the KV head is replicated
+    (fewer KV heads than TP ranks: the whole B)."""
     errors: list[str] = []
     seen_experts = False
     for module, fields in buffers.items():
@@ -78,20 +82,18 @@ def buffer_errors(
                     f"{name} A",
                     errors,
                 )
-                _same(
-                    fields["lora_b_stacked"][i][0],
-                    _factor(reference, name, "B", scale),
-                    f"{name} B",
-                    errors,
-                )
+                b = fields["lora_b_stacked"][i][0]
+                want = _factor(reference, name, "B", scale)
+                replicated = proj != "q_proj" and b.shape[-2] == want.shape[-2]
+                if tp[1] > 1 and not replicated:
+                    want = _rows(want, tp[1], tp[0])
+                _same(b, want, f"{name} B", errors)
         elif kind == "self_attn.o_proj":
             name = f"{layer}.self_attn.o_proj"
-            _same(
-                fields["lora_a_stacked"][0][0],
-                _factor(reference, name, "A", 1),
-                f"{name} A",
-                errors,
-            )
+            want = _factor(reference, name, "A", 1)
+            if tp[1] > 1:
+                want = _rows(want, tp[1], tp[0], dim=1)
+            _same(fields["lora_a_stacked"][0][0], want, f"{name} A", errors)
             _same(
                 fields["lora_b_stacked"][0][0],
                 _factor(reference, name, "B", scale),

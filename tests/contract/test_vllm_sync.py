@@ -185,7 +185,7 @@ def test_adapter_versions_switch_through_upstreams_remove_lora(upstream):
     scale = sent["config"]["lora_alpha"] / sent["config"]["r"]
     second = {k: (2 * a, b) for k, (a, b) in sent["reference"].items()}
     for label in RANKS:
-        sync, _, (er, es) = _rank(upstream, label)
+        sync, tp, (er, es) = _rank(upstream, label)
         if "adapters" not in sync:
             continue
         res = ok(sync["adapters"])
@@ -194,7 +194,7 @@ def test_adapter_versions_switch_through_upstreams_remove_lora(upstream):
         assert res["registered"] == [last] and res["lora_requests"][-3:] == res["ids"], label
         local = NUM_EXPERTS // es
         mine = list(range(er * local, (er + 1) * local))
-        assert buffer_errors(res["state"]["buffers"], second, scale, mine) == [], label
+        assert buffer_errors(res["state"]["buffers"], second, scale, mine, tp) == [], label
 
 
 def test_merged_push_while_an_adapter_is_served(upstream):
@@ -204,7 +204,7 @@ def test_merged_push_while_an_adapter_is_served(upstream):
     scale = sent["config"]["lora_alpha"] / sent["config"]["r"]
     second = {k: (2 * a, b) for k, (a, b) in sent["reference"].items()}
     for label in RANKS:
-        sync, _, (er, es) = _rank(upstream, label)
+        sync, tp, (er, es) = _rank(upstream, label)
         if "repush_served" not in sync:
             continue
         res = ok(sync["repush_served"])
@@ -212,7 +212,7 @@ def test_merged_push_while_an_adapter_is_served(upstream):
         assert res["state"]["slots"] == [res["served"]], label
         local = NUM_EXPERTS // es
         mine = list(range(er * local, (er + 1) * local))
-        assert buffer_errors(res["state"]["buffers"], second, scale, mine) == [], label
+        assert buffer_errors(res["state"]["buffers"], second, scale, mine, tp) == [], label
 
 
 def test_apply_model_path_and_cpu_poison_run_on_033(upstream):
@@ -289,9 +289,10 @@ def test_this_tier_runs_the_2node_preflight_sync_phase(repo_root):
     assert ro.enable_expert_parallel and ro.load_format == lay["load_format"] == "dummy"
     assert cfg.trainer.sync_transport == "sliced" and cfg.trainer.weight_sync == "adapter"
     a = load_config(RunConfig, [repo_root / "configs" / "qwen3_235b_a22b.yaml"])
-    merged = LAYOUTS["tp_ep_merged"]
+    tp_lora = LAYOUTS["tp_ep_lora"]
     assert (a.rollout.enable_lora, a.rollout.replicas) == (
-        merged["enable_lora"],
-        merged["replicas"],
+        tp_lora["enable_lora"],
+        tp_lora["replicas"],
     )
+    assert a.trainer.weight_sync == "adapter"  # exact (Exact first): no merged bf16 sync
     assert a.rollout.tensor_parallel_size > 1 and a.rollout.load_format == "dummy"

@@ -26,7 +26,7 @@ not there: nothing compiled runs). What runs here is upstream's code on real obj
   model runner's ``_dummy_run`` calls it (upstream's own, and as megagrpo runs it);
 * megagrpo's ``VLLMEngine`` over a ``vllm.LLM`` built of vLLM 0.33's own objects down to the
   worker (upstream_llm.py): every sync-side call it makes (upstream_sync.py) on the layouts
-  of :data:`LAYOUTS` -- world 1 and DP 2 x EP 2 with LoRA served, TP 2 merged over one KV
+  of :data:`LAYOUTS` -- world 1 and DP 2 x EP 2 with LoRA served, TP 2 with LoRA over one KV
   head (a fork of its own), a real start at EP 4;
 * the compatibility gate's rules against their upstream functions (upstream_gate.py).
 
@@ -163,8 +163,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # replicas, experts over all of them, LoRA served, dummy start
     "lockstep_ep_lora": dict(enable_lora=True, tp=1, replicas="lockstep", load_format="dummy"),
     # the 128-GPU config's (qwen3_235b_a22b.yaml): independent TP replicas (TP 2 here, over
-    # the tiny model's single KV head: replicated), experts over TP, merged sync, dummy start
-    "tp_ep_merged": dict(enable_lora=False, tp=2, replicas="independent", load_format="dummy"),
+    # the tiny model's single KV head: replicated), experts over TP, LoRA served (adapter
+    # sync: the exact layout), dummy start
+    "tp_ep_lora": dict(enable_lora=True, tp=2, replicas="independent", load_format="dummy"),
     # a real start (the checkpoint read by vLLM's default loader) with LoRA served
     "lockstep_ep_lora_real": dict(enable_lora=True, tp=1, replicas="lockstep", load_format="auto"),
 }
@@ -417,9 +418,9 @@ def ep_rank_probe(
 
 def tp_rank_probe(world: int, rank: int, port: int, model: str, sent: dict) -> dict[str, Any]:
     """One rank of the 128-GPU config's engine, scaled down: TP ``world`` over one KV head,
-    experts over TP, no LoRA (merged sync), dummy start (a forked process)."""
+    experts over TP, LoRA served (adapter sync), dummy start (a forked process)."""
     _init_gloo(world, rank, port)
-    engine = Engine(model, "tp_ep_merged")
+    engine = Engine(model, "tp_ep_lora")
     return {"rank": rank, "sync": sync_probes(engine, model, sent)}
 
 
