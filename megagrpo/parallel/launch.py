@@ -1,9 +1,15 @@
-"""Launch N local ranks (torch.multiprocessing spawn, torchrun-style env) and collect results.
+"""Launch N local ranks (torchrun-style env) and collect results.
 
 Used by ``megagrpo verify-model``, ``tools/convert_ckpt.py`` and the gloo tests. Each rank runs
 ``fn(rank, *args)`` with RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set; its
 return value is saved with ``torch.save`` (tensors and plain types: it is read back with
 ``weights_only=True``) and handed back in rank order.
+
+The ranks are forked from a preloaded fork server (:mod:`megagrpo.parallel.forkserver`: torch
+and megatron-core are imported once per calling process, not once per rank) with the caller's
+environment, working directory and stdout/stderr. As under torchrun, the launcher hosts the
+rendezvous store (``TORCHELASTIC_USE_AGENT_STORE=True``) on a port the OS picks when it binds
+it: no port is chosen first and bound later, so launches running side by side cannot collide.
 
 When ranks fail, every rank that wrote an error is reported, one line each, and the error
 that caused the others is the one raised: a user error (:class:`~megagrpo.errors.MegagrpoError`,
@@ -32,7 +38,7 @@ from torch.multiprocessing.spawn import (
 )
 
 from megagrpo import errors, fileio
-from megagrpo.parallel.state import free_port
+from megagrpo.parallel import forkserver
 
 # Seconds the other ranks get to notice a failed peer and write their own error before they
 # are terminated (they usually fail within milliseconds in their next collective).
@@ -50,14 +56,41 @@ def _error_record(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _entry(local_rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(local_rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's variables for local rank ``rank`` of ``world``, the launcher hosting the
+    store on ``port``."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+
+
+def host_store(world: int) -> Any:
+    """The launch's rendezvous store (a TCPStore server on an OS-picked port, as torchrun's
+    agent hosts it); its ``port`` goes to :func:`rank_env`."""
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+
+
+def _entry(
+    local_rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    fn: Callable,
+    args: tuple,
+    setup: forkserver.ChildSetup,
+) -> None:
+    setup.enter()
+    os.environ.update(rank_env(local_rank, world, port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = Path(out_dir) / f"rank{local_rank}.pt"
@@ -68,8 +101,7 @@ def _entry(local_rank: int, world: int, port: int, out_dir: str, fn: Callable, a
     buf = io.BytesIO()
     torch.save(result, buf)
     fileio.write_bytes(out, buf.getvalue())  # the parent never reads a half-written result
-    if "error" in result:
-        raise SystemExit(1)
+    forkserver.finish(1 if "error" in result else 0)
 
 
 def _summary(rank: int, res: dict[str, Any]) -> str:
@@ -104,13 +136,19 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
 
     if world_size == 1 and not dist.is_initialized() and "RANK" not in os.environ:
         return [fn(0, *args)]
+    reason = forkserver.unlike_server(dict(os.environ))
+    method = "spawn" if reason else "forkserver"
+    if not reason:
+        forkserver.context()  # the preload list, before the server starts
+    store = host_store(world_size)
     with tempfile.TemporaryDirectory(prefix="megagrpo-launch-") as tmp:
+        setup = forkserver.ChildSetup.here()
         ctx = start_processes(
             _entry,
-            args=(world_size, free_port(), tmp, fn, args),
+            args=(world_size, store.port, tmp, fn, args, setup),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=method,
         )
         assert ctx is not None  # join=False returns the context
         try:

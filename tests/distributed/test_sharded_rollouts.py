@@ -1,6 +1,6 @@
 """Sharded colocated rollouts (megagrpo.placement.rollouts) with 2 gloo processes, HF engine.
 
-1. Function level (torch.multiprocessing spawn, no Megatron model): every rank holds a real
+1. Function level (torch.multiprocessing spawn, forked, no Megatron model): every rank holds a real
    HFEngine and the real (replicated) curriculum + dynamic samplers; rank 0 scores with the
    composite reward; :func:`collect_batch` splits each round over the 2 replicas and gathers
    it. The first step's groups (problem ids, token ids, log-probs, rewards) must equal the ones a
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forkrun import spawn  # tests/forkrun.py
 
 from megagrpo.metrics import read_metrics
 from megagrpo.testing import DEMO_EVAL, tiny_run_config, write_run_config
@@ -176,7 +176,7 @@ def _worker(rank: int, world: int, init: str, tmp: str, model_dir: str, repo_roo
 
 def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(
+    spawn(  # torch.multiprocessing.spawn, forked from the preloaded server
         _worker,
         args=(
             1,
@@ -186,14 +186,12 @@ def test_sharded_round_equals_single_process(tmp_path, tiny_moe_dir, repo_root):
             str(repo_root),
         ),
         nprocs=1,
-        join=True,
     )
     init = f"file://{tmp_path / 'pg_init'}"
-    mp.spawn(
+    spawn(
         _worker,
         args=(2, init, str(tmp_path), str(tiny_moe_dir), str(repo_root)),
         nprocs=2,
-        join=True,
     )
     one = json.loads((tmp_path / "w1_rank0.json").read_text())
     r0 = json.loads((tmp_path / "w2_rank0.json").read_text())

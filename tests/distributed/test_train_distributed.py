@@ -10,13 +10,10 @@ de-duplication across ranks. Later steps run to completion with verified weight 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forkrun import run_cli, torchrun_cli  # tests/forkrun.py
 
 from megagrpo.metrics import missing_metrics, read_metrics
 from megagrpo.testing import tiny_run_config, write_run_config
@@ -40,43 +37,16 @@ def _config(
     return write_run_config(path, cfg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(config: Path, nproc: int, timeout: float = 300, extra: tuple | list = ()) -> None:
-    launcher = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={_free_port()}",
-            "-m",
-            "megagrpo.cli",
-        ]
-        if nproc > 1
-        else [sys.executable, "-m", "megagrpo.cli"]
-    )
+    """`megagrpo train CONFIG` on ``nproc`` ranks as torchrun starts them, the ranks forked
+    from the tests' preloaded server (tests/forkrun.py; real torchrun: test_preflight.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
-    # Own process group: on a timeout the launcher AND its ranks are killed (no orphans).
-    proc = subprocess.Popen(
-        [*launcher, "train", str(config), *extra],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, err[-5000:]
+    args = ["train", str(config), *extra]
+    if nproc > 1:
+        proc = torchrun_cli(nproc, args, env=env, timeout=timeout)
+    else:
+        proc = run_cli(args, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-5000:]
 
 
 @pytest.fixture(scope="module")

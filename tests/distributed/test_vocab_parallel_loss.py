@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from megagrpo.parallel.launch import launch
 
 pytestmark = pytest.mark.distributed
 
@@ -20,12 +20,6 @@ CASES = [  # (variant, backend, dtype, grad_in_logits)
     ("dr_grpo", "triton", torch.float32, False),
     ("dapo", "triton", torch.bfloat16, True),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_case(rank, group, variant, backend, dtype, grad_in_logits):
@@ -94,10 +88,8 @@ def _check_fused_linear(rank, group):
     assert torch.allclose(w2.grad, w1.grad[rows], atol=1e-5), rank
 
 
-def _worker(rank: int, port: int):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+def _worker(rank: int):
+    dist.init_process_group("gloo")
     try:
         group = dist.new_group(list(range(WORLD)))
         for case in CASES:
@@ -109,6 +101,6 @@ def _worker(rank: int, port: int):
 
 def test_vocab_parallel_equals_unsharded():
     if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned workers
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the workers
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    launch(_worker, WORLD)  # ranks forked from the preloaded server (megagrpo.parallel.launch)

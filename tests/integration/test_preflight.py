@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forkrun import start_cli  # tests/forkrun.py
 
 from megagrpo.testing import tiny_run_config, write_run_config
 
@@ -28,21 +29,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 def _preflight(
     config: Path, nproc: int, port: int, timeout: float, **env_extra
 ) -> tuple[int, dict]:
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-         f"--master-port={port}", "-m", "megagrpo.cli"]
-        if nproc > 1
-        else [sys.executable, "-m", "megagrpo.cli"]
-    )  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", **env_extra)
-    proc = subprocess.Popen(
-        [*launcher, "preflight", str(config), "--json"],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    if nproc > 1:  # the suite's real torchrun
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                    f"--master-port={port}", "-m", "megagrpo.cli"]  # fmt: skip
+        proc = subprocess.Popen(
+            [*launcher, "preflight", str(config), "--json"],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    else:  # forked from the tests' preloaded server (tests/forkrun.py)
+        proc = start_cli(["preflight", str(config), "--json"], env=env, new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

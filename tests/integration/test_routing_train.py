@@ -5,10 +5,9 @@ train/inference log-prob mismatch of the recomputed old log-probs."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from forkrun import run_cli  # tests/forkrun.py: forked from the preloaded server
 
 from megagrpo.metrics import read_metrics
 from megagrpo.testing import tiny_run_config, write_run_config
@@ -27,13 +26,7 @@ def _train(model_dir, out, mode: str, **trainer) -> list[dict]:
     )
     path = write_run_config(out / f"{mode}.yaml", cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["train", str(path)], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return read_metrics(out / f"replay_{mode}" / "metrics.jsonl")
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from forkrun import run_cli  # tests/forkrun.py: forked from the preloaded server
 
 from megagrpo.metrics import read_metrics
 from megagrpo.testing import tiny_run_config, write_run_config
@@ -50,13 +49,7 @@ def test_train_with_a_rollout_budget(tmp_path, tiny_moe_dir, budget):
     path = write_run_config(tmp_path / "run.yaml", cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONHASHSEED="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_cli(["train", str(path)], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from forkrun import run_cli, start_cli  # tests/forkrun.py
 
 from megagrpo.metrics import missing_metrics, read_metrics
 from megagrpo.testing import DEMO_EVAL, tiny_run_config, write_run_config
@@ -68,18 +69,22 @@ def run_env() -> dict:
 
 
 def run_train(config: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        train_cmd(config, *extra), env=run_env(), capture_output=True, text=True, timeout=timeout
-    )
+    """The command forked from the tests' preloaded server (tests/forkrun.py)."""
+    proc = run_cli(["train", str(config), *extra], env=run_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 
 @pytest.fixture(scope="module")
 def full_run(tiny_moe_dir, tmp_path_factory, repo_root):
+    """The uninterrupted run, in a fresh `python -m megagrpo.cli` (the suite's one real
+    interpreter for `megagrpo train`; the other runs fork)."""
     out = tmp_path_factory.mktemp("runs")
     cfg = write_config(out / "full.yaml", tiny_moe_dir, out, "full")
-    run_train(cfg)
+    proc = subprocess.run(
+        train_cmd(cfg), env=run_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return out / "full"
 
 
@@ -195,13 +200,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_rerun_without_flags_is_refused_and_changes_nothing(full_run):
     before = _snapshot(full_run)
-    proc = subprocess.run(
-        train_cmd(full_run.parent / "full.yaml"),
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cli(["train", str(full_run.parent / "full.yaml")], env=run_env(), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "already holds a run" in proc.stderr and "--overwrite" in proc.stderr
     assert _snapshot(full_run) == before
@@ -212,9 +211,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches_uninterrupted(full_run, 
     identically (same comparison as the SIGKILL test)."""
     out = full_run.parent
     cfg = write_config(out / "term.yaml", tiny_moe_dir, out, "term")
-    proc = subprocess.Popen(
-        train_cmd(cfg), env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = start_cli(["train", str(cfg)], env=run_env())
     rows = out / "term" / "metrics.jsonl"
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline:
@@ -237,8 +234,8 @@ def test_sigterm_checkpoints_exits_0_and_resume_matches_uninterrupted(full_run, 
 def test_resume_after_kill_matches_uninterrupted(full_run, tiny_moe_dir, repo_root):
     out = full_run.parent
     cfg = write_config(out / "killed.yaml", tiny_moe_dir, out, "killed")
-    proc = subprocess.Popen(
-        train_cmd(cfg), env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    proc = start_cli(
+        ["train", str(cfg)], env=run_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     marker = out / "killed" / "checkpoints" / f"step_{SAVE_EVERY:06d}" / "meta.json"
     deadline = time.time() + 600

@@ -7,10 +7,9 @@ match them if the trainer divides its logits by T too."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+from forkrun import run_cli  # tests/forkrun.py: forked from the preloaded server
 
 from megagrpo.metrics import read_metrics
 from megagrpo.testing import tiny_run_config, write_run_config
@@ -29,13 +28,7 @@ def test_trainer_logprobs_match_the_engines_at_the_sampling_temperature(tiny_moe
     )
     path = write_run_config(tmp_path / "tempered.yaml", cfg)
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["train", str(path)], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path / "tempered" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forkrun import run_cli  # tests/forkrun.py: forked from the preloaded server
 
 from megagrpo.metrics import read_metrics
 from megagrpo.testing import tiny_run_config, write_run_config
@@ -21,8 +21,7 @@ pytestmark = pytest.mark.slow
 
 def _train(config: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
-    cmd = [sys.executable, "-m", "megagrpo.cli", "train", str(config), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return run_cli(["train", str(config), *extra], env=env, timeout=900)
 
 
 def test_a_checkpoint_of_steps_that_trained_nothing_resumes(tiny_dense_dir, tmp_path):

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+from forkrun import run_cli  # tests/forkrun.py: forked from the preloaded server
 
 PUBLISHED_TOTAL = 235_093_634_560  # HF num_parameters() of Qwen/Qwen3-235B-A22B
 
 
 def test_meta_235b_one_rank_of_tp4_ep8_pp2(repo_root):
     cmd = [
-        sys.executable,
-        "-m",
-        "megagrpo.cli",
         "verify-model",
         "--meta",
         "--hf-config",
@@ -28,7 +25,7 @@ def test_meta_235b_one_rank_of_tp4_ep8_pp2(repo_root):
         "--json",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    out = run_cli(cmd, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rep = json.loads(out.stdout[out.stdout.index("{") :])
     assert rep["total_params"] == PUBLISHED_TOTAL
@@ -46,9 +43,6 @@ def test_meta_235b_one_rank_of_tp4_ep8_pp2(repo_root):
 
 def test_meta_rejects_layout_that_does_not_divide(repo_root):
     cmd = [
-        sys.executable,
-        "-m",
-        "megagrpo.cli",
         "verify-model",
         "--meta",
         "--hf-config",
@@ -58,7 +52,7 @@ def test_meta_rejects_layout_that_does_not_divide(repo_root):
         "--first-stage-layers",
         "20",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = run_cli(cmd, timeout=600)
     assert out.returncode == 2
     assert "74 middle layers do not divide over 3 middle stages" in out.stderr
 
@@ -67,9 +61,6 @@ def test_meta_235b_uneven_pp4_first_stage(repo_root):
     """94 layers on 4 stages (megatron-core's uneven pipeline): 25 + 23 + 23 + 23; rank 0
     of TP4 x EP8 x PP4 builds the first 25 (closed form as above)."""
     cmd = [
-        sys.executable,
-        "-m",
-        "megagrpo.cli",
         "verify-model",
         "--meta",
         "--hf-config",
@@ -83,7 +74,7 @@ def test_meta_235b_uneven_pp4_first_stage(repo_root):
         "--json",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    out = run_cli(cmd, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rep = json.loads(out.stdout[out.stdout.index("{") :])
     assert rep["layers_on_rank"] == 25 and rep["world_size"] == 32

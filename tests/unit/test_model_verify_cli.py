@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from forkrun import run_cli  # tests/forkrun.py: forked from the preloaded server
 
 
 def test_verify_model_cli_json(tiny_moe_dir):
     cmd = [
-        sys.executable,
-        "-m",
-        "megagrpo.cli",
         "verify-model",
         "--hf",
         str(tiny_moe_dir),
         "--json",
     ]
-    out = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
+    out = run_cli(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rep = json.loads(out.stdout[out.stdout.index("{") :])
     assert rep["world_size"] == 1 and rep["ok"] is True
@@ -32,16 +26,13 @@ def test_verify_model_cli_json(tiny_moe_dir):
 
 def test_verify_model_cli_bad_layout(tiny_moe_dir):
     cmd = [
-        sys.executable,
-        "-m",
-        "megagrpo.cli",
         "verify-model",
         "--hf",
         str(tiny_moe_dir),
         "--ep",
         "3",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = run_cli(cmd, timeout=600)
     assert out.returncode == 2 and "num_experts=4 is not divisible by ep=3" in out.stderr
 
 
@@ -56,14 +47,8 @@ def test_verify_model_uneven_pipeline_against_transformers(tiny_tokenizer_dir, t
     model = build_tiny_model(
         tmp_path / "moe3", "moe", tokenizer_dir=tiny_tokenizer_dir, num_hidden_layers=3
     )
-    cmd = [sys.executable, "-m", "megagrpo.cli", "verify-model", "--hf", str(model)]
-    out = subprocess.run(
-        [*cmd, "--pp", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    cmd = ["verify-model", "--hf", str(model)]
+    out = run_cli([*cmd, "--pp", "2", "--json"], env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     rep = json.loads(out.stdout[out.stdout.index("{") :])
     assert rep["world_size"] == 2 and rep["ok"] is True

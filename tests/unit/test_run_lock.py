@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from forkrun import start_cli  # tests/forkrun.py
 
 from megagrpo.errors import ConfigError
 from megagrpo.metrics import read_metrics
@@ -84,15 +85,11 @@ def test_a_dead_pid_on_this_host_is_taken_over_with_a_warning(tmp_path, caplog, 
         runlock.acquire(run)
 
 
-def _train(config: Path) -> subprocess.Popen:
+def _train(config: Path):
+    """`megagrpo train CONFIG` forked from the tests' preloaded server (tests/forkrun.py):
+    two separate processes racing, as two fresh ones would."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONHASHSEED="0")
-    return subprocess.Popen(
-        [sys.executable, "-m", "megagrpo.cli", "train", str(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_cli(["train", str(config)], env=env)
 
 
 @pytest.mark.slow
