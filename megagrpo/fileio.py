@@ -230,6 +230,22 @@ def _open_tmp(tmp: Path) -> BinaryIO:
         return os.fdopen(open_fd(tmp, flags), "wb")
 
 
+def _open_named(open_file: Callable[[], BinaryIO], path: Path) -> BinaryIO:
+    """``open_file()``; an OSError names ``path`` (the file the user asked for)."""
+    try:
+        return open_file()
+    except OSError as exc:
+        raise _named(exc, path) from exc
+
+
+def _durable(fh: BinaryIO, body: Callable[[BinaryIO], object]) -> None:
+    """``body(fh)``, then flushed and fsynced before ``fh`` closes."""
+    with fh:
+        body(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (tmp + fsync + rename + fsync of the parent).
     An OSError (disk full) names ``path``; the previous content is kept. A link at ``path`` is
@@ -239,15 +255,9 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     if path.is_dir() and not path.is_symlink():
         raise not_writable_here(path, "a directory")
     tmp = tmp_sibling(path, unique=True)
+    fh = _open_named(lambda: _open_tmp(tmp), path)
     try:
-        fh = _open_tmp(tmp)
-    except OSError as exc:
-        raise _named(exc, path) from exc
-    try:
-        with fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _durable(fh, lambda f: f.write(data))
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -308,20 +318,13 @@ def write_hashed(path: str | os.PathLike, write: Callable[[HashingWriter], objec
     that is renamed into place afterwards (:func:`replace_dir`). On an OSError (disk full)
     the partial file is removed and the error names ``path``."""
     path = Path(path)
-    stream: HashingWriter | None = None
+    fh = _open_named(lambda: open_new(path), path)
+    stream = HashingWriter(fh)
     try:
-        fh = open_new(path)
-    except OSError as exc:
-        raise _named(exc, path) from exc
-    try:
-        with fh:
-            stream = HashingWriter(fh)
-            write(stream)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _durable(fh, lambda _: write(stream))
     except BaseException as exc:
         path.unlink(missing_ok=True)
-        cause = exc if isinstance(exc, OSError) else stream.error if stream else None
+        cause = exc if isinstance(exc, OSError) else stream.error
         if cause is not None:  # torch.save turns ENOSPC into "unexpected pos 64 vs 0"
             raise _named(cause, path) from exc
         raise

@@ -7,6 +7,7 @@
 # plans with (and `megagrpo report RUN_DIR --hw-file cluster.json` shows beside the plan).
 #
 #   sbatch slurm/measure_cluster.sh                    # CONFIG=..., OUT=cluster.json
+#   OVERWRITE=1 sbatch slurm/measure_cluster.sh        # replace an existing $OUT (else refused)
 #   DRY_RUN=1 bash slurm/measure_cluster.sh            # print the per-node commands
 #SBATCH --job-name=megagrpo-measure
 #SBATCH --nodes=2
@@ -27,6 +28,12 @@ PYTHON=${PYTHON:-python}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NUM_NODES=${NUM_NODES:-2}
 DRY_RUN=${DRY_RUN:-0}
+OVERWRITE=${OVERWRITE:-0}
+if [ -e "$OUT" ] && [ "$OVERWRITE" != 1 ]; then  # an earlier measurement: never replaced silently
+  echo "measure_cluster.sh: $OUT exists (an earlier measurement): set OUT=another.json, or" \
+    "OVERWRITE=1 to replace it" >&2
+  exit 2
+fi
 
 if [ "$DRY_RUN" = 1 ]; then
   NODES=()
@@ -51,6 +58,8 @@ node_cmd() {  # node_cmd NODE_RANK: that node's torchrun line
     --nproc-per-node="$GPUS_PER_NODE" --rdzv-id="megagrpo-measure-$JOB_ID" --rdzv-backend=c10d
     --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" tools/measure_cluster.py "$CONFIG"
     --hf-config "$HF_CONFIG" --out "$OUT")
+  [ "$OVERWRITE" = 1 ] && CMD+=(--overwrite)
+  return 0
 }
 
 if [ "${MEASURE_NODE:-0}" = 1 ]; then  # one srun task: this node's ranks (rank 0 writes $OUT)

@@ -54,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the JSON plan-memory --hw-file reads (default cluster.json; with --quick a "
         "temporary directory's, so a smoke run never replaces a measured file)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out file (refused otherwise: it holds a measurement)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--scale", type=float, default=1.0, help="message sizes x this")
     p.add_argument("--nproc", type=int, default=0, help="spawn N local gloo ranks (CPU)")
@@ -66,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
             args.out = str(Path(tempfile.mkdtemp(prefix="measure_cluster_")) / "cluster.json")
     args.out = args.out or "cluster.json"
+    if Path(args.out).exists() and not args.overwrite:
+        p.error(
+            f"--out {args.out} exists (an earlier measurement): name another file, or pass "
+            "--overwrite to replace it"
+        )
     return args
 
 

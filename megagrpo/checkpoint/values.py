@@ -94,6 +94,23 @@ def _problem(value: Any, where: str) -> None:
         raise Bad(f"{where}: unknown field(s) {sorted(unknown)}")
 
 
+def _record(value: Any, where: str, keys: set[str]) -> dict:
+    """A carried group's object: no field outside ``keys``, a valid ``problem``."""
+    d = _dict(value, where)
+    unknown = set(d) - keys
+    if unknown:
+        raise Bad(f"{where}: unknown field(s) {sorted(unknown)}")
+    _problem(d.get("problem"), f"{where}.problem")
+    return d
+
+
+def _token_rows(d: dict, where: str, size: int, vocab: int) -> list:
+    """``d["token_ids"]``: ``size`` rows of ids inside the vocabulary."""
+    tokens = _list(d.get("token_ids"), f"{where}.token_ids", size)
+    _each(tokens, f"{where}.token_ids", lambda v, w: _ids(v, w, vocab))
+    return tokens
+
+
 def _per_member(d: dict, key: str, where: str, size: int, item: Callable[[Any, str], Any]):
     """``d[key]``: empty or one entry per member, each checked by ``item``."""
     values = _list(d.get(key, []), f"{where}.{key}")
@@ -105,15 +122,10 @@ def _per_member(d: dict, key: str, where: str, size: int, item: Callable[[Any, s
 
 def check_group(value: Any, where: str, vocab: int = MAX_ID) -> None:
     """A :class:`~megagrpo.types.Group` as ``dataclasses.asdict`` wrote it (routing aside)."""
-    d = _dict(value, where)
-    unknown = set(d) - _GROUP_KEYS
-    if unknown:
-        raise Bad(f"{where}: unknown field(s) {sorted(unknown)}")
-    _problem(d.get("problem"), f"{where}.problem")
+    d = _record(value, where, _GROUP_KEYS)
     size = len(_list(d.get("completions"), f"{where}.completions"))
     _each(d["completions"], f"{where}.completions", lambda v, w: _str(v, w))
-    tokens = _list(d.get("token_ids"), f"{where}.token_ids", size)
-    _each(tokens, f"{where}.token_ids", lambda v, w: _ids(v, w, vocab))
+    tokens = _token_rows(d, where, size, vocab)
     logprobs = _list(d.get("logprobs"), f"{where}.logprobs", size)
     for i, (lps, toks) in enumerate(zip(logprobs, tokens)):
         w = f"{where}.logprobs[{i}]"
@@ -144,15 +156,10 @@ def _str(value: Any, where: str) -> str:
 
 def check_pending(value: Any, where: str, vocab: int = MAX_ID) -> None:
     """A partial rollout's :class:`~megagrpo.placement.partial.PendingGroup`."""
-    d = _dict(value, where)
-    unknown = set(d) - _PENDING_KEYS
-    if unknown:
-        raise Bad(f"{where}: unknown field(s) {sorted(unknown)}")
-    _problem(d.get("problem"), f"{where}.problem")
+    d = _record(value, where, _PENDING_KEYS)
     size = _int(d.get("size"), f"{where}.size", 1)
     _ids(d.get("prompt_ids", []), f"{where}.prompt_ids", vocab)
-    tokens = _list(d.get("token_ids"), f"{where}.token_ids", size)
-    _each(tokens, f"{where}.token_ids", lambda v, w: _ids(v, w, vocab))
+    tokens = _token_rows(d, where, size, vocab)
     for key, item in (("logprobs", lambda v, w: _num(v, w, hi=1e-3)), ("versions", _int)):
         rows = _list(d.get(key), f"{where}.{key}", size)
         for i, (row, toks) in enumerate(zip(rows, tokens)):

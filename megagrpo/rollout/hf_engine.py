@@ -20,34 +20,15 @@ from typing import Any
 
 import torch
 
-from megagrpo.rollout.base import (
-    EngineError,
-    SamplingSpec,
-    SyncReport,
-    WeightSyncError,
-    chat_prompt_ids,
-    decode_completion,
-    default_probe_ids,
-    problem_max_tokens,
-    request_seed,
-    sample_counts,
-)
+from megagrpo.rollout import base as rb
+from megagrpo.rollout import verify as rv
+from megagrpo.rollout.base import EngineError, SamplingSpec, SyncReport, WeightSyncError
 from megagrpo.rollout.config import RolloutConfig
 from megagrpo.rollout.lora import PeftAdapter
 from megagrpo.rollout.routing import RoutingCapture, attach_routing, moe_routers
 from megagrpo.rollout.sampling import SamplingParams, process_logits
 from megagrpo.rollout.stream import SyncMeter, iter_buckets, resolve_dtype, to_checkpoint_format
-from megagrpo.rollout.verify import (
-    Key,
-    Stats,
-    SyncVerifier,
-    WeightEvidence,
-    add_stats,
-    check_weights,
-    sync_report,
-    tensor_stats,
-    thresholds_for,
-)
+from megagrpo.rollout.verify import Key, Stats, SyncVerifier, WeightEvidence
 from megagrpo.types import Group, Problem
 
 log = logging.getLogger(__name__)
@@ -153,9 +134,9 @@ class HFEngine:
         self._base_seed = int(cfg.seed) * 7919 + int(seed)
         self._calls = itertools.count()
         self._asleep = False
-        self.probe_token_ids = default_probe_ids(self.tokenizer, cfg.probe_len)
+        self.probe_token_ids = rb.default_probe_ids(self.tokenizer, cfg.probe_len)
         self.verifier = SyncVerifier(
-            thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
+            rv.thresholds_for(cfg, self.dtype), cfg.full_check_every, self.probe_logprobs()
         )
         self.returns_routing = self._routing_supported()
         """Groups carry ``routing`` (:mod:`megagrpo.rollout.routing`; MoE models)."""
@@ -179,7 +160,7 @@ class HFEngine:
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The exact prompt ids ``[P]`` (chat template, generation prompt, no extra BOS)."""
-        return chat_prompt_ids(self.tokenizer, problem)
+        return rb.chat_prompt_ids(self.tokenizer, problem)
 
     def _check_awake(self) -> None:
         if self._asleep:
@@ -257,11 +238,11 @@ class HFEngine:
         s = sampling or SamplingSpec()
         cfg = self.cfg
         call = next(self._calls)
-        base = s.seed if s.seed is not None else request_seed(self._base_seed, call, 0)
+        base = s.seed if s.seed is not None else rb.request_seed(self._base_seed, call, 0)
         if not problems:
             return []
         prompts = [self.prompt_ids(p) for p in problems]
-        counts = sample_counts(n, len(problems))
+        counts = rb.sample_counts(n, len(problems))
         rows, seeds = [], []
         for j, (ids, n_j) in enumerate(zip(prompts, counts)):
             if cfg.max_model_len - len(ids) < 1:
@@ -270,9 +251,9 @@ class HFEngine:
                     "leaves no room to generate; raise rollout.max_model_len"
                 )
             rows += [ids] * n_j
-            seeds += [request_seed(base, s.problem_offset + j, i) for i in range(n_j)]
+            seeds += [rb.request_seed(base, s.problem_offset + j, i) for i in range(n_j)]
         caps = [  # per row: the call's limit, capped by its problem's own (partial rollouts)
-            problem_max_tokens(p, s.max_tokens or cfg.max_tokens)
+            rb.problem_max_tokens(p, s.max_tokens or cfg.max_tokens)
             for p, n_j in zip(problems, counts)
             for _ in range(n_j)
         ]
@@ -310,7 +291,7 @@ class HFEngine:
             )
             end = start + counts[j]
             for toks, lps, finish in results[start:end]:
-                group.completions.append(decode_completion(self.tokenizer, toks))
+                group.completions.append(rb.decode_completion(self.tokenizer, toks))
                 group.token_ids.append(toks)
                 group.logprobs.append(lps)
                 group.lengths.append(len(toks))
@@ -360,7 +341,7 @@ class HFEngine:
         return keys
 
     def _stats(self, params: dict[str, torch.Tensor], keys: set[Key]) -> Stats:
-        return {k: tensor_stats(params[k[0]] if k[1] < 0 else params[k[0]][k[1]]) for k in keys}
+        return {k: rv.tensor_stats(params[k[0]] if k[1] < 0 else params[k[0]][k[1]]) for k in keys}
 
     @torch.no_grad()
     def update_weights(
@@ -401,17 +382,17 @@ class HFEngine:
                 hit[2].copy_(tensor)
             except RuntimeError as exc:
                 raise WeightSyncError(f"HF sync: tensor {name!r}: {exc}") from exc
-            add_stats(streamed, (hit[0], hit[1]), tensor_stats(tensor))
+            rv.add_stats(streamed, (hit[0], hit[1]), rv.tensor_stats(tensor))
         t1 = time.perf_counter()
         post = self._stats(params, keys) if full else None
         evidence = WeightEvidence(keys, streamed, unknown, post, pre)
         ver = self.verifier
         predicts = ver.predicts_change(expected_probe, expected_before)
-        checked = check_weights(evidence, predicts, "HF sync", ver.last_streamed)
+        checked = rv.check_weights(evidence, predicts, "HF sync", ver.last_streamed)
         t_full += time.perf_counter() - t1 if full else 0.0
         verdict = ver.verify(self.probe_logprobs(), expected_probe, expected_before, "HF sync")
         ver.last_streamed = streamed
-        return sync_report(verdict, meter, time.perf_counter() - t0, "full", checked, t_full)
+        return rv.sync_report(verdict, meter, time.perf_counter() - t0, "full", checked, t_full)
 
     def supports_adapter_sync(self) -> bool:
         """The HF engine takes merged weights only."""

@@ -143,3 +143,39 @@ def test_the_two_node_slurm_command(repo_root):
         assert f"--node-rank={rank} " in line and "--nnodes=2" in line
         assert "--nproc-per-node=8" in line and "tools/measure_cluster.py" in line
         assert "configs/qwen3_235b_a22b_2node.yaml" in line and "--out cluster.json" in line
+
+
+def test_an_earlier_measurement_is_never_replaced_silently(repo_root, tmp_path, capsys):
+    """``--out`` naming an existing file is refused before anything is measured (exit 2, the
+    file named, its bytes kept); ``--overwrite`` replaces it. The Slurm script refuses too,
+    before it starts the nodes, and passes ``--overwrite`` on with ``OVERWRITE=1``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "measure_cluster", repo_root / "tools/measure_cluster.py"
+    )
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    old = tmp_path / "cluster.json"
+    old.write_text('{"measured": "yesterday"}\n')
+    with pytest.raises(SystemExit) as err:
+        tool.parse_args(["--out", str(old)])
+    assert err.value.code == 2
+    assert f"--out {old} exists" in capsys.readouterr().err
+    assert old.read_text() == '{"measured": "yesterday"}\n'
+    assert tool.parse_args(["--out", str(old), "--overwrite"]).out == str(old)
+    assert tool.parse_args(["--out", str(tmp_path / "new.json")]).out.endswith("new.json")
+
+    def slurm(**extra):
+        env = dict(os.environ, DRY_RUN="1", OUT=str(old), **extra)
+        return subprocess.run(
+            ["bash", str(repo_root / "slurm/measure_cluster.sh")],
+            capture_output=True, text=True, env=env, cwd=repo_root, timeout=60,
+        )  # fmt: skip
+
+    refused = slurm()
+    assert refused.returncode == 2 and str(old) in refused.stderr and not refused.stdout
+    again = slurm(OVERWRITE="1")
+    assert again.returncode == 0, again.stderr
+    assert all(line.endswith("--overwrite") for line in again.stdout.splitlines())
