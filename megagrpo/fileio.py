@@ -19,10 +19,10 @@ is refused naming it (:class:`~megagrpo.errors.ConfigError`, nothing is touched)
 file with several hard links where megagrpo would truncate it (:func:`open_fd`). A directory
 is built under a temporary name and renamed into place only while the destination is still
 what was checked (absent, empty, or the same entries: :func:`replace_dir`); what appeared
-there meanwhile is never deleted. Libraries
-that take a file name (safetensors, ``save_pretrained``) write only inside a directory
-megagrpo has just created (:func:`fresh_tmp_dir`). ``tests/unit/test_fileio_links.py`` keeps
-every other writer out of the package, ``tools/`` and ``scripts/``.
+there meanwhile is never deleted. Libraries that take a file name (safetensors,
+``save_pretrained``) write only inside a directory megagrpo has just created
+(:func:`fresh_tmp_dir`). ``tests/unit/test_fileio_links.py`` keeps every other writer out of
+the package, ``tools/`` and ``scripts/``.
 """
 
 from __future__ import annotations
