@@ -202,8 +202,7 @@ def unlock_file(path: str | os.PathLike, fd: int) -> None:
 
 
 def open_append(path: str | os.PathLike) -> BinaryIO:
-    """``path`` opened for appending (created if missing) through :func:`open_fd`, binary and
-    unbuffered."""
+    """``path`` opened for appending (created if missing; binary, unbuffered): :func:`open_fd`."""
     return os.fdopen(open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab", buffering=0)
 
 
