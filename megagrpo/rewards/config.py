@@ -61,10 +61,11 @@ class RewardsConfig:
     loses ``answer_balance * max(0, share(x) - right(x))``, where over the step's first
     generation round ``share(x)`` is the share of completions answering ``x`` and
     ``right(x)`` the share whose problem ``x`` is right for (an unreadable answer is right
-    for nothing). A letter the policy gives more often than it is right costs reward, so it
-    cannot settle on one letter for the questions it cannot read; a right answer still beats
-    a wrong one. Applied before dynamic sampling; the correctness collapse is
-    ``collapse/acr_correctness_raw`` (:mod:`megagrpo.rewards.balance`)."""
+    for nothing). A letter the policy gives more often than it is right costs advantage, so
+    it cannot settle on one letter for the questions it cannot read; a right answer still
+    beats a wrong one (hence at most 1). Added to the advantages after the group
+    normalisation: the rewards, dynamic sampling and the collapse metrics are unchanged
+    (:mod:`megagrpo.rewards.balance`)."""
 
     def validate(self, path: str) -> None:
         require(len(self.functions) > 0, f"{path}.functions", "needs at least one reward")
